@@ -1,0 +1,70 @@
+"""Custom autograd Functions of the whitening layers.
+
+Both treat the whitening quantities (``T``, ``mu``, ``Q_s``) as constants: no
+gradient flows to them, and they are held by reference on ``ctx`` (the layers
+hand in a tensor that is never modified in place afterwards, so the backward
+uses exactly the transform that was in force during the forward).
+"""
+from __future__ import annotations
+
+from typing import Any, Tuple
+
+import torch
+from torch import Tensor
+
+from .functional import transform_weight_grad
+
+__all__ = ["DirectWhitenFunction", "WeightGradTransform", "direct_whiten", "grad_transformed"]
+
+
+def _feature_matmul(mat: Tensor, x: Tensor) -> Tensor:
+    """``out[:, i, ...] = sum_j mat[i, j] x[:, j, ...]`` for ``x`` of shape ``(B, M, *)``."""
+    mat = mat.to(x.dtype)
+    if x.dim() == 2:
+        return x @ mat.t()
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
+        # (B, H, W, M) view: one matrix product, result kept channels_last.
+        return (x.permute(0, 2, 3, 1) @ mat.t()).permute(0, 3, 1, 2)
+    b, m = x.shape[:2]
+    return torch.matmul(mat, x.reshape(b, m, -1)).reshape(x.shape)
+
+
+class DirectWhitenFunction(torch.autograd.Function):
+    """``y = T (x - mu)`` on dim 1; backward ``dx = T^T dy``. Saves no activation."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, transform: Tensor, mean: Tensor) -> Tensor:
+        ctx.transform = transform
+        shape = (1, -1) + (1,) * (x.dim() - 2)
+        offset = (transform @ mean).to(x.dtype).view(shape)
+        return _feature_matmul(transform, x) - offset
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> Tuple[Tensor, None, None]:
+        grad_in = None
+        if ctx.needs_input_grad[0]:
+            grad_in = _feature_matmul(ctx.transform.t(), grad_out)
+        return grad_in, None, None
+
+
+class WeightGradTransform(torch.autograd.Function):
+    """Identity on the weight in the forward; right-multiplies its gradient by ``Q`` in the backward."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: Tensor, q: Tensor) -> Tensor:
+        ctx.q = q
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tuple[Tensor, None]:
+        return transform_weight_grad(grad, ctx.q), None
+
+
+def direct_whiten(x: Tensor, transform: Tensor, mean: Tensor) -> Tensor:
+    """Functional form of :class:`DirectWhitenFunction` (``T``, ``mu`` constant)."""
+    return DirectWhitenFunction.apply(x, transform, mean)
+
+
+def grad_transformed(weight: Tensor, q: Tensor) -> Tensor:
+    """``weight`` whose gradient will be right-multiplied by ``q`` (input-feature axis)."""
+    return WeightGradTransform.apply(weight, q)

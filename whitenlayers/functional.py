@@ -1,0 +1,401 @@
+"""Pure tensor maths of feature whitening: no module state, no side effects.
+
+Every function here takes tensors and returns tensors. The layers in
+:mod:`whitenlayers.layers` own the state and call into this module, so each
+formula of the paper lives in exactly one place and is tested on its own.
+
+Conventions
+-----------
+* ``M`` is the number of input features (channels); covariances are ``(M, M)``.
+* Eigenvalues are sorted in **decreasing** order, as in the paper.
+* Formulas follow ``paper/ERRATA.md`` where the printed paper contradicts the
+  properties it states (items are cited in the docstrings).
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "BlockSummary",
+    "symmetrize",
+    "batch_moments",
+    "summarize_block",
+    "fold_mean",
+    "block_covariance",
+    "recursive_average",
+    "fold_moments",
+    "effective_rank",
+    "normalized_rank",
+    "whiteness",
+    "whitening_gains",
+    "evd_transform",
+    "robust_eigh",
+    "principal_subspace",
+    "RecursiveStep",
+    "recursive_step",
+    "transform_weight_grad",
+]
+
+
+# --------------------------------------------------------------------------
+# Moments
+# --------------------------------------------------------------------------
+class BlockSummary(NamedTuple):
+    """The statistics of one block of samples, as needed by the fold.
+
+    ``count`` samples (all batch elements and spatial positions), their
+    ``mean`` ``(M,)``, the *centred* scatter ``scatter = sum (x - mean)(x - mean)^T``
+    ``(M, M)`` and the uncentred power ``power = sum x**2`` ``(M,)``. All float64.
+    """
+
+    count: Tensor
+    mean: Tensor
+    scatter: Tensor
+    power: Tensor
+
+
+def symmetrize(a: Tensor) -> Tensor:
+    """``(a + a^T) / 2``: removes the rounding asymmetry before ``eigh``."""
+    return 0.5 * (a + a.transpose(-1, -2))
+
+
+def _as_rows(x: Tensor) -> Optional[Tensor]:
+    """``x`` as a ``(P, M)`` view (features last) when that needs no copy."""
+    if x.dim() == 2:
+        return x
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
+        return x.permute(0, 2, 3, 1).reshape(-1, x.shape[1])
+    return None
+
+
+def batch_moments(x: Tensor, shift: Tensor) -> Tuple[Tensor, Tensor]:
+    """Shifted first and second moments of one batch, summed over samples and positions.
+
+    ``x`` is ``(B, M)`` or ``(B, M, *spatial)`` (features on dim 1). Returns
+    ``s1 = sum (x - shift)`` ``(M,)`` and ``s2 = sum (x - shift)(x - shift)^T``
+    ``(M, M)`` in ``x``'s dtype. Subtracting a ``shift`` close to the mean
+    before the product keeps the covariance accurate when ``|mean| >> std``
+    (the naive ``sum x x^T - n mu mu^T`` cancels catastrophically there).
+
+    The ``(B, M, H*W)`` layout is used as is (a batched product, no permuted
+    copy of the activation); a channels-last input is read as ``(B*H*W, M)``.
+    """
+    m = x.shape[1]
+    xs = x - shift.to(x.dtype).view((1, m) + (1,) * (x.dim() - 2))
+    rows = _as_rows(xs)
+    if rows is not None:
+        return rows.sum(0), rows.t() @ rows
+    b = xs.reshape(x.shape[0], m, -1)  # a view for contiguous NC... inputs
+    s1 = b.sum((0, 2))
+    s2 = torch.bmm(b, b.transpose(1, 2)).sum(0)
+    return s1, s2
+
+
+def summarize_block(count: Tensor, shift: Tensor, s1: Tensor, s2: Tensor) -> BlockSummary:
+    """Turn shifted sums into a :class:`BlockSummary` (mean and centred scatter).
+
+    ``scatter = s2 - s1 s1^T / n`` is exact algebra; it is accurate because
+    ``s1`` is small when ``shift`` is close to the block mean.
+    """
+    n = count.to(torch.float64)
+    safe = torch.clamp(n, min=1.0)
+    s1 = s1.to(torch.float64)
+    s2 = s2.to(torch.float64)
+    shift = shift.to(torch.float64)
+    d = s1 / safe
+    mean = shift + d
+    scatter = symmetrize(s2 - torch.outer(s1, d))
+    # sum x^2 = sum (x - K)^2 + 2 K s1 + n K^2
+    power = torch.diagonal(s2) + 2.0 * shift * s1 + n * shift * shift
+    return BlockSummary(n, mean, scatter, power)
+
+
+def fold_mean(mean_prev: Tensor, block: BlockSummary, alpha: float, first: bool) -> Tensor:
+    """Eq. ``vmuxi``: ``mu(i) = alpha mu(i-1) + (1 - alpha) mean_block``; eq. ``vmuxnz`` when ``first``."""
+    if first:
+        return block.mean.to(torch.float64)
+    return alpha * mean_prev.to(torch.float64) + (1.0 - alpha) * block.mean.to(torch.float64)
+
+
+def block_covariance(block: BlockSummary, mu: Tensor) -> Tensor:
+    """``1/n sum (x - mu)(x - mu)^T`` over the block's samples, centred on ``mu`` (not the block mean).
+
+    From the block's own centred scatter by the parallel-axis identity
+    ``sum (x - mu)(x - mu)^T = scatter + n (mean - mu)(mean - mu)^T``. float64.
+    """
+    n = torch.clamp(block.count.to(torch.float64), min=1.0)
+    d = block.mean.to(torch.float64) - mu.to(torch.float64)
+    return symmetrize(block.scatter.to(torch.float64) / n + torch.outer(d, d))
+
+
+def recursive_average(prev: Tensor, new: Tensor, alpha: float, first: bool) -> Tensor:
+    """``alpha prev + (1 - alpha) new``, or ``new`` for the first block (no recursion). float64."""
+    new = new.to(torch.float64)
+    if first:
+        return new
+    return alpha * prev.to(torch.float64) + (1.0 - alpha) * new
+
+
+def fold_moments(
+    mean_prev: Tensor,
+    cov_prev: Tensor,
+    block: BlockSummary,
+    alpha: float,
+    first: bool,
+) -> Tuple[Tensor, Tensor]:
+    """One block of the moment recursion: eqs. ``vmuxi``/``vPhixi`` (``vmuxnz``/``vPhixnz`` when ``first``).
+
+    ``mu(i) = alpha mu(i-1) + (1 - alpha) mean_block`` and
+    ``Phi(i) = alpha Phi(i-1) + (1 - alpha) / n * sum (x - mu(i))(x - mu(i))^T``,
+    the block's samples centred on the *new* mean ``mu(i)`` (ERRATA 7). For the
+    first block there is no recursion (``alpha`` is ignored). float64.
+    """
+    mu = fold_mean(mean_prev, block, alpha, first)
+    cov = recursive_average(cov_prev, block_covariance(block, mu), alpha, first)
+    return mu, symmetrize(cov)
+
+
+# --------------------------------------------------------------------------
+# Diagnostics: rank and whiteness
+# --------------------------------------------------------------------------
+def _normalized_spectrum(eigenvalues: Tensor) -> Tensor:
+    lam = torch.clamp(eigenvalues, min=0.0)
+    total = lam.sum(-1, keepdim=True)
+    return torch.where(total > 0, lam / torch.where(total > 0, total, torch.ones_like(total)), torch.zeros_like(lam))
+
+
+def effective_rank(eigenvalues: Tensor) -> Tensor:
+    """Effective rank ``M_s = exp(-sum lam_m log lam_m)`` of a spectrum (ERRATA 1).
+
+    ``lam_m = lambda_m / sum(lambda)`` after clamping negative eigenvalues at 0,
+    with ``0 log 0 := 0``. Equal eigenvalues give ``M``, a single non-zero one
+    gives 1. An all-zero spectrum gives 1 by convention (nothing to whiten).
+    Works on batches of spectra (last dim).
+
+    >>> float(effective_rank(torch.ones(8)))
+    8.0
+    >>> float(effective_rank(torch.tensor([3.0, 0.0, 0.0])))
+    1.0
+    """
+    p = _normalized_spectrum(eigenvalues.to(torch.float64))
+    plogp = torch.where(p > 0, p * torch.log(torch.where(p > 0, p, torch.ones_like(p))), torch.zeros_like(p))
+    ent = -plogp.sum(-1)
+    rank = torch.exp(ent)
+    allzero = p.sum(-1) == 0
+    return torch.where(allzero, torch.ones_like(rank), rank).to(eigenvalues.dtype)
+
+
+def normalized_rank(cov: Tensor) -> Tensor:
+    """``kappa = M_s / M`` of a covariance matrix (unrounded ``M_s``, ERRATA 1).
+
+    >>> round(float(normalized_rank(torch.eye(4))), 6)
+    1.0
+    """
+    lam = torch.linalg.eigvalsh(symmetrize(cov.to(torch.float64)))
+    return (effective_rank(lam) / cov.shape[-1]).to(cov.dtype)
+
+
+def whiteness(cov: Tensor) -> Tensor:
+    """Whiteness ``rho = M / sum_{m,m'} Phi[m,m']^2 / (Phi[m,m] Phi[m',m'])`` (ERRATA 2).
+
+    A diagonal covariance gives 1; fully correlated features give ``1/M``.
+    Zero-variance guard: a feature whose variance is not positive is
+    uncorrelated with everything and contributes only its own diagonal term
+    (1), i.e. it is treated as white; an all-zero covariance gives 1.
+
+    >>> float(whiteness(torch.diag(torch.tensor([1.0, 5.0, 2.0]))))
+    1.0
+    >>> round(float(whiteness(torch.ones(4, 4))), 6)
+    0.25
+    """
+    c = cov.to(torch.float64)
+    m = c.shape[-1]
+    d = torch.diagonal(c, dim1=-2, dim2=-1)
+    pos = d > 0
+    inv = torch.where(pos, 1.0 / torch.where(pos, d, torch.ones_like(d)), torch.zeros_like(d))
+    corr2 = c * c * inv.unsqueeze(-1) * inv.unsqueeze(-2)
+    eye = torch.eye(m, dtype=c.dtype, device=c.device)
+    corr2 = torch.where(eye.bool(), eye.expand_as(corr2), corr2)
+    return (m / corr2.sum((-1, -2))).to(cov.dtype)
+
+
+# --------------------------------------------------------------------------
+# EVD transform
+# --------------------------------------------------------------------------
+def robust_eigh(cov: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
+    """``eigh`` of a symmetrised ``cov`` with eigenvalues in decreasing order.
+
+    Returns ``None`` when ``cov`` is not finite or when the decomposition fails
+    or returns non-finite values in both the working precision (at least
+    float32) and float64. Never raises for numerical reasons.
+    """
+    if not bool(torch.isfinite(cov).all()):
+        return None
+    work = cov.dtype if cov.dtype in (torch.float32, torch.float64) else torch.float32
+    for dtype in dict.fromkeys((work, torch.float64)):
+        try:
+            lam, vec = torch.linalg.eigh(symmetrize(cov.to(dtype)))
+        except RuntimeError:  # torch.linalg.LinAlgError is a RuntimeError
+            continue
+        if bool(torch.isfinite(lam).all()) and bool(torch.isfinite(vec).all()):
+            return lam.flip(-1), vec.flip(-1)
+    return None
+
+
+def whitening_gains(
+    eigenvalues: Tensor, *, eps: float, gmax: float, gains: str = "practical"
+) -> Tensor:
+    """Per-eigenvalue gains ``g`` (``T = V diag(g)^(1/2) V^T``) for decreasing ``eigenvalues``.
+
+    ``gains="practical"`` (ERRATA 5): ``g_m = min(mean(lambda) / max(lambda_m, eps), gmax)``
+    for the ``round(M_s)`` largest eigenvalues (``M_s`` per ERRATA 1, clamped to
+    ``[1, M]``) and ``1`` for the rest: the signal subspace is whitened to the
+    average input power, gains are capped, the noise subspace is left alone.
+
+    ``gains="zca"`` (eq. ``vg``): ``g_m = 1 / max(lambda_m, eps)``, no rank cut, no cap.
+    """
+    lam = torch.clamp(eigenvalues, min=0.0)
+    if gains == "zca":
+        return 1.0 / torch.clamp(lam, min=eps)
+    if gains != "practical":
+        raise ValueError(f"gains must be 'practical' or 'zca', but got gains={gains!r}")
+    m = lam.shape[-1]
+    ms = int(min(max(round(float(effective_rank(lam))), 1), m))
+    g = torch.clamp(lam.mean() / torch.clamp(lam, min=eps), max=gmax)
+    keep = torch.arange(m, device=lam.device) < ms
+    return torch.where(keep, g, torch.ones_like(g))
+
+
+def evd_transform(
+    cov: Tensor, *, eps: float, gmax: float, gains: str = "practical"
+) -> Optional[Tuple[Tensor, Tensor]]:
+    """ZCA whitening matrix ``T = V diag(g)^(1/2) V^T`` and ``Q = T^T T = V diag(g) V^T``.
+
+    Returns ``None`` when the eigendecomposition fails (see :func:`robust_eigh`);
+    the caller then keeps its previous transform. Results are in ``cov.dtype``.
+    """
+    dec = robust_eigh(cov)
+    if dec is None:
+        return None
+    lam, vec = dec
+    g = whitening_gains(lam, eps=eps, gmax=gmax, gains=gains)
+    t = (vec * g.sqrt()) @ vec.t()
+    q = (vec * g) @ vec.t()
+    t, q = symmetrize(t), symmetrize(q)
+    if not (bool(torch.isfinite(t).all()) and bool(torch.isfinite(q).all())):
+        return None
+    return t.to(cov.dtype), q.to(cov.dtype)
+
+
+# --------------------------------------------------------------------------
+# Recursive transform (paper section 4)
+# --------------------------------------------------------------------------
+def principal_subspace(phi_y: Tensor, *, c_rel: float, c_abs: float) -> Tensor:
+    """High-power direction ``v_e`` of ``phi_y`` by column alignment (paper section 4.2).
+
+    Column norms ``xi``; the strongest column ``m'``; inner products
+    ``c = Phi^T Phi e_m'`` (one matrix-vector product); the coherent set
+    ``|c_m| >= max(c_rel xi_m' xi_m, c_abs)``; the columns of that set divided
+    by ``c_m`` (which aligns their signs), averaged and normalised.
+    Cost: ``O(M^2)`` (a norm per column and one matrix-vector product).
+    ``m'`` itself always belongs to the set (``c_m' = xi_m'^2``) unless
+    ``phi_y`` is zero, in which case ``e_0`` is returned.
+    """
+    xi = torch.linalg.vector_norm(phi_y, dim=0)
+    mp = int(torch.argmax(xi))
+    col = phi_y[:, mp]
+    c = phi_y.t() @ col
+    thresh = torch.clamp(c_rel * xi[mp] * xi, min=c_abs)
+    sel = c.abs() >= thresh
+    if not bool(sel.any()):
+        v = torch.zeros_like(col)
+        v[mp] = 1.0
+        return v
+    cs = torch.where(sel, c, torch.ones_like(c))
+    w = torch.where(sel, 1.0 / cs, torch.zeros_like(c))
+    v = phi_y @ w / sel.sum()
+    norm = torch.linalg.vector_norm(v)
+    if not bool(norm > 0) or not bool(torch.isfinite(norm)):
+        v = torch.zeros_like(col)
+        v[mp] = 1.0
+        return v
+    return v / norm
+
+
+class RecursiveStep(NamedTuple):
+    """Result of :func:`recursive_step`: new ``T``, new unsmoothed ``Q`` and the step's quantities."""
+
+    transform: Tensor
+    gram: Tensor
+    direction: Tensor
+    power: Tensor  # lambda_e
+    gain: Tensor  # g_e after the clamp
+    clamped: bool
+
+
+def recursive_step(
+    t_prev: Tensor,
+    q_prev: Tensor,
+    phi_y: Tensor,
+    mean_power: Tensor,
+    *,
+    gamma: float,
+    delta: float,
+    eps: float,
+    c_rel: float,
+    c_abs: float,
+) -> RecursiveStep:
+    """One recursive transform update, eqs. ``lambda``..``vQ_rec`` with ERRATA 3 and 6. ``O(M^2)``.
+
+    * ``v_e`` = :func:`principal_subspace` of ``phi_y``; ``lambda_e = v_e^T Phi_y v_e``.
+    * ``g_e = delta * mean_power / max(lambda_e, eps)`` where ``mean_power`` is
+      the average uncentred input power ``mean_m phi_x,m`` (ERRATA 6).
+      **Clamp**: when the subspace holds less power than the target
+      (``g_e > 1``) the gain is clamped to 1, so the rank-one step becomes the
+      identity and never amplifies; the leakage below still acts, which pulls
+      ``T`` back toward ``I`` once the data no longer needs whitening.
+    * ``a_e = sqrt(g_e) - 1``, ``t_e = T(i-1)^T v_e`` (ERRATA 3),
+      ``T(i) = gamma (T(i-1) + a_e v_e t_e^T) + (1 - gamma) I``.
+    * ``Q(i) = T(i)^T T(i)`` by eq. ``vQ_rec`` from the unsmoothed ``Q(i-1)``:
+      ``gamma^2 (Q + a(a+2) t t^T) + (1-gamma)^2 I + gamma(1-gamma)(a (v t^T + t v^T) + T + T^T)``.
+
+    Only matrix-vector products and outer products: no EVD, no ``M^3`` product.
+    """
+    v = principal_subspace(phi_y, c_rel=c_rel, c_abs=c_abs)
+    lam_e = v @ (phi_y @ v)
+    g = delta * mean_power / torch.clamp(lam_e, min=eps)
+    clamped = bool(g > 1.0)
+    g = torch.clamp(g, max=1.0)
+    a = torch.sqrt(g) - 1.0
+    t_vec = t_prev.t() @ v
+    m = t_prev.shape[0]
+    eye = torch.eye(m, dtype=t_prev.dtype, device=t_prev.device)
+    vt = torch.outer(v, t_vec)
+    t_new = gamma * (t_prev + a * vt) + (1.0 - gamma) * eye
+    q_new = (
+        gamma * gamma * (q_prev + a * (a + 2.0) * torch.outer(t_vec, t_vec))
+        + (1.0 - gamma) ** 2 * eye
+        + gamma * (1.0 - gamma) * (a * (vt + vt.t()) + t_prev + t_prev.t())
+    )
+    return RecursiveStep(t_new, symmetrize(q_new), v, lam_e, g, clamped)
+
+
+# --------------------------------------------------------------------------
+# Gradient transform
+# --------------------------------------------------------------------------
+def transform_weight_grad(grad: Tensor, q: Tensor) -> Tensor:
+    """Right-multiply a weight gradient by ``Q`` on the input-feature axis (dim 1).
+
+    ``grad`` is ``(S, M)`` (linear) or ``(S, M, *kernel)`` (convolution, one
+    ``S x M`` matrix per kernel tap): ``out[s, j, k] = sum_i grad[s, i, k] Q[i, j]``.
+    """
+    q = q.to(grad.dtype)
+    if grad.dim() == 2:
+        return grad @ q
+    s, m = grad.shape[:2]
+    g = grad.reshape(s, m, -1)
+    return torch.matmul(q.t(), g).reshape(grad.shape)

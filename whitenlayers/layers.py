@@ -1,0 +1,431 @@
+"""The whitening layers.
+
+* :class:`DirectWhiten`: ``y = T (x - mu)`` inserted before a layer (paper section 2).
+* :class:`GradWhitenConv2d` / :class:`GradWhitenLinear`: drop-in ``nn.Conv2d`` /
+  ``nn.Linear`` that centre their input on the running mean and right-multiply
+  their weight gradient by ``Q_s`` (paper section 3, EVD transform).
+* :class:`RecursiveWhitenConv2d` / :class:`RecursiveWhitenLinear`: the same
+  layers with the recursive ``O(M^2)`` transform update (paper section 4).
+
+Centring convention (SPEC "Padding and the mean"): a convolution computes
+``z = conv(pad(x) - mu, W) + b``, i.e. it centres *after* padding. This equals
+``conv(x, W) + (b - sum_k W_k mu)``, which is how it is computed: the plain
+convolution with an adjusted bias, so no centred copy of the activation is
+made or saved, and autograd produces the centred weight gradient by itself.
+Any ``padding_mode`` is supported under this convention (the identity holds
+for every padding mode); ``groups != 1`` is rejected, because a whitening
+matrix couples all input channels and a grouped weight cannot carry it.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Union
+
+import torch
+from torch import Tensor, nn
+from torch.nn.common_types import _size_2_t
+
+from .autograd import direct_whiten, grad_transformed
+from .stats import WhiteningStatistics
+
+__all__ = [
+    "DirectWhiten",
+    "GradWhitenConv2d",
+    "GradWhitenLinear",
+    "RecursiveWhitenConv2d",
+    "RecursiveWhitenLinear",
+    "WhiteningStatistics",
+]
+
+DEFAULT_BLOCK_SIZE = 10
+_EVD_DEFAULTS = dict(block_size=DEFAULT_BLOCK_SIZE, alpha=0.9, beta=0.95, eps=1e-5, gmax=10.0, gains="practical", stats_fraction=1.0)
+_REC_DEFAULTS = dict(
+    block_size=DEFAULT_BLOCK_SIZE, alpha=0.1, beta=0.1, gamma=0.99, delta=0.25, c_rel=0.025, c_abs=1e-6, eps=1e-5,
+    stats_fraction=1.0,
+)
+
+
+def _check_input(layer: WhiteningStatistics, x: Tensor, *, dim: int, ndims: tuple, what: str) -> None:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{layer._describe()}: expected a Tensor input, but got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{layer._describe()}: expected a floating-point input, but got dtype={x.dtype}")
+    if x.dim() not in ndims:
+        raise ValueError(f"{layer._describe()}: expected {what}, but got input of shape {tuple(x.shape)}")
+    if x.shape[dim] != layer.num_features:
+        raise ValueError(
+            f"{layer._describe()}: expected {layer.num_features} input features on dim {dim % x.dim()}, "
+            f"but got {x.shape[dim]} (input shape {tuple(x.shape)})"
+        )
+
+
+class DirectWhiten(WhiteningStatistics, nn.Module):
+    """Direct feature whitening ``y = T (x - mu)`` along dim 1 (paper section 2, EVD transform).
+
+    Inputs ``(B, C)`` or ``(B, C, *spatial)``. In training mode each forward adds
+    the batch to the block statistics (of ``x``); after ``block_size`` training
+    forwards the block is folded in and ``mu``, ``T`` are updated. The backward
+    is ``dx = T^T dy`` with ``T`` and ``mu`` constants; nothing activation-sized
+    is saved for backward.
+
+    Example:
+        >>> import torch, whitenlayers as wl
+        >>> layer = wl.DirectWhiten(3, block_size=1)
+        >>> y = layer(torch.randn(16, 3, 4, 4) * torch.tensor([1.0, 5.0, 0.2]).view(1, 3, 1, 1))
+        >>> int(layer.num_blocks), tuple(layer.whitening_matrix.shape)
+        (1, (3, 3))
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        *,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        alpha: float = 0.9,
+        eps: float = 1e-5,
+        gmax: float = 10.0,
+        gains: str = "practical",
+        stats_fraction: float = 1.0,
+        device=None,
+        dtype=None,
+    ) -> None:
+        nn.Module.__init__(self)
+        self._init_whitening(
+            num_features, method="evd", grad_transform=False, block_size=block_size, alpha=alpha, eps=eps,
+            gmax=gmax, gains=gains, stats_fraction=stats_fraction, device=device, dtype=dtype,
+        )
+
+    def _whitening_defaults(self) -> Dict[str, Any]:
+        return {k: v for k, v in _EVD_DEFAULTS.items() if k != "beta"}
+
+    def extra_repr(self) -> str:
+        rest = self._whitening_repr()
+        return f"{self.num_features}" + (f", {rest}" if rest else "")
+
+    def forward(self, x: Tensor) -> Tensor:
+        _check_input(self, x, dim=1, ndims=tuple(range(2, 9)), what="an input of shape (B, C) or (B, C, *spatial)")
+        if self.training:
+            self._accumulate(x)
+        t = self.whitening_matrix
+        if torch.is_grad_enabled() and x.requires_grad:
+            t = t.clone()  # the backward must use the T of this forward, even if a fold follows
+        out = direct_whiten(x, t, self.running_mean)
+        if self.training:
+            self._end_batch()
+        return out
+
+
+class _GradWhitenMixin(WhiteningStatistics):
+    """Shared by the grad/recursive conv and linear layers: centring, bias compensation, gradient transform."""
+
+    weight: Tensor
+    bias: Optional[Tensor]
+
+    def _init_grad_whitening(self, num_features: int, out_features: int, method: str, kw: Dict[str, Any], device, dtype) -> None:
+        self._init_whitening(num_features, method=method, grad_transform=True, device=device, dtype=dtype, **kw)
+        stats_dtype = self.running_mean.dtype
+        # Compensation for mean updates of a bias-free layer: a buffer, never a trainable parameter.
+        self.register_buffer(
+            "bias_correction", None if self.bias is not None else torch.zeros(out_features, device=device, dtype=stats_dtype)
+        )
+
+    def _weight_mean_product(self, weight: Tensor, mean: Tensor) -> Tensor:
+        """``sum_k W_k mean`` per output feature (kernel taps and input features summed)."""
+        w = weight.reshape(weight.shape[0], weight.shape[1], -1).sum(-1)
+        return w @ mean.to(w.dtype)
+
+    def _effective_bias(self, weight: Tensor) -> Tensor:
+        """``b + c - sum_k W_k mu``: the bias that makes the plain layer compute the centred one."""
+        mean = self.running_mean
+        if torch.is_grad_enabled() and weight.requires_grad:
+            mean = mean.clone()  # saved for backward: a later fold must not modify it
+        offset = self._weight_mean_product(weight, mean)
+        if self.bias is not None:
+            return self.bias - offset
+        return self.bias_correction.to(offset.dtype) - offset
+
+    def _weight_for_forward(self) -> Tensor:
+        w = self.weight
+        if torch.is_grad_enabled() and w.requires_grad:
+            # A copy of Q_s: the backward uses the transform in force now, even if a fold follows.
+            w = grad_transformed(w, self.grad_transform.clone())
+        return w
+
+    @torch.no_grad()
+    def _on_mean_change(self, old: Tensor, new: Tensor) -> None:
+        # ERRATA 8: b(i) = b(i-) + sum W (mu(i) - mu(i-1)) keeps z unchanged.
+        comp = self._weight_mean_product(self.weight.detach().to(torch.float64), new - old)
+        if self.bias is not None:
+            self.bias.add_(comp.to(self.bias.dtype))
+        else:
+            self.bias_correction.add_(comp.to(self.bias_correction.dtype))
+
+    def _whitening_defaults(self) -> Dict[str, Any]:
+        return dict(_REC_DEFAULTS if self.method == "recursive" else _EVD_DEFAULTS)
+
+    def extra_repr(self) -> str:
+        rest = self._whitening_repr()
+        return super().extra_repr() + (f", {rest}" if rest else "")
+
+
+class GradWhitenConv2d(_GradWhitenMixin, nn.Conv2d):
+    """Drop-in ``nn.Conv2d`` with gradient-based feature whitening (paper section 3).
+
+    Forward: ``z = conv(pad0(x) - mu, W) + b`` (centred after zero padding;
+    statistics are those of ``x`` before padding). Backward: the weight
+    gradient is right-multiplied by ``Q_s`` on the input-channel axis, per
+    kernel tap; the bias gradient is untouched. When a fold changes ``mu``
+    the bias (or, for ``bias=False``, the non-trainable ``bias_correction``
+    buffer) is compensated so the layer's function is unchanged.
+
+    Constructor arguments are those of ``nn.Conv2d``, plus the keyword-only
+    whitening arguments ``block_size``, ``alpha`` (0.9), ``beta`` (0.95),
+    ``eps`` (1e-5), ``gmax`` (10), ``gains`` (``"practical"`` or ``"zca"``) and
+    ``stats_fraction`` (1.0: all samples; a fraction uses that leading part of
+    each batch for the statistics).
+
+    Example:
+        >>> import torch, whitenlayers as wl
+        >>> conv = wl.GradWhitenConv2d(8, 16, 3, padding=1, bias=False, block_size=2)
+        >>> x = torch.randn(4, 8, 10, 10) + 3
+        >>> _ = conv(x); _ = conv(x)      # two training forwards: one block
+        >>> int(conv.num_blocks)
+        1
+        >>> conv.eval()(x).shape
+        torch.Size([4, 16, 10, 10])
+    """
+
+    _METHOD = "evd"
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: _size_2_t,
+        stride: _size_2_t = 1,
+        padding: Union[str, _size_2_t] = 0,
+        dilation: _size_2_t = 1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: str = "zeros",
+        device=None,
+        dtype=None,
+        *,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        alpha: float = 0.9,
+        beta: float = 0.95,
+        eps: float = 1e-5,
+        gmax: float = 10.0,
+        gains: str = "practical",
+        stats_fraction: float = 1.0,
+    ) -> None:
+        self._init_conv(
+            in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode, device, dtype,
+            dict(block_size=block_size, alpha=alpha, beta=beta, eps=eps, gmax=gmax, gains=gains, stats_fraction=stats_fraction),
+        )
+
+    def _init_conv(self, in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode,
+                   device, dtype, kw) -> None:
+        if groups != 1:
+            raise ValueError(
+                f"{type(self).__name__} supports groups=1 only (a whitening matrix couples all input channels), "
+                f"but got groups={groups}"
+            )
+        nn.Conv2d.__init__(self, in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+                           padding_mode, device, dtype)
+        self._init_grad_whitening(in_channels, out_channels, self._METHOD, kw, device, dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        _check_input(self, x, dim=-3, ndims=(3, 4), what="an input of shape (B, C, H, W) or (C, H, W)")
+        if self.training:
+            self._accumulate(x if x.dim() == 4 else x.unsqueeze(0))
+        w = self._weight_for_forward()
+        out = self._conv_forward(x, w, self._effective_bias(w))
+        if self.training:
+            self._end_batch()
+        return out
+
+    @classmethod
+    def from_conv(cls, conv: nn.Conv2d, **kwargs: Any) -> "GradWhitenConv2d":
+        """A whitening conv computing the same function as ``conv``, sharing its Parameter objects.
+
+        Weight and bias are the same ``nn.Parameter`` objects (an optimizer
+        built on ``conv`` keeps working), so device, dtype and
+        ``requires_grad`` carry over; so does the training flag.
+        """
+        if not isinstance(conv, nn.Conv2d):
+            raise TypeError(f"{cls.__name__}.from_conv expects an nn.Conv2d, but got {type(conv).__name__}")
+        new = cls(
+            conv.in_channels, conv.out_channels, conv.kernel_size, stride=conv.stride, padding=conv.padding,
+            dilation=conv.dilation, groups=conv.groups, bias=conv.bias is not None, padding_mode=conv.padding_mode,
+            device=conv.weight.device, dtype=conv.weight.dtype, **kwargs,
+        )
+        new.weight = conv.weight
+        new.bias = conv.bias
+        new.train(conv.training)
+        return new
+
+    def to_conv(self) -> nn.Conv2d:
+        """A plain ``nn.Conv2d`` with identical outputs (``mu`` folded into the bias); new Parameters."""
+        conv = nn.Conv2d(
+            self.in_channels, self.out_channels, self.kernel_size, stride=self.stride, padding=self.padding,
+            dilation=self.dilation, groups=self.groups, bias=True, padding_mode=self.padding_mode,
+            device=self.weight.device, dtype=self.weight.dtype,
+        )
+        with torch.no_grad():
+            conv.weight.copy_(self.weight)
+            conv.bias.copy_(self._effective_bias(self.weight))
+        conv.weight.requires_grad_(self.weight.requires_grad)
+        conv.train(self.training)
+        return conv
+
+
+class GradWhitenLinear(_GradWhitenMixin, nn.Linear):
+    """Drop-in ``nn.Linear`` with gradient-based feature whitening (paper section 3).
+
+    ``z = (x - mu) W^T + b`` computed as ``x W^T + (b - W mu)``; the weight
+    gradient is right-multiplied by ``Q_s``. Inputs ``(*, in_features)``;
+    statistics over all leading dimensions. Whitening keyword arguments as for
+    :class:`GradWhitenConv2d`.
+    """
+
+    _METHOD = "evd"
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+        *,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        alpha: float = 0.9,
+        beta: float = 0.95,
+        eps: float = 1e-5,
+        gmax: float = 10.0,
+        gains: str = "practical",
+        stats_fraction: float = 1.0,
+    ) -> None:
+        self._init_linear(
+            in_features, out_features, bias, device, dtype,
+            dict(block_size=block_size, alpha=alpha, beta=beta, eps=eps, gmax=gmax, gains=gains, stats_fraction=stats_fraction),
+        )
+
+    def _init_linear(self, in_features, out_features, bias, device, dtype, kw) -> None:
+        nn.Linear.__init__(self, in_features, out_features, bias, device, dtype)
+        self._init_grad_whitening(in_features, out_features, self._METHOD, kw, device, dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        _check_input(self, x, dim=-1, ndims=tuple(range(1, 9)), what="an input of shape (*, in_features)")
+        if self.training:
+            self._accumulate(x.reshape(-1, self.num_features))
+        w = self._weight_for_forward()
+        out = nn.functional.linear(x, w, self._effective_bias(w))
+        if self.training:
+            self._end_batch()
+        return out
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, **kwargs: Any) -> "GradWhitenLinear":
+        """A whitening linear layer computing the same function, sharing ``linear``'s Parameter objects."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"{cls.__name__}.from_linear expects an nn.Linear, but got {type(linear).__name__}")
+        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                  device=linear.weight.device, dtype=linear.weight.dtype, **kwargs)
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new.train(linear.training)
+        return new
+
+    def to_linear(self) -> nn.Linear:
+        """A plain ``nn.Linear`` with identical outputs (``mu`` folded into the bias); new Parameters."""
+        lin = nn.Linear(self.in_features, self.out_features, bias=True, device=self.weight.device, dtype=self.weight.dtype)
+        with torch.no_grad():
+            lin.weight.copy_(self.weight)
+            lin.bias.copy_(self._effective_bias(self.weight))
+        lin.weight.requires_grad_(self.weight.requires_grad)
+        lin.train(self.training)
+        return lin
+
+
+class RecursiveWhitenConv2d(GradWhitenConv2d):
+    """:class:`GradWhitenConv2d` with the recursive transform update (paper section 4).
+
+    At each fold a high-power direction ``v_e`` of ``Phi_y`` (the covariance of
+    the whitened features) is found by column alignment, its power is reduced
+    to ``delta * mean(phi_x)`` by a rank-one step, and a leakage ``gamma``
+    pulls ``T`` toward ``I``. Building ``T(i)`` and ``Q(i)`` costs ``O(M^2)``.
+    Tracking ``Phi_y`` as ``alpha Phi_y + (1-alpha) T(i-1) C_block T(i-1)^T``
+    costs two ``M x M`` matrix products per fold (``O(M^3)``, once per block,
+    never per batch). Extra buffers: ``running_cov_whitened`` (``Phi_y``),
+    ``running_power`` (``phi_x,m``, uncentred) and ``whitening_gram``
+    (unsmoothed ``Q``).
+
+    Defaults are the paper's: ``alpha=0.1, beta=0.1, gamma=0.99, delta=0.25,
+    c_rel=0.025, c_abs=1e-6, eps=1e-5``. When the found direction already
+    holds less power than the target (``g_e > 1``) the gain is clamped to 1
+    (ERRATA 6): no amplification, only the leakage acts; counted in
+    ``clamped_steps``.
+    """
+
+    _METHOD = "recursive"
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: _size_2_t,
+        stride: _size_2_t = 1,
+        padding: Union[str, _size_2_t] = 0,
+        dilation: _size_2_t = 1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: str = "zeros",
+        device=None,
+        dtype=None,
+        *,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        alpha: float = 0.1,
+        beta: float = 0.1,
+        gamma: float = 0.99,
+        delta: float = 0.25,
+        c_rel: float = 0.025,
+        c_abs: float = 1e-6,
+        eps: float = 1e-5,
+        stats_fraction: float = 1.0,
+    ) -> None:
+        self._init_conv(
+            in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode, device, dtype,
+            dict(block_size=block_size, alpha=alpha, beta=beta, gamma=gamma, delta=delta, c_rel=c_rel, c_abs=c_abs,
+                 eps=eps, stats_fraction=stats_fraction),
+        )
+
+
+class RecursiveWhitenLinear(GradWhitenLinear):
+    """:class:`GradWhitenLinear` with the recursive transform update; see :class:`RecursiveWhitenConv2d`."""
+
+    _METHOD = "recursive"
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+        *,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        alpha: float = 0.1,
+        beta: float = 0.1,
+        gamma: float = 0.99,
+        delta: float = 0.25,
+        c_rel: float = 0.025,
+        c_abs: float = 1e-6,
+        eps: float = 1e-5,
+        stats_fraction: float = 1.0,
+    ) -> None:
+        self._init_linear(
+            in_features, out_features, bias, device, dtype,
+            dict(block_size=block_size, alpha=alpha, beta=beta, gamma=gamma, delta=delta, c_rel=c_rel, c_abs=c_abs,
+                 eps=eps, stats_fraction=stats_fraction),
+        )
