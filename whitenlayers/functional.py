@@ -89,7 +89,7 @@ def batch_moments(x: Tensor, shift: Tensor) -> Tuple[Tensor, Tensor]:
     rows = _as_rows(xs)
     if rows is not None:
         return rows.sum(0), rows.t() @ rows
-    b = xs.reshape(x.shape[0], m, -1)  # a view for contiguous NC... inputs
+    b = xs.flatten(2)  # (B, M, H*W): a view for contiguous NC... inputs; also valid for an empty batch
     s1 = b.sum((0, 2))
     s2 = torch.bmm(b, b.transpose(1, 2)).sum(0)
     return s1, s2
@@ -304,6 +304,14 @@ def principal_subspace(phi_y: Tensor, *, c_rel: float, c_abs: float) -> Tensor:
     Cost: ``O(M^2)`` (a norm per column and one matrix-vector product).
     ``m'`` itself always belongs to the set (``c_m' = xi_m'^2``) unless
     ``phi_y`` is zero, in which case ``e_0`` is returned.
+
+    This is the printed procedure, meant for the high signal-to-noise case:
+    the ``1 / c_m`` weights make a column whose coherent part is weak (a
+    dominant direction with a near-zero entry ``u_m``) contribute mostly
+    noise. Measured on ``ratio * u u^T + I`` with ``M = 24`` and 50 random
+    ``u``: median ``|cos(v_e, u)|`` 0.995 at ratio 100 and 0.99994 at ratio
+    1000, but the worst case stays near 0.6 for both. A wrong direction costs
+    one step; the leakage undoes it.
     """
     xi = torch.linalg.vector_norm(phi_y, dim=0)
     mp = int(torch.argmax(xi))

@@ -1,0 +1,178 @@
+"""Pure maths: moments, rank, whiteness, EVD transform, weight-gradient transform."""
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from whitenlayers import functional as F
+
+torch.set_default_dtype(torch.float32)
+
+
+def random_spd(m, cond=100.0, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    q, _ = torch.linalg.qr(torch.randn(m, m, generator=g, dtype=dtype))
+    lam = torch.logspace(0, -math.log10(cond), m, dtype=dtype)
+    return (q * lam) @ q.t()
+
+
+# ----------------------------------------------------------------- rank, rho
+def test_effective_rank_limits():
+    assert F.effective_rank(torch.ones(7, dtype=torch.float64)).item() == pytest.approx(7.0)
+    assert F.effective_rank(torch.tensor([2.0, 0.0, 0.0, 0.0])).item() == pytest.approx(1.0)
+    # negative rounding noise is clamped to 0
+    assert F.effective_rank(torch.tensor([1.0, -1e-9])).item() == pytest.approx(1.0)
+
+
+@given(st.lists(st.floats(0.0, 1e3), min_size=1, max_size=20), st.floats(1e-3, 1e3))
+def test_effective_rank_bounds_and_scale_invariance(vals, scale):
+    lam = torch.tensor(vals, dtype=torch.float64)
+    r = F.effective_rank(lam).item()
+    assert 1.0 - 1e-9 <= r <= len(vals) + 1e-9
+    if lam.sum() > 0:
+        assert F.effective_rank(lam * scale).item() == pytest.approx(r, rel=1e-9)
+
+
+def test_normalized_rank_identity_and_rank_one():
+    assert F.normalized_rank(torch.eye(5, dtype=torch.float64)).item() == pytest.approx(1.0)
+    u = torch.randn(6, dtype=torch.float64)
+    assert F.normalized_rank(torch.outer(u, u)).item() == pytest.approx(1 / 6, rel=1e-6)
+
+
+def test_whiteness_limits():
+    assert F.whiteness(torch.diag(torch.tensor([1.0, 3.0, 7.0, 0.5]))).item() == pytest.approx(1.0)
+    u = torch.tensor([1.0, -2.0, 0.5, 3.0, 1.5])
+    assert F.whiteness(torch.outer(u, u)).item() == pytest.approx(1 / 5, rel=1e-6)
+    # zero-variance feature: treated as white, no NaN
+    c = torch.diag(torch.tensor([1.0, 0.0, 2.0]))
+    assert F.whiteness(c).item() == pytest.approx(1.0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(2, 12), st.integers(0, 10_000))
+def test_whiteness_range(m, seed):
+    a = torch.randn(m, 2 * m, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    rho = F.whiteness(a @ a.t()).item()
+    assert 1.0 / m - 1e-9 <= rho <= 1.0 + 1e-9
+
+
+# ------------------------------------------------------------------- moments
+def _np_reference(blocks, alpha):
+    """Moment recursion computed from raw samples in float64 numpy."""
+    mu = cov = None
+    for i, b in enumerate(blocks):  # b: (P, M)
+        b = np.asarray(b, dtype=np.float64)
+        if i == 0:
+            mu = b.mean(0)
+            d = b - mu
+            cov = d.T @ d / len(b)
+        else:
+            mu = alpha * mu + (1 - alpha) * b.mean(0)
+            d = b - mu
+            cov = alpha * cov + (1 - alpha) * d.T @ d / len(b)
+    return mu, cov
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 4), st.floats(0.0, 0.95), st.integers(0, 1000))
+def test_fold_moments_matches_sample_reference(m, nblocks, alpha, seed):
+    g = torch.Generator().manual_seed(seed)
+    blocks = [torch.randn(37, m, generator=g, dtype=torch.float64) * 2 + 1 for _ in range(nblocks)]
+    mu = torch.zeros(m, dtype=torch.float64)
+    cov = torch.zeros(m, m, dtype=torch.float64)
+    for i, b in enumerate(blocks):
+        shift = b[0]
+        s1, s2 = F.batch_moments(b, shift)
+        summ = F.summarize_block(torch.tensor(float(len(b))), shift, s1, s2)
+        mu, cov = F.fold_moments(mu, cov, summ, alpha, first=(i == 0))
+    ref_mu, ref_cov = _np_reference([b.numpy() for b in blocks], alpha)
+    np.testing.assert_allclose(mu.numpy(), ref_mu, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(cov.numpy(), ref_cov, rtol=1e-10, atol=1e-12)
+
+
+def test_batch_moments_layouts_agree():
+    x = torch.randn(3, 5, 4, 6)
+    shift = torch.randn(5)
+    s1a, s2a = F.batch_moments(x, shift)
+    s1b, s2b = F.batch_moments(x.contiguous(memory_format=torch.channels_last), shift)
+    rows = (x - shift.view(1, 5, 1, 1)).permute(0, 2, 3, 1).reshape(-1, 5)
+    torch.testing.assert_close(s1a, rows.sum(0))
+    torch.testing.assert_close(s2a, rows.t() @ rows)
+    torch.testing.assert_close(s1b, s1a)
+    torch.testing.assert_close(s2b, s2a)
+
+
+# --------------------------------------------------------------- EVD transform
+@settings(max_examples=20, deadline=None)
+@given(st.integers(2, 16), st.floats(1.0, 1e3), st.integers(0, 1000))
+def test_zca_whitens_exactly(m, cond, seed):
+    phi = random_spd(m, cond, seed)
+    t, q = F.evd_transform(phi, eps=1e-12, gmax=10.0, gains="zca")
+    torch.testing.assert_close(t, t.t(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(q, t.t() @ t, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(t @ phi @ t.t(), torch.eye(m, dtype=phi.dtype), rtol=1e-8, atol=1e-8)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(2, 16), st.floats(1.0, 1e4), st.floats(1.0, 50.0), st.integers(0, 1000))
+def test_practical_gains_spectrum(m, cond, gmax, seed):
+    """T Phi T^T: signal subspace at the average power unless the gain is capped; noise subspace untouched."""
+    phi = random_spd(m, cond, seed)
+    t, q = F.evd_transform(phi, eps=1e-12, gmax=gmax, gains="practical")
+    torch.testing.assert_close(t, t.t(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(q, t.t() @ t, rtol=1e-9, atol=1e-9)
+    lam, vec = torch.linalg.eigh(phi)
+    lam, vec = lam.flip(0), vec.flip(1)
+    ms = min(max(round(F.effective_rank(lam).item()), 1), m)
+    # T shares phi's eigenvectors: its Rayleigh quotients along them are the whitened powers.
+    out = torch.einsum("im,ij,jm->m", vec, t @ phi @ t.t(), vec)
+    expected = torch.where(
+        torch.arange(m) < ms, torch.minimum(lam.mean().expand(m), gmax * lam), lam
+    )
+    torch.testing.assert_close(out, expected, rtol=1e-7, atol=1e-10)
+    gains = torch.einsum("im,ij,jm->m", vec, q, vec)
+    assert bool((gains <= gmax * (1 + 1e-9)).all())
+
+
+def test_whitening_gains_rejects_unknown_rule():
+    with pytest.raises(ValueError, match="gains"):
+        F.whitening_gains(torch.ones(3), eps=1e-5, gmax=10, gains="pca")
+
+
+def test_robust_eigh_rejects_nonfinite():
+    phi = torch.eye(3)
+    phi[0, 1] = float("nan")
+    assert F.robust_eigh(phi) is None
+    assert F.evd_transform(phi, eps=1e-5, gmax=10) is None
+
+
+def test_robust_eigh_retries_in_float64(monkeypatch):
+    real = torch.linalg.eigh
+    calls = []
+
+    def flaky(a, *args, **kw):
+        calls.append(a.dtype)
+        if a.dtype == torch.float32:
+            raise torch.linalg.LinAlgError("injected")
+        return real(a, *args, **kw)
+
+    monkeypatch.setattr(torch.linalg, "eigh", flaky)
+    lam, vec = F.robust_eigh(random_spd(4, dtype=torch.float32))
+    assert calls == [torch.float32, torch.float64]
+    assert lam.dtype == torch.float64 and bool((lam[:-1] >= lam[1:]).all())
+
+
+# ------------------------------------------------------- weight-grad transform
+@given(st.integers(1, 5), st.integers(1, 6), st.sampled_from([(), (1, 1), (3, 3), (2, 5)]))
+def test_transform_weight_grad_per_tap(s, m, kernel):
+    g = torch.randn((s, m) + kernel, dtype=torch.float64)
+    q = torch.randn(m, m, dtype=torch.float64)
+    out = F.transform_weight_grad(g, q)
+    if kernel:
+        ref = torch.einsum("sihw,ij->sjhw", g, q)
+    else:
+        ref = g @ q
+    torch.testing.assert_close(out, ref)

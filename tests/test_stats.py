@@ -1,0 +1,182 @@
+"""Running statistics: block timing, batch-split invariance, numerical soundness, validation."""
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import whitenlayers as wl
+from whitenlayers import functional as F
+
+
+def feed(layer, batches):
+    for b in batches:
+        layer(b)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    st.integers(2, 5),
+    st.lists(st.integers(0, 6), min_size=1, max_size=5),
+    st.lists(st.integers(0, 6), min_size=1, max_size=5),
+    st.integers(0, 100),
+)
+def test_statistics_invariant_to_batch_split(c, split_a, split_b, seed):
+    """The same samples split differently into the batches of one block give the same fold."""
+    g = torch.Generator().manual_seed(seed)
+    total = max(sum(split_a), 1)
+    x = torch.randn(total, c, 3, 3, generator=g, dtype=torch.float64) * 3 + 2
+    # split_b rescaled to the same total
+    cuts_b = np.cumsum(split_b)
+    cuts_b = np.unique(np.round(cuts_b / max(cuts_b[-1], 1) * total).astype(int))
+    parts_a = torch.split(x, [s for s in split_a if s > 0] or [total])
+    parts_b = torch.tensor_split(x, cuts_b[:-1].tolist())
+    la = wl.DirectWhiten(c, block_size=len(parts_a), dtype=torch.float64)
+    lb = wl.DirectWhiten(c, block_size=len(parts_b), dtype=torch.float64)
+    # a second block so that the recursion (and the block-0 shift) is exercised too
+    y = torch.randn(5, c, 3, 3, generator=g, dtype=torch.float64) - 1
+    feed(la, list(parts_a) + [y] * len(parts_a))
+    feed(lb, list(parts_b) + [y] * len(parts_b))
+    assert int(la.num_blocks) == int(lb.num_blocks) == 2
+    for name in ("running_mean", "running_cov", "whitening_matrix"):
+        torch.testing.assert_close(getattr(la, name), getattr(lb, name), rtol=1e-9, atol=1e-12)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.floats(-1e3, 1e3).filter(lambda v: abs(v) > 1.0),
+    st.floats(1e-3, 1e-1),
+    st.integers(2, 6),
+    st.integers(0, 1000),
+)
+def test_accumulation_sound_when_mean_dominates(mean, std, c, seed):
+    """Post-ReLU-like features with |mean| >> std: float32 statistics within 1e-3 of float64 truth."""
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.eye(c, dtype=torch.float64) + 0.5 * torch.randn(c, c, generator=g, dtype=torch.float64)
+    batches = []
+    for _ in range(6):
+        z = torch.randn(16, c, 8, 8, generator=g, dtype=torch.float64)
+        batches.append(mean + std * torch.einsum("ij,bjhw->bihw", mix, z))
+    layer = wl.DirectWhiten(c, block_size=3, alpha=0.5)
+    feed(layer, [b.float() for b in batches])
+    assert int(layer.num_blocks) == 2
+    ref = wl.DirectWhiten(c, block_size=3, alpha=0.5, dtype=torch.float64)
+    # reference from exact float64 samples (the float32 inputs, promoted)
+    feed(ref, [b.float().double() for b in batches])
+    cov, cov_ref = layer.running_cov.double(), ref.running_cov
+    assert torch.linalg.matrix_norm(cov - cov_ref) <= 1e-3 * torch.linalg.matrix_norm(cov_ref)
+    torch.testing.assert_close(layer.running_mean.double(), ref.running_mean, rtol=1e-6, atol=0)
+
+
+def test_naive_accumulation_would_fail():
+    """Sanity check of the previous test's premise: sum x x^T - n mu mu^T in float32 is useless here."""
+    g = torch.Generator().manual_seed(0)
+    x = (10 + 0.01 * torch.randn(4096, 3, generator=g)).float()
+    naive = x.t() @ x / len(x) - torch.outer(x.mean(0), x.mean(0))
+    true = torch.cov(x.double().t(), correction=0)
+    assert torch.linalg.matrix_norm(naive.double() - true) > 1e-2 * torch.linalg.matrix_norm(true)
+
+
+@pytest.mark.parametrize("cls", [wl.DirectWhiten, wl.GradWhitenConv2d, wl.RecursiveWhitenConv2d])
+def test_block_timing(cls):
+    """After n * block_size training forwards num_blocks == n and buffers hold block n-1's results."""
+    c, L = 3, 4
+    layer = cls(c, block_size=L) if cls is wl.DirectWhiten else cls(c, 2, 1, block_size=L)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(5, c, 4, 4, generator=g) * torch.tensor([1.0, 3.0, 0.3]).view(1, 3, 1, 1) + 1 for _ in range(2 * L)]
+    snapshots = []
+    for i, x in enumerate(xs):
+        before = layer.whitening_matrix.clone()
+        layer(x)
+        if (i + 1) % L:
+            torch.testing.assert_close(layer.whitening_matrix, before, rtol=0, atol=0)
+        else:
+            snapshots.append(layer.running_mean.clone())
+        assert int(layer.num_blocks) == (i + 1) // L
+    # block 1's mean: alpha * mu(0) + (1 - alpha) * mean of block 1
+    block0 = torch.cat(xs[:L]).transpose(0, 1).reshape(c, -1).mean(1)
+    block1 = torch.cat(xs[L:]).transpose(0, 1).reshape(c, -1).mean(1)
+    torch.testing.assert_close(snapshots[0], block0, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(snapshots[1], layer.alpha * block0 + (1 - layer.alpha) * block1, rtol=1e-5, atol=1e-6)
+
+
+def test_eval_mode_never_updates():
+    layer = wl.GradWhitenConv2d(3, 4, 3, block_size=1)
+    layer(torch.randn(2, 3, 5, 5))
+    layer.eval()
+    state = {k: v.clone() for k, v in layer.state_dict().items() if isinstance(v, torch.Tensor)}
+    extra = layer.get_extra_state()
+    for _ in range(3):
+        layer(torch.randn(2, 3, 5, 5) * 5)
+    for k, v in layer.state_dict().items():
+        if isinstance(v, torch.Tensor):
+            torch.testing.assert_close(v, state[k], rtol=0, atol=0)
+    assert layer.get_extra_state()["acc_batches"] == extra["acc_batches"]
+
+
+def test_stats_fraction_opt_in():
+    assert wl.GradWhitenConv2d(3, 4, 1).stats_fraction == 1.0
+    layer = wl.DirectWhiten(2, block_size=1, stats_fraction=0.5)
+    x = torch.cat([torch.zeros(2, 2, 3, 3), torch.ones(2, 2, 3, 3) * 9])
+    layer(x)
+    torch.testing.assert_close(layer.running_mean, torch.zeros(2))  # only the leading half was used
+
+
+BAD = [
+    ("block_size", 0), ("block_size", 2.5), ("alpha", 1.0), ("alpha", -0.1), ("beta", 1.0),
+    ("eps", 0.0), ("gmax", 0.5), ("alpha", float("nan")), ("stats_fraction", 0.0),
+]
+BAD_REC = [("gamma", 0.0), ("gamma", 1.5), ("delta", 0.0), ("c_rel", -1.0), ("c_abs", -1e-6), ("beta", -0.2)]
+
+
+@pytest.mark.parametrize("name,value", BAD)
+def test_invalid_hyperparameters_raise(name, value):
+    with pytest.raises(ValueError, match=name):
+        wl.GradWhitenConv2d(3, 4, 3, **{name: value})
+    if name != "beta":
+        with pytest.raises(ValueError, match=name):
+            wl.DirectWhiten(3, **{name: value})
+
+
+@pytest.mark.parametrize("name,value", BAD_REC)
+def test_invalid_recursive_hyperparameters_raise(name, value):
+    with pytest.raises(ValueError, match=name):
+        wl.RecursiveWhitenConv2d(3, 4, 3, **{name: value})
+    with pytest.raises(ValueError, match=name):
+        wl.RecursiveWhitenLinear(3, 4, **{name: value})
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.floats(allow_nan=True, allow_infinity=True))
+def test_alpha_validation_is_exact(alpha):
+    ok = math.isfinite(alpha) and 0.0 <= alpha < 1.0
+    if ok:
+        wl.DirectWhiten(2, alpha=alpha)
+    else:
+        with pytest.raises(ValueError, match="alpha"):
+            wl.DirectWhiten(2, alpha=alpha)
+
+
+def test_reset_running_stats_keeps_function():
+    layer = wl.GradWhitenConv2d(3, 4, 3, padding=1, block_size=1, bias=False)
+    x = torch.randn(4, 3, 6, 6) + 4
+    layer(x)
+    layer(x)
+    layer.eval()
+    y = layer(x)
+    layer.reset_running_stats()
+    assert int(layer.num_blocks) == 0
+    torch.testing.assert_close(layer.whitening_matrix, torch.eye(3))
+    torch.testing.assert_close(layer(x), y, rtol=1e-5, atol=1e-5)
+
+
+def test_fold_now_and_num_blocks_counts_only_real_folds():
+    layer = wl.DirectWhiten(2, block_size=100)
+    layer(torch.randn(8, 2))
+    layer.fold()
+    assert int(layer.num_blocks) == 1
+    with pytest.warns(RuntimeWarning, match="no finite samples"):
+        layer.fold()  # empty block: skipped, counted
+    assert int(layer.num_blocks) == 1 and layer.skipped_folds == 1
