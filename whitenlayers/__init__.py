@@ -6,7 +6,7 @@ Drop-in layers that whiten the inputs of convolutions, either directly
 Markovich-Golan, Battash and Bleiweiss, "Feature Whitening via Gradient
 Transformation for Improved Convergence".
 """
-from . import functional
+from . import functional, models
 from .layers import (
     DirectWhiten,
     GradWhitenConv2d,
@@ -15,6 +15,15 @@ from .layers import (
     RecursiveWhitenLinear,
 )
 from .stats import FoldCoordinator, WhiteningStatistics, fold_layers
+from .convert import (
+    DirectWhitened,
+    convert_model,
+    export_model,
+    load_plain_state_dict,
+    plain_state_dict,
+    whitening_layers,
+)
+from .diagnostics import Diagnostics, collect_diagnostics, layer_diagnostics
 
 __version__ = "0.1.0"
 
@@ -28,4 +37,14 @@ __all__ = [
     "FoldCoordinator",
     "fold_layers",
     "functional",
+    "convert_model",
+    "export_model",
+    "whitening_layers",
+    "load_plain_state_dict",
+    "plain_state_dict",
+    "DirectWhitened",
+    "Diagnostics",
+    "collect_diagnostics",
+    "layer_diagnostics",
+    "models",
 ]

@@ -1,0 +1,608 @@
+"""Model surgery: put whitening layers into an existing model, and take them out again.
+
+* :func:`convert_model` replaces the target convolutions of a model (by
+  default every ``nn.Conv2d`` inside a residual block) with whitening layers,
+  in place, in the style of ``nn.SyncBatchNorm.convert_sync_batchnorm``.
+* :func:`export_model` folds the whitening back into plain ``nn.Conv2d`` /
+  ``nn.Linear`` layers with identical outputs, for deployment without this
+  package.
+* :func:`load_plain_state_dict` / :func:`plain_state_dict` move checkpoints
+  between a converted model and the unconverted architecture.
+* :func:`whitening_layers` lists the whitening layers of a model.
+
+``state_dict`` keys
+-------------------
+``method="grad"`` / ``"recursive"``: a target ``name`` keeps its keys
+``name.weight`` (and ``name.bias``) and gains the whitening state
+``name.running_mean``, ``name.running_cov``, ``name.whitening_matrix``,
+``name.grad_transform``, ``name.num_blocks``, ``name._extra_state`` (the
+partial block), ``name.bias_correction`` for a bias-free layer, and for the
+recursive method ``name.running_cov_whitened``, ``name.running_power``,
+``name.whitening_gram``.
+
+``method="direct"``: the target ``name`` becomes a :class:`DirectWhitened`
+wrapper with two children, ``whiten`` (the :class:`~whitenlayers.DirectWhiten`)
+and ``layer`` (the original module, unchanged): keys ``name.weight`` become
+``name.layer.weight`` and the whitening state is under ``name.whiten.*``.
+
+A plain checkpoint (keys of the unconverted architecture) loads into a
+converted model with :func:`load_plain_state_dict`, and
+:func:`plain_state_dict` gives the converted model's function as a plain
+checkpoint.
+"""
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+import inspect
+import warnings
+from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Type, Union
+
+import torch
+from torch import Tensor, nn
+
+from .layers import DirectWhiten, GradWhitenConv2d, GradWhitenLinear, RecursiveWhitenConv2d, RecursiveWhitenLinear
+from .stats import FoldCoordinator, WhiteningStatistics
+
+__all__ = [
+    "DEFAULT_BLOCK_TYPES",
+    "DirectWhitened",
+    "convert_model",
+    "export_model",
+    "whitening_layers",
+    "target_layers",
+    "load_plain_state_dict",
+    "plain_state_dict",
+]
+
+#: Class names of the residual blocks whose convolutions are converted by default.
+DEFAULT_BLOCK_TYPES: Tuple[str, ...] = ("BasicBlock", "Bottleneck")
+
+Predicate = Callable[[str, nn.Module], bool]
+BlockTypes = Union[str, type, Sequence[Union[str, type]]]
+
+_METHODS = ("grad", "recursive", "direct")
+_GRAD_CLASSES = {
+    "grad": (GradWhitenConv2d, GradWhitenLinear),
+    "recursive": (RecursiveWhitenConv2d, RecursiveWhitenLinear),
+}
+# Hook dictionaries of nn.Module that fire when the module is called.
+_CALL_HOOKS = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_is_full_backward_hook",
+)
+_STATE_HOOKS = ("_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+
+
+class DirectWhitened(nn.Module):
+    """``layer(whiten(x))``: a :class:`~whitenlayers.DirectWhiten` in front of a conv or linear layer.
+
+    What ``convert_model(..., method="direct")`` puts in place of a target.
+    ``layer`` is the original module object (same Parameters, same
+    state-dict hooks); the forward/backward hooks that were registered on it
+    are moved to this wrapper, so they see the same input and output as
+    before the conversion.
+    """
+
+    def __init__(self, whiten: DirectWhiten, layer: nn.Module) -> None:
+        super().__init__()
+        self.whiten = whiten
+        self.layer = layer
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.layer(self.whiten(x))
+
+
+# --------------------------------------------------------------------------
+# Target selection
+# --------------------------------------------------------------------------
+def _block_matcher(block_types: Optional[BlockTypes]) -> Callable[[nn.Module], bool]:
+    if block_types is None:
+        block_types = DEFAULT_BLOCK_TYPES
+    if isinstance(block_types, (str, type)):
+        block_types = (block_types,)
+    names, classes = set(), []
+    for b in block_types:
+        if isinstance(b, str):
+            names.add(b)
+        elif isinstance(b, type):
+            classes.append(b)
+        else:
+            raise TypeError(f"block_types must hold classes or class names, but got {b!r}")
+    classes_t = tuple(classes)
+
+    def is_block(m: nn.Module) -> bool:
+        if classes_t and isinstance(m, classes_t):
+            return True
+        return any(c.__name__ in names for c in type(m).__mro__)
+
+    return is_block
+
+
+def _is_whitening(m: nn.Module) -> bool:
+    return isinstance(m, (WhiteningStatistics, DirectWhitened))
+
+
+def _candidate(m: nn.Module, include_linear: bool, exact: bool) -> bool:
+    """A plain conv / linear module that a whitening layer can replace."""
+    if _is_whitening(m):
+        return False
+    if exact:
+        ok = type(m) is nn.Conv2d or (include_linear and type(m) is nn.Linear)
+    else:
+        ok = isinstance(m, nn.Conv2d) or (include_linear and isinstance(m, nn.Linear))
+    return ok and getattr(m, "groups", 1) == 1
+
+
+def _walk(model: nn.Module, visit: Callable[[nn.Module, str, nn.Module, str, bool], bool], is_block) -> None:
+    """Depth-first over ``named_children``; ``visit(parent, child_name, child, qualified, in_block)``.
+
+    ``visit`` returns True to stop descending into ``child``. Whitening layers
+    and :class:`DirectWhitened` wrappers are visited but never descended into.
+    Each module object is visited once even when it appears at several places.
+    """
+    seen = set()
+
+    def rec(module: nn.Module, prefix: str, in_block: bool) -> None:
+        for name, child in module._modules.items():
+            if child is None:
+                continue
+            qualified = prefix + name
+            stop = visit(module, name, child, qualified, in_block)
+            if stop or _is_whitening(child) or id(child) in seen:
+                continue
+            seen.add(id(child))
+            rec(child, qualified + ".", in_block or is_block(child))
+
+    rec(model, "", is_block(model))
+
+
+def target_layers(
+    model: nn.Module,
+    *,
+    predicate: Optional[Predicate] = None,
+    block_types: Optional[BlockTypes] = None,
+    include_linear: bool = False,
+) -> List[Tuple[str, nn.Module]]:
+    """The plain layers :func:`convert_model` would replace, with their qualified names.
+
+    See :func:`convert_model` for the rules. Whitening layers already in the
+    model are not listed (they would be left alone).
+    """
+    if predicate is not None and block_types is not None:
+        raise ValueError("pass either predicate or block_types, not both (the predicate decides alone)")
+    is_block = _block_matcher(block_types)
+    out: List[Tuple[str, nn.Module]] = []
+    seen = set()
+
+    def visit(parent, name, child, qualified, in_block):
+        if id(child) in seen:
+            return True
+        if predicate is not None:
+            hit = _candidate(child, include_linear, exact=False) and bool(predicate(qualified, child))
+        else:
+            hit = _candidate(child, include_linear, exact=True) and (
+                in_block or (include_linear and isinstance(child, nn.Linear))
+            )
+        if hit:
+            seen.add(id(child))
+            out.append((qualified, child))
+            return True
+        return False
+
+    _walk(model, visit, is_block)
+    return out
+
+
+def whitening_layers(model: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """The whitening layers of ``model`` (grad, recursive and :class:`~whitenlayers.DirectWhiten`) with qualified names.
+
+    In the order of ``named_modules``. For ``method="direct"`` the names end
+    in ``.whiten``.
+    """
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, WhiteningStatistics)]
+
+
+# --------------------------------------------------------------------------
+# Hooks and the fold coordinator
+# --------------------------------------------------------------------------
+def _share_hooks(src: nn.Module, dst: nn.Module, names: Iterable[str], move: bool = False) -> None:
+    """Give ``dst`` the very hook dictionaries of ``src`` (existing handles keep working)."""
+    for attr in names:
+        if hasattr(src, attr):
+            d = getattr(src, attr)
+            setattr(dst, attr, d)
+            if move:
+                setattr(src, attr, type(d)() if isinstance(d, dict) else None)
+
+
+def _coordinators(module: nn.Module) -> List[Tuple[int, FoldCoordinator]]:
+    return [(k, h) for k, h in module._forward_hooks.items() if isinstance(h, FoldCoordinator)]
+
+
+def _remove_coordinators(module: nn.Module) -> None:
+    for key, _ in _coordinators(module):
+        for attr in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
+            getattr(module, attr, {}).pop(key, None)
+
+
+def _install_coordinator(model: nn.Module) -> Optional[FoldCoordinator]:
+    layers = [m for _, m in whitening_layers(model)]
+    if not layers:
+        return None
+    existing = _coordinators(model)
+    if existing:
+        coord = existing[0][1]
+    else:
+        coord = FoldCoordinator()
+        coord.handle = model.register_forward_hook(coord)
+    for layer in layers:
+        layer._fold_coordinator = coord
+    return coord
+
+
+# --------------------------------------------------------------------------
+# convert_model
+# --------------------------------------------------------------------------
+def _check_layer_kwargs(method: str, layer_kwargs: Dict[str, Any]) -> None:
+    if method == "direct":
+        classes: Sequence[type] = (DirectWhiten,)
+    else:
+        classes = _GRAD_CLASSES[method]
+    allowed = set()
+    for cls in classes:
+        params = inspect.signature(cls.__init__).parameters
+        allowed |= {n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    allowed -= {"device", "dtype"}
+    bad = sorted(set(layer_kwargs) - allowed)
+    if bad:
+        raise TypeError(
+            f"convert_model(method={method!r}) got unexpected whitening argument(s) {bad}; "
+            f"valid ones are {sorted(allowed)}"
+        )
+
+
+def _make_layer(method: str, module: nn.Module, name: str, layer_kwargs: Dict[str, Any]) -> nn.Module:
+    if method == "direct":
+        weight = module.weight
+        num = module.in_channels if isinstance(module, nn.Conv2d) else module.in_features
+        whiten = DirectWhiten(num, device=weight.device, dtype=weight.dtype, **layer_kwargs)
+        whiten.layer_name = f"{name}.whiten" if name else "whiten"
+        new: nn.Module = DirectWhitened(whiten, module)
+        new.train(module.training)
+        _share_hooks(module, new, _CALL_HOOKS, move=True)
+        return new
+    conv_cls, lin_cls = _GRAD_CLASSES[method]
+    if isinstance(module, nn.Conv2d):
+        new = conv_cls.from_conv(module, **layer_kwargs)
+    else:
+        new = lin_cls.from_linear(module, **layer_kwargs)
+    new.layer_name = name or None
+    new.train(module.training)
+    _share_hooks(module, new, _CALL_HOOKS + _STATE_HOOKS)
+    return new
+
+
+def convert_model(
+    model: nn.Module,
+    method: str = "grad",
+    *,
+    predicate: Optional[Predicate] = None,
+    block_types: Optional[BlockTypes] = None,
+    include_linear: bool = False,
+    **layer_kwargs: Any,
+) -> nn.Module:
+    """Replace the target layers of ``model`` by whitening layers, in place; returns ``model``.
+
+    Methods:
+
+    * ``"grad"``: each target ``nn.Conv2d`` / ``nn.Linear`` becomes a
+      :class:`~whitenlayers.GradWhitenConv2d` / :class:`~whitenlayers.GradWhitenLinear`
+      (EVD transform, paper section 3);
+    * ``"recursive"``: :class:`~whitenlayers.RecursiveWhitenConv2d` /
+      :class:`~whitenlayers.RecursiveWhitenLinear` (paper section 4);
+    * ``"direct"``: the target is wrapped as ``DirectWhitened(DirectWhiten(C), target)``,
+      i.e. the whitening ``y = T (x - mu)`` runs before the unchanged layer
+      (features on dim 1: a wrapped ``nn.Linear`` takes ``(B, C)`` inputs).
+
+    ``layer_kwargs`` (``block_size``, ``alpha``, ``beta``, ...) go to every new
+    whitening layer; an argument the method's layers do not take raises
+    ``TypeError`` before anything is changed (``DirectWhiten`` has no ``beta``).
+
+    Targets. By default every ``nn.Conv2d`` inside a module whose class (or a
+    base class) is named ``BasicBlock`` or ``Bottleneck``, including the
+    block's downsample / shortcut conv, and nothing else (not the stem conv,
+    not the classifier): 108 layers for CIFAR ResNet-110, 52 for ResNet-50.
+    ``block_types`` replaces those names (classes or class names). Only plain
+    ``nn.Conv2d`` / ``nn.Linear`` are targeted by default, not subclasses (a
+    subclass may override ``forward``, e.g. weight standardisation, which the
+    whitening layer would silently drop). ``include_linear=True`` adds every
+    plain ``nn.Linear`` of the model (e.g. the classifier) to the targets.
+    ``predicate(qualified_name, module) -> bool`` overrides the rule: it is
+    asked about every ``nn.Conv2d`` (and, with ``include_linear``, every
+    ``nn.Linear``), subclasses included, and decides alone (passing both
+    ``predicate`` and ``block_types`` is a ``ValueError``). Convolutions with
+    ``groups != 1`` are never targeted (a whitening matrix couples all input
+    channels; the layers reject them). A module that is already a whitening
+    layer, or a wrapper from an earlier ``direct`` conversion, is left alone,
+    so converting twice does not double-wrap. A module object that appears at
+    several places is converted once and the new layer is put at each place.
+
+    What is kept. The new layers share the original Parameter objects (an
+    optimizer built before the conversion keeps working), so device, dtype and
+    ``requires_grad`` carry over; the training flag is kept; hooks are kept:
+    for ``grad``/``recursive`` the new layer takes over the original module's
+    hook dictionaries (forward, forward-pre, backward and state-dict hooks;
+    existing handles still remove them); for ``direct`` the call hooks move to
+    the wrapper (so they see the same input and output as before) and the
+    state-dict hooks stay on the wrapped layer. Each new whitening layer's
+    ``layer_name`` is its qualified name (used in its error messages). At
+    conversion time the whitening state is the identity (``mu = 0``,
+    ``T = Q_s = I``), so the converted model computes exactly the same
+    function, in train and eval mode.
+
+    Folding. One :class:`~whitenlayers.FoldCoordinator` is registered as a
+    forward hook on ``model`` and given to every whitening layer: all layers
+    whose block ends during a forward fold together after the model's forward
+    (one pair of coalesced collectives per block under ``torch.distributed``).
+    Converting a model that already has a coordinator reuses it. Convert
+    before wrapping the model in ``DistributedDataParallel`` (buffers added
+    after DDP's construction would not be synchronised); passing a DDP module
+    raises ``ValueError``.
+
+    The root. A bare ``nn.Conv2d`` / ``nn.Linear`` passed as ``model`` is
+    converted only if ``predicate("", model)`` selects it (the default rule
+    never does: it is inside no block); the new layer is returned, and it
+    folds on its own (no coordinator). Check the result with
+    :func:`whitening_layers`; a warning says when nothing was converted and
+    the model has no whitening layers.
+
+    Example:
+        >>> import whitenlayers as wl
+        >>> model = wl.convert_model(wl.models.resnet20(), method="grad", block_size=5)
+        >>> len(wl.whitening_layers(model))
+        18
+        >>> type(model.layer1[0].conv1).__name__, model.layer1[0].conv1.layer_name
+        ('GradWhitenConv2d', 'layer1.0.conv1')
+    """
+    if method not in _METHODS:
+        raise ValueError(f"method must be one of {_METHODS}, but got method={method!r}")
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        raise ValueError("convert_model: convert the model before wrapping it in DistributedDataParallel")
+    _check_layer_kwargs(method, layer_kwargs)
+
+    if predicate is not None and _candidate(model, include_linear, exact=False) and predicate("", model):
+        return _make_layer(method, model, "", layer_kwargs)
+
+    targets = target_layers(model, predicate=predicate, block_types=block_types, include_linear=include_linear)
+    # Build every new layer first, so an error leaves the model untouched.
+    new_by_id: Dict[int, nn.Module] = {}
+    for name, module in targets:
+        new_by_id[id(module)] = _make_layer(method, module, name, layer_kwargs)
+    if new_by_id:
+        for parent in list(model.modules()):
+            for child_name, child in list(parent._modules.items()):
+                if child is not None and id(child) in new_by_id and not _is_whitening(parent):
+                    setattr(parent, child_name, new_by_id[id(child)])
+    if _install_coordinator(model) is None:
+        warnings.warn(
+            "convert_model found no layer to convert: no plain nn.Conv2d inside a module of class "
+            f"{DEFAULT_BLOCK_TYPES if block_types is None else block_types} (pass block_types or a predicate)",
+            UserWarning,
+            stacklevel=2,
+        )
+    return model
+
+
+# --------------------------------------------------------------------------
+# export_model
+# --------------------------------------------------------------------------
+def _zero_padding(conv: nn.Conv2d) -> bool:
+    pad = getattr(conv, "_reversed_padding_repeated_twice", None)
+    if pad is None:
+        return conv.padding == "valid" or all(p == 0 for p in conv.padding)
+    return all(p == 0 for p in pad)
+
+
+@torch.no_grad()
+def _export_direct(wrapper: DirectWhitened) -> nn.Module:
+    whiten, layer = wrapper.whiten, wrapper.layer
+    t = whiten.whitening_matrix.to(torch.float64)
+    mu = whiten.running_mean.to(torch.float64)
+    w = layer.weight
+    b64 = layer.bias.to(torch.float64) if layer.bias is not None else None
+    if isinstance(layer, nn.Conv2d) and not _zero_padding(layer):
+        # conv(pad(T (x - mu))) != conv(pad(x)) with any constant bias at the border: keep a 1x1 whitening conv.
+        pre = nn.Conv2d(whiten.num_features, whiten.num_features, 1, bias=True, device=w.device, dtype=w.dtype)
+        pre.weight.copy_(t.view(t.shape[0], t.shape[1], 1, 1))
+        pre.bias.copy_(-(t @ mu))
+        pre.weight.requires_grad_(w.requires_grad)
+        out: nn.Module = nn.Sequential(pre, layer)
+    else:
+        # layer(T (x - mu)) = layer(x; W T) - sum_k (W T)_k mu: exact for unpadded convs and linear layers.
+        wt = torch.einsum("oi...,ij->oj...", w.to(torch.float64), t)
+        offset = wt.reshape(wt.shape[0], wt.shape[1], -1).sum(-1) @ mu
+        bias = (b64 if b64 is not None else torch.zeros_like(offset)) - offset
+        if isinstance(layer, nn.Conv2d):
+            out = nn.Conv2d(layer.in_channels, layer.out_channels, layer.kernel_size, stride=layer.stride,
+                            padding=layer.padding, dilation=layer.dilation, groups=layer.groups, bias=True,
+                            padding_mode=layer.padding_mode, device=w.device, dtype=w.dtype)
+        else:
+            out = nn.Linear(layer.in_features, layer.out_features, bias=True, device=w.device, dtype=w.dtype)
+        out.weight.copy_(wt)
+        out.bias.copy_(bias)
+        out.weight.requires_grad_(w.requires_grad)
+        _share_hooks(layer, out, _STATE_HOOKS)
+    _share_hooks(wrapper, out, _CALL_HOOKS)
+    out.train(wrapper.training)
+    return out
+
+
+def _export_one(module: nn.Module) -> Optional[nn.Module]:
+    if isinstance(module, DirectWhitened):
+        return _export_direct(module)
+    if isinstance(module, (GradWhitenConv2d, GradWhitenLinear)):
+        out = module.to_conv() if isinstance(module, GradWhitenConv2d) else module.to_linear()
+        _share_hooks(module, out, _CALL_HOOKS + _STATE_HOOKS)
+        return out
+    return None
+
+
+def export_model(model: nn.Module) -> nn.Module:
+    """Fold the whitening out of ``model``, in place; returns the plain model.
+
+    * Every grad / recursive layer becomes a plain ``nn.Conv2d`` / ``nn.Linear``
+      (:meth:`~whitenlayers.GradWhitenConv2d.to_conv`): same weight, the running
+      mean folded into the bias. Outputs are identical; the layer always has a
+      bias afterwards (``bias - sum_k W_k mu``, plus the bias compensation of a
+      bias-free layer).
+    * Every ``direct`` wrapper :class:`DirectWhitened` becomes, when exact,
+      one plain layer with weight ``W T`` and bias ``b - sum_k (W T)_k mu``:
+      always for ``nn.Linear``, and for an ``nn.Conv2d`` without padding
+      (1x1 downsample convs). A padded conv cannot absorb ``T`` and ``mu``
+      (its zero border would have to be ``-T mu``), so it becomes
+      ``nn.Sequential(Conv2d(C, C, 1) with weight T and bias -T mu, conv)``:
+      exact, plain PyTorch, but with the extra 1x1 conv the direct method
+      costs anyway. State-dict keys there are ``name.0.*`` and ``name.1.*``.
+    * A bare :class:`~whitenlayers.DirectWhiten` not created by
+      :func:`convert_model` is left alone.
+
+    The new modules have new Parameters (an optimizer must be rebuilt), the
+    original training flag and the call hooks of the replaced module. The
+    :class:`~whitenlayers.FoldCoordinator` hooks are removed. A partial block
+    and the whitening state are dropped: the export computes what the
+    converted model computes in eval mode now. A whitening layer passed as
+    ``model`` is returned exported.
+    """
+    out = _export_one(model)
+    if out is not None:
+        return out
+    done: Dict[int, nn.Module] = {}
+    for parent in list(model.modules()):
+        if _is_whitening(parent):
+            continue
+        for child_name, child in list(parent._modules.items()):
+            if child is None:
+                continue
+            if id(child) not in done:
+                new = _export_one(child)
+                if new is None:
+                    continue
+                done[id(child)] = new
+            setattr(parent, child_name, done[id(child)])
+    for m in model.modules():
+        _remove_coordinators(m)
+    return model
+
+
+# --------------------------------------------------------------------------
+# Checkpoints
+# --------------------------------------------------------------------------
+class _LoadResult(NamedTuple):
+    missing_keys: List[str]
+    unexpected_keys: List[str]
+
+
+def _positions(model: nn.Module) -> Dict[str, nn.Module]:
+    """Qualified name -> grad/recursive layer or DirectWhitened wrapper."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, (GradWhitenConv2d, GradWhitenLinear, DirectWhitened))}
+
+
+@torch.no_grad()
+def _reset_to_identity(layer: WhiteningStatistics) -> None:
+    """The state right after conversion: ``mu = 0``, ``T = Q_s = I``, no blocks, no bias compensation."""
+    bias = getattr(layer, "bias", None)
+    saved = bias.detach().clone() if isinstance(bias, Tensor) else None
+    layer.reset_running_stats()
+    if saved is not None:
+        bias.copy_(saved)
+    if getattr(layer, "bias_correction", None) is not None:
+        layer.bias_correction.zero_()
+
+
+def load_plain_state_dict(model: nn.Module, state_dict: Dict[str, Any], strict: bool = True) -> _LoadResult:
+    """Load a checkpoint of the *unconverted* architecture into a converted ``model``.
+
+    Keys are translated (``name.weight`` -> ``name.layer.weight`` for a
+    ``direct`` wrapper; for a bias-free grad/recursive layer an incoming
+    ``name.bias``, as written by :func:`plain_state_dict`, goes to its
+    ``bias_correction``), every whitening layer is reset to the identity state
+    of a fresh conversion (``mu = 0``, ``T = Q_s = I``, no blocks, no partial
+    block), and the parameters and other buffers are loaded. The converted
+    model then computes exactly what the plain model with that checkpoint
+    computes. With ``strict`` a key of the checkpoint that has no place, or a
+    key of the model that the checkpoint lacks (the whitening state aside),
+    raises ``RuntimeError`` before anything is changed. Returns
+    ``(missing_keys, unexpected_keys)`` like ``load_state_dict``.
+
+    Example:
+        >>> import torch, whitenlayers as wl
+        >>> plain = wl.models.resnet20()
+        >>> model = wl.convert_model(wl.models.resnet20(), method="direct")
+        >>> wl.load_plain_state_dict(model, plain.state_dict())
+        _LoadResult(missing_keys=[], unexpected_keys=[])
+    """
+    positions = _positions(model)
+    translated: Dict[str, Any] = {}
+    key_map: Dict[str, str] = {}
+    for key, value in state_dict.items():
+        new_key = key
+        head, _, leaf = key.rpartition(".")
+        pos = positions.get(head)
+        if isinstance(pos, DirectWhitened):
+            new_key = f"{head}.layer.{leaf}"
+        elif pos is not None and leaf == "bias" and pos.bias is None:
+            new_key = f"{head}.bias_correction"
+        translated[new_key] = value
+        key_map[key] = new_key
+    whitening_state = set()
+    for name, layer in whitening_layers(model):
+        prefix = f"{name}." if name else ""
+        for key in layer.state_dict().keys():
+            if key not in ("weight", "bias", "bias_correction"):
+                whitening_state.add(prefix + key)
+        if getattr(layer, "bias_correction", None) is not None:
+            whitening_state.add(prefix + "bias_correction")  # zero when the checkpoint has no bias
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        translated = OrderedDict(translated)
+        translated._metadata = OrderedDict(  # type: ignore[attr-defined]
+            (f"{k}.layer" if isinstance(positions.get(k), DirectWhitened) else k, v) for k, v in metadata.items()
+        )
+    model_keys = set(model.state_dict().keys())
+    missing = sorted(k for k in model_keys - set(translated) if k not in whitening_state)
+    unexpected = sorted(k for k, new_key in key_map.items() if new_key not in model_keys)
+    if strict and (missing or unexpected):
+        raise RuntimeError(
+            "load_plain_state_dict: checkpoint does not match the model: "
+            f"missing keys {missing}, unexpected keys {unexpected}"
+        )
+    for _, layer in whitening_layers(model):
+        _reset_to_identity(layer)
+    for key in [k for k in translated if k not in model_keys]:
+        del translated[key]
+    model.load_state_dict(translated, strict=False)
+    return _LoadResult(missing, unexpected)
+
+
+def plain_state_dict(model: nn.Module) -> Dict[str, Any]:
+    """The converted ``model``'s current function as a plain checkpoint (no whitening state).
+
+    It is ``export_model(copy.deepcopy(model)).state_dict()``: the keys of
+    the unconverted architecture, with the whitening folded in (see
+    :func:`export_model`). Two differences from the original architecture's
+    keys: every grad/recursive layer has a ``bias`` entry (the running mean
+    folded in; for a bias-free conv this is the only way to keep the function,
+    so load such a checkpoint with :func:`load_plain_state_dict`, which puts
+    it into ``bias_correction``, or into a plain model whose convs have
+    biases), and a padded ``direct`` conv exports to ``name.0.*`` (the 1x1
+    whitening conv) and ``name.1.*``. For layers with biases and unpadded
+    ``direct`` layers, the keys are exactly the original ones.
+    """
+    return export_model(copy.deepcopy(model)).state_dict()

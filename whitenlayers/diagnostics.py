@@ -1,0 +1,274 @@
+"""Whitening diagnostics: normalised rank ``kappa`` and whiteness ``rho`` per layer.
+
+Both are measured on the covariance of the features a layer's weights
+actually see (ERRATA items 1 and 2):
+
+* a plain conv sees its input ``x``: ``Phi_x``;
+* a grad / recursive whitening conv computes ``conv(x - mu, W)`` and
+  transforms its weight gradient by ``Q_s = T^T T``, which is SGD on
+  ``W T^{-1}`` seeing ``T (x - mu)`` (paper section 3.1): ``T Phi_x T^T``;
+* the layer behind a ``direct`` :class:`~whitenlayers.DirectWhiten` sees the
+  whitened features themselves, so its input is measured as is.
+
+:func:`collect_diagnostics` runs data through the model with hooks and works
+for a plain model as well as a converted one, on the same convolutions, so a
+baseline can be plotted beside whitened runs. :func:`layer_diagnostics`
+reads the whitening layers' own running statistics and needs no data.
+
+Layers are keyed by the qualified name of the *original* conv
+(``layer1.0.conv1``, also for a ``direct`` wrapper), so plain and converted
+results line up key for key.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from . import functional as F_w
+from .convert import DirectWhitened, Predicate, BlockTypes, target_layers
+from .layers import GradWhitenConv2d, GradWhitenLinear
+from .stats import WhiteningStatistics
+
+__all__ = ["Diagnostics", "collect_diagnostics", "layer_diagnostics", "summarize"]
+
+
+@dataclass
+class Diagnostics:
+    """Per-layer ``kappa`` and ``rho`` and their mean and standard error across layers.
+
+    ``kappa`` and ``rho`` map a layer's qualified name to its value; ``kind``
+    says what was measured there (``"plain"``: ``Phi_x``; ``"grad"``:
+    ``T Phi_x T^T`` of a grad/recursive layer; ``"direct"``: the input of the
+    layer behind a ``DirectWhiten``). A layer without statistics (no samples,
+    no folded block, non-finite values) has NaN values and is left out of the
+    averages. ``*_sem`` is ``std / sqrt(n)`` over the ``n`` layers averaged
+    (sample standard deviation), NaN when ``n < 2``.
+    """
+
+    kappa: Dict[str, float]
+    rho: Dict[str, float]
+    kind: Dict[str, str] = field(default_factory=dict)
+    kappa_mean: float = math.nan
+    kappa_sem: float = math.nan
+    rho_mean: float = math.nan
+    rho_sem: float = math.nan
+
+    @property
+    def num_layers(self) -> int:
+        """Number of layers in the averages."""
+        return sum(1 for v in self.kappa.values() if math.isfinite(v))
+
+    def as_dict(self) -> Dict[str, float]:
+        """The four averages, e.g. for one CSV row."""
+        return {"kappa": self.kappa_mean, "kappa_sem": self.kappa_sem, "rho": self.rho_mean, "rho_sem": self.rho_sem}
+
+
+def _mean_sem(values: List[float]) -> Tuple[float, float]:
+    vals = [v for v in values if math.isfinite(v)]
+    n = len(vals)
+    if n == 0:
+        return math.nan, math.nan
+    mean = sum(vals) / n
+    if n < 2:
+        return mean, math.nan
+    var = sum((v - mean) ** 2 for v in vals) / (n - 1)
+    return mean, math.sqrt(var / n)
+
+
+def _kappa_rho(cov: Optional[Tensor]) -> Tuple[float, float]:
+    if cov is None or not bool(torch.isfinite(cov).all()):
+        return math.nan, math.nan
+    return float(F_w.normalized_rank(cov)), float(F_w.whiteness(cov))
+
+
+def summarize(covariances: Dict[str, Optional[Tensor]], kinds: Optional[Dict[str, str]] = None) -> Diagnostics:
+    """:class:`Diagnostics` from per-layer covariances (``None`` or non-finite: NaN, left out of the means)."""
+    kappa, rho = {}, {}
+    for name, cov in covariances.items():
+        kappa[name], rho[name] = _kappa_rho(cov)
+    km, ks = _mean_sem(list(kappa.values()))
+    rm, rs = _mean_sem(list(rho.values()))
+    return Diagnostics(kappa, rho, dict(kinds or {}), km, ks, rm, rs)
+
+
+def _targets(
+    model: nn.Module, predicate: Optional[Predicate], block_types: Optional[BlockTypes], include_linear: bool
+) -> List[Tuple[str, nn.Module, str]]:
+    """``(name, module to hook, kind)``: every whitening position, then the plain layers convert_model would target."""
+    out: List[Tuple[str, nn.Module, str]] = []
+    seen = set()
+    for name, m in model.named_modules():
+        if isinstance(m, DirectWhitened):
+            out.append((name, m.layer, "direct"))
+        elif isinstance(m, (GradWhitenConv2d, GradWhitenLinear)):
+            out.append((name, m, "grad"))
+        else:
+            continue
+        seen.add(id(m))
+    for name, m in target_layers(model, predicate=predicate, block_types=block_types, include_linear=include_linear):
+        if id(m) not in seen:
+            out.append((name, m, "plain"))
+    return out
+
+
+class _Moments:
+    """Shifted float64 sums of one layer's inputs over all batches (the layers' estimator)."""
+
+    def __init__(self, is_conv: bool) -> None:
+        self.is_conv = is_conv
+        self.count = 0
+        self.shift: Optional[Tensor] = None
+        self.s1: Optional[Tensor] = None
+        self.s2: Optional[Tensor] = None
+
+    def __call__(self, module: nn.Module, args: Tuple[Any, ...]) -> None:
+        x = args[0].detach()
+        with torch.autocast(device_type=x.device.type, enabled=False):  # float64 even inside autocast
+            self._add(x.to(torch.float64))
+
+    def _add(self, x: Tensor) -> None:
+        if self.is_conv:
+            if x.dim() == 3:
+                x = x.unsqueeze(0)
+        else:
+            x = x.reshape(-1, x.shape[-1])
+        if x.numel() == 0:
+            return
+        if self.shift is None:
+            dims = [0] + list(range(2, x.dim()))
+            self.shift = x.mean(dims)
+        s1, s2 = F_w.batch_moments(x, self.shift)
+        self.s1 = s1 if self.s1 is None else self.s1 + s1
+        self.s2 = s2 if self.s2 is None else self.s2 + s2
+        self.count += x.numel() // x.shape[1]
+
+    def covariance(self) -> Optional[Tensor]:
+        if self.count == 0 or self.s1 is None:
+            return None
+        count = torch.tensor(float(self.count), dtype=torch.float64, device=self.s1.device)
+        block = F_w.summarize_block(count, self.shift, self.s1, self.s2)
+        return block.scatter / block.count
+
+
+def _model_device(model: nn.Module) -> Optional[torch.device]:
+    for t in model.parameters():
+        return t.device
+    for t in model.buffers():
+        return t.device
+    return None
+
+
+@torch.no_grad()
+def collect_diagnostics(
+    model: nn.Module,
+    batches: Iterable[Any],
+    *,
+    predicate: Optional[Predicate] = None,
+    block_types: Optional[BlockTypes] = None,
+    include_linear: bool = False,
+    device: Optional[torch.device] = None,
+    max_batches: Optional[int] = None,
+) -> Diagnostics:
+    """``kappa`` / ``rho`` of the features each target layer's weights see, measured on ``batches``.
+
+    ``batches`` is an iterable of input tensors or of ``(input, target, ...)``
+    tuples (a ``DataLoader``); the first ``max_batches`` are used, moved to
+    ``device`` (default: the model's). The model runs in eval mode under
+    ``no_grad``; forward pre-hooks on the targets sum each target's input
+    moments over all samples and positions in float64
+    (:func:`~whitenlayers.functional.batch_moments` with a shift, then
+    :func:`~whitenlayers.functional.summarize_block`), giving ``Phi_x`` about
+    the data mean.
+
+    Targets: every grad/recursive layer (``kappa``/``rho`` of
+    ``T Phi_x T^T``, ``T`` its ``whitening_matrix``), the layer behind every
+    ``direct`` ``DirectWhiten`` (its input, already whitened), and every plain
+    layer that :func:`~whitenlayers.convert_model` would target with the same
+    ``predicate`` / ``block_types`` / ``include_linear`` (``Phi_x``). So a
+    plain model and its converted copy are measured on the same convolutions.
+
+    Nothing about the model changes: each module's training flag is restored,
+    the hooks are removed, and eval mode leaves parameters, buffers and the
+    whitening layers' partial blocks untouched. Under ``torch.distributed``
+    each rank measures its own batches.
+
+    Example:
+        >>> import torch, whitenlayers as wl
+        >>> d = wl.collect_diagnostics(wl.models.resnet20(), [torch.randn(8, 3, 32, 32)])
+        >>> len(d.kappa), 0 < d.kappa_mean <= 1, 0 < d.rho_mean <= 1
+        (18, True, True)
+    """
+    targets = _targets(model, predicate, block_types, include_linear)
+    if device is None:
+        device = _model_device(model)
+    moments: Dict[str, _Moments] = {}
+    handles = []
+    flags = [(m, m.training) for m in model.modules()]
+    try:
+        for name, module, _ in targets:
+            acc = _Moments(isinstance(module, nn.Conv2d))
+            moments[name] = acc
+            handles.append(module.register_forward_pre_hook(acc))
+        model.eval()
+        for i, batch in enumerate(batches):
+            if max_batches is not None and i >= max_batches:
+                break
+            x = batch[0] if isinstance(batch, (tuple, list)) else batch
+            if device is not None:
+                x = x.to(device)
+            model(x)
+    finally:
+        for h in handles:
+            h.remove()
+        for m, flag in flags:
+            m.training = flag
+    covs: Dict[str, Optional[Tensor]] = {}
+    kinds: Dict[str, str] = {}
+    for name, module, kind in targets:
+        cov = moments[name].covariance()
+        if cov is not None and kind == "grad":
+            t = module.whitening_matrix.to(device=cov.device, dtype=torch.float64)
+            cov = F_w.symmetrize(t @ cov @ t.t())
+        covs[name] = cov
+        kinds[name] = kind
+    result = summarize(covs, kinds)
+    missing = [n for n, v in result.kappa.items() if not math.isfinite(v)]
+    if missing:
+        warnings.warn(f"collect_diagnostics: no finite statistics for {len(missing)} layer(s), e.g. {missing[0]!r}; "
+                      "they are left out of the averages", RuntimeWarning, stacklevel=2)
+    return result
+
+
+@torch.no_grad()
+def layer_diagnostics(model: nn.Module) -> Diagnostics:
+    """``kappa`` / ``rho`` of each whitening layer's ``T Phi_x T^T`` from its running buffers; no data needed.
+
+    ``Phi_x`` is the layer's ``running_cov`` (centred on the running mean,
+    recursively averaged over blocks) and ``T`` its ``whitening_matrix``
+    (:meth:`~whitenlayers.WhiteningStatistics.whitened_covariance`). For a
+    ``direct`` layer that is the covariance of the ``DirectWhiten`` output,
+    which the following layer sees. Keys are those of
+    :func:`collect_diagnostics` (a ``direct`` layer under its wrapper's name).
+    A layer that has folded no block yet has no statistics: NaN, left out of
+    the averages. A plain model has no whitening layers: empty, NaN averages.
+    """
+    covs: Dict[str, Optional[Tensor]] = {}
+    kinds: Dict[str, str] = {}
+    wrapped = {id(m.whiten) for m in model.modules() if isinstance(m, DirectWhitened)}
+    for name, m in model.named_modules():
+        if isinstance(m, DirectWhitened):
+            layer, kind = m.whiten, "direct"
+        elif isinstance(m, (GradWhitenConv2d, GradWhitenLinear)):
+            layer, kind = m, "grad"
+        elif isinstance(m, WhiteningStatistics) and id(m) not in wrapped:
+            layer, kind = m, "direct"  # a DirectWhiten placed by hand: its output's covariance
+        else:
+            continue
+        covs[name] = layer.whitened_covariance() if int(layer.num_blocks) > 0 else None
+        kinds[name] = kind
+    return summarize(covs, kinds)
