@@ -1,7 +1,6 @@
 """Model surgery: convert_model, export_model, checkpoint helpers, whitening_layers."""
 import copy
 import io
-import pathlib
 import pickle
 import re
 import warnings
@@ -18,7 +17,6 @@ from whitenlayers.convert import DirectWhitened, target_layers
 from whitenlayers.stats import FoldCoordinator
 
 METHODS = ["grad", "recursive", "direct"]
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -658,25 +656,3 @@ def test_state_dict_keys_documented_for_direct():
     grad = wl.convert_model(small_resnet(), method="grad")
     gkeys = set(grad.state_dict())
     assert {"layer1.0.conv1.weight", "layer1.0.conv1.grad_transform", "layer1.0.conv1.bias_correction"} <= gkeys
-
-
-# --------------------------------------------------------------------------
-# README
-# --------------------------------------------------------------------------
-def test_readme_example():
-    if not README.exists():
-        pytest.skip("README.md does not exist yet")
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    blocks = [b for b in blocks if "convert_model" in b]
-    if not blocks:
-        pytest.skip("README.md has no ```python block with convert_model yet")
-    namespace = {"__name__": "readme_example"}
-    try:
-        exec(compile(blocks[0], str(README), "exec"), namespace)
-    except ModuleNotFoundError as exc:
-        if exc.name == "torchvision":
-            pytest.skip("the README example needs torchvision, which is not installed")
-        raise
-    model = namespace.get("model")
-    if isinstance(model, nn.Module):
-        assert wl.whitening_layers(model)
