@@ -8,7 +8,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import whitenlayers as wl
-from whitenlayers import functional as F
 
 
 def feed(layer, batches):
