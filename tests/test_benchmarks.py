@@ -1,0 +1,39 @@
+"""Every benchmark script runs in its tiny configuration (seconds): the scripts cannot rot.
+
+No timing is asserted (timings are the scripts' output, not a property of the code).
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+SCRIPTS = ["fold_cost.py", "crossover.py", "step_time.py", "block_size.py"]
+
+
+def _run(args, tmp_path, timeout=600):
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_script_tiny(script, tmp_path):
+    out = tmp_path / "out.json"
+    proc = _run([str(BENCH / script), "--tiny", "--json", str(out)], tmp_path)
+    data = json.loads(out.read_text())
+    assert "| --- |" in data["markdown"]  # at least one Markdown table
+    assert "| --- |" in proc.stdout
+
+
+def test_run_all_tiny(tmp_path):
+    out = tmp_path / "RESULTS.md"
+    _run([str(BENCH / "run_all.py"), "--tiny", "--only", "fold_cost", "--out", str(out)], tmp_path)
+    text = out.read_text()
+    assert "python benchmarks/fold_cost.py --tiny" in text
+    assert "torch" in text and "| --- |" in text
