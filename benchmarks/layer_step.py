@@ -1,0 +1,98 @@
+"""One layer's training step: GradWhitenConv2d (and friends) vs nn.Conv2d, with a profile of the overhead.
+
+A 3x3 convolution, ``C -> C`` channels, ``B x C x H x W`` input that requires
+grad (as inside a network), bias-free (the ResNet case), SGD with momentum;
+a step is ``zero_grad``, forward, ``(y**2).mean()``, backward, ``step``. The
+whitening layers use the defaults (``block_size`` 10: folds inside the timed
+steps; the timed rounds are a multiple of 10). Interleaved, medians, means,
+paired ratios.
+
+``grad (pre-#6 statistics)`` is the same layer with the statistics computed
+as before the optimisation of issue 6 (one activation-sized shifted copy, then
+one batched product), kept here as the before/after reference.
+
+    python benchmarks/layer_step.py                  # B=128, C=64, 32x32
+    python benchmarks/layer_step.py --tiny
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Dict
+
+from _common import Interleaved, add_common_args, md_table, ratio_stats, setup, write_json
+
+import torch
+from torch import nn
+
+import whitenlayers as wl
+from whitenlayers import functional as Fw
+
+
+def batch_moments_before(x: torch.Tensor, shift: torch.Tensor):
+    """``functional.batch_moments`` as it was before issue 6 (reference for the before/after figure)."""
+    m = x.shape[1]
+    xs = x - shift.to(x.dtype).view((1, m) + (1,) * (x.dim() - 2))
+    b = xs.flatten(2)
+    return b.sum((0, 2)), torch.bmm(b, b.transpose(1, 2)).sum(0)
+
+
+class _BeforeStats(wl.GradWhitenConv2d):
+    def _accumulate(self, x):
+        saved = Fw.batch_moments
+        Fw.batch_moments = batch_moments_before
+        try:
+            super()._accumulate(x)
+        finally:
+            Fw.batch_moments = saved
+
+
+def main(argv=None) -> Dict[str, object]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(p)
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--channels", type=int, default=64)
+    p.add_argument("--size", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=30)
+    args = p.parse_args(argv)
+    setup(args.threads, args.seed)
+    b, c, hw, rounds = (8, 8, 8, 10) if args.tiny else (args.batch, args.channels, args.size, args.rounds)
+    x = torch.randn(b, c, hw, hw).relu_().requires_grad_(True)
+
+    def conv():
+        torch.manual_seed(args.seed)
+        return nn.Conv2d(c, c, 3, padding=1, bias=False)
+
+    mods = {
+        "plain": conv(),
+        "grad": wl.GradWhitenConv2d.from_conv(conv()),
+        "recursive": wl.RecursiveWhitenConv2d.from_conv(conv()),
+        "direct": nn.Sequential(wl.DirectWhiten(c), conv()),
+        "grad (pre-#6 statistics)": _BeforeStats.from_conv(conv()),
+    }
+    opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9) for k, m in mods.items()}
+
+    def mk(k):
+        def step():
+            opts[k].zero_grad(set_to_none=True)
+            x.grad = None
+            mods[k](x).square().mean().backward()
+            opts[k].step()
+        return step
+
+    for k in mods:
+        mk(k)()
+    bench = Interleaved({k: mk(k) for k in mods}).run(rounds, warmup=2)
+    st = ratio_stats(bench.times, "plain")
+    rows = [[k, 1e3 * s["median_s"], 1e3 * s["mean_s"], s["ratio_median"], s["ratio_mean"], s["ratio_paired_median"]]
+            for k, s in st.items()]
+    text = (f"3x3 conv {c} -> {c}, input {b}x{c}x{hw}x{hw} (requires grad), bias-free, SGD momentum; "
+            f"{rounds} interleaved rounds after 2 warm-up rounds.\n\n"
+            + md_table(["layer", "median (ms)", "mean (ms)", "median / plain", "mean / plain", "paired median ratio"], rows))
+    print(text)
+    write_json(args.json, {"stats": st, "markdown": text})
+    return {"markdown": text}
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
