@@ -25,6 +25,7 @@ from _common import ROOT, loadavg, machine_description
 HERE = Path(__file__).resolve().parent
 SCRIPTS = [
     ("Fold cost", "fold_cost.py"),
+    ("One layer: GradWhitenConv2d vs nn.Conv2d", "layer_step.py"),
     ("Crossover: direct vs gradient whitening", "crossover.py"),
     ("Choice of block_size", "block_size.py"),
     ("Training-step time and memory (ResNet-20 / ResNet-110)", "step_time.py"),
