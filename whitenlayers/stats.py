@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,7 @@ from .functional import BlockSummary
 __all__ = ["WhiteningStatistics", "FoldCoordinator", "fold_layers", "validate_hyperparameters"]
 
 _RULES = ("evd", "recursive")
+_COMPUTE = object()  # sentinel: "compute the EVD transform here" (see _fold_all)
 
 
 def validate_hyperparameters(**kw: Any) -> None:
@@ -110,8 +111,39 @@ def fold_layers(layers: Iterable["WhiteningStatistics"]) -> None:
     group, world = _dist_group(layers)
     if world > 1:
         summaries = _all_reduce_summaries(summaries, group)
+    _fold_all(layers, summaries)
+
+
+@torch.no_grad()
+def _fold_all(layers: Sequence["WhiteningStatistics"], summaries: Sequence[BlockSummary]) -> None:
+    """Fold each layer; the EVD layers' eigendecompositions batched by width.
+
+    Layers whose transform is computed alike (same ``M``, working dtype,
+    device, ``eps``, ``gmax``, ``gains``) share one batched ``eigh`` call
+    (:func:`functional.evd_transform_batched`, same results as one call per
+    layer, with the same per-layer fallbacks and failure counts). The rest of
+    each fold (moments, bias compensation, recursive layers) runs per layer.
+    """
+    groups: Dict[tuple, list] = {}
     for layer, summary in zip(layers, summaries):
-        layer._fold(summary)
+        if layer.method != "evd" or len(layers) == 1:
+            layer._fold(summary)
+            continue
+        start = layer._fold_start(summary)
+        if start is None:
+            continue
+        work = layer._evd_work_dtype()
+        key = (layer.num_features, work, start[1].device, layer.eps, layer.gmax, layer.gains)
+        groups.setdefault(key, []).append((layer, summary, start))
+    for (_, work, _, eps, gmax, gains), items in groups.items():
+        if len(items) == 1:
+            layer, summary, start = items[0]
+            layer._fold_finish(summary, *start)
+            continue
+        covs = torch.stack([start[1].to(work) for _, _, start in items])
+        results = F_w.evd_transform_batched(covs, eps=eps, gmax=gmax, gains=gains)
+        for (layer, summary, start), res in zip(items, results):
+            layer._fold_finish(summary, *start, evd=res)
 
 
 class FoldCoordinator:
@@ -301,6 +333,12 @@ class WhiteningStatistics:
     @torch.no_grad()
     def _fold(self, block: BlockSummary) -> None:
         """Fold one block (already summed over ranks): moments, then transform, then bias compensation."""
+        start = self._fold_start(block)
+        if start is not None:
+            self._fold_finish(block, *start)
+
+    def _fold_start(self, block: BlockSummary) -> Optional[Tuple[Tensor, Tensor, bool]]:
+        """First part of a fold: counters, accumulator reset, moments ``(mu, cov, first)``; ``None`` if skipped."""
         bad = int(self._acc_nonfinite)
         if bad:
             self.nonfinite_batches += bad
@@ -311,14 +349,18 @@ class WhiteningStatistics:
         if float(block.count) <= 0 or not finite:
             self.skipped_folds += 1
             self._warn_once("skip", "a block had no finite samples; the fold was skipped and the transform kept")
-            return
+            return None
         mu, cov = F_w.fold_moments(self.running_mean, self.running_cov, block, self.alpha, first)
         if not (bool(torch.isfinite(mu).all()) and bool(torch.isfinite(cov).all())):
             self.skipped_folds += 1
             self._warn_once("skip", "non-finite moments; the fold was skipped and the transform kept")
-            return
+            return None
+        return mu, cov, first
+
+    def _fold_finish(self, block: BlockSummary, mu: Tensor, cov: Tensor, first: bool, evd: Any = _COMPUTE) -> None:
+        """Second part of a fold: transform (``evd``: an :func:`evd_transform` result computed by the caller), buffers."""
         if self.method == "evd":
-            self._update_evd(cov)
+            self._update_evd(cov, evd)
         else:
             self._update_recursive(block, mu, first)
         self._on_mean_change(self.running_mean.to(torch.float64), mu)
@@ -331,9 +373,12 @@ class WhiteningStatistics:
             qs = self.beta * self.grad_transform.to(q.dtype) + (1.0 - self.beta) * q
             self.grad_transform.copy_(F_w.symmetrize(qs))
 
-    def _update_evd(self, cov: Tensor) -> None:
-        work = self.whitening_matrix.dtype if self.whitening_matrix.dtype == torch.float64 else torch.float32
-        res = F_w.evd_transform(cov.to(work), eps=self.eps, gmax=self.gmax, gains=self.gains)
+    def _evd_work_dtype(self) -> torch.dtype:
+        return self.whitening_matrix.dtype if self.whitening_matrix.dtype == torch.float64 else torch.float32
+
+    def _update_evd(self, cov: Tensor, res: Any = _COMPUTE) -> None:
+        if res is _COMPUTE:
+            res = F_w.evd_transform(cov.to(self._evd_work_dtype()), eps=self.eps, gmax=self.gmax, gains=self.gains)
         if res is None:
             self.eig_failures += 1
             self._warn_once("eigh", "eigendecomposition failed (also in float64); the previous transform is kept")
