@@ -37,7 +37,7 @@ class DirectWhitenFunction(torch.autograd.Function):
         ctx.transform = transform
         shape = (1, -1) + (1,) * (x.dim() - 2)
         offset = (transform @ mean).to(x.dtype).view(shape)
-        return _feature_matmul(transform, x) - offset
+        return _feature_matmul(transform, x).sub_(offset)  # in place: the product is a fresh tensor
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> Tuple[Tensor, None, None]:
