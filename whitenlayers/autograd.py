@@ -25,8 +25,7 @@ def _feature_matmul(mat: Tensor, x: Tensor) -> Tensor:
     if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
         # (B, H, W, M) view: one matrix product, result kept channels_last.
         return (x.permute(0, 2, 3, 1) @ mat.t()).permute(0, 3, 1, 2)
-    b, m = x.shape[:2]
-    return torch.matmul(mat, x.reshape(b, m, -1)).reshape(x.shape)
+    return torch.matmul(mat, x.flatten(2)).reshape(x.shape)  # flatten(2): also valid for an empty batch
 
 
 class DirectWhitenFunction(torch.autograd.Function):

@@ -44,11 +44,24 @@ _REC_DEFAULTS = dict(
 )
 
 
+def _autocast_enabled(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except TypeError:  # torch < 2.4 takes no device type
+        return torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
+
+
 def _check_input(layer: WhiteningStatistics, x: Tensor, *, dim: int, ndims: tuple, what: str) -> None:
     if not isinstance(x, Tensor):
         raise TypeError(f"{layer._describe()}: expected a Tensor input, but got {type(x).__name__}")
     if not x.is_floating_point():
         raise TypeError(f"{layer._describe()}: expected a floating-point input, but got dtype={x.dtype}")
+    weight = getattr(layer, "weight", None)
+    if isinstance(weight, Tensor) and x.dtype != weight.dtype and not _autocast_enabled(x.device.type):
+        raise TypeError(
+            f"{layer._describe()}: expected an input of dtype {weight.dtype} (the dtype of the layer's weight), "
+            f"but got dtype={x.dtype}"
+        )
     if x.dim() not in ndims:
         raise ValueError(f"{layer._describe()}: expected {what}, but got input of shape {tuple(x.shape)}")
     if x.shape[dim] != layer.num_features:

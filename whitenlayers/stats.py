@@ -58,6 +58,11 @@ def validate_hyperparameters(**kw: Any) -> None:
             raise ValueError(f"{name} must be {what}, but got {name}={value!r}")
 
 
+def _no_autocast(device: torch.device):
+    """Statistics and transforms are computed in their own dtype, never in autocast's lower precision."""
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
 def _dist_group(layers: Sequence["WhiteningStatistics"]):
     if not (dist.is_available() and dist.is_initialized()):
         return None, 1
@@ -98,6 +103,7 @@ def _all_reduce_summaries(summaries: List[BlockSummary], group) -> List[BlockSum
     return result
 
 
+@torch.compiler.disable  # the fold (once per block, host logic, EVD) stays out of compiled graphs
 def fold_layers(layers: Iterable["WhiteningStatistics"]) -> None:
     """Fold the current block of each layer, statistics summed across ranks when distributed.
 
@@ -107,11 +113,12 @@ def fold_layers(layers: Iterable["WhiteningStatistics"]) -> None:
     layers = list(layers)
     if not layers:
         return
-    summaries = [layer._block_summary() for layer in layers]
-    group, world = _dist_group(layers)
-    if world > 1:
-        summaries = _all_reduce_summaries(summaries, group)
-    _fold_all(layers, summaries)
+    with _no_autocast(layers[0].running_mean.device):
+        summaries = [layer._block_summary() for layer in layers]
+        group, world = _dist_group(layers)
+        if world > 1:
+            summaries = _all_reduce_summaries(summaries, group)
+        _fold_all(layers, summaries)
 
 
 @torch.no_grad()
@@ -291,23 +298,26 @@ class WhiteningStatistics:
             x = x[: max(1, math.ceil(self.stats_fraction * x.shape[0]))]
         if self._acc_s1.device != x.device:
             self._reset_accumulators_to(x.device)
-        if self._acc_shift is None:
-            # The mean in force; for the very first block, this batch's mean.
-            if int(self.num_blocks) > 0:
-                self._acc_shift = self.running_mean.detach().to(torch.float64).clone()
-            elif x.numel() > 0:
-                dims = [0] + list(range(2, x.dim()))
-                self._acc_shift = x.mean(dims).to(torch.float64)
-            else:
-                self._acc_shift = torch.zeros_like(self._acc_s1)
-        n = x.numel() // self.num_features
-        s1, s2 = F_w.batch_moments(x, self._acc_shift)
-        finite = torch.isfinite(s2).all() & torch.isfinite(s1).all()
-        zero = torch.zeros((), dtype=torch.float64, device=x.device)
-        self._acc_s1 += torch.where(finite, s1.to(torch.float64), zero)
-        self._acc_s2 += torch.where(finite, s2.to(torch.float64), zero)
-        self._acc_count += torch.where(finite, torch.full_like(zero, float(n)), zero)
-        self._acc_nonfinite += (~finite).long()
+        with _no_autocast(x.device):  # under autocast, products would run (and overflow) in fp16/bf16
+            if self._acc_shift is None:
+                # The mean in force; for the very first block, this batch's mean (0 where it is not finite,
+                # so that one bad batch cannot poison the block's other batches). Chosen on the device:
+                # no host synchronisation, no graph break under torch.compile.
+                if x.numel() > 0:
+                    dims = [0] + list(range(2, x.dim()))
+                    first = torch.nan_to_num(x.mean(dims).to(torch.float64), nan=0.0, posinf=0.0, neginf=0.0)
+                else:
+                    first = torch.zeros_like(self._acc_s1)
+                in_force = self.running_mean.detach().to(device=x.device, dtype=torch.float64)
+                self._acc_shift = torch.where(self.num_blocks.to(x.device) > 0, in_force, first)
+            n = x.numel() // self.num_features
+            s1, s2 = F_w.batch_moments(x, self._acc_shift)
+            finite = torch.isfinite(s2).all() & torch.isfinite(s1).all()
+            zero = torch.zeros((), dtype=torch.float64, device=x.device)
+            self._acc_s1 += torch.where(finite, s1.to(torch.float64), zero)
+            self._acc_s2 += torch.where(finite, s2.to(torch.float64), zero)
+            self._acc_count += torch.where(finite, torch.full_like(zero, float(n)), zero)
+            self._acc_nonfinite += (~finite).long()
 
     def _reset_accumulators_to(self, device) -> None:
         for name in ("_acc_count", "_acc_s1", "_acc_s2", "_acc_nonfinite"):
@@ -342,14 +352,15 @@ class WhiteningStatistics:
         bad = int(self._acc_nonfinite)
         if bad:
             self.nonfinite_batches += bad
-            self._warn_once("nonfinite", f"{bad} batch(es) with non-finite activations were left out of the statistics")
+            self._warn_once("nonfinite", f"{bad} batch(es) with non-finite activations (or second moments that overflow "
+                                          "the input's precision) were left out of the statistics")
         self._reset_accumulators()
         first = int(self.num_blocks) == 0
         finite = all(bool(torch.isfinite(t).all()) for t in block)
         if float(block.count) <= 0 or not finite:
             self.skipped_folds += 1
             self._warn_once("skip", "a block had no finite samples; the fold was skipped and the transform kept")
-            return None
+            return
         mu, cov = F_w.fold_moments(self.running_mean, self.running_cov, block, self.alpha, first)
         if not (bool(torch.isfinite(mu).all()) and bool(torch.isfinite(cov).all())):
             self.skipped_folds += 1
@@ -364,14 +375,25 @@ class WhiteningStatistics:
         else:
             self._update_recursive(block, mu, first)
         self._on_mean_change(self.running_mean.to(torch.float64), mu)
-        self.running_mean.copy_(mu)
-        self.running_cov.copy_(cov)
+        self._replace_buffer("running_mean", mu)
+        self._replace_buffer("running_cov", cov)
         self.num_blocks += 1
+
+    def _replace_buffer(self, name: str, value: Tensor) -> None:
+        """Set a buffer to a new tensor instead of writing into the old one.
+
+        A backward still to come may hold the old tensor: ``torch.compile``
+        saves the buffer itself for the backward rather than the forward's
+        clone of it, and an in-place update would make that backward fail (or
+        use the new transform). DDP re-reads reassigned buffers before each sync.
+        """
+        old = getattr(self, name)
+        setattr(self, name, value.detach().to(device=old.device, dtype=old.dtype).clone())
 
     def _smooth_grad_transform(self, q: Tensor) -> None:
         if hasattr(self, "grad_transform"):
             qs = self.beta * self.grad_transform.to(q.dtype) + (1.0 - self.beta) * q
-            self.grad_transform.copy_(F_w.symmetrize(qs))
+            self._replace_buffer("grad_transform", F_w.symmetrize(qs))
 
     def _evd_work_dtype(self) -> torch.dtype:
         return self.whitening_matrix.dtype if self.whitening_matrix.dtype == torch.float64 else torch.float32
@@ -384,7 +406,7 @@ class WhiteningStatistics:
             self._warn_once("eigh", "eigendecomposition failed (also in float64); the previous transform is kept")
             return
         t, q = res
-        self.whitening_matrix.copy_(t)
+        self._replace_buffer("whitening_matrix", t)
         self._smooth_grad_transform(q.to(torch.float64))
 
     def _update_recursive(self, block: BlockSummary, mu: Tensor, first: bool) -> None:
@@ -410,10 +432,10 @@ class WhiteningStatistics:
             self._warn_once("recursive", "non-finite recursive step; the previous transform is kept")
             return
         self.clamped_steps += int(step.clamped)
-        self.running_cov_whitened.copy_(phi_y)
-        self.running_power.copy_(power)
-        self.whitening_matrix.copy_(step.transform)
-        self.whitening_gram.copy_(step.gram)
+        self._replace_buffer("running_cov_whitened", phi_y)
+        self._replace_buffer("running_power", power)
+        self._replace_buffer("whitening_matrix", step.transform)
+        self._replace_buffer("whitening_gram", step.gram)
         self._smooth_grad_transform(step.gram)
 
     def _on_mean_change(self, old: Tensor, new: Tensor) -> None:
