@@ -19,7 +19,6 @@ from collections import OrderedDict
 import pytest
 import torch
 import torch.nn.functional as Fn
-from torch import nn
 
 import whitenlayers as wl
 

@@ -6,7 +6,6 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 import whitenlayers as wl
 from whitenlayers import functional as F_w

@@ -11,7 +11,6 @@ Spawning processes is slow, so one spawned run checks several properties.
 """
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch

@@ -18,7 +18,6 @@ Guarantees checked here:
 """
 from __future__ import annotations
 
-import math
 import warnings
 
 import pytest

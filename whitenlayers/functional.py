@@ -13,7 +13,6 @@ Conventions
 """
 from __future__ import annotations
 
-import math
 from typing import List, NamedTuple, Optional, Tuple
 
 import torch
@@ -73,9 +72,34 @@ def _as_rows(x: Tensor) -> Optional[Tensor]:
     return None
 
 
-# Values per chunk of the CPU statistics loop (2 MiB of float32: stays in cache
-# between the shift and the product).
-_CPU_CHUNK_ELEMENTS = 1 << 19
+# CPU statistics: inputs of at least this many values take the unshifted product
+# (see batch_moments), accepted when it loses at most log2(_UNSHIFTED_MAX_LOSS) bits.
+_CPU_UNSHIFTED_MIN_ELEMENTS = 1 << 16
+_UNSHIFTED_MAX_LOSS = 8.0
+
+
+def _unshifted_moments(x: Tensor, shift: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
+    """Shifted sums from the *unshifted* product ``sum x x^T``, or ``None`` when that would be inaccurate.
+
+    ``s2 = sum x x^T - k s^T - s k^T + n k k^T`` (``s = sum x``, ``k`` the shift),
+    corrected in float64. Rounding in ``sum x x^T`` scales with ``sum x_m^2``
+    instead of ``sum (x_m - k_m)^2``: the result is accepted only when every
+    feature has ``sum x_m^2 <= _UNSHIFTED_MAX_LOSS * sum (x_m - k_m)^2``, i.e.
+    the rounding error is at most that factor above the shifted product's (an
+    error relative to ``sqrt(s2_ii s2_jj)``, off-diagonal entries included).
+    Checking costs one host synchronisation, free on the CPU.
+    """
+    b = x.flatten(2)  # (B, M, H*W): a view for contiguous NC... inputs
+    n = b.shape[0] * b.shape[2]
+    g = torch.bmm(b, b.transpose(1, 2)).sum(0).to(torch.float64)
+    s = b.sum((0, 2), dtype=torch.float64)
+    k = shift.to(x.dtype).to(torch.float64)
+    ks = torch.outer(k, s)
+    s2 = g - ks - ks.t() + n * torch.outer(k, k)
+    ok = torch.diagonal(g) <= _UNSHIFTED_MAX_LOSS * torch.diagonal(s2)
+    if not bool(ok.all()) and bool(torch.isfinite(s2).all()):
+        return None
+    return (s - n * k).to(x.dtype), s2.to(x.dtype)
 
 
 def batch_moments(x: Tensor, shift: Tensor) -> Tuple[Tensor, Tensor]:
@@ -89,30 +113,22 @@ def batch_moments(x: Tensor, shift: Tensor) -> Tuple[Tensor, Tensor]:
 
     The ``(B, M, H*W)`` layout is used as is (a batched product, no permuted
     copy of the activation); a channels-last input is read as ``(B*H*W, M)``.
-    On the CPU a large ``(B, M, *spatial)`` input is shifted and multiplied a
-    few samples at a time (about ``_CPU_CHUNK_ELEMENTS`` values per chunk), so
-    the shifted copy is a small, cache-resident temporary instead of a freshly
-    allocated activation-sized tensor: this halves the cost of the statistics
-    (``benchmarks/RESULTS.md``). Same sums, summed in a different order.
+
+    On the CPU a large ``(B, M, *spatial)`` input first tries the unshifted
+    product (:func:`_unshifted_moments`): no shifted copy of the activation
+    (on a CPU that copy, a fresh activation-sized allocation, costs as much as
+    the product itself), and the shift applied to the ``M x M`` result; it is
+    accepted when the cancellation costs at most 3 bits (``mean^2 <= 7 var``
+    per feature, which post-ReLU activations satisfy), otherwise the shifted
+    product below is computed. Measured in ``benchmarks/RESULTS.md``.
     """
     m = x.shape[1]
-    k = shift.to(x.dtype)
-    if x.dim() > 2 and x.device.type == "cpu" and _as_rows(x) is None:
-        b = x.flatten(2)  # (B, M, H*W): a view for contiguous NC... inputs; also valid for an empty batch
-        step = max(1, _CPU_CHUNK_ELEMENTS // max(1, b.shape[1] * b.shape[2]))
-        if step < b.shape[0]:
-            k = k.view(1, m, 1)
-            s1 = b.new_zeros(m)
-            acc = b.new_zeros(step, m, m)
-            # One scratch buffer for all chunks: a fresh allocation per chunk costs page faults.
-            buf = None if (torch.is_grad_enabled() and b.requires_grad) else b.new_empty((step,) + b.shape[1:])
-            for i in range(0, b.shape[0], step):
-                n = min(step, b.shape[0] - i)
-                xs = b[i : i + n] - k if buf is None else torch.sub(b[i : i + n], k, out=buf[:n])
-                s1 += xs.sum((0, 2))
-                acc[:n] += torch.bmm(xs, xs.transpose(1, 2))
-            return s1, acc.sum(0)
-    xs = x - k.view((1, m) + (1,) * (x.dim() - 2))
+    if (x.device.type == "cpu" and x.dim() > 2 and x.numel() >= _CPU_UNSHIFTED_MIN_ELEMENTS
+            and _as_rows(x) is None and not (torch.is_grad_enabled() and x.requires_grad)):
+        res = _unshifted_moments(x, shift)
+        if res is not None:
+            return res
+    xs = x - shift.to(x.dtype).view((1, m) + (1,) * (x.dim() - 2))
     rows = _as_rows(xs)
     if rows is not None:
         return rows.sum(0), rows.t() @ rows

@@ -79,7 +79,7 @@ def _all_reduce_summaries(summaries: List[BlockSummary], group) -> List[BlockSum
     # Phase 1: counts and count-weighted means -> global count and mean.
     flat = torch.cat([torch.cat([s.count.view(1), s.count * s.mean]) for s in summaries])
     dist.all_reduce(flat, group=group)
-    out_mean, sizes, pos = [], [], 0
+    out_mean, pos = [], 0
     for s in summaries:
         m = s.mean.numel()
         n = flat[pos]
