@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
-from _common import ROOT  # noqa: F401  (puts the repository on sys.path)
+import _common  # noqa: F401  (importing it puts the repository on sys.path)
 
 import torch
 import torch.nn.functional as F

@@ -72,7 +72,6 @@ def one_fold(sizes: List[int], repeat: int, gen: torch.Generator) -> Dict[str, o
                       "ratio_transform": med["rec_step"] / med["evd_transform"]})
         rows.append([m, 1e3 * med["evd_fold"], 1e3 * med["rec_fold"], paired,
                      1e3 * med["evd_transform"], 1e3 * med["rec_step"], med["rec_step"] / med["evd_transform"]])
-    ms = [r["M"] for r in per_m]
     fit = [r for r in per_m if r["M"] >= 128]
     fit = fit if len(fit) >= 2 else per_m
     exps = {k: loglog_slope([r["M"] for r in fit], [r[k + "_ms"] for r in fit])

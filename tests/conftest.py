@@ -1,0 +1,15 @@
+"""Test-suite configuration: deterministic hypothesis runs by default.
+
+The default profile ``deterministic`` derandomizes hypothesis (the same examples
+on every run and machine, so CI is reproducible); ``HYPOTHESIS_PROFILE=explore``
+draws fresh random examples for a local bug hunt::
+
+    HYPOTHESIS_PROFILE=explore python -m pytest -q tests/test_robustness.py
+"""
+import os
+
+from hypothesis import settings
+
+settings.register_profile("deterministic", derandomize=True, print_blob=True)
+settings.register_profile("explore", derandomize=False, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
