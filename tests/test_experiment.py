@@ -55,10 +55,11 @@ def _cfg(*argv):
 def test_defaults_and_presets():
     cfg = _cfg()
     assert cfg["dataset"] == "mnist5k" and cfg["methods"] == ["baseline", "grad", "recursive"]
-    assert cfg["seeds"] == [0] and cfg["milestones"] == [cfg["epochs"] // 2, 3 * cfg["epochs"] // 4]
+    assert cfg["seeds"] == [0, 1, 2] and cfg["milestones"] == [cfg["epochs"] // 2, 3 * cfg["epochs"] // 4]
     assert (cfg["model"], cfg["width"], cfg["block_size"]) == ("resnet20", 8, 2)  # the short default run
     c10 = _cfg("--dataset", "cifar10")
-    assert (c10["width"], c10["block_size"], c10["augment"]) == (16, None, "auto")
+    assert (c10["width"], c10["block_size"], c10["augment"], c10["seeds"]) == (16, None, "auto", [0])
+    assert _cfg("--quick")["seeds"] == [0]
     cifar = _cfg("--preset", "paper-cifar")
     assert (cifar["dataset"], cifar["model"], cifar["epochs"], cifar["batch_size"]) == ("cifar100", "resnet110", 200, 128)
     assert (cifar["lr"], cifar["momentum"], cifar["weight_decay"], cifar["milestones"]) == (0.1, 0.9, 5e-4, [100, 150])
