@@ -23,3 +23,28 @@ def test_readme_example_runs(index, capsys):
         expected = re.search(r"#\s*(\d+)\s", line + " ")
         if expected:
             assert out.split()[0] == expected.group(1), (line, out)
+
+
+BASH = re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S)
+
+
+def test_readme_opens_with_the_main_job_and_the_ci_test_command():
+    ci = (README.parent / ".ci" / "run").read_text()
+    assert BASH[0].strip().endswith("python -m whitenlayers.experiment")  # the runner's default invocation
+    assert BASH[1].strip() in ci  # CI runs the README's test command verbatim
+
+
+def test_readme_runner_commands_parse():
+    """Every ``python -m whitenlayers.experiment ...`` line in the README names existing options."""
+    import shlex
+
+    from whitenlayers import experiment as ex
+
+    text = README.read_text().replace("\\\n", " ")
+    lines = [ln.split("#")[0] for ln in text.splitlines() if "-m whitenlayers.experiment" in ln and "`" not in ln]
+    assert len(lines) >= 5
+    for line in lines:
+        argv = shlex.split(line.split("-m whitenlayers.experiment", 1)[1])
+        args = ex.build_parser().parse_args(argv)  # SystemExit on an unknown option
+        if "imagefolder:" not in line:  # paper-imagenet checks the folder exists only when it runs
+            ex.resolve_config(args)
