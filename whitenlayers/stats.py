@@ -347,8 +347,9 @@ class WhiteningStatistics:
         if start is not None:
             self._fold_finish(block, *start)
 
-    def _fold_start(self, block: BlockSummary) -> Optional[Tuple[Tensor, Tensor, bool]]:
-        """First part of a fold: counters, accumulator reset, moments ``(mu, cov, first)``; ``None`` if skipped."""
+    def _fold_start(self, block: BlockSummary) -> Optional[Tuple[Tensor, Tensor, bool, Tensor]]:
+        """First part of a fold: counters, accumulator reset, moments ``(mu, cov, first, block_cov)``; ``None`` if
+        skipped. ``block_cov`` is the block's covariance about the new ``mu`` (eq. ``vPhixi``'s new term)."""
         bad = int(self._acc_nonfinite)
         if bad:
             self.nonfinite_batches += bad
@@ -356,24 +357,28 @@ class WhiteningStatistics:
                                           "the input's precision) were left out of the statistics")
         self._reset_accumulators()
         first = int(self.num_blocks) == 0
-        finite = all(bool(torch.isfinite(t).all()) for t in block)
+        finite = F_w.all_finite(*block)
         if float(block.count) <= 0 or not finite:
             self.skipped_folds += 1
             self._warn_once("skip", "a block had no finite samples; the fold was skipped and the transform kept")
             return
-        mu, cov = F_w.fold_moments(self.running_mean, self.running_cov, block, self.alpha, first)
-        if not (bool(torch.isfinite(mu).all()) and bool(torch.isfinite(cov).all())):
+        # F_w.fold_moments, with the block covariance kept for the recursive rule.
+        mu = F_w.fold_mean(self.running_mean, block, self.alpha, first)
+        block_cov = F_w.block_covariance(block, mu)
+        cov = F_w.recursive_average(self.running_cov, block_cov, self.alpha, first)
+        if not F_w.all_finite(mu, cov):
             self.skipped_folds += 1
             self._warn_once("skip", "non-finite moments; the fold was skipped and the transform kept")
             return None
-        return mu, cov, first
+        return mu, cov, first, block_cov
 
-    def _fold_finish(self, block: BlockSummary, mu: Tensor, cov: Tensor, first: bool, evd: Any = _COMPUTE) -> None:
+    def _fold_finish(self, block: BlockSummary, mu: Tensor, cov: Tensor, first: bool, block_cov: Tensor,
+                     evd: Any = _COMPUTE) -> None:
         """Second part of a fold: transform (``evd``: an :func:`evd_transform` result computed by the caller), buffers."""
         if self.method == "evd":
             self._update_evd(cov, evd)
         else:
-            self._update_recursive(block, mu, first)
+            self._update_recursive(block, block_cov, first)
         self._on_mean_change(self.running_mean.to(torch.float64), mu)
         self._replace_buffer("running_mean", mu)
         self._replace_buffer("running_cov", cov)
@@ -388,12 +393,14 @@ class WhiteningStatistics:
         use the new transform). DDP re-reads reassigned buffers before each sync.
         """
         old = getattr(self, name)
-        setattr(self, name, value.detach().to(device=old.device, dtype=old.dtype).clone())
+        new = value.detach().to(device=old.device, dtype=old.dtype)
+        setattr(self, name, new.clone() if new.data_ptr() == value.data_ptr() else new)  # never alias the input
 
     def _smooth_grad_transform(self, q: Tensor) -> None:
         if hasattr(self, "grad_transform"):
-            qs = self.beta * self.grad_transform.to(q.dtype) + (1.0 - self.beta) * q
-            self._replace_buffer("grad_transform", F_w.symmetrize(qs))
+            # Symmetric to the last bit, like Q_s(i-1) and Q: entries (i, j) and (j, i) are computed alike.
+            qs = (self.grad_transform.to(q.dtype) * self.beta).add_(q, alpha=1.0 - self.beta)
+            self._replace_buffer("grad_transform", qs)
 
     def _evd_work_dtype(self) -> torch.dtype:
         return self.whitening_matrix.dtype if self.whitening_matrix.dtype == torch.float64 else torch.float32
@@ -409,25 +416,33 @@ class WhiteningStatistics:
         self._replace_buffer("whitening_matrix", t)
         self._smooth_grad_transform(q.to(torch.float64))
 
-    def _update_recursive(self, block: BlockSummary, mu: Tensor, first: bool) -> None:
-        t_prev = self.whitening_matrix.to(torch.float64)
-        # Phi_y: eq. vPhixi on the whitened features y = T(i-1) x of this block.
-        block_cov_y = t_prev @ F_w.block_covariance(block, mu) @ t_prev.t()
-        phi_y = F_w.symmetrize(F_w.recursive_average(self.running_cov_whitened, block_cov_y, self.alpha, first))
+    def _update_recursive(self, block: BlockSummary, block_cov: Tensor, first: bool) -> None:
+        # Work in float32 (float64 for float64 layers), like the EVD rule: the step's recursion is contractive
+        # (gamma < 1), so its round-off stays at the working precision instead of accumulating.
+        wd = self._evd_work_dtype()
+        t_prev = self.whitening_matrix.to(wd)
+        # Phi_y: eq. vPhixi on the whitened features y = T(i-1) x of this block, as T(i-1) C_block T(i-1)^T:
+        # two M x M x M products per fold (the fold's largest cost; nothing is added to the per-batch path).
+        block_cov_y = t_prev @ block_cov.to(wd) @ t_prev.t()
+        if first:
+            phi_y = block_cov_y
+        else:
+            phi_y = block_cov_y.mul_(1.0 - self.alpha).add_(self.running_cov_whitened.to(wd), alpha=self.alpha)
+        phi_y = F_w.symmetrize(phi_y)
         n = torch.clamp(block.count, min=1.0)
         power = F_w.recursive_average(self.running_power, block.power / n, self.alpha, first)
         step = F_w.recursive_step(
             t_prev,
-            self.whitening_gram.to(torch.float64),
+            self.whitening_gram.to(wd),
             phi_y,
-            power.mean(),
+            power.mean().to(wd),
             gamma=self.gamma,
             delta=self.delta,
             eps=self.eps,
             c_rel=self.c_rel,
             c_abs=self.c_abs,
         )
-        if not (bool(torch.isfinite(step.transform).all()) and bool(torch.isfinite(step.gram).all())):
+        if not F_w.all_finite(step.transform, step.gram):
             self.eig_failures += 1
             self._warn_once("recursive", "non-finite recursive step; the previous transform is kept")
             return
