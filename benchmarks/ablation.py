@@ -3,6 +3,8 @@
 Variants, interleaved with the plain model (ratios of the same run):
 
 * ``grad``: the converted model as shipped;
+* ``grad, conv bias (pre-#6 centring)``: the centring term passed to each
+  convolution as its bias (the layer now adds it to the output in place);
 * ``grad, no statistics``: ``_accumulate`` and the block counting disabled
   (no per-batch ``sum x x^T``, no folds);
 * ``grad, no Q``: the weight-gradient transform disabled;
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import types
 from typing import Dict
 
 from _common import Interleaved, add_common_args, loadavg, md_table, ratio_stats, setup, write_json
@@ -33,6 +36,14 @@ def _no_stats(model) -> None:
         if isinstance(m, wl.WhiteningStatistics):
             m._accumulate = lambda x: None
             m._end_batch = lambda: None
+
+
+def _conv_bias(model) -> None:
+    from layer_step import _ConvBias
+
+    for m in model.modules():
+        if isinstance(m, wl.GradWhitenConv2d):
+            m.forward = types.MethodType(_ConvBias.forward, m)
 
 
 def _no_q(model) -> None:
@@ -51,8 +62,8 @@ def main(argv=None) -> Dict[str, object]:
     base = build_base(depth, classes, width=width, seed=args.seed)
     batches = random_batches(2, batch, size, classes, seed=args.seed)
     vs = {"plain": Variant("plain", base, batches), "grad": Variant("grad", base, batches)}
-    for name, edits in (("grad, no statistics", [_no_stats]), ("grad, no Q", [_no_q]),
-                        ("grad, neither", [_no_stats, _no_q])):
+    for name, edits in (("grad, conv bias (pre-#6 centring)", [_conv_bias]), ("grad, no statistics", [_no_stats]),
+                        ("grad, no Q", [_no_q]), ("grad, neither", [_no_stats, _no_q])):
         vs[name] = Variant("grad", base, batches)
         for e in edits:
             e(vs[name].model)

@@ -9,7 +9,11 @@ paired ratios.
 
 ``grad (pre-#6 statistics)`` is the same layer with the statistics computed
 as before the optimisation of issue 6 (one activation-sized shifted copy, then
-one batched product), kept here as the before/after reference.
+one batched product), kept here as the before/after reference. ``grad, conv
+bias (pre-#6 centring)`` passes the centring term ``-W mu`` to the convolution
+as its bias, as the layer did before; the layer now adds it to the output in
+place, because the CPU convolution backward's own bias gradient is slower than
+autograd's reduction for that add.
 
     python benchmarks/layer_step.py                  # B=128, C=64, 32x32
     python benchmarks/layer_step.py --tiny
@@ -47,6 +51,19 @@ class _BeforeStats(wl.GradWhitenConv2d):
             Fw.batch_moments = saved
 
 
+class _ConvBias(wl.GradWhitenConv2d):
+    """The centring term passed to the convolution as its bias, as the grad layer did before issue 6."""
+
+    def forward(self, x):
+        if self.training:
+            self._accumulate(x)
+        w = self._weight_for_forward()
+        out = self._conv_forward(x, w, self._effective_bias(w))
+        if self.training:
+            self._end_batch()
+        return out
+
+
 def main(argv=None) -> Dict[str, object]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p)
@@ -69,6 +86,7 @@ def main(argv=None) -> Dict[str, object]:
         "recursive": wl.RecursiveWhitenConv2d.from_conv(conv()),
         "direct": nn.Sequential(wl.DirectWhiten(c), conv()),
         "grad (pre-#6 statistics)": _BeforeStats.from_conv(conv()),
+        "grad, conv bias (pre-#6 centring)": _ConvBias.from_conv(conv()),
     }
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9) for k, m in mods.items()}
 
