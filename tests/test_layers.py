@@ -357,32 +357,3 @@ def test_deepcopy_and_pickle_keep_behaviour(cls):
         for name, buf in layer.named_buffers():
             torch.testing.assert_close(dict(c.named_buffers())[name], buf)
         assert int(c.num_blocks) == 2
-
-
-@pytest.mark.parametrize("method", ["grad", "recursive"])
-def test_float32_training_gradients_match_float64(method):
-    """Float32 gradients of a converted ResNet-20 stay within float tolerance of float64 after folds.
-
-    Guards the centring path: with ``-W mu`` passed to the convolution as its bias, the CPU convolution
-    backward (its bias gradient carries the centring term, times ``mu``) put the stem's float32 gradient
-    3e-3 (~1 %) away from float64 at the first step after a fold; the explicit reduction keeps it at ~5e-7.
-    """
-    def make(dtype):
-        torch.manual_seed(0)
-        model = wl.models.cifar_resnet(20, num_classes=10, in_channels=3, width=16).to(dtype)
-        model = wl.convert_model(model, method=method, block_size=2)
-        return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
-
-    runs = {dt: make(dt) for dt in (torch.float32, torch.float64)}
-    for i in range(3):  # the fold after step 1 makes mu != 0 for step 2
-        g = torch.Generator().manual_seed(500 + i)
-        x, y = torch.randn(8, 3, 16, 16, generator=g) * 2 + 1, torch.randint(0, 10, (8,), generator=g)
-        grads = {}
-        for dt, (model, opt) in runs.items():
-            opt.zero_grad()
-            nn.functional.cross_entropy(model(x.to(dt)), y).backward()
-            grads[dt] = {n: p.grad.double().clone() for n, p in model.named_parameters()}
-            opt.step()
-        for name, ref in grads[torch.float64].items():
-            err = float((grads[torch.float32][name] - ref).abs().max())
-            assert err <= 1e-4 * max(float(ref.abs().max()), 1e-2), (i, name, err)

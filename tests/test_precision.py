@@ -8,10 +8,9 @@
   the weights nor the whitening state.
 * ``torch.compile`` of a converted model trains like eager (float tolerance);
   the fold runs outside the compiled graphs (``torch.compiler.disable``), which
-  costs one graph break per fold, at the model's end. The converted ResNet-20
-  runs only with ``WHITENLAYERS_TEST_COMPILE=1`` (its compile takes minutes on
-  a 2-core CI machine); a smaller converted model with the same layer kinds
-  and BatchNorm always runs.
+  costs one graph break per fold, at the model's end. A small converted model
+  with the same layer kinds and BatchNorm (float32) and the converted
+  ResNet-20 (float64: see the test) both run in CI.
 * Two identical CPU runs give bit-identical whitening state.
 """
 from __future__ import annotations
@@ -165,10 +164,11 @@ def small_converted_model(method):
 
 def train_steps(model, steps, hw=16, perturb=0.0):
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    dtype = next(model.parameters()).dtype
     losses = []
     for i in range(steps):
         x, y = batch(i, hw=hw)
-        x = x * (1.0 + perturb)
+        x = x.to(dtype) * (1.0 + perturb)
         opt.zero_grad()
         loss = Fn.cross_entropy(model(x), y)
         loss.backward()
@@ -226,13 +226,15 @@ def test_compiled_small_converted_model_trains_like_eager(method):
     assert (n_breaks, n_graphs) == (2, 3)  # the fold's call after the forward, in the 2 variants that end a block
 
 
-@pytest.mark.skipif(os.environ.get("WHITENLAYERS_TEST_COMPILE") != "1",
-                    reason="compiling ResNet-20 takes minutes on CPU; set WHITENLAYERS_TEST_COMPILE=1")
 @pytest.mark.parametrize("method", ["grad", "recursive"])
-def test_compiled_resnet20_trains_like_eager(method):
+def test_compiled_resnet20_trains_like_eager(method):  # ~1 minute each on 2 CPU cores
+    # float64: in float32 a rounding difference can flip a ReLU whose input is within rounding of 0, and
+    # that one element moves the next steps by ~1e-3 -- eager against eager with the centring term added
+    # in another order does the same (measured: stem weights 1.1e-3 apart after 4 steps, from one flipped
+    # element of layer1.2's output at step 2). In float64 eager and compiled agree to ~1e-14.
     def make():
         torch.manual_seed(0)
-        return wl.convert_model(wl.models.cifar_resnet(depth=20, num_classes=10, in_channels=3, width=16),
+        return wl.convert_model(wl.models.cifar_resnet(depth=20, num_classes=10, in_channels=3, width=16).double(),
                                 method=method, block_size=2)
 
     model, n_breaks, n_graphs = compare_compiled_with_eager(make, steps=4, hw=16)

@@ -254,11 +254,10 @@ class GradWhitenConv2d(_GradWhitenMixin, nn.Conv2d):
         w = self._weight_for_forward()
         if self.bias is None and self.training and w.requires_grad and torch.is_grad_enabled():
             # Training a bias-free conv (the ResNet case): the centring term -W mu is added to the convolution's
-            # fresh output in place instead of being passed to it as a bias. The bias gradient carries the
-            # centring of the weight gradient (times mu); the CPU convolution backward computes it several times
-            # slower (benchmarks/ablation.py, row "conv bias") and less accurately: in float32 it put a ResNet's
-            # gradients ~1 % off float64, against ~1e-6 for autograd's reduction of this add (test_layers.py).
-            # At conversion time the term is exactly 0.
+            # fresh output in place instead of being passed to it as a bias: the CPU convolution backward
+            # computes a bias gradient several times slower than autograd's one reduction for this add
+            # (benchmarks/ablation.py, row "conv bias"). The two differ only by rounding; at conversion time
+            # the term is exactly 0.
             out = self._conv_forward(x, w, None).add_(self._effective_bias(w).view(-1, 1, 1))
         else:  # the plain conv's own bias path: bit-identical to export_model's plain conv
             out = self._conv_forward(x, w, self._effective_bias(w))
