@@ -227,7 +227,7 @@ def test_compiled_small_converted_model_trains_like_eager(method):
 
 
 @pytest.mark.parametrize("method", ["grad", "recursive"])
-def test_compiled_resnet20_trains_like_eager(method):  # ~1 minute each on 2 CPU cores
+def test_compiled_resnet20_trains_like_eager(method):  # ~30 s each on 2 CPU cores
     # float64: in float32 a rounding difference can flip a ReLU whose input is within rounding of 0, and
     # that one element moves the next steps by ~1e-3 -- eager against eager with the centring term added
     # in another order does the same (measured: stem weights 1.1e-3 apart after 4 steps, from one flipped
