@@ -100,6 +100,21 @@ class Interleaved:
         return self
 
 
+def sgd_layer_steps(mods: Mapping[str, "torch.nn.Module"], x: "torch.Tensor", lr: float = 1e-3) -> Dict[str, Callable[[], None]]:
+    """One SGD (momentum 0.9) training step per layer on the same input: ``(layer(x)**2).mean()`` backward."""
+    opts = {k: torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9) for k, m in mods.items()}
+
+    def mk(k: str) -> Callable[[], None]:
+        def step() -> None:
+            opts[k].zero_grad(set_to_none=True)
+            x.grad = None
+            mods[k](x).square().mean().backward()
+            opts[k].step()
+        return step
+
+    return {k: mk(k) for k in mods}
+
+
 def paired_ratios(a: Sequence[float], b: Sequence[float]) -> List[float]:
     return [x / y for x, y in zip(a, b) if y > 0]
 

@@ -33,7 +33,7 @@ import sys
 import time
 from typing import Callable, Dict, List, Optional
 
-from _common import Interleaved, add_common_args, md_table, ratio_stats, setup, write_json
+from _common import Interleaved, add_common_args, sgd_layer_steps, md_table, ratio_stats, setup, write_json
 
 import torch
 from torch import nn
@@ -129,17 +129,9 @@ def layer_steps(m: int, hw: int, bs: List[int], repeat: int) -> Dict[str, object
         grad = wl.GradWhitenConv2d.from_conv(nn.Conv2d(m, m, 3, padding=1, bias=False))
         direct = nn.Sequential(wl.DirectWhiten(m), nn.Conv2d(m, m, 3, padding=1, bias=False))
         mods = {"plain": plain, "grad": grad, "direct": direct}
-        opts = {k: torch.optim.SGD(v.parameters(), lr=1e-3, momentum=0.9) for k, v in mods.items()}
+        steps = sgd_layer_steps(mods, x)
 
-        def mk(k):
-            def step():
-                opts[k].zero_grad(set_to_none=True)
-                x.grad = None
-                mods[k](x).square().mean().backward()
-                opts[k].step()
-            return step
-
-        bench = Interleaved({k: mk(k) for k in mods}).run(repeat, warmup=1)
+        bench = Interleaved(steps).run(repeat, warmup=1)
         st = ratio_stats(bench.times, "plain")
         rows.append([b, 1e3 * st["plain"]["median_s"], st["grad"]["ratio_mean"], st["direct"]["ratio_mean"],
                      st["grad"]["ratio_paired_median"], st["direct"]["ratio_paired_median"]])

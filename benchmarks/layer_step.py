@@ -24,7 +24,7 @@ import argparse
 import sys
 from typing import Dict
 
-from _common import Interleaved, add_common_args, md_table, ratio_stats, setup, write_json
+from _common import Interleaved, add_common_args, sgd_layer_steps, md_table, ratio_stats, setup, write_json
 
 import torch
 from torch import nn
@@ -88,19 +88,11 @@ def main(argv=None) -> Dict[str, object]:
         "grad (pre-#6 statistics)": _BeforeStats.from_conv(conv()),
         "grad, conv bias (pre-#6 centring)": _ConvBias.from_conv(conv()),
     }
-    opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9) for k, m in mods.items()}
+    steps = sgd_layer_steps(mods, x)
 
-    def mk(k):
-        def step():
-            opts[k].zero_grad(set_to_none=True)
-            x.grad = None
-            mods[k](x).square().mean().backward()
-            opts[k].step()
-        return step
-
-    for k in mods:
-        mk(k)()
-    bench = Interleaved({k: mk(k) for k in mods}).run(rounds, warmup=2)
+    for step in steps.values():
+        step()
+    bench = Interleaved(steps).run(rounds, warmup=2)
     st = ratio_stats(bench.times, "plain")
     rows = [[k, 1e3 * s["median_s"], 1e3 * s["mean_s"], s["ratio_median"], s["ratio_mean"], s["ratio_paired_median"]]
             for k, s in st.items()]

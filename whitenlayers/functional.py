@@ -13,7 +13,7 @@ Conventions
 """
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -205,17 +205,23 @@ def fold_moments(
     block: BlockSummary,
     alpha: float,
     first: bool,
-) -> Tuple[Tensor, Tensor]:
+    *,
+    return_block_cov: bool = False,
+) -> Union[Tuple[Tensor, Tensor], Tuple[Tensor, Tensor, Tensor]]:
     """One block of the moment recursion: eqs. ``vmuxi``/``vPhixi`` (``vmuxnz``/``vPhixnz`` when ``first``).
 
     ``mu(i) = alpha mu(i-1) + (1 - alpha) mean_block`` and
     ``Phi(i) = alpha Phi(i-1) + (1 - alpha) / n * sum (x - mu(i))(x - mu(i))^T``,
     the block's samples centred on the *new* mean ``mu(i)`` (ERRATA 7). For the
     first block there is no recursion (``alpha`` is ignored). float64.
+    Symmetric to the last bit when ``cov_prev`` and the block's scatter are.
+    With ``return_block_cov`` also returns the block's covariance about ``mu(i)``
+    (the new term of eq. ``vPhixi``), which the recursive rule needs.
     """
     mu = fold_mean(mean_prev, block, alpha, first)
-    cov = recursive_average(cov_prev, block_covariance(block, mu), alpha, first)
-    return mu, symmetrize(cov)
+    block_cov = block_covariance(block, mu)
+    cov = recursive_average(cov_prev, block_cov, alpha, first)
+    return (mu, cov, block_cov) if return_block_cov else (mu, cov)
 
 
 # --------------------------------------------------------------------------

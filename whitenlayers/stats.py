@@ -362,10 +362,8 @@ class WhiteningStatistics:
             self.skipped_folds += 1
             self._warn_once("skip", "a block had no finite samples; the fold was skipped and the transform kept")
             return
-        # F_w.fold_moments, with the block covariance kept for the recursive rule.
-        mu = F_w.fold_mean(self.running_mean, block, self.alpha, first)
-        block_cov = F_w.block_covariance(block, mu)
-        cov = F_w.recursive_average(self.running_cov, block_cov, self.alpha, first)
+        mu, cov, block_cov = F_w.fold_moments(self.running_mean, self.running_cov, block, self.alpha, first,
+                                              return_block_cov=True)
         if not F_w.all_finite(mu, cov):
             self.skipped_folds += 1
             self._warn_once("skip", "non-finite moments; the fold was skipped and the transform kept")
