@@ -32,6 +32,7 @@ from _common import Interleaved, add_common_args, loglog_slope, md_table, setup,
 import torch
 
 import whitenlayers as wl
+from whitenlayers.fold import fold_layers
 from whitenlayers import functional as F
 
 
@@ -97,7 +98,7 @@ def _resnet110_layers(method: str, tiny: bool):
     for _ in range(2):  # two blocks, so the second fold is a regular (non-first) fold
         with torch.no_grad():
             model(torch.randn(8, 3, 32, 32))
-        wl.fold_layers(layers)
+        fold_layers(layers)
     with torch.no_grad():
         model(torch.randn(8, 3, 32, 32))
     return layers, [layer.get_extra_state() for layer in layers]
@@ -122,7 +123,7 @@ def whole_model(repeat: int, tiny: bool) -> Dict[str, object]:
 
     def per_layer(layers):
         for layer in layers:
-            wl.fold_layers([layer])
+            fold_layers([layer])
 
     widths: Dict[int, int] = {}
     for layer in evd_layers:
@@ -140,8 +141,8 @@ def whole_model(repeat: int, tiny: bool) -> Dict[str, object]:
 
     steps = {
         "evd_per_layer": timed(evd_layers, evd_state, lambda: per_layer(evd_layers)),
-        "evd_fold_layers": timed(evd_layers, evd_state, lambda: wl.fold_layers(evd_layers)),
-        "rec_fold_layers": timed(rec_layers, rec_state, lambda: wl.fold_layers(rec_layers)),
+        "evd_fold_layers": timed(evd_layers, evd_state, lambda: fold_layers(evd_layers)),
+        "rec_fold_layers": timed(rec_layers, rec_state, lambda: fold_layers(rec_layers)),
         "eigh_per_layer": lambda: _t(eigh_per_layer),
         "eigh_batched": lambda: _t(eigh_batched),
     }

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import whitenlayers as wl
+from whitenlayers.fold import fold_layers
 from whitenlayers import functional as F
 
 
@@ -31,7 +32,7 @@ def _layers(widths, seed=0):
             x = torch.relu(torch.einsum("bchw,cd->bdhw", torch.randn(6, l.num_features, 5, 5), mix) + 1)
             l(x)
         if _ == 0:
-            wl.fold_layers(layers)
+            fold_layers(layers)
     return layers
 
 
@@ -59,9 +60,9 @@ def test_batched_fold_equals_per_layer_fold():
     widths = [3, 5, 3, 8, 5, 3]
     a = _layers(widths)
     b = copy.deepcopy(a)
-    wl.fold_layers(a)
+    fold_layers(a)
     for l in b:
-        wl.fold_layers([l])
+        fold_layers([l])
     _assert_same(a, b)
 
 
@@ -87,8 +88,8 @@ def test_batched_fold_tolerance_is_tight_enough_to_catch_a_wrong_setting():
     b = copy.deepcopy(a)
     for l in b:
         l.gmax = 2.0
-    wl.fold_layers(a)
-    wl.fold_layers(b)
+    fold_layers(a)
+    fold_layers(b)
     with pytest.raises(AssertionError):
         _assert_same(a, b)
 
@@ -105,10 +106,10 @@ def test_batched_eigh_failure_falls_back_per_layer(monkeypatch):
         return real(x, *args, **kw)
 
     monkeypatch.setattr(torch.linalg, "eigh", failing)
-    wl.fold_layers(a)
+    fold_layers(a)
     monkeypatch.setattr(torch.linalg, "eigh", real)
     for l in b:
-        wl.fold_layers([l])
+        fold_layers([l])
     _assert_same(a, b)
 
 
@@ -132,7 +133,7 @@ def test_batched_fold_counts_failures_per_layer(monkeypatch):
 
     monkeypatch.setattr(torch.linalg, "eigh", flaky)
     with pytest.warns(RuntimeWarning, match="eigendecomposition failed"):
-        wl.fold_layers(layers)
+        fold_layers(layers)
     assert [l.eig_failures for l in layers] == [0, 1, 0]
     assert calls["n"] == 2  # float32 then float64, for the failing layer only
     assert torch.equal(layers[1].whitening_matrix, before[1])  # previous transform kept

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as Fn
 
 import whitenlayers as wl
+from whitenlayers.fold import FoldCoordinator
 
 METHODS = ["grad", "recursive", "direct"]
 BLOCK = 3
@@ -93,7 +94,7 @@ def test_resume_mid_block_is_bit_for_bit(method, container):
     model, opt = build(method)
     for i in range(4):  # one block and one batch of the next
         step(model, opt, i)
-    assert all(layer._acc_batches == 1 for _, layer in whitening(model))
+    assert all(layer.batches_in_block == 1 for _, layer in whitening(model))
     sd = model.state_dict()
     if container == "plain-dict":  # what a dict comprehension or some loaders leave: no _metadata
         sd = {k: v for k, v in sd.items()}
@@ -137,7 +138,7 @@ def test_older_checkpoint_without_partial_block_loads_and_starts_a_fresh_block(v
     for (name, a), (_, b) in zip(whitening(model), whitening(fresh)):
         for buf in ("running_mean", "running_cov", "whitening_matrix", "grad_transform", "num_blocks"):
             assert torch.equal(getattr(a, buf), getattr(b, buf)), (name, buf)
-        assert b._acc_batches == 0 and float(b._acc_count) == 0 and b._acc_shift is None
+        assert b.batches_in_block == 0 and float(b._acc_count) == 0 and b._acc_shift is None
     # a fresh block: the next fold comes after BLOCK more batches, not after BLOCK - 1
     opt_f = torch.optim.SGD(fresh.parameters(), lr=0.05)
     for i in range(BLOCK - 1):
@@ -231,7 +232,7 @@ def test_layer_copy_keeps_whole_behaviour(kind, how):
     for i in range(3):  # a fold, then mid-block
         layer(layer_batch(kind, i))
     clone = COPIES[how](layer)
-    assert clone._acc_batches == 1 and int(clone.num_blocks) == 1
+    assert clone.batches_in_block == 1 and int(clone.num_blocks) == 1
     results = []
     for m in (layer, clone):
         params = list(m.parameters())
@@ -266,7 +267,7 @@ def test_converted_model_copy_keeps_whole_behaviour_and_shares_nothing(method, h
     clone = COPIES[how](model)
     frozen = copy.deepcopy(clone.state_dict())
     # the copy has its own coordinator, installed on the copy and used by the copy's layers
-    hooks = [h for h in clone._forward_hooks.values() if isinstance(h, wl.FoldCoordinator)]
+    hooks = [h for h in clone._forward_hooks.values() if isinstance(h, FoldCoordinator)]
     assert len(hooks) == 1
     for (_, a), (_, b) in zip(whitening(model), whitening(clone)):
         assert b._fold_coordinator is hooks[0]

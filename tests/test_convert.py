@@ -14,7 +14,7 @@ from torch import nn
 import whitenlayers as wl
 from whitenlayers import models
 from whitenlayers.convert import DirectWhitened, target_layers
-from whitenlayers.stats import FoldCoordinator
+from whitenlayers.fold import FoldCoordinator
 
 METHODS = ["grad", "recursive", "direct"]
 
@@ -549,7 +549,7 @@ def test_plain_checkpoint_loads_into_converted_model(method):
     result = wl.load_plain_state_dict(model, plain.state_dict())
     assert result.missing_keys == [] and result.unexpected_keys == []
     for _, layer in wl.whitening_layers(model):
-        assert int(layer.num_blocks) == 0 and layer._acc_batches == 0
+        assert int(layer.num_blocks) == 0 and layer.batches_in_block == 0
         torch.testing.assert_close(layer.whitening_matrix, torch.eye(layer.num_features))
     model.eval()
     x = torch.randn(4, 3, 16, 16)

@@ -270,7 +270,7 @@ def test_gathering_changes_no_state(method):
     twin = copy.deepcopy(model)
     before = snapshot(model)
     if method is not None:
-        assert any(m._acc_batches == 1 for _, m in wl.whitening_layers(model))
+        assert any(m.batches_in_block == 1 for _, m in wl.whitening_layers(model))
     wl.collect_diagnostics(model, batches(8))
     wl.layer_diagnostics(model)
     assert_same_state(snapshot(model), before)

@@ -20,7 +20,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import whitenlayers as wl
-import whitenlayers.stats as wl_stats
+from whitenlayers.fold import FoldCoordinator, fold_layers
+import whitenlayers.fold as wl_fold
 from dist_utils import CountingDist, run_distributed
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
@@ -62,9 +63,9 @@ class GlobalStatNorm(nn.Module):
         return y * self.weight.view(1, -1, 1, 1) + self.bias.view(1, -1, 1, 1)
 
 
-def install_coordinator(model: nn.Module) -> wl.FoldCoordinator:
+def install_coordinator(model: nn.Module) -> FoldCoordinator:
     """Fold all whitening layers of ``model`` together after its forward (what ``convert_model`` does)."""
-    coord = wl.FoldCoordinator()
+    coord = FoldCoordinator()
     coord.handle = model.register_forward_hook(coord)
     for name, m in model.named_modules():
         if isinstance(m, wl.WhiteningStatistics):
@@ -140,7 +141,7 @@ def _ddp_run(rank: int, world: int, norm: bool) -> dict:
     torch.manual_seed(1234 + rank)  # any rank-dependent randomness must not matter
     model = make_model(norm)
     counter = CountingDist(dist)
-    wl_stats.dist = counter  # count the whitening's own collectives only
+    wl_fold.dist = counter  # count the whitening's own collectives only
     ddp = DDP(model)  # default settings: broadcast_buffers=True
     assert ddp.broadcast_buffers
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
@@ -237,7 +238,7 @@ def _standalone_run(rank: int, world: int) -> dict:
         wl.DirectWhiten(4, block_size=2),
     ]
     counter = CountingDist(dist)
-    wl_stats.dist = counter
+    wl_fold.dist = counter
     g = torch.Generator().manual_seed(7)
     out = []
     for step in range(4):
@@ -251,7 +252,7 @@ def _standalone_run(rank: int, world: int) -> dict:
     before = len(counter.calls)
     for m in layers:
         m(x[:3] if rank == 0 else x[:0]) if m is not layers[1] else m((x[:3] if rank == 0 else x[:0]).mean((2, 3)))
-    wl.fold_layers(layers)
+    fold_layers(layers)
     fold_calls = len(counter.calls) - before
     out.append([{b: getattr(m, b).clone() for b in WHITEN_STATE if hasattr(m, b)} for m in layers])
     return {"states": out, "total_calls": len(counter.calls), "fold_calls": fold_calls}
@@ -277,7 +278,7 @@ def test_standalone_layers_agree_across_ranks_and_with_single_process(spawned):
     layers[0](x[:3])
     layers[1](x[:3].mean((2, 3)))
     layers[2](x[:3])
-    wl.fold_layers(layers)
+    fold_layers(layers)
     ref.append([{b: getattr(m, b).clone() for b in WHITEN_STATE if hasattr(m, b)} for m in layers])
 
     for step, (a, b, r) in enumerate(zip(r0["states"], r1["states"], ref)):

@@ -451,7 +451,7 @@ def test_invalid_input_errors_name_layer_expected_and_actual(name, training):
     after = {**state(layer), "acc_s2": layer._acc_s2, "acc_count": layer._acc_count}
     for k, v in before.items():
         assert torch.equal(after[k], v), k
-    assert layer._acc_batches == (1 if training else 0)
+    assert layer.batches_in_block == (1 if training else 0)
 
 
 # --------------------------------------------------------------------------

@@ -6,7 +6,8 @@ Drop-in layers that whiten the inputs of convolutions, either directly
 Markovich-Golan, Battash and Bleiweiss, "Feature Whitening via Gradient
 Transformation for Improved Convergence".
 """
-from . import functional, models
+from . import config, functional, models
+from .config import EVDConfig, RecursiveConfig
 from .layers import (
     DirectWhiten,
     GradWhitenConv2d,
@@ -14,7 +15,7 @@ from .layers import (
     RecursiveWhitenConv2d,
     RecursiveWhitenLinear,
 )
-from .stats import FoldCoordinator, WhiteningStatistics, fold_layers
+from .stats import WhiteningStatistics
 from .convert import (
     DirectWhitened,
     convert_model,
@@ -34,8 +35,9 @@ __all__ = [
     "RecursiveWhitenConv2d",
     "RecursiveWhitenLinear",
     "WhiteningStatistics",
-    "FoldCoordinator",
-    "fold_layers",
+    "EVDConfig",
+    "RecursiveConfig",
+    "config",
     "functional",
     "convert_model",
     "export_model",

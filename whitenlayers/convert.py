@@ -42,7 +42,9 @@ import torch
 from torch import Tensor, nn
 
 from .layers import DirectWhiten, GradWhitenConv2d, GradWhitenLinear, RecursiveWhitenConv2d, RecursiveWhitenLinear
-from .stats import FoldCoordinator, WhiteningStatistics
+from .config import EVDConfig, RecursiveConfig
+from .fold import FoldCoordinator
+from .stats import WhiteningStatistics
 
 __all__ = [
     "DEFAULT_BLOCK_TYPES",
@@ -250,22 +252,22 @@ def _install_coordinator(model: nn.Module) -> Optional[FoldCoordinator]:
 # --------------------------------------------------------------------------
 # convert_model
 # --------------------------------------------------------------------------
+#: Layer keywords that are not whitening hyper-parameters.
+_LAYER_OPTIONS = ("config", "process_group")
+
+
 def _check_layer_kwargs(method: str, layer_kwargs: Dict[str, Any]) -> None:
+    """``TypeError`` for a keyword the method's layers do not take (names from the config dataclasses)."""
+    owner = f"convert_model(method={method!r})"
+    whitening = {k: v for k, v in layer_kwargs.items() if k not in _LAYER_OPTIONS}
     if method == "direct":
-        classes: Sequence[type] = (DirectWhiten,)
+        cls, exclude = DirectWhiten._CONFIG_CLASS, DirectWhiten._unused_fields
     else:
-        classes = _GRAD_CLASSES[method]
-    allowed = set()
-    for cls in classes:
-        params = inspect.signature(cls.__init__).parameters
-        allowed |= {n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
-    allowed -= {"device", "dtype"}
-    bad = sorted(set(layer_kwargs) - allowed)
-    if bad:
-        raise TypeError(
-            f"convert_model(method={method!r}) got unexpected whitening argument(s) {bad}; "
-            f"valid ones are {sorted(allowed)}"
-        )
+        cls, exclude = _GRAD_CLASSES[method][0]._CONFIG, ()
+    cls.check_names(owner, whitening, exclude=exclude)
+    config = layer_kwargs.get("config")
+    if config is not None and type(config) is not cls:
+        raise TypeError(f"{owner} expects config to be a {cls.__name__}, but got {type(config).__name__}")
 
 
 def _make_layer(method: str, module: nn.Module, name: str, layer_kwargs: Dict[str, Any]) -> nn.Module:
@@ -311,9 +313,14 @@ def convert_model(
       i.e. the whitening ``y = T (x - mu)`` runs before the unchanged layer
       (features on dim 1: a wrapped ``nn.Linear`` takes ``(B, C)`` inputs).
 
-    ``layer_kwargs`` (``block_size``, ``alpha``, ``beta``, ...) go to every new
-    whitening layer; an argument the method's layers do not take raises
-    ``TypeError`` before anything is changed (``DirectWhiten`` has no ``beta``).
+    ``layer_kwargs`` go to every new whitening layer: the whitening
+    hyper-parameters (``block_size``, ``alpha``, ``beta``, ...: the fields of
+    :class:`~whitenlayers.EVDConfig` for ``grad``/``direct``, of
+    :class:`~whitenlayers.RecursiveConfig` for ``recursive``), or a whole
+    ``config=`` (with keywords applied on top), and ``process_group=`` (the
+    group whose ranks sum their statistics at a fold; default: the world). An
+    argument the method's layers do not take raises ``TypeError`` before
+    anything is changed (``DirectWhiten`` has no ``beta``).
 
     Targets. By default every ``nn.Conv2d`` inside a module whose class (or a
     base class) is named ``BasicBlock`` or ``Bottleneck``, including the

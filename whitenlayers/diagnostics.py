@@ -233,7 +233,7 @@ def collect_diagnostics(
         cov = moments[name].covariance()
         if cov is not None and kind == "grad":
             t = module.whitening_matrix.to(device=cov.device, dtype=torch.float64)
-            cov = F_w.symmetrize(t @ cov @ t.t())
+            cov = F_w.symmetrize(F_w.whitened_covariance(t, cov))
         covs[name] = cov
         kinds[name] = kind
     result = summarize(covs, kinds)

@@ -413,7 +413,7 @@ def resolve_config(args: argparse.Namespace) -> Dict[str, Any]:
         cfg["milestones"] = [int(v) for v in cfg["milestones"].split(",") if v.strip()]
     cfg["layer_kw"] = _parse_layer_kw(cfg["layer_kw"] or [])
     # Validate the whitening arguments now (a clear error before any training).
-    from .stats import validate_hyperparameters
+    from .config import validate_hyperparameters
 
     numeric = {k: cfg[k] for k in WHITEN_KEYS if k != "gains" and cfg[k] is not None}
     for per in cfg["layer_kw"].values():

@@ -38,6 +38,10 @@ __all__ = [
     "principal_subspace",
     "RecursiveStep",
     "recursive_step",
+    "whitened_covariance",
+    "whitened_covariance_update",
+    "smooth_grad_transform",
+    "weight_mean_product",
     "transform_weight_grad",
 ]
 
@@ -507,6 +511,52 @@ def recursive_step(
     q_new.addr_(t_vec, c1 * t_vec + c2 * v).addr_(v, t_vec, alpha=c2)
     q_new.diagonal().add_((1.0 - gamma) ** 2)
     return RecursiveStep(t_new, symmetrize(q_new), v, lam_e, g, clamped)
+
+
+def whitened_covariance(t: Tensor, cov: Tensor) -> Tensor:
+    """``T C T^T``: the covariance of the whitened features ``y = T x`` when ``x`` has covariance ``C``.
+
+    Computed in the dtype of its arguments (no symmetrisation: callers that
+    need the last bit of symmetry call :func:`symmetrize`).
+    """
+    return t @ cov @ t.transpose(-1, -2)
+
+
+def whitened_covariance_update(
+    phi_y_prev: Tensor, t_prev: Tensor, block_cov: Tensor, alpha: float, first: bool
+) -> Tensor:
+    """``Phi_y(i)``: eq. ``vPhixi`` applied to the whitened features ``y = T(i-1) x`` of block ``i``.
+
+    ``Phi_y(i) = alpha Phi_y(i-1) + (1 - alpha) T(i-1) C_block T(i-1)^T`` with
+    ``C_block`` the block's covariance about the new mean (the new term of eq.
+    ``vPhixi``); ``T(i-1) C_block T(i-1)^T`` alone for the first block.
+    Two ``M x M x M`` products: the recursive rule's only ``O(M^3)`` cost,
+    paid once per block, never per batch. In ``t_prev``'s dtype; symmetric.
+    """
+    new = whitened_covariance(t_prev, block_cov.to(t_prev.dtype))
+    if not first:
+        new = new.mul_(1.0 - alpha).add_(phi_y_prev.to(t_prev.dtype), alpha=alpha)
+    return symmetrize(new)
+
+
+def smooth_grad_transform(qs_prev: Tensor, q: Tensor, beta: float) -> Tensor:
+    """``Q_s(i) = beta Q_s(i-1) + (1 - beta) Q(i)`` (paper section 3), in ``q``'s dtype.
+
+    Symmetric to the last bit when ``Q_s(i-1)`` and ``Q(i)`` are: entries
+    ``(i, j)`` and ``(j, i)`` are computed alike.
+    """
+    return (qs_prev.to(q.dtype) * beta).add_(q, alpha=1.0 - beta)
+
+
+def weight_mean_product(weight: Tensor, mean: Tensor) -> Tensor:
+    """``sum_k W_k mean`` per output feature: kernel taps and input features summed.
+
+    ``weight`` is ``(S, M)`` or ``(S, M, *kernel)``, ``mean`` ``(M,)``. It is the
+    centring offset of a layer that centres on ``mean``, and, applied to a change
+    of the mean, the bias compensation of eq. ``vtb_corr`` (ERRATA 8).
+    """
+    w = weight.reshape(weight.shape[0], weight.shape[1], -1).sum(-1)
+    return w @ mean.to(w.dtype)
 
 
 # --------------------------------------------------------------------------

@@ -18,13 +18,17 @@ matrix couples all input channels and a grouped weight cannot carry it.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Union
+import dataclasses
+import inspect
+from typing import Any, Dict, Optional, Type, Union
 
 import torch
 from torch import Tensor, nn
 from torch.nn.common_types import _size_2_t
 
+from . import functional as F_w
 from .autograd import direct_whiten, grad_transformed
+from .config import EVDConfig, RecursiveConfig, WhiteningConfig, make_config
 from .stats import WhiteningStatistics
 
 __all__ = [
@@ -36,12 +40,25 @@ __all__ = [
     "WhiteningStatistics",
 ]
 
-DEFAULT_BLOCK_SIZE = 10
-_EVD_DEFAULTS = dict(block_size=DEFAULT_BLOCK_SIZE, alpha=0.9, beta=0.95, eps=1e-5, gmax=10.0, gains="practical", stats_fraction=1.0)
-_REC_DEFAULTS = dict(
-    block_size=DEFAULT_BLOCK_SIZE, alpha=0.1, beta=0.1, gamma=0.99, delta=0.25, c_rel=0.025, c_abs=1e-6, eps=1e-5,
-    stats_fraction=1.0,
-)
+
+
+def _with_whitening_signature(config_class: Type[WhiteningConfig], exclude: tuple = ()):
+    """Show the config's fields as keyword-only arguments in ``help()`` / ``inspect.signature`` of ``__init__``.
+
+    The constructors take them as ``**whitening`` (one source of names and
+    defaults: the config dataclass); this only documents them.
+    """
+
+    def decorate(init):
+        sig = inspect.signature(init)
+        params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        for f in dataclasses.fields(config_class):
+            if f.name not in exclude:
+                params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type))
+        init.__signature__ = sig.replace(parameters=params)
+        return init
+
+    return decorate
 
 
 def _autocast_enabled(device_type: str) -> bool:
@@ -88,27 +105,24 @@ class DirectWhiten(WhiteningStatistics, nn.Module):
         (1, (3, 3))
     """
 
+    _CONFIG_CLASS = EVDConfig
+    _unused_fields = ("beta",)  # no gradient transform to smooth
+
+    @_with_whitening_signature(EVDConfig, exclude=_unused_fields)
     def __init__(
         self,
         num_features: int,
         *,
-        block_size: int = DEFAULT_BLOCK_SIZE,
-        alpha: float = 0.9,
-        eps: float = 1e-5,
-        gmax: float = 10.0,
-        gains: str = "practical",
-        stats_fraction: float = 1.0,
+        config: Optional[EVDConfig] = None,
+        process_group: Any = None,
         device=None,
         dtype=None,
+        **whitening: Any,
     ) -> None:
         nn.Module.__init__(self)
-        self._init_whitening(
-            num_features, method="evd", grad_transform=False, block_size=block_size, alpha=alpha, eps=eps,
-            gmax=gmax, gains=gains, stats_fraction=stats_fraction, device=device, dtype=dtype,
-        )
-
-    def _whitening_defaults(self) -> Dict[str, Any]:
-        return {k: v for k, v in _EVD_DEFAULTS.items() if k != "beta"}
+        cfg = make_config(EVDConfig, type(self).__name__, config, whitening, exclude=self._unused_fields)
+        self._init_whitening(num_features, cfg, grad_transform=False, process_group=process_group, device=device,
+                             dtype=dtype)
 
     def extra_repr(self) -> str:
         rest = self._whitening_repr()
@@ -133,25 +147,26 @@ class _GradWhitenMixin(WhiteningStatistics):
     weight: Tensor
     bias: Optional[Tensor]
 
-    def _init_grad_whitening(self, num_features: int, out_features: int, method: str, kw: Dict[str, Any], device, dtype) -> None:
-        self._init_whitening(num_features, method=method, grad_transform=True, device=device, dtype=dtype, **kw)
+    #: The config class of the layer's rule (EVD for the grad layers, recursive for the recursive ones).
+    _CONFIG: Type[WhiteningConfig] = EVDConfig
+
+    def _init_grad_whitening(self, num_features: int, out_features: int, config: Optional[WhiteningConfig],
+                             whitening: Dict[str, Any], process_group: Any, device, dtype) -> None:
+        cfg = make_config(self._CONFIG, type(self).__name__, config, whitening)
+        self._init_whitening(num_features, cfg, grad_transform=True, process_group=process_group, device=device,
+                             dtype=dtype)
         stats_dtype = self.running_mean.dtype
         # Compensation for mean updates of a bias-free layer: a buffer, never a trainable parameter.
         self.register_buffer(
             "bias_correction", None if self.bias is not None else torch.zeros(out_features, device=device, dtype=stats_dtype)
         )
 
-    def _weight_mean_product(self, weight: Tensor, mean: Tensor) -> Tensor:
-        """``sum_k W_k mean`` per output feature (kernel taps and input features summed)."""
-        w = weight.reshape(weight.shape[0], weight.shape[1], -1).sum(-1)
-        return w @ mean.to(w.dtype)
-
     def _effective_bias(self, weight: Tensor) -> Tensor:
         """``b + c - sum_k W_k mu``: the bias that makes the plain layer compute the centred one."""
         mean = self.running_mean
         if torch.is_grad_enabled() and weight.requires_grad:
             mean = mean.clone()  # saved for backward: a later fold must not modify it
-        offset = self._weight_mean_product(weight, mean)
+        offset = F_w.weight_mean_product(weight, mean)
         if self.bias is not None:
             return self.bias - offset
         return self.bias_correction.to(offset.dtype) - offset
@@ -166,14 +181,11 @@ class _GradWhitenMixin(WhiteningStatistics):
     @torch.no_grad()
     def _on_mean_change(self, old: Tensor, new: Tensor) -> None:
         # ERRATA 8: b(i) = b(i-) + sum W (mu(i) - mu(i-1)) keeps z unchanged.
-        comp = self._weight_mean_product(self.weight.detach().to(torch.float64), new - old)
+        comp = F_w.weight_mean_product(self.weight.detach().to(torch.float64), new - old)
         if self.bias is not None:
             self.bias.add_(comp.to(self.bias.dtype))
         else:
             self.bias_correction.add_(comp.to(self.bias_correction.dtype))
-
-    def _whitening_defaults(self) -> Dict[str, Any]:
-        return dict(_REC_DEFAULTS if self.method == "recursive" else _EVD_DEFAULTS)
 
     def extra_repr(self) -> str:
         rest = self._whitening_repr()
@@ -207,8 +219,7 @@ class GradWhitenConv2d(_GradWhitenMixin, nn.Conv2d):
         torch.Size([4, 16, 10, 10])
     """
 
-    _METHOD = "evd"
-
+    @_with_whitening_signature(EVDConfig)
     def __init__(
         self,
         in_channels: int,
@@ -223,21 +234,15 @@ class GradWhitenConv2d(_GradWhitenMixin, nn.Conv2d):
         device=None,
         dtype=None,
         *,
-        block_size: int = DEFAULT_BLOCK_SIZE,
-        alpha: float = 0.9,
-        beta: float = 0.95,
-        eps: float = 1e-5,
-        gmax: float = 10.0,
-        gains: str = "practical",
-        stats_fraction: float = 1.0,
+        config: Optional[EVDConfig] = None,
+        process_group: Any = None,
+        **whitening: Any,
     ) -> None:
-        self._init_conv(
-            in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode, device, dtype,
-            dict(block_size=block_size, alpha=alpha, beta=beta, eps=eps, gmax=gmax, gains=gains, stats_fraction=stats_fraction),
-        )
+        self._init_conv(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode,
+                        device, dtype, config, process_group, whitening)
 
     def _init_conv(self, in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode,
-                   device, dtype, kw) -> None:
+                   device, dtype, config, process_group, whitening) -> None:
         if groups != 1:
             raise ValueError(
                 f"{type(self).__name__} supports groups=1 only (a whitening matrix couples all input channels), "
@@ -245,7 +250,7 @@ class GradWhitenConv2d(_GradWhitenMixin, nn.Conv2d):
             )
         nn.Conv2d.__init__(self, in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
                            padding_mode, device, dtype)
-        self._init_grad_whitening(in_channels, out_channels, self._METHOD, kw, device, dtype)
+        self._init_grad_whitening(in_channels, out_channels, config, whitening, process_group, device, dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         _check_input(self, x, dim=-3, ndims=(3, 4), what="an input of shape (B, C, H, W) or (C, H, W)")
@@ -309,8 +314,7 @@ class GradWhitenLinear(_GradWhitenMixin, nn.Linear):
     :class:`GradWhitenConv2d`.
     """
 
-    _METHOD = "evd"
-
+    @_with_whitening_signature(EVDConfig)
     def __init__(
         self,
         in_features: int,
@@ -319,22 +323,15 @@ class GradWhitenLinear(_GradWhitenMixin, nn.Linear):
         device=None,
         dtype=None,
         *,
-        block_size: int = DEFAULT_BLOCK_SIZE,
-        alpha: float = 0.9,
-        beta: float = 0.95,
-        eps: float = 1e-5,
-        gmax: float = 10.0,
-        gains: str = "practical",
-        stats_fraction: float = 1.0,
+        config: Optional[EVDConfig] = None,
+        process_group: Any = None,
+        **whitening: Any,
     ) -> None:
-        self._init_linear(
-            in_features, out_features, bias, device, dtype,
-            dict(block_size=block_size, alpha=alpha, beta=beta, eps=eps, gmax=gmax, gains=gains, stats_fraction=stats_fraction),
-        )
+        self._init_linear(in_features, out_features, bias, device, dtype, config, process_group, whitening)
 
-    def _init_linear(self, in_features, out_features, bias, device, dtype, kw) -> None:
+    def _init_linear(self, in_features, out_features, bias, device, dtype, config, process_group, whitening) -> None:
         nn.Linear.__init__(self, in_features, out_features, bias, device, dtype)
-        self._init_grad_whitening(in_features, out_features, self._METHOD, kw, device, dtype)
+        self._init_grad_whitening(in_features, out_features, config, whitening, process_group, device, dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         _check_input(self, x, dim=-1, ndims=tuple(range(1, 9)), what="an input of shape (*, in_features)")
@@ -389,8 +386,9 @@ class RecursiveWhitenConv2d(GradWhitenConv2d):
     ``clamped_steps``.
     """
 
-    _METHOD = "recursive"
+    _CONFIG = RecursiveConfig
 
+    @_with_whitening_signature(RecursiveConfig)
     def __init__(
         self,
         in_channels: int,
@@ -405,28 +403,20 @@ class RecursiveWhitenConv2d(GradWhitenConv2d):
         device=None,
         dtype=None,
         *,
-        block_size: int = DEFAULT_BLOCK_SIZE,
-        alpha: float = 0.1,
-        beta: float = 0.1,
-        gamma: float = 0.99,
-        delta: float = 0.25,
-        c_rel: float = 0.025,
-        c_abs: float = 1e-6,
-        eps: float = 1e-5,
-        stats_fraction: float = 1.0,
+        config: Optional[RecursiveConfig] = None,
+        process_group: Any = None,
+        **whitening: Any,
     ) -> None:
-        self._init_conv(
-            in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode, device, dtype,
-            dict(block_size=block_size, alpha=alpha, beta=beta, gamma=gamma, delta=delta, c_rel=c_rel, c_abs=c_abs,
-                 eps=eps, stats_fraction=stats_fraction),
-        )
+        self._init_conv(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode,
+                        device, dtype, config, process_group, whitening)
 
 
 class RecursiveWhitenLinear(GradWhitenLinear):
     """:class:`GradWhitenLinear` with the recursive transform update; see :class:`RecursiveWhitenConv2d`."""
 
-    _METHOD = "recursive"
+    _CONFIG = RecursiveConfig
 
+    @_with_whitening_signature(RecursiveConfig)
     def __init__(
         self,
         in_features: int,
@@ -435,18 +425,8 @@ class RecursiveWhitenLinear(GradWhitenLinear):
         device=None,
         dtype=None,
         *,
-        block_size: int = DEFAULT_BLOCK_SIZE,
-        alpha: float = 0.1,
-        beta: float = 0.1,
-        gamma: float = 0.99,
-        delta: float = 0.25,
-        c_rel: float = 0.025,
-        c_abs: float = 1e-6,
-        eps: float = 1e-5,
-        stats_fraction: float = 1.0,
+        config: Optional[RecursiveConfig] = None,
+        process_group: Any = None,
+        **whitening: Any,
     ) -> None:
-        self._init_linear(
-            in_features, out_features, bias, device, dtype,
-            dict(block_size=block_size, alpha=alpha, beta=beta, gamma=gamma, delta=delta, c_rel=c_rel, c_abs=c_abs,
-                 eps=eps, stats_fraction=stats_fraction),
-        )
+        self._init_linear(in_features, out_features, bias, device, dtype, config, process_group, whitening)

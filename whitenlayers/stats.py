@@ -1,244 +1,74 @@
-"""Running statistics and the block fold, shared by every whitening layer.
+"""The state of a whitening layer: running statistics, buffers, the block, checkpoints.
 
-:class:`WhiteningStatistics` is a mixin: it registers the contract buffers
-(``running_mean``, ``running_cov``, ``whitening_matrix``, ``grad_transform``,
-``num_blocks``), accumulates each training batch's moments, and folds a block
-every ``block_size`` training forwards (SPEC "Semantics"). The transform rule
-(EVD or recursive) is chosen per layer.
+:class:`WhiteningStatistics` is a mixin of the whitening layers. It registers
+the contract buffers (``running_mean``, ``running_cov``, ``whitening_matrix``,
+``grad_transform``, ``num_blocks``) and its rule's own, accumulates each
+training batch's moments, and folds a block every ``block_size`` training
+forwards (SPEC "Semantics"): it computes the new moments and hands them to its
+transform rule (:mod:`whitenlayers.rules`), which returns the new transform.
+Hyper-parameters live in a frozen config (:mod:`whitenlayers.config`).
 
 Per-batch accumulators are *not* buffers: DistributedDataParallel re-broadcasts
 every buffer from rank 0 before each forward, which would overwrite each rank's
 partial sums. They travel in checkpoints through ``get_extra_state``.
-
-Distributed: :func:`fold_layers` sums the block statistics of any number of
-layers across ranks in two coalesced ``all_reduce`` calls (first counts and
-means, then the scatter about the global mean, which keeps the sum accurate
-when ``|mean| >> std``), so all ranks fold identical numbers.
+Folding across layers and ranks is :mod:`whitenlayers.fold`'s.
 """
 from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Hashable, Optional
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from . import functional as F_w
+from .config import EVDConfig, RecursiveConfig, WhiteningConfig
+from .fold import FoldCoordinator, _no_autocast, fold_layers
 from .functional import BlockSummary
+from .rules import NOT_COMPUTED, Fold, TransformRule, rule_for
 
-__all__ = ["WhiteningStatistics", "FoldCoordinator", "fold_layers", "validate_hyperparameters"]
-
-_RULES = ("evd", "recursive")
-_COMPUTE = object()  # sentinel: "compute the EVD transform here" (see _fold_all)
-
-
-def validate_hyperparameters(**kw: Any) -> None:
-    """Raise ``ValueError`` naming the first argument outside its valid range (SPEC "Quality bars")."""
-    checks = {
-        "block_size": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1"),
-        "alpha": (lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
-        "beta": (lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
-        "gamma": (lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
-        "delta": (lambda v: v > 0.0, "> 0"),
-        "eps": (lambda v: v > 0.0, "> 0"),
-        "gmax": (lambda v: v >= 1.0, ">= 1"),
-        "c_rel": (lambda v: v >= 0.0, ">= 0"),
-        "c_abs": (lambda v: v >= 0.0, ">= 0"),
-        "stats_fraction": (lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
-    }
-    for name, value in kw.items():
-        ok, what = checks[name]
-        try:
-            valid = ok(value) and (name == "block_size" or math.isfinite(value))
-        except TypeError:
-            valid = False
-        if not valid:
-            raise ValueError(f"{name} must be {what}, but got {name}={value!r}")
-
-
-def _no_autocast(device: torch.device):
-    """Statistics and transforms are computed in their own dtype, never in autocast's lower precision."""
-    return torch.autocast(device_type=device.type, enabled=False)
-
-
-def _dist_group(layers: Sequence["WhiteningStatistics"]):
-    if not (dist.is_available() and dist.is_initialized()):
-        return None, 1
-    group = layers[0].process_group
-    if not all(layer.process_group is group for layer in layers):
-        raise ValueError("fold_layers: all layers folded together must share one process_group")
-    if dist.get_world_size(group) == 1:
-        return None, 1
-    return group, dist.get_world_size(group)
-
-
-def _all_reduce_summaries(summaries: List[BlockSummary], group) -> List[BlockSummary]:
-    """Global block statistics across ranks: two coalesced all_reduce calls for all layers."""
-    # Phase 1: counts and count-weighted means -> global count and mean.
-    flat = torch.cat([torch.cat([s.count.view(1), s.count * s.mean]) for s in summaries])
-    dist.all_reduce(flat, group=group)
-    out_mean, pos = [], 0
-    for s in summaries:
-        m = s.mean.numel()
-        n = flat[pos]
-        out_mean.append((n, flat[pos + 1 : pos + 1 + m] / torch.clamp(n, min=1.0)))
-        pos += 1 + m
-    # Phase 2: each rank's scatter about the global mean, and the powers.
-    parts = []
-    for s, (n, mean) in zip(summaries, out_mean):
-        d = s.mean - mean
-        local = s.scatter + s.count * torch.outer(d, d)
-        parts.append(torch.cat([local.reshape(-1), s.power]))
-    flat2 = torch.cat(parts)
-    dist.all_reduce(flat2, group=group)
-    result, pos = [], 0
-    for s, (n, mean) in zip(summaries, out_mean):
-        m = s.mean.numel()
-        scatter = flat2[pos : pos + m * m].view(m, m)
-        power = flat2[pos + m * m : pos + m * m + m]
-        pos += m * m + m
-        result.append(BlockSummary(n, mean, F_w.symmetrize(scatter), power))
-    return result
-
-
-@torch.compiler.disable  # the fold (once per block, host logic, EVD) stays out of compiled graphs
-def fold_layers(layers: Iterable["WhiteningStatistics"]) -> None:
-    """Fold the current block of each layer, statistics summed across ranks when distributed.
-
-    All ranks must call this with the same layers in the same order (they do
-    when they run the same number of training forwards, as DDP requires).
-    """
-    layers = list(layers)
-    if not layers:
-        return
-    with _no_autocast(layers[0].running_mean.device):
-        summaries = [layer._block_summary() for layer in layers]
-        group, world = _dist_group(layers)
-        if world > 1:
-            summaries = _all_reduce_summaries(summaries, group)
-        _fold_all(layers, summaries)
-
-
-@torch.no_grad()
-def _fold_all(layers: Sequence["WhiteningStatistics"], summaries: Sequence[BlockSummary]) -> None:
-    """Fold each layer; the EVD layers' eigendecompositions batched by width.
-
-    Layers whose transform is computed alike (same ``M``, working dtype,
-    device, ``eps``, ``gmax``, ``gains``) share one batched ``eigh`` call
-    (:func:`functional.evd_transform_batched`, same results as one call per
-    layer, with the same per-layer fallbacks and failure counts). The rest of
-    each fold (moments, bias compensation, recursive layers) runs per layer.
-    """
-    groups: Dict[tuple, list] = {}
-    for layer, summary in zip(layers, summaries):
-        if layer.method != "evd" or len(layers) == 1:
-            layer._fold(summary)
-            continue
-        start = layer._fold_start(summary)
-        if start is None:
-            continue
-        work = layer._evd_work_dtype()
-        key = (layer.num_features, work, start[1].device, layer.eps, layer.gmax, layer.gains)
-        groups.setdefault(key, []).append((layer, summary, start))
-    for (_, work, _, eps, gmax, gains), items in groups.items():
-        if len(items) == 1:
-            layer, summary, start = items[0]
-            layer._fold_finish(summary, *start)
-            continue
-        covs = torch.stack([start[1].to(work) for _, _, start in items])
-        results = F_w.evd_transform_batched(covs, eps=eps, gmax=gmax, gains=gains)
-        for (layer, summary, start), res in zip(items, results):
-            layer._fold_finish(summary, *start, evd=res)
-
-
-class FoldCoordinator:
-    """Folds all pending layers of a model together after the model's forward.
-
-    Installed as a forward hook on the root module by
-    :func:`whitenlayers.convert_model`: layers whose block ends during a
-    forward ask to be folded, and the hook folds them in one
-    :func:`fold_layers` call (one pair of collectives per block for the whole
-    model instead of one per layer). Folding after the model's forward instead
-    of right after each layer's forward changes nothing: a block's statistics
-    and the transform in force for that batch's backward are the same.
-    """
-
-    def __init__(self) -> None:
-        self.pending: List["WhiteningStatistics"] = []
-        self.handle = None
-
-    def request(self, layer: "WhiteningStatistics") -> None:
-        if not any(p is layer for p in self.pending):
-            self.pending.append(layer)
-
-    def flush(self) -> None:
-        pending, self.pending = self.pending, []
-        fold_layers([p for p in pending if p._fold_pending])
-
-    def __call__(self, module, inputs, output) -> None:
-        if self.pending:
-            self.flush()
-
-    def __getstate__(self) -> Dict[str, Any]:
-        return {"pending": list(self.pending), "handle": None}
+__all__ = ["WhiteningStatistics"]
 
 
 class WhiteningStatistics:
-    """Mixin: block statistics, fold and transform of one whitening layer.
+    """Mixin: the block statistics, buffers and fold of one whitening layer; the rule computes the transform.
 
     Subclasses call :meth:`_init_whitening` after their ``nn.Module`` base
     ``__init__``, call :meth:`_accumulate` with the layer input in training
     mode and :meth:`_end_batch` after computing the output, and may override
     :meth:`_on_mean_change` (bias compensation).
+
+    Public state besides the buffers: :attr:`config` (the frozen
+    hyper-parameters; assigning a new config of the same class takes effect at
+    the next fold), its fields as attributes (``layer.alpha``, ...; assigning
+    one replaces the config, validated), :attr:`rule`, :attr:`method`,
+    :attr:`batches_in_block`, :attr:`frozen`, :attr:`process_group`, the
+    counters ``eig_failures``, ``skipped_folds``, ``nonfinite_batches`` and
+    ``clamped_steps``.
     """
 
     _version = 1
-    # set by the layers
     num_features: int
-    method: str
+    rule: TransformRule
 
     def _init_whitening(
         self,
         num_features: int,
+        config: WhiteningConfig,
         *,
-        method: str,
         grad_transform: bool,
-        block_size: int,
-        alpha: float,
-        eps: float,
-        beta: float = 0.0,
-        gmax: float = 10.0,
-        gains: str = "practical",
-        gamma: float = 0.99,
-        delta: float = 0.25,
-        c_rel: float = 0.025,
-        c_abs: float = 1e-6,
-        stats_fraction: float = 1.0,
+        process_group: Any = None,
         device=None,
         dtype=None,
     ) -> None:
-        if method not in _RULES:
-            raise ValueError(f"method must be one of {_RULES}, but got method={method!r}")
-        if gains not in ("practical", "zca"):
-            raise ValueError(f"gains must be 'practical' or 'zca', but got gains={gains!r}")
-        if not isinstance(num_features, int) or num_features < 1:
+        if not isinstance(num_features, int) or isinstance(num_features, bool) or num_features < 1:
             raise ValueError(f"num_features must be a positive integer, but got num_features={num_features!r}")
-        hp = dict(block_size=block_size, alpha=alpha, beta=beta, eps=eps, stats_fraction=stats_fraction)
-        if method == "evd":
-            hp["gmax"] = gmax
-        else:
-            hp.update(gamma=gamma, delta=delta, c_rel=c_rel, c_abs=c_abs)
-        validate_hyperparameters(**hp)
         self.num_features = num_features
-        self.method = method
-        self.block_size = block_size
-        self.alpha, self.beta, self.eps, self.gmax, self.gains = alpha, beta, eps, gmax, gains
-        self.gamma, self.delta, self.c_rel, self.c_abs = gamma, delta, c_rel, c_abs
-        self.stats_fraction = stats_fraction
-        self.process_group = None
+        self.rule = rule_for(config)
+        self.process_group = process_group
         self.layer_name: Optional[str] = None
+        self.frozen = False
         stats_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         fk = {"device": device, "dtype": stats_dtype}
         m = num_features
@@ -248,10 +78,8 @@ class WhiteningStatistics:
         if grad_transform:
             self.register_buffer("grad_transform", torch.eye(m, **fk))
         self.register_buffer("num_blocks", torch.tensor(0, dtype=torch.long, device=device))
-        if method == "recursive":
-            self.register_buffer("running_cov_whitened", torch.zeros(m, m, **fk))  # Phi_y
-            self.register_buffer("running_power", torch.zeros(m, **fk))  # phi_x,m (uncentred)
-            self.register_buffer("whitening_gram", torch.eye(m, **fk))  # unsmoothed Q = T^T T
+        for name, value in self.rule.initial_buffers(m, fk).items():
+            self.register_buffer(name, value)
         # Counters, readable attributes (also saved in extra state).
         self.eig_failures = 0
         self.skipped_folds = 0
@@ -260,6 +88,47 @@ class WhiteningStatistics:
         self._warned: set = set()
         self._fold_coordinator: Optional[FoldCoordinator] = None
         self._reset_accumulators()
+
+    # ---------------------------------------------------------- configuration
+    @property
+    def config(self) -> WhiteningConfig:
+        """The layer's hyper-parameters (a frozen :class:`~whitenlayers.config.WhiteningConfig`)."""
+        return self.rule.config
+
+    @config.setter
+    def config(self, value: WhiteningConfig) -> None:
+        self.rule = type(self.rule)(value)  # type-checked by the rule
+
+    @property
+    def method(self) -> str:
+        """The transform rule's name: ``"evd"`` or ``"recursive"``."""
+        return self.rule.name
+
+    @property
+    def batches_in_block(self) -> int:
+        """Training forwards accumulated in the current (partial) block, ``0 <= n < block_size``."""
+        return self._acc_batches
+
+    def freeze(self, frozen: bool = True) -> "WhiteningStatistics":
+        """Stop (or, with ``False``, resume) updating the statistics; returns the layer.
+
+        A frozen layer keeps applying the transform in force (centring, ``T`` or
+        ``Q_s``) but its training forwards accumulate nothing and fold nothing,
+        like a network whose whitening was fitted once and then fixed. A partial
+        block is kept and continues when the layer is unfrozen.
+        """
+        self.frozen = bool(frozen)
+        return self
+
+    def make_standalone(self) -> "WhiteningStatistics":
+        """Fold at the end of this layer's own blocks, not through a converted model's coordinator.
+
+        For a layer taken (e.g. deep-copied) out of a converted model. Returns the layer.
+        """
+        if self._fold_pending:
+            fold_layers([self])
+        self._fold_coordinator = None
+        return self
 
     # ------------------------------------------------------------------ naming
     def _describe(self) -> str:
@@ -289,13 +158,16 @@ class WhiteningStatistics:
         No host synchronisation: a batch with non-finite values is masked out
         on the device and counted; it is reported at the fold.
         """
+        if self.frozen:
+            return
         if self._fold_pending:  # a requested fold whose coordinator never ran
             fold_layers([self])
         x = x.detach()
         if x.dtype not in (torch.float32, torch.float64):
             x = x.float()
-        if self.stats_fraction < 1.0 and x.shape[0] > 1:
-            x = x[: max(1, math.ceil(self.stats_fraction * x.shape[0]))]
+        fraction = self.config.stats_fraction
+        if fraction < 1.0 and x.shape[0] > 1:
+            x = x[: max(1, math.ceil(fraction * x.shape[0]))]
         if self._acc_s1.device != x.device:
             self._reset_accumulators_to(x.device)
         with _no_autocast(x.device):  # under autocast, products would run (and overflow) in fp16/bf16
@@ -327,8 +199,10 @@ class WhiteningStatistics:
 
     def _end_batch(self) -> None:
         """Count one training forward; fold (or ask the coordinator to) at the block's end."""
+        if self.frozen:
+            return
         self._acc_batches += 1
-        if self._acc_batches >= self.block_size:
+        if self._acc_batches >= self.config.block_size:
             self._fold_pending = True
             if self._fold_coordinator is not None:
                 self._fold_coordinator.request(self)
@@ -340,16 +214,12 @@ class WhiteningStatistics:
         return F_w.summarize_block(self._acc_count, shift, self._acc_s1, self._acc_s2)
 
     # -------------------------------------------------------------------- fold
-    @torch.no_grad()
-    def _fold(self, block: BlockSummary) -> None:
-        """Fold one block (already summed over ranks): moments, then transform, then bias compensation."""
-        start = self._fold_start(block)
-        if start is not None:
-            self._fold_finish(block, *start)
+    def _rule_batch_key(self) -> Optional[Hashable]:
+        return self.rule.batch_key(self.num_features, self.running_mean.dtype, self.running_mean.device)
 
-    def _fold_start(self, block: BlockSummary) -> Optional[Tuple[Tensor, Tensor, bool, Tensor]]:
-        """First part of a fold: counters, accumulator reset, moments ``(mu, cov, first, block_cov)``; ``None`` if
-        skipped. ``block_cov`` is the block's covariance about the new ``mu`` (eq. ``vPhixi``'s new term)."""
+    @torch.no_grad()
+    def _fold_start(self, block: BlockSummary) -> Optional[Fold]:
+        """First part of a fold: counters, accumulator reset, the new moments; ``None`` if the fold is skipped."""
         bad = int(self._acc_nonfinite)
         if bad:
             self.nonfinite_batches += bad
@@ -361,25 +231,41 @@ class WhiteningStatistics:
         if float(block.count) <= 0 or not finite:
             self.skipped_folds += 1
             self._warn_once("skip", "a block had no finite samples; the fold was skipped and the transform kept")
-            return
-        mu, cov, block_cov = F_w.fold_moments(self.running_mean, self.running_cov, block, self.alpha, first,
+            return None
+        mu, cov, block_cov = F_w.fold_moments(self.running_mean, self.running_cov, block, self.config.alpha, first,
                                               return_block_cov=True)
         if not F_w.all_finite(mu, cov):
             self.skipped_folds += 1
             self._warn_once("skip", "non-finite moments; the fold was skipped and the transform kept")
             return None
-        return mu, cov, first, block_cov
+        return Fold(block, mu, cov, block_cov, first)
 
-    def _fold_finish(self, block: BlockSummary, mu: Tensor, cov: Tensor, first: bool, block_cov: Tensor,
-                     evd: Any = _COMPUTE) -> None:
-        """Second part of a fold: transform (``evd``: an :func:`evd_transform` result computed by the caller), buffers."""
-        if self.method == "evd":
-            self._update_evd(cov, evd)
+    @torch.no_grad()
+    def _fold(self, block: BlockSummary) -> None:
+        """Fold one block of this layer alone (already summed over ranks)."""
+        fold = self._fold_start(block)
+        if fold is not None:
+            self._fold_finish(fold)
+
+    @torch.no_grad()
+    def _fold_finish(self, fold: Fold, precomputed: Any = NOT_COMPUTED) -> None:
+        """Second part of a fold: the rule's transform, then the buffers and the bias compensation."""
+        state = {name: buf for name, buf in self.named_buffers(recurse=False)}
+        result = self.rule.update(fold, state, precomputed)
+        if result is None:
+            self.eig_failures += 1
+            self._warn_once("transform", self.rule.failure_message)
         else:
-            self._update_recursive(block, block_cov, first)
-        self._on_mean_change(self.running_mean.to(torch.float64), mu)
-        self._replace_buffer("running_mean", mu)
-        self._replace_buffer("running_cov", cov)
+            self.clamped_steps += int(result.clamped)
+            for name, value in result.buffers.items():
+                self._replace_buffer(name, value)
+            self._replace_buffer("whitening_matrix", result.transform)
+            if hasattr(self, "grad_transform"):
+                qs = F_w.smooth_grad_transform(self.grad_transform, result.gram, self.config.beta)
+                self._replace_buffer("grad_transform", qs)
+        self._on_mean_change(self.running_mean.to(torch.float64), fold.mean)
+        self._replace_buffer("running_mean", fold.mean)
+        self._replace_buffer("running_cov", fold.cov)
         self.num_blocks += 1
 
     def _replace_buffer(self, name: str, value: Tensor) -> None:
@@ -393,63 +279,6 @@ class WhiteningStatistics:
         old = getattr(self, name)
         new = value.detach().to(device=old.device, dtype=old.dtype)
         setattr(self, name, new.clone() if new.data_ptr() == value.data_ptr() else new)  # never alias the input
-
-    def _smooth_grad_transform(self, q: Tensor) -> None:
-        if hasattr(self, "grad_transform"):
-            # Symmetric to the last bit, like Q_s(i-1) and Q: entries (i, j) and (j, i) are computed alike.
-            qs = (self.grad_transform.to(q.dtype) * self.beta).add_(q, alpha=1.0 - self.beta)
-            self._replace_buffer("grad_transform", qs)
-
-    def _evd_work_dtype(self) -> torch.dtype:
-        return self.whitening_matrix.dtype if self.whitening_matrix.dtype == torch.float64 else torch.float32
-
-    def _update_evd(self, cov: Tensor, res: Any = _COMPUTE) -> None:
-        if res is _COMPUTE:
-            res = F_w.evd_transform(cov.to(self._evd_work_dtype()), eps=self.eps, gmax=self.gmax, gains=self.gains)
-        if res is None:
-            self.eig_failures += 1
-            self._warn_once("eigh", "eigendecomposition failed (also in float64); the previous transform is kept")
-            return
-        t, q = res
-        self._replace_buffer("whitening_matrix", t)
-        self._smooth_grad_transform(q.to(torch.float64))
-
-    def _update_recursive(self, block: BlockSummary, block_cov: Tensor, first: bool) -> None:
-        # Work in float32 (float64 for float64 layers), like the EVD rule: the step's recursion is contractive
-        # (gamma < 1), so its round-off stays at the working precision instead of accumulating.
-        wd = self._evd_work_dtype()
-        t_prev = self.whitening_matrix.to(wd)
-        # Phi_y: eq. vPhixi on the whitened features y = T(i-1) x of this block, as T(i-1) C_block T(i-1)^T:
-        # two M x M x M products per fold (the fold's largest cost; nothing is added to the per-batch path).
-        block_cov_y = t_prev @ block_cov.to(wd) @ t_prev.t()
-        if first:
-            phi_y = block_cov_y
-        else:
-            phi_y = block_cov_y.mul_(1.0 - self.alpha).add_(self.running_cov_whitened.to(wd), alpha=self.alpha)
-        phi_y = F_w.symmetrize(phi_y)
-        n = torch.clamp(block.count, min=1.0)
-        power = F_w.recursive_average(self.running_power, block.power / n, self.alpha, first)
-        step = F_w.recursive_step(
-            t_prev,
-            self.whitening_gram.to(wd),
-            phi_y,
-            power.mean().to(wd),
-            gamma=self.gamma,
-            delta=self.delta,
-            eps=self.eps,
-            c_rel=self.c_rel,
-            c_abs=self.c_abs,
-        )
-        if not F_w.all_finite(step.transform, step.gram):
-            self.eig_failures += 1
-            self._warn_once("recursive", "non-finite recursive step; the previous transform is kept")
-            return
-        self.clamped_steps += int(step.clamped)
-        self._replace_buffer("running_cov_whitened", phi_y)
-        self._replace_buffer("running_power", power)
-        self._replace_buffer("whitening_matrix", step.transform)
-        self._replace_buffer("whitening_gram", step.gram)
-        self._smooth_grad_transform(step.gram)
 
     def _on_mean_change(self, old: Tensor, new: Tensor) -> None:
         """Hook for layers that must keep their function when the mean in force changes."""
@@ -468,30 +297,23 @@ class WhiteningStatistics:
             self.whitening_matrix.copy_(torch.eye(self.num_features))
             if hasattr(self, "grad_transform"):
                 self.grad_transform.copy_(torch.eye(self.num_features))
-            if self.method == "recursive":
-                self.running_cov_whitened.zero_()
-                self.running_power.zero_()
-                self.whitening_gram.copy_(torch.eye(self.num_features))
+            fk = {"device": self.running_mean.device, "dtype": self.running_mean.dtype}
+            for name, value in self.rule.initial_buffers(self.num_features, fk).items():
+                getattr(self, name).copy_(value)
             self.num_blocks.zero_()
         self.eig_failures = self.skipped_folds = self.nonfinite_batches = self.clamped_steps = 0
         self._reset_accumulators()
 
     def whitened_covariance(self) -> Tensor:
-        """``T Phi_x T^T``: the covariance of the features the layer's weights effectively see."""
+        """``T Phi_x T^T``: the covariance of the features the layer's weights effectively see. float64."""
         t = self.whitening_matrix.to(torch.float64)
-        return F_w.symmetrize(t @ self.running_cov.to(torch.float64) @ t.t())
+        return F_w.symmetrize(F_w.whitened_covariance(t, self.running_cov.to(torch.float64)))
+
+    #: Config fields a layer class has no use for (``DirectWhiten``: ``beta``); not accepted, not shown.
+    _unused_fields: tuple = ()
 
     def _whitening_repr(self) -> str:
-        defaults = self._whitening_defaults()
-        parts = []
-        for name, default in defaults.items():
-            value = getattr(self, name)
-            if value != default:
-                parts.append(f"{name}={value}")
-        return ", ".join(parts)
-
-    def _whitening_defaults(self) -> Dict[str, Any]:
-        return {}
+        return ", ".join(f"{k}={v}" for k, v in self.config.non_defaults(exclude=self._unused_fields).items())
 
     # ---------------------------------------------------------- checkpointing
     def get_extra_state(self) -> Dict[str, Any]:
@@ -548,3 +370,18 @@ class WhiteningStatistics:
             )
             return
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+
+
+def _config_attribute(name: str) -> property:
+    def get(self: WhiteningStatistics) -> Any:
+        return getattr(self.config, name)  # AttributeError for a field this layer's rule does not have
+
+    def set(self: WhiteningStatistics, value: Any) -> None:
+        self.config = self.config.replace(**{name: value})
+
+    return property(get, set, doc=f"``config.{name}``; assigning replaces the config (validated).")
+
+
+for _name in dict.fromkeys(EVDConfig.field_names() + RecursiveConfig.field_names()):
+    setattr(WhiteningStatistics, _name, _config_attribute(_name))
+del _name

@@ -1,0 +1,170 @@
+"""Transform rules: how a layer's ``T`` and ``Q`` are computed from its statistics at a fold.
+
+A rule is stateless apart from its hyper-parameters (a frozen config of
+:mod:`whitenlayers.config`); the state (running statistics, buffers, counters,
+checkpoints) is :class:`~whitenlayers.stats.WhiteningStatistics`'s. At a fold
+the state hands the rule a :class:`Fold` (the block's statistics and the new
+moments) and writes back what the rule returns. Adding a rule means adding a
+class here and its config class, not editing branches elsewhere.
+
+* :class:`EVDRule` (paper section 3): ZCA ``T = V diag(g)^(1/2) V^T`` from an
+  eigendecomposition of ``Phi_x``, ``Q = T^T T``. Layers folding together
+  share one batched ``eigh`` per width (:meth:`EVDRule.batch_key`).
+* :class:`RecursiveRule` (paper section 4): ``Phi_y`` tracked on the whitened
+  features, then one ``O(M^2)`` rank-one power reduction plus leakage.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Hashable, List, NamedTuple, Optional, Sequence, Type
+
+import torch
+from torch import Tensor
+
+from . import functional as F_w
+from .config import EVDConfig, RecursiveConfig, WhiteningConfig
+from .functional import BlockSummary
+
+__all__ = ["Fold", "RuleResult", "TransformRule", "EVDRule", "RecursiveRule", "rule_for", "NOT_COMPUTED"]
+
+#: ``update``'s default for ``precomputed``: nothing was computed for this layer in a batched call.
+NOT_COMPUTED: Any = object()
+
+
+class Fold(NamedTuple):
+    """What a rule gets at a fold: the block (summed over ranks) and the moments after it."""
+
+    block: BlockSummary
+    mean: Tensor  # mu(i), float64
+    cov: Tensor  # Phi_x(i), float64
+    block_cov: Tensor  # the block's covariance about mu(i): the new term of eq. vPhixi, float64
+    first: bool  # block 0: no recursion
+
+
+class RuleResult(NamedTuple):
+    """What a rule returns: the new ``T``, the unsmoothed ``Q`` and the rule's own buffers."""
+
+    transform: Tensor
+    gram: Tensor
+    buffers: Dict[str, Tensor]
+    clamped: bool = False
+
+
+class TransformRule:
+    """Base class: one instance per layer, holding the layer's config."""
+
+    name: str = ""
+    config_class: Type[WhiteningConfig] = WhiteningConfig
+    #: The failure the state warns about when :meth:`update` returns ``None``.
+    failure_message: str = "the transform update failed; the previous transform is kept"
+
+    def __init__(self, config: WhiteningConfig) -> None:
+        if type(config) is not self.config_class:
+            raise TypeError(f"{type(self).__name__} expects a {self.config_class.__name__}, but got {type(config).__name__}")
+        self.config = config
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.config!r})"
+
+    # Buffers of the rule's own, registered on the layer beside the contract buffers.
+    def initial_buffers(self, m: int, factory_kwargs: Dict[str, Any]) -> Dict[str, Tensor]:
+        return {}
+
+    def work_dtype(self, state_dtype: torch.dtype) -> torch.dtype:
+        """Transforms are computed in float32, or float64 for float64 layers."""
+        return torch.float64 if state_dtype == torch.float64 else torch.float32
+
+    # Batching across layers (one call for many layers that fold together).
+    def batch_key(self, num_features: int, state_dtype: torch.dtype, device: torch.device) -> Optional[Hashable]:
+        """Layers with equal keys may share :meth:`compute_batched`; ``None``: fold this layer alone."""
+        return None
+
+    def compute_batched(self, folds: Sequence[Fold], state_dtype: torch.dtype) -> List[Any]:
+        raise NotImplementedError
+
+    def update(self, fold: Fold, state: Dict[str, Tensor], precomputed: Any = NOT_COMPUTED) -> Optional[RuleResult]:
+        """The new transform from ``fold`` and the layer's current ``state`` (its buffers); ``None`` on failure.
+
+        ``precomputed`` is this layer's item of a :meth:`compute_batched` result, when there was one.
+        """
+        raise NotImplementedError
+
+
+class EVDRule(TransformRule):
+    """ZCA from an eigendecomposition of ``Phi_x`` (paper section 3, gains per ERRATA 5)."""
+
+    name = "evd"
+    config_class = EVDConfig
+    failure_message = "eigendecomposition failed (also in float64); the previous transform is kept"
+
+    def batch_key(self, num_features: int, state_dtype: torch.dtype, device: torch.device) -> Optional[Hashable]:
+        c = self.config
+        return ("evd", num_features, self.work_dtype(state_dtype), device, c.eps, c.gmax, c.gains)
+
+    def compute_batched(self, folds: Sequence[Fold], state_dtype: torch.dtype) -> List[Any]:
+        work = self.work_dtype(state_dtype)
+        covs = torch.stack([f.cov.to(work) for f in folds])
+        c = self.config
+        return F_w.evd_transform_batched(covs, eps=c.eps, gmax=c.gmax, gains=c.gains)
+
+    def update(self, fold: Fold, state: Dict[str, Tensor], precomputed: Any = NOT_COMPUTED) -> Optional[RuleResult]:
+        c = self.config
+        res = precomputed
+        if res is NOT_COMPUTED:
+            work = self.work_dtype(state["whitening_matrix"].dtype)
+            res = F_w.evd_transform(fold.cov.to(work), eps=c.eps, gmax=c.gmax, gains=c.gains)
+        if res is None:
+            return None
+        t, q = res
+        # Q_s is smoothed in float64 (its buffer keeps the layer's statistics dtype).
+        return RuleResult(t, q.to(torch.float64), {})
+
+
+class RecursiveRule(TransformRule):
+    """Recursive ``O(M^2)`` update (paper section 4, ERRATA 3 and 6)."""
+
+    name = "recursive"
+    config_class = RecursiveConfig
+    failure_message = "non-finite recursive step; the previous transform is kept"
+
+    def initial_buffers(self, m: int, factory_kwargs: Dict[str, Any]) -> Dict[str, Tensor]:
+        return {
+            "running_cov_whitened": torch.zeros(m, m, **factory_kwargs),  # Phi_y
+            "running_power": torch.zeros(m, **factory_kwargs),  # phi_x,m (uncentred)
+            "whitening_gram": torch.eye(m, **factory_kwargs),  # unsmoothed Q = T^T T
+        }
+
+    def update(self, fold: Fold, state: Dict[str, Tensor], precomputed: Any = NOT_COMPUTED) -> Optional[RuleResult]:
+        c = self.config
+        # Working precision float32 (float64 for float64 layers): the recursion is contractive (gamma < 1),
+        # so its round-off stays at the working precision instead of accumulating.
+        wd = self.work_dtype(state["whitening_matrix"].dtype)
+        t_prev = state["whitening_matrix"].to(wd)
+        phi_y = F_w.whitened_covariance_update(state["running_cov_whitened"], t_prev, fold.block_cov, c.alpha, fold.first)
+        n = torch.clamp(fold.block.count, min=1.0)
+        power = F_w.recursive_average(state["running_power"], fold.block.power / n, c.alpha, fold.first)
+        step = F_w.recursive_step(
+            t_prev,
+            state["whitening_gram"].to(wd),
+            phi_y,
+            power.mean().to(wd),
+            gamma=c.gamma,
+            delta=c.delta,
+            eps=c.eps,
+            c_rel=c.c_rel,
+            c_abs=c.c_abs,
+        )
+        if not F_w.all_finite(step.transform, step.gram):
+            return None
+        buffers = {"running_cov_whitened": phi_y, "running_power": power, "whitening_gram": step.gram}
+        return RuleResult(step.transform, step.gram, buffers, step.clamped)
+
+
+_RULES: Dict[str, Type[TransformRule]] = {r.name: r for r in (EVDRule, RecursiveRule)}
+
+
+def rule_for(config: WhiteningConfig) -> TransformRule:
+    """The rule instance for a config (``EVDConfig`` -> :class:`EVDRule`, ...)."""
+    for rule in _RULES.values():
+        if type(config) is rule.config_class:
+            return rule(config)
+    raise TypeError(f"no transform rule takes a {type(config).__name__}")
