@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 from .layers import DirectWhiten, GradWhitenConv2d, GradWhitenLinear, RecursiveWhitenConv2d, RecursiveWhitenLinear
 from .config import EVDConfig, RecursiveConfig
-from .fold import FoldCoordinator
+from .fold import STRATEGIES, FoldCoordinator
 from .stats import WhiteningStatistics
 
 __all__ = [
@@ -234,15 +234,16 @@ def _remove_coordinators(module: nn.Module) -> None:
             getattr(module, attr, {}).pop(key, None)
 
 
-def _install_coordinator(model: nn.Module) -> Optional[FoldCoordinator]:
+def _install_coordinator(model: nn.Module, strategy: str = "auto") -> Optional[FoldCoordinator]:
     layers = [m for _, m in whitening_layers(model)]
     if not layers:
         return None
     existing = _coordinators(model)
     if existing:
         coord = existing[0][1]
+        coord.strategy = strategy
     else:
-        coord = FoldCoordinator()
+        coord = FoldCoordinator(strategy)
         coord.handle = model.register_forward_hook(coord)
     for layer in layers:
         layer._fold_coordinator = coord
@@ -298,6 +299,7 @@ def convert_model(
     predicate: Optional[Predicate] = None,
     block_types: Optional[BlockTypes] = None,
     include_linear: bool = False,
+    fold_strategy: str = "auto",
     **layer_kwargs: Any,
 ) -> nn.Module:
     """Replace the target layers of ``model`` by whitening layers, in place; returns ``model``.
@@ -358,7 +360,12 @@ def convert_model(
     forward hook on ``model`` and given to every whitening layer: all layers
     whose block ends during a forward fold together after the model's forward
     (one pair of coalesced collectives per block under ``torch.distributed``).
-    Converting a model that already has a coordinator reuses it. Convert
+    Converting a model that already has a coordinator reuses it.
+    ``fold_strategy`` says how the transforms are computed under
+    ``torch.distributed``: ``"replicated"`` (every rank computes every layer),
+    ``"owner"`` (each layer on one rank, results sent to all) or ``"auto"``
+    (owner when the layers' summed ``M^3`` is large; see
+    :func:`whitenlayers.fold.fold_layers`). Convert
     before wrapping the model in ``DistributedDataParallel`` (buffers added
     after DDP's construction would not be synchronised); passing a DDP module
     raises ``ValueError``.
@@ -380,6 +387,8 @@ def convert_model(
     """
     if method not in _METHODS:
         raise ValueError(f"method must be one of {_METHODS}, but got method={method!r}")
+    if fold_strategy not in STRATEGIES:
+        raise ValueError(f"fold_strategy must be one of {STRATEGIES}, but got fold_strategy={fold_strategy!r}")
     if isinstance(model, nn.parallel.DistributedDataParallel):
         raise ValueError("convert_model: convert the model before wrapping it in DistributedDataParallel")
     _check_layer_kwargs(method, layer_kwargs)
@@ -397,7 +406,7 @@ def convert_model(
             for child_name, child in list(parent._modules.items()):
                 if child is not None and id(child) in new_by_id and not _is_whitening(parent):
                     setattr(parent, child_name, new_by_id[id(child)])
-    if _install_coordinator(model) is None:
+    if _install_coordinator(model, fold_strategy) is None:
         warnings.warn(
             "convert_model found no layer to convert: no plain nn.Conv2d inside a module of class "
             f"{DEFAULT_BLOCK_TYPES if block_types is None else block_types} (pass block_types or a predicate)",

@@ -14,18 +14,20 @@ together after the model's forward. Both are plumbing: users reach them through
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Sequence
+import math
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from . import functional as F_w
 from .functional import BlockSummary
+from .rules import RuleResult
 
 if TYPE_CHECKING:  # pragma: no cover
     from .stats import WhiteningStatistics
 
-__all__ = ["FoldCoordinator", "fold_layers"]
+__all__ = ["FoldCoordinator", "fold_layers", "assign_owners", "STRATEGIES"]
 
 
 def _no_autocast(device: torch.device):
@@ -73,13 +75,39 @@ def _all_reduce_summaries(summaries: List[BlockSummary], group) -> List[BlockSum
     return result
 
 
+#: Fold strategies under torch.distributed (see :func:`fold_layers`).
+STRATEGIES = ("auto", "replicated", "owner")
+
+#: ``"auto"`` spreads the transforms over ranks when the layers' summed ``M^3`` reaches this (measured on a
+#: 2-core CPU with gloo, ``benchmarks/fold_scale.py``: below it, one more collective costs more than the
+#: transforms it spares; ResNet-20/110, ``M <= 64``, stay replicated).
+OWNER_MIN_COST = 2.0 * 256**3
+
+
 @torch.compiler.disable  # the fold (once per block, host logic, EVD) stays out of compiled graphs
-def fold_layers(layers: Iterable["WhiteningStatistics"]) -> None:
+def fold_layers(layers: Iterable["WhiteningStatistics"], *, strategy: str = "auto") -> None:
     """Fold the current block of each layer, statistics summed across ranks when distributed.
 
     All ranks must call this with the same layers in the same order (they do
     when they run the same number of training forwards, as DDP requires).
+
+    ``strategy`` (only used under ``torch.distributed`` with several ranks):
+
+    * ``"replicated"``: every rank computes every layer's transform (EVD or
+      recursive step) from the same global statistics;
+    * ``"owner"``: each layer's transform is computed on one rank, layers
+      assigned to balance their ``M^3`` cost (:func:`assign_owners`), and one
+      coalesced ``all_reduce`` sends the results to every rank;
+    * ``"auto"`` (default): ``"owner"`` when the layers' summed ``M^3`` is at
+      least :data:`OWNER_MIN_COST`, else ``"replicated"``.
+
+    Either way every rank ends with bit-identical ``mu``, ``Phi_x``, ``T``,
+    ``Q_s`` (and the recursive state), equal to one process on the global batch
+    up to float tolerance; a transform that fails on its owner leaves every
+    rank with the previous transform and the same failure count.
     """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, but got strategy={strategy!r}")
     layers = list(layers)
     if not layers:
         return
@@ -88,36 +116,139 @@ def fold_layers(layers: Iterable["WhiteningStatistics"]) -> None:
         group, world = _dist_group(layers)
         if world > 1:
             summaries = _all_reduce_summaries(summaries, group)
-        _fold_all(layers, summaries)
+        _fold_all(layers, summaries, group, world, strategy)
+
+
+def assign_owners(costs: Sequence[float], world_size: int) -> List[int]:
+    """Owner rank of each item: longest-processing-time-first greedy on ``costs`` (deterministic).
+
+    Items in decreasing cost (ties: lower index first) go to the least loaded
+    rank (ties: lower rank), which keeps the largest load within 4/3 of the
+    optimum.
+
+    Example:
+        >>> assign_owners([8.0, 1.0, 1.0, 8.0, 2.0], 2)
+        [0, 1, 1, 1, 0]
+    """
+    load = [0.0] * world_size
+    owners = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        r = min(range(world_size), key=lambda r: (load[r], r))
+        owners[i] = r
+        load[r] += costs[i]
+    return owners
+
+
+def _use_owner(layers: Sequence["WhiteningStatistics"], world: int, strategy: str) -> bool:
+    if world <= 1 or strategy == "replicated" or len(layers) < 2:
+        return False
+    if strategy == "owner":
+        return True
+    return sum(layer.rule.cost(layer.num_features) for layer in layers) >= OWNER_MIN_COST
+
+
+def _compute(items: Sequence[tuple]) -> List[Optional[RuleResult]]:
+    """The transforms of ``(layer, fold)`` pairs; those with equal rule batch keys in one batched call."""
+    results: List[Optional[RuleResult]] = [None] * len(items)
+    groups: Dict[Any, List[int]] = {}
+    for i, (layer, fold) in enumerate(items):
+        key = layer._rule_batch_key() if len(items) > 1 else None
+        if key is None:
+            results[i] = layer._transform(fold)
+        else:
+            groups.setdefault(key, []).append(i)
+    for idx in groups.values():
+        if len(idx) == 1:
+            layer, fold = items[idx[0]]
+            results[idx[0]] = layer._transform(fold)
+            continue
+        first = items[idx[0]][0]
+        batched = first.rule.compute_batched([items[i][1] for i in idx], first.running_mean.dtype)
+        for i, pre in zip(idx, batched):
+            layer, fold = items[i]
+            results[i] = layer._transform(fold, pre)
+    return results
+
+
+def _result_layout(layer: "WhiteningStatistics") -> List[tuple]:
+    """``(name, shape)`` of what a layer's rule returns, from the layer's own buffers."""
+    shape = tuple(layer.whitening_matrix.shape)
+    layout = [("transform", shape), ("gram", shape)]
+    fk = {"device": "meta", "dtype": layer.running_mean.dtype}
+    for name in layer.rule.initial_buffers(layer.num_features, fk):
+        layout.append((name, tuple(getattr(layer, name).shape)))
+    return layout
+
+
+def _exchange(items: Sequence[tuple], owners: Sequence[int], mine: Dict[int, Optional[RuleResult]], group
+              ) -> List[Optional[RuleResult]]:
+    """Every rank gets every layer's result from its owner: one ``all_reduce`` (sum) of a float64 buffer in
+    which each owner writes its layers' results and every other rank zeros (``x + 0 == x`` exactly; float32
+    results survive the round trip through float64 bit for bit). A flag per layer says whether it succeeded."""
+    layouts = [_result_layout(layer) for layer, _ in items]
+    sizes = [2 + sum(math.prod(shape) for _, shape in lay) for lay in layouts]
+    dev = items[0][0].running_mean.device
+    flat = torch.zeros(sum(sizes), dtype=torch.float64, device=dev)
+    pos = 0
+    for i, size in enumerate(sizes):
+        if i in mine and mine[i] is not None:
+            res = mine[i]
+            parts = {"transform": res.transform, "gram": res.gram, **res.buffers}
+            flat[pos] = 1.0
+            flat[pos + 1] = float(res.clamped)
+            p = pos + 2
+            for name, shape in layouts[i]:
+                n = math.prod(shape)
+                flat[p : p + n] = parts[name].reshape(-1).to(torch.float64)
+                p += n
+        pos += size
+    dist.all_reduce(flat, group=group)
+    out: List[Optional[RuleResult]] = []
+    pos = 0
+    for (layer, _), layout, size in zip(items, layouts, sizes):
+        if float(flat[pos]) != 1.0:
+            out.append(None)
+        else:
+            state_dtype = layer.running_mean.dtype
+            work, gram_dtype = layer.rule.work_dtype(state_dtype), layer.rule.gram_dtype(state_dtype)
+            p, parts = pos + 2, {}
+            for name, shape in layout:
+                n = math.prod(shape)
+                parts[name] = flat[p : p + n].view(shape).to(gram_dtype if name == "gram" else work)
+                p += n
+            transform, gram = parts.pop("transform"), parts.pop("gram")
+            out.append(RuleResult(transform, gram, parts, bool(float(flat[pos + 1]))))
+        pos += size
+    return out
 
 
 @torch.no_grad()
-def _fold_all(layers: Sequence["WhiteningStatistics"], summaries: Sequence[BlockSummary]) -> None:
-    """Fold each layer; layers whose rules give equal :meth:`~whitenlayers.rules.TransformRule.batch_key` share
-    one :meth:`~whitenlayers.rules.TransformRule.compute_batched` call (EVD: one batched ``eigh`` per width,
+def _fold_all(layers: Sequence["WhiteningStatistics"], summaries: Sequence[BlockSummary], group=None,
+              world: int = 1, strategy: str = "replicated") -> None:
+    """Fold each layer: moments on every rank, transforms per ``strategy`` (see :func:`fold_layers`).
+
+    Layers whose rules give equal :meth:`~whitenlayers.rules.TransformRule.batch_key` share one
+    :meth:`~whitenlayers.rules.TransformRule.compute_batched` call (EVD: one batched ``eigh`` per width,
     dtype, device, ``eps``, ``gmax``, ``gains``; same results as one call per layer to float tolerance, with
-    the same per-layer fallbacks and failure counts). The moments, bias compensation and the rules without a
-    key run per layer.
+    the same per-layer fallbacks and failure counts).
     """
-    groups: Dict[Any, list] = {}
+    items = []
     for layer, summary in zip(layers, summaries):
         fold = layer._fold_start(summary)
-        if fold is None:
-            continue
-        key = layer._rule_batch_key() if len(layers) > 1 else None
-        if key is None:
-            layer._fold_finish(fold)
-        else:
-            groups.setdefault(key, []).append((layer, fold))
-    for items in groups.values():
-        if len(items) == 1:
-            layer, fold = items[0]
-            layer._fold_finish(fold)
-            continue
-        first = items[0][0]
-        results = first.rule.compute_batched([f for _, f in items], first.running_mean.dtype)
-        for (layer, fold), res in zip(items, results):
-            layer._fold_finish(fold, precomputed=res)
+        if fold is not None:
+            items.append((layer, fold))
+    if not items:
+        return
+    if _use_owner([layer for layer, _ in items], world, strategy):
+        owners = assign_owners([layer.rule.cost(layer.num_features) for layer, _ in items], world)
+        rank = dist.get_rank(group)
+        mine_idx = [i for i, o in enumerate(owners) if o == rank]
+        computed = _compute([items[i] for i in mine_idx])
+        results = _exchange(items, owners, dict(zip(mine_idx, computed)), group)
+    else:
+        results = _compute(items)
+    for (layer, fold), result in zip(items, results):
+        layer._apply_fold(fold, result)
 
 
 class FoldCoordinator:
@@ -130,11 +261,15 @@ class FoldCoordinator:
     model instead of one per layer). Folding after the model's forward instead
     of right after each layer's forward changes nothing: a block's statistics
     and the transform in force for that batch's backward are the same.
+    ``strategy`` is :func:`fold_layers`'s (how transforms are spread over ranks).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, strategy: str = "auto") -> None:
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, but got strategy={strategy!r}")
         self.pending: List["WhiteningStatistics"] = []
         self.handle = None
+        self.strategy = strategy
 
     def request(self, layer: "WhiteningStatistics") -> None:
         if not any(p is layer for p in self.pending):
@@ -142,13 +277,16 @@ class FoldCoordinator:
 
     def flush(self) -> None:
         pending, self.pending = self.pending, []
-        fold_layers([p for p in pending if p._fold_pending])
+        fold_layers([p for p in pending if p._fold_pending], strategy=self.strategy)
 
     def __call__(self, module, inputs, output) -> None:
         if self.pending:
             self.flush()
 
     def __getstate__(self) -> Dict[str, Any]:
-        return {"pending": list(self.pending), "handle": None}
+        return {"pending": list(self.pending), "handle": None, "strategy": self.strategy}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update({"strategy": "auto", **state})  # coordinators pickled before strategies existed
 
 

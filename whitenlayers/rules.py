@@ -73,6 +73,14 @@ class TransformRule:
         """Transforms are computed in float32, or float64 for float64 layers."""
         return torch.float64 if state_dtype == torch.float64 else torch.float32
 
+    def gram_dtype(self, state_dtype: torch.dtype) -> torch.dtype:
+        """The dtype of :attr:`RuleResult.gram` (``Q_s`` is smoothed in it)."""
+        return self.work_dtype(state_dtype)
+
+    def cost(self, num_features: int) -> float:
+        """Relative cost of one :meth:`update` (for spreading layers over ranks): ``M^3``."""
+        return float(num_features) ** 3
+
     # Batching across layers (one call for many layers that fold together).
     def batch_key(self, num_features: int, state_dtype: torch.dtype, device: torch.device) -> Optional[Hashable]:
         """Layers with equal keys may share :meth:`compute_batched`; ``None``: fold this layer alone."""
@@ -95,6 +103,9 @@ class EVDRule(TransformRule):
     name = "evd"
     config_class = EVDConfig
     failure_message = "eigendecomposition failed (also in float64); the previous transform is kept"
+
+    def gram_dtype(self, state_dtype: torch.dtype) -> torch.dtype:
+        return torch.float64
 
     def batch_key(self, num_features: int, state_dtype: torch.dtype, device: torch.device) -> Optional[Hashable]:
         c = self.config

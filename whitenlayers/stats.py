@@ -26,7 +26,7 @@ from . import functional as F_w
 from .config import EVDConfig, RecursiveConfig, WhiteningConfig
 from .fold import FoldCoordinator, _no_autocast, fold_layers
 from .functional import BlockSummary
-from .rules import NOT_COMPUTED, Fold, TransformRule, rule_for
+from .rules import NOT_COMPUTED, Fold, RuleResult, TransformRule, rule_for
 
 __all__ = ["WhiteningStatistics"]
 
@@ -250,8 +250,17 @@ class WhiteningStatistics:
     @torch.no_grad()
     def _fold_finish(self, fold: Fold, precomputed: Any = NOT_COMPUTED) -> None:
         """Second part of a fold: the rule's transform, then the buffers and the bias compensation."""
+        self._apply_fold(fold, self._transform(fold, precomputed))
+
+    def _transform(self, fold: Fold, precomputed: Any = NOT_COMPUTED) -> Optional[RuleResult]:
+        """The rule's new transform for ``fold`` (``None``: it failed); changes nothing."""
         state = {name: buf for name, buf in self.named_buffers(recurse=False)}
-        result = self.rule.update(fold, state, precomputed)
+        return self.rule.update(fold, state, precomputed)
+
+    @torch.no_grad()
+    def _apply_fold(self, fold: Fold, result: Optional[RuleResult]) -> None:
+        """Write a fold's outcome: the transform (or, on failure, keep the previous one and count it), ``Q_s``,
+        the rule's buffers, the moments and the bias compensation."""
         if result is None:
             self.eig_failures += 1
             self._warn_once("transform", self.rule.failure_message)
