@@ -1,4 +1,4 @@
-"""Choosing the default ``block_size`` (ERRATA 4): fold overhead vs accuracy of ``T``.
+"""Choosing the default ``block_size`` (ERRATA 4, docs/PAPER.md): fold overhead vs accuracy of ``T``.
 
 ``block_size = L`` training batches make one block; a fold (moments, EVD or
 recursive step, bias compensation) runs once per block. Small ``L``: the fold

@@ -1,4 +1,4 @@
-"""Whitening layers: the equivalence of SPEC section "Equivalence", folds, gradients, construction."""
+"""Whitening layers: the equivalence of paper section 3.1 (docs/PAPER.md), folds, gradients, construction."""
 import copy
 import pickle
 

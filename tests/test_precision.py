@@ -1,4 +1,4 @@
-"""Mixed precision, GradScaler, torch.compile and determinism (issue 7, SPEC "Quality bars").
+"""Mixed precision, GradScaler, torch.compile and determinism (issue 7; README "Robustness").
 
 * Under ``torch.autocast`` the statistics, ``T`` and ``Q_s`` are computed and
   kept in float32: the same numbers as without autocast for the same layer

@@ -1,4 +1,4 @@
-"""Recursive whitening (paper section 4, ERRATA 3 and 6)."""
+"""Recursive whitening (paper section 4, ERRATA 3 and 6 of docs/PAPER.md)."""
 import math
 
 import pytest

@@ -3,7 +3,7 @@
 :class:`EVDConfig` (``grad`` and ``direct`` layers) and :class:`RecursiveConfig`
 (``recursive`` layers) carry the paper's symbols with its experimental values
 as defaults, and validate themselves on construction (``ValueError`` naming the
-argument, SPEC "Quality bars"). The layers' keyword arguments, ``convert_model``'s
+argument; ``docs/PAPER.md``, "Hyper-parameters"). The layers' keyword arguments, ``convert_model``'s
 keyword checks and the experiment runner's flags and help are all derived from
 the fields below (each field's ``metadata`` holds its help text).
 
@@ -51,7 +51,7 @@ _CHECKS = {
 
 
 def validate_hyperparameters(**kw: Any) -> None:
-    """Raise ``ValueError`` naming the first argument outside its valid range (SPEC "Quality bars")."""
+    """Raise ``ValueError`` naming the first argument outside its valid range (docs/PAPER.md, "Hyper-parameters")."""
     for name, value in kw.items():
         ok, what = _CHECKS[name]
         try:
@@ -118,7 +118,7 @@ class EVDConfig(WhiteningConfig):
 
     beta: float = _hp(0.95, "smoothing of the gradient transform Q_s (grad layers)", "beta")
     gmax: float = _hp(10.0, "largest whitening gain", "g_max")
-    gains: str = _hp("practical", "'practical' gains (ERRATA 5) or plain ZCA 1/lambda ('zca')", None)
+    gains: str = _hp("practical", "'practical' gains (docs/PAPER.md, ERRATA 5) or plain ZCA 1/lambda ('zca')", None)
 
     method = "evd"
 

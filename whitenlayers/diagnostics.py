@@ -1,7 +1,7 @@
 """Whitening diagnostics: normalised rank ``kappa`` and whiteness ``rho`` per layer.
 
 Both are measured on the covariance of the features a layer's weights
-actually see (ERRATA items 1 and 2):
+actually see (ERRATA items 1 and 2 of ``docs/PAPER.md``):
 
 * a plain conv sees its input ``x``: ``Phi_x``;
 * a grad / recursive whitening conv computes ``conv(x - mu, W)`` and

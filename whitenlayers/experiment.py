@@ -2,7 +2,7 @@
 
 Trains the same ResNet (same initial weights, same data order) once per method
 and seed, and records per epoch the test accuracy, the normalised rank
-``kappa`` and the whiteness ``rho`` (ERRATA 1-2) of the features the
+``kappa`` and the whiteness ``rho`` (docs/PAPER.md, ERRATA 1-2) of the features the
 convolutions inside the residual blocks see, and the training time: the three
 panels of the paper's figures.
 
@@ -306,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eps", type=float, default=None, help="eigenvalue floor")
     g.add_argument("--gmax", type=float, default=None, help="EVD: largest whitening gain")
     g.add_argument("--gains", choices=("practical", "zca"), default=None,
-                   help="EVD: 'practical' gains (ERRATA 5) or plain ZCA 1/lambda")
+                   help="EVD: 'practical' gains (docs/PAPER.md, ERRATA 5) or plain ZCA 1/lambda")
     g.add_argument("--gamma", type=float, default=None, help="recursive: leakage toward the identity")
     g.add_argument("--delta", type=float, default=None, help="recursive: target power of the reduced subspace")
     g.add_argument("--c-rel", type=float, default=None, help="recursive: relative subspace threshold")

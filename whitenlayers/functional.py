@@ -8,8 +8,10 @@ Conventions
 -----------
 * ``M`` is the number of input features (channels); covariances are ``(M, M)``.
 * Eigenvalues are sorted in **decreasing** order, as in the paper.
-* Formulas follow ``paper/ERRATA.md`` where the printed paper contradicts the
-  properties it states (items are cited in the docstrings).
+* ``docs/PAPER.md`` maps each equation of the paper to the function here.
+  Formulas follow its list of departures from the printed paper where a
+  printed formula contradicts a property the paper states (cited in the
+  docstrings as "ERRATA n", the item number in that list).
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@
 * :class:`RecursiveWhitenConv2d` / :class:`RecursiveWhitenLinear`: the same
   layers with the recursive ``O(M^2)`` transform update (paper section 4).
 
-Centring convention (SPEC "Padding and the mean"): a convolution computes
+Centring convention (``docs/PAPER.md``, "Conventions"): a convolution computes
 ``z = conv(pad(x) - mu, W) + b``, i.e. it centres *after* padding. This equals
 ``conv(x, W) + (b - sum_k W_k mu)``, which is how it is computed: the plain
 convolution with an adjusted bias, so no centred copy of the activation is
@@ -180,7 +180,7 @@ class _GradWhitenMixin(WhiteningStatistics):
 
     @torch.no_grad()
     def _on_mean_change(self, old: Tensor, new: Tensor) -> None:
-        # ERRATA 8: b(i) = b(i-) + sum W (mu(i) - mu(i-1)) keeps z unchanged.
+        # ERRATA 8 (docs/PAPER.md): b(i) = b(i-) + sum W (mu(i) - mu(i-1)) keeps z unchanged.
         comp = F_w.weight_mean_product(self.weight.detach().to(torch.float64), new - old)
         if self.bias is not None:
             self.bias.add_(comp.to(self.bias.dtype))

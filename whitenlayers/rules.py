@@ -98,7 +98,7 @@ class TransformRule:
 
 
 class EVDRule(TransformRule):
-    """ZCA from an eigendecomposition of ``Phi_x`` (paper section 3, gains per ERRATA 5)."""
+    """ZCA from an eigendecomposition of ``Phi_x`` (paper section 3, gains per ERRATA 5 of ``docs/PAPER.md``)."""
 
     name = "evd"
     config_class = EVDConfig

@@ -4,7 +4,7 @@
 the contract buffers (``running_mean``, ``running_cov``, ``whitening_matrix``,
 ``grad_transform``, ``num_blocks``) and its rule's own, accumulates each
 training batch's moments, and folds a block every ``block_size`` training
-forwards (SPEC "Semantics"): it computes the new moments and hands them to its
+forwards (``docs/PAPER.md``, "Conventions"): it computes the new moments and hands them to its
 transform rule (:mod:`whitenlayers.rules`), which returns the new transform.
 Hyper-parameters live in a frozen config (:mod:`whitenlayers.config`).
 
