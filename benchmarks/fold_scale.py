@@ -36,6 +36,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import whitenlayers as wl
+from _resnet50 import resnet50
 from whitenlayers.fold import assign_owners, fold_layers
 
 BLOCK_SIZES = (1, 2, 5, 10, 20, 50)
@@ -44,46 +45,6 @@ BLOCK_SIZES = (1, 2, 5, 10, 20, 50)
 # --------------------------------------------------------------------------------------------------
 # Models
 # --------------------------------------------------------------------------------------------------
-class Bottleneck(nn.Module):
-    """torchvision's ResNet bottleneck (v1.5: stride on the 3x3 conv)."""
-
-    expansion = 4
-
-    def __init__(self, inplanes: int, planes: int, stride: int = 1) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(inplanes, planes, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(planes)
-        self.conv2 = nn.Conv2d(planes, planes, 3, stride=stride, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(planes)
-        self.conv3 = nn.Conv2d(planes, planes * 4, 1, bias=False)
-        self.bn3 = nn.BatchNorm2d(planes * 4)
-        self.relu = nn.ReLU(inplace=True)
-        self.downsample = None
-        if stride != 1 or inplanes != planes * 4:
-            self.downsample = nn.Sequential(nn.Conv2d(inplanes, planes * 4, 1, stride=stride, bias=False),
-                                            nn.BatchNorm2d(planes * 4))
-
-    def forward(self, x):
-        identity = x if self.downsample is None else self.downsample(x)
-        out = self.relu(self.bn1(self.conv1(x)))
-        out = self.relu(self.bn2(self.conv2(out)))
-        return self.relu(self.bn3(self.conv3(out)) + identity)
-
-
-def resnet50(width: int = 64, num_classes: int = 1000) -> nn.Module:
-    """torchvision's ResNet-50 layout ([3, 4, 6, 3] bottlenecks) without torchvision."""
-    layers: List[nn.Module] = [nn.Conv2d(3, width, 7, 2, 3, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
-                               nn.MaxPool2d(3, 2, 1)]
-    inplanes = width
-    for i, blocks in enumerate((3, 4, 6, 3)):
-        planes = width * 2**i
-        for b in range(blocks):
-            layers.append(Bottleneck(inplanes, planes, stride=2 if (b == 0 and i > 0) else 1))
-            inplanes = planes * 4
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(inplanes, num_classes)]
-    return nn.Sequential(*layers)
-
-
 def resnet50_widths(width: int = 64) -> List[int]:
     model = wl.convert_model(resnet50(width), method="grad", block_size=10**6)
     return [m.num_features for _, m in wl.whitening_layers(model)]

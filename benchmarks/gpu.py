@@ -1,0 +1,256 @@
+"""GPU checks in one short script (issue 12): run it whenever a GPU is at hand (under 5 minutes).
+
+On CUDA:
+
+1. the central equivalence property in float64 on the GPU (a ``GradWhitenConv2d`` with weights ``W T``
+   trained by SGD with momentum equals ``ZeroPad2d -> DirectWhiten -> Conv2d`` with weights ``W``);
+2. a bf16-autocast smoke test (a converted ResNet trains finitely; statistics and transforms stay fp32);
+3. no host synchronisation on the per-batch path (``torch.cuda.set_sync_debug_mode("error")`` around
+   training steps that do not end a block);
+4. training-step time and peak-memory ratios vs the plain model, interleaved: ResNet-50 (the torchvision
+   layout, ``_resnet50.py``; 224x224, batch 64, channels_last, bf16 autocast) and CIFAR ResNet-110
+   (batch 128, fp32); grad, recursive, direct;
+5. one fold of each model (all its whitening layers), EVD and recursive.
+
+It prints a Markdown table with the device name, torch and CUDA versions, for benchmarks/RESULTS.md.
+Without CUDA it runs the same checks on the CPU in a ``--tiny`` configuration (CI: the script cannot
+rot); check 3 is CUDA-only.
+
+    python benchmarks/gpu.py            # on a CUDA machine
+    python benchmarks/gpu.py --tiny     # CPU, seconds
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+from typing import Callable, Dict, List
+
+from _common import add_common_args, md_table, setup, write_json
+
+import torch
+from torch import nn
+
+import whitenlayers as wl
+from _resnet50 import resnet50
+from whitenlayers.fold import fold_layers
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def check_equivalence(device: torch.device) -> float:
+    """Max |difference| of outputs after 5 SGD steps, grad layer vs pad -> DirectWhiten -> conv, float64."""
+    torch.manual_seed(0)
+    dt = torch.float64
+    c_in, c_out = 6, 5
+    x0 = (torch.randn(64, c_in, 8, 8, dtype=dt) * torch.linspace(0.5, 3, c_in, dtype=dt).view(1, -1, 1, 1) + 1).to(device)
+    direct = wl.DirectWhiten(c_in, block_size=1, device=device, dtype=dt)
+    direct(x0)  # one fold: T != I
+    direct.eval()
+    w = torch.randn(c_out, c_in, 3, 3, dtype=dt, device=device) * 0.1
+    ref = nn.Sequential(nn.ZeroPad2d(1), direct, nn.Conv2d(c_in, c_out, 3, bias=False, device=device, dtype=dt))
+    ref[2].weight.data.copy_(w)
+    grad = wl.GradWhitenConv2d(c_in, c_out, 3, padding=1, bias=False, block_size=1, device=device, dtype=dt,
+                               gains=direct.gains)
+    with torch.no_grad():  # the same statistics, frozen: mu, T and Q_s = T^T T (bias_correction stays 0)
+        grad.running_mean.copy_(direct.running_mean)
+        grad.whitening_matrix.copy_(direct.whitening_matrix)
+        grad.grad_transform.copy_(direct.whitening_matrix.t() @ direct.whitening_matrix)
+        grad.weight.copy_(torch.einsum("oikl,ij->ojkl", w, direct.whitening_matrix))
+    grad.freeze()
+    opt_a = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    opt_b = torch.optim.SGD(grad.parameters(), lr=0.05, momentum=0.9)
+    worst = 0.0
+    g = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        x = (torch.randn(16, c_in, 8, 8, generator=g, dtype=dt) + 1).to(device)
+        ya, yb = ref(x), grad(x)
+        worst = max(worst, (ya - yb).abs().max().item())
+        for y, opt in ((ya, opt_a), (yb, opt_b)):
+            opt.zero_grad()
+            y.square().mean().backward()
+            opt.step()
+    return worst
+
+
+def check_autocast(device: torch.device, tiny: bool) -> Dict[str, object]:
+    dtype = torch.bfloat16
+    torch.manual_seed(0)
+    model = wl.convert_model(wl.models.cifar_resnet(8 if tiny else 20, width=8 if tiny else 16), block_size=2).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for _ in range(4):
+        x = torch.randn(16, 3, 16, 16, device=device)
+        y = torch.randint(0, 10, (16,), device=device)
+        with torch.autocast(device.type, dtype=dtype):
+            loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    layers = [m for _, m in wl.whitening_layers(model)]
+    fp32 = all(m.whitening_matrix.dtype == torch.float32 and m.running_cov.dtype == torch.float32 for m in layers)
+    finite = all(torch.isfinite(p).all().item() for p in model.parameters())
+    return {"fp32_state": fp32, "finite": finite, "blocks": int(layers[0].num_blocks)}
+
+
+def check_no_sync(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "skipped (CUDA only)"
+    model = wl.convert_model(wl.models.cifar_resnet(20), block_size=10).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    x = torch.randn(32, 3, 32, 32, device=device)
+    y = torch.randint(0, 10, (32,), device=device)
+
+    def step():
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    step()  # first block: the shift is chosen on the device, but warm up allocators first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(5):  # batches 2..6 of a block of 10: no fold among them
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return "ok: no synchronisation in 5 non-folding steps"
+
+
+def timed_steps(variants: Dict[str, nn.Module], make_batch: Callable, device, rounds: int, autocast_dtype) -> Dict[str, List[float]]:
+    opts = {k: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for k, m in variants.items()}
+    times: Dict[str, List[float]] = {k: [] for k in variants}
+    names = list(variants)
+    for r in range(rounds + 2):
+        order = names[r % len(names):] + names[: r % len(names)]
+        for k in order:
+            x, y = make_batch()
+            sync(device)
+            t0 = time.perf_counter()
+            with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                loss = nn.functional.cross_entropy(variants[k](x), y)
+            opts[k].zero_grad(set_to_none=True)
+            loss.backward()
+            opts[k].step()
+            sync(device)
+            if r >= 2:
+                times[k].append(time.perf_counter() - t0)
+    return times
+
+
+def peak_memory(model: nn.Module, make_batch: Callable, device, autocast_dtype) -> float:
+    if device.type != "cuda":
+        return float("nan")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats(device)
+    x, y = make_batch()
+    with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        loss = nn.functional.cross_entropy(model(x), y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    torch.cuda.synchronize()
+    return float(torch.cuda.max_memory_allocated(device))
+
+
+def fold_time(model: nn.Module, device) -> float:
+    layers = [m for _, m in wl.whitening_layers(model)]
+    for m in layers:
+        m._accumulate(torch.randn(4 * m.num_features + 8, m.num_features, device=device).abs())
+    sync(device)
+    t0 = time.perf_counter()
+    fold_layers(layers)
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def step_table(name: str, base: nn.Module, make_batch: Callable, device, rounds: int, autocast_dtype,
+               memory_format=None) -> List[List[object]]:
+    variants = {"plain": copy.deepcopy(base)}
+    for method in ("grad", "recursive", "direct"):
+        variants[method] = wl.convert_model(copy.deepcopy(base), method=method)
+    for m in variants.values():
+        m.to(device)
+        if memory_format is not None:
+            m.to(memory_format=memory_format)
+        m.train()
+    times = timed_steps(variants, make_batch, device, rounds, autocast_dtype)
+    base_mean = statistics.mean(times["plain"])
+    mem_plain = peak_memory(variants["plain"], make_batch, device, autocast_dtype)
+    rows = []
+    for k, v in times.items():
+        folds = {}
+        if k in ("grad", "recursive"):
+            folds[k] = fold_time(variants[k], device)
+        mem = peak_memory(variants[k], make_batch, device, autocast_dtype)
+        rows.append([name, k, 1e3 * statistics.mean(v), statistics.mean(v) / base_mean,
+                     mem / mem_plain if mem_plain == mem_plain else float("nan"),
+                     1e3 * folds[k] if k in folds else float("nan")])
+    return rows
+
+
+def main(argv=None) -> Dict[str, object]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(p)
+    p.add_argument("--rounds", type=int, default=30)
+    args = p.parse_args(argv)
+    setup(args.threads, args.seed)
+    cuda = torch.cuda.is_available() and not args.tiny
+    device = torch.device("cuda" if cuda else "cpu")
+    tiny = not cuda
+    header = {
+        "device": torch.cuda.get_device_name(0) if cuda else "CPU (tiny mode: no meaningful figures)",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda if cuda else "n/a",
+    }
+    print(f"device: {header['device']}; torch {header['torch']}; CUDA {header['cuda']}")
+    diff = check_equivalence(device)
+    ac = check_autocast(device, tiny)
+    failed = diff > 1e-9 or not (ac["fp32_state"] and ac["finite"])
+    checks = [["float64 equivalence (max |diff| after 5 SGD steps; must be < 1e-9)", f"{diff:.2e}"]]
+    checks.append(["bf16 autocast: fp32 statistics / finite / blocks", f"{ac['fp32_state']} / {ac['finite']} / {ac['blocks']}"])
+    checks.append(["no host sync on the per-batch path", check_no_sync(device)])
+    rows: List[List[object]] = []
+    rounds = 1 if tiny else args.rounds
+    if tiny:
+        hw, batch, width = 32, 2, 4
+    else:
+        hw, batch, width = 224, 64, 64
+    classes = 1000
+
+    def batch50():
+        x = torch.randn(batch, 3, hw, hw, device=device)
+        if cuda:
+            x = x.to(memory_format=torch.channels_last)
+        return x, torch.randint(0, classes, (batch,), device=device)
+
+    rows += step_table("ResNet-50" + (" (tiny)" if tiny else f", {hw}px, batch {batch}, bf16, channels_last"),
+                       resnet50(width), batch50, device, rounds, torch.bfloat16 if cuda else None,
+                       torch.channels_last if cuda else None)
+    b110 = 8 if tiny else 128
+
+    def batch110():
+        return torch.randn(b110, 3, 32, 32, device=device), torch.randint(0, 100, (b110,), device=device)
+
+    rows += step_table("CIFAR ResNet-" + ("8 (tiny)" if tiny else "110, batch 128, fp32"),
+                       wl.models.cifar_resnet(8 if tiny else 110, num_classes=100), batch110, device, rounds, None)
+    table = md_table(["model", "variant", "mean step ms", "step vs plain", "peak memory vs plain", "one fold ms"], rows, nd=3)
+    text = "\n".join([
+        f"Device: {header['device']}; torch {header['torch']}; CUDA {header['cuda']}", "",
+        md_table(["check", "result"], checks), "", table,
+    ])
+    print(text)
+    out = {**header, "checks": checks, "rows": rows, "markdown": text}
+    write_json(args.json, out)
+    if failed:
+        raise SystemExit("gpu.py: a correctness check failed (see the table above)")
+    return out
+
+
+if __name__ == "__main__":
+    main()
