@@ -261,8 +261,8 @@ def test_resume_equals_uninterrupted(tmp_path, monkeypatch):
     assert len(a) == 9 and _no_time(a) == _no_time(b)
     # and the final states agree bit for bit
     for m in ("grad", "recursive"):
-        sa = torch.load(os.path.join(full, "checkpoints", f"{m}-seed0.pt"), weights_only=False)["model"]
-        sb = torch.load(os.path.join(part, "checkpoints", f"{m}-seed0.pt"), weights_only=False)["model"]
+        sa = torch.load(os.path.join(full, "checkpoints", f"{m}-seed0.pt"), weights_only=True)["model"]
+        sb = torch.load(os.path.join(part, "checkpoints", f"{m}-seed0.pt"), weights_only=True)["model"]
         for k, v in sa.items():
             if isinstance(v, torch.Tensor):
                 assert torch.equal(v, sb[k]), k

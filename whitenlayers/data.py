@@ -22,8 +22,11 @@ Datasets (``--dataset``):
     ``cifar-100-python.tar.gz``), read from ``data_dir``: the tarball itself,
     the extracted ``cifar-10-batches-py`` / ``cifar-100-python`` folder, or a
     folder holding either. ``download=True`` fetches the tarball from the
-    official site (md5-checked) when it is not there. CIFAR-100 uses the 100
-    fine labels.
+    official site when it is not there, and keeps it only if its md5 is the
+    published one. The batches are read with a restricted unpickler (numpy
+    arrays, dicts, lists, bytes, ints: nothing that runs code), and archives
+    with absolute or ``..`` member names or links are refused. CIFAR-100 uses
+    the 100 fine labels.
 ``imagefolder:PATH``
     ImageNet-style folders ``PATH/train/<class>/*`` and ``PATH/val/<class>/*``
     through ``torchvision.datasets.ImageFolder`` (needs torchvision), with the
@@ -39,11 +42,13 @@ need them.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import os
-import pickle
+import shutil
 import tarfile
+import tempfile
 import urllib.request
 from dataclasses import dataclass, field
 from typing import Iterator, List, Optional, Sequence, Tuple
@@ -52,6 +57,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from ._safe_io import check_tar_members, unpickle_cifar
 
 __all__ = [
     "DataBundle",
@@ -319,6 +326,35 @@ def _md5(path: str) -> str:
     return h.hexdigest()
 
 
+def _fetch(url: str, fobj) -> None:
+    """Write the body of ``url`` to the binary file ``fobj`` (the one network access; tests replace it)."""
+    with urllib.request.urlopen(url, timeout=60) as response:
+        shutil.copyfileobj(response, fobj, 1 << 20)
+
+
+def _download(url: str, dest: str, md5: str) -> None:
+    """Download ``url`` to ``dest`` if its md5 is ``md5``: into a temporary file next to ``dest``, checked, then
+    renamed; on any failure the temporary file is deleted and ``dest`` is left as it was."""
+    folder = os.path.dirname(os.path.abspath(dest))
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(dest) + ".", suffix=".part", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            try:
+                _fetch(url, f)
+            except OSError as exc:
+                raise RuntimeError(f"could not download {url}: {exc} (no network? put the archive in {folder})") from exc
+        digest = _md5(tmp)
+        if digest != md5:
+            raise RuntimeError(f"{url}: the download's md5 is {digest}, not the published {md5}; "
+                               f"the download is corrupt and was deleted")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, dest)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
 def _find_cifar_source(name: str, data_dir: str, download: bool) -> str:
     spec = _CIFAR[name]
     data_dir = os.path.expanduser(data_dir)
@@ -337,16 +373,8 @@ def _find_cifar_source(name: str, data_dir: str, download: bool) -> str:
     if download and not os.path.isfile(data_dir):
         os.makedirs(data_dir, exist_ok=True)
         dest = os.path.join(data_dir, spec["tarball"])
-        tmp = dest + ".part"
         print(f"downloading {spec['url']} to {dest}", flush=True)
-        try:
-            urllib.request.urlretrieve(spec["url"], tmp)
-        except OSError as exc:
-            raise RuntimeError(f"could not download {spec['url']}: {exc} (no network? put the archive in {data_dir})") from exc
-        if _md5(tmp) != spec["md5"]:
-            os.remove(tmp)
-            raise RuntimeError(f"md5 mismatch for {spec['url']}; the download is corrupt")
-        os.replace(tmp, dest)
+        _download(spec["url"], dest, spec["md5"])
         return dest
     raise FileNotFoundError(
         f"{name}: found neither {spec['tarball']} nor the extracted {spec['folder']}/ in {data_dir!r}. "
@@ -356,21 +384,19 @@ def _find_cifar_source(name: str, data_dir: str, download: bool) -> str:
 
 def _read_cifar(name: str, source: str) -> Tuple[TensorData, TensorData]:
     spec = _CIFAR[name]
-
-    def unpickle(fobj) -> dict:
-        return pickle.load(fobj, encoding="bytes")
-
     parts = {}
     if os.path.isdir(source):
         for f in spec["train"] + spec["test"]:
-            with open(os.path.join(source, f), "rb") as fh:
-                parts[f] = unpickle(fh)
+            path = os.path.join(source, f)
+            with open(path, "rb") as fh:
+                parts[f] = unpickle_cifar(fh, path)
     else:
         with tarfile.open(source, "r:*") as tar:
+            check_tar_members(tar, source)
             for member in tar.getmembers():
                 base = os.path.basename(member.name)
                 if member.isfile() and base in spec["train"] + spec["test"] and os.path.basename(os.path.dirname(member.name)) == spec["folder"]:
-                    parts[base] = unpickle(io.BytesIO(tar.extractfile(member).read()))
+                    parts[base] = unpickle_cifar(io.BytesIO(tar.extractfile(member).read()), f"{source}: member {member.name}")
         missing = [f for f in spec["train"] + spec["test"] if f not in parts]
         if missing:
             raise RuntimeError(f"{source} is not a {name} python archive: missing {spec['folder']}/{missing}")

@@ -95,6 +95,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from whitenlayers._safe_io import load_checkpoint, numpy_rng_from_plain, numpy_rng_to_plain, save_checkpoint
+
 __all__ = ["main", "build_parser", "resolve_config", "run", "replot", "plot_metrics", "summarize", "read_metrics", "METHODS"]
 
 METHODS = ("baseline", "grad", "recursive", "direct")
@@ -708,7 +710,7 @@ def whitening_fingerprint(model: nn.Module) -> Dict[str, Any]:
 # Checkpoints
 # ==========================================================================
 def _rng_state() -> Dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    state = {"torch": torch.get_rng_state(), "numpy": numpy_rng_to_plain(np.random.get_state()), "python": random.getstate()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -716,7 +718,7 @@ def _rng_state() -> Dict[str, Any]:
 
 def _set_rng_state(state: Dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
+    np.random.set_state(numpy_rng_from_plain(state["numpy"]))
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -734,9 +736,7 @@ def _fingerprint(cfg: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def _atomic_save(obj: Any, path: str) -> None:
-    tmp = path + ".tmp"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    save_checkpoint(obj, path)  # plain values only, so that it loads with weights_only=True
 
 
 def _checkpoint_path(cfg: Dict[str, Any], method: str, seed: int) -> str:
@@ -746,7 +746,7 @@ def _checkpoint_path(cfg: Dict[str, Any], method: str, seed: int) -> str:
 def _load_checkpoint(path: str, ctx: Context) -> Optional[Dict[str, Any]]:
     state = None
     if ctx.is_main and os.path.isfile(path):
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = load_checkpoint(path)  # torch.load(weights_only=True): a checkpoint cannot run code
     return ctx.broadcast_object(state)
 
 
