@@ -4,7 +4,8 @@ Every loader returns a :class:`DataBundle`: a training and a test split plus
 what the model needs to know (classes, channels, image size). Small datasets
 are held in memory as tensors (:class:`TensorData`) and batched by
 :class:`TensorLoader`, which is deterministic given ``(seed, epoch, rank)``;
-ImageFolder data goes through ``torch.utils.data.DataLoader``.
+ImageFolder data goes through :class:`ImageLoader` (a ``torch.utils.data.DataLoader``
+over a ``DistributedSampler``).
 
 Datasets (``--dataset``):
 
@@ -43,6 +44,7 @@ need them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import io
 import os
@@ -57,6 +59,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from ._safe_io import check_tar_members, unpickle_cifar
 
@@ -65,6 +68,7 @@ __all__ = [
     "DATASET_LABELS",
     "TensorData",
     "TensorLoader",
+    "ImageLoader",
     "SPLIT_SEED",
     "stratified_split",
     "load_dataset",
@@ -195,8 +199,6 @@ class TensorLoader:
         n = len(self.data)
         if not self.shuffle:
             return torch.arange(self.rank, n, self.world)
-        from torch.utils.data import DistributedSampler
-
         sampler = DistributedSampler(range(n), num_replicas=self.world, rank=self.rank, shuffle=True, seed=self.seed,
                                      drop_last=True)
         sampler.set_epoch(self.epoch)
@@ -235,6 +237,55 @@ class DataBundle:
     @property
     def in_memory(self) -> bool:
         return isinstance(self.train, TensorData)
+
+    def limit(self, train: Optional[int] = None, test: Optional[int] = None) -> "DataBundle":
+        """The bundle with only the first ``train`` training and ``test`` test samples (``None``: all)."""
+        def first(data, n: Optional[int]):
+            if n is None:
+                return data
+            if isinstance(data, TensorData):
+                return data.subset(n)
+            return Subset(data, range(min(len(data), n)))
+
+        return dataclasses.replace(self, train=first(self.train, train), test=first(self.test, test))
+
+
+class ImageLoader:
+    """Batches of a torch ``Dataset`` (ImageFolder data) through a ``DataLoader``, sharded across ranks.
+
+    Training (``shuffle=True``): a ``DistributedSampler(seed=seed, drop_last=True)``
+    with ``set_epoch(epoch)``; evaluation: rank ``r`` takes the samples
+    ``r, r + world, ...``. Worker random seeds depend on ``(seed, epoch, rank)``.
+    """
+
+    def __init__(self, dataset, batch_size: int, *, shuffle: bool, drop_last: bool, seed: int, rank: int, world: int,
+                 workers: int) -> None:
+        self.shuffle = shuffle
+        self.seed = seed
+        self.rank = rank
+        self.epoch = 0
+        if shuffle:
+            self.sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True)
+            ds = dataset
+        else:
+            self.sampler = None
+            ds = Subset(dataset, list(range(rank, len(dataset), world)))
+        self.generator = torch.Generator()
+        self.loader = DataLoader(ds, batch_size=batch_size, sampler=self.sampler, shuffle=False, drop_last=drop_last,
+                                 num_workers=workers, pin_memory=torch.cuda.is_available(),
+                                 persistent_workers=False, generator=self.generator)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        if self.sampler is not None:
+            self.sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        self.generator.manual_seed((self.seed * 1_000_003 + self.epoch) * 1009 + self.rank)  # worker seeds
+        return iter(self.loader)
 
 
 def stratified_split(labels: np.ndarray, test_fraction: float, seed: int = SPLIT_SEED) -> Tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,236 @@
+"""Tests of the runner's engine (whitenlayers.experiment.engine) through whole runs.
+
+Covered: the quick run on the default data and on synthetic data with every
+method and two seeds (CSV, config, summary, PNG, checkpoints, progress bar),
+resume after an interruption (metrics identical to an uninterrupted run,
+timings aside, with a statistics block spanning the interruption), the GPU
+switches on CPU (bf16 and fp16 autocast, channels_last, torch.compile), an
+ImageFolder run, and a 2-process torchrun run whose ranks must hold
+bit-identical whitening statistics.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from whitenlayers import experiment as ex
+from whitenlayers.experiment import engine
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def _rows(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _no_time(rows):
+    return [{k: v for k, v in r.items() if k not in ex.TIME_FIELDS} for r in rows]
+
+
+# --------------------------------------------------------------------------
+# Runs
+# --------------------------------------------------------------------------
+def test_quick_default_dataset(tmp_path, capsys):
+    pytest.importorskip("tqdm")
+    out = str(tmp_path / "q")
+    ex.main(["--quick", "--out", out, "--train-subset", "512", "--test-subset", "256", "--progress", "always"])
+    captured = capsys.readouterr()
+    rows = _rows(os.path.join(out, "metrics.csv"))
+    assert [r["method"] for r in rows] == ["baseline"] * 2 + ["grad"] * 2 + ["recursive"] * 2
+    assert "epochs to" in captured.out and "time vs baseline" in captured.out and "MNIST" in captured.out
+    assert "ep 2/2" in captured.err and "it/s" in captured.err  # the progress bar (tqdm)
+    assert all(0 < float(r["kappa_mean"]) <= 1 and 0 < float(r["rho_mean"]) <= 1 for r in rows)
+
+
+def test_quick_synthetic_outputs_all_methods_two_seeds(tmp_path):
+    out = str(tmp_path / "s")
+    ex.main(["--quick", "--dataset", "synthetic", "--methods", "baseline,grad,recursive,direct", "--seeds", "0,1",
+             "--block-size", "3", "--out", out])
+    rows = _rows(os.path.join(out, "metrics.csv"))
+    assert list(rows[0]) == ex.CSV_FIELDS
+    assert len(rows) == 4 * 2 * 2
+    assert {(r["method"], r["seed"], r["epoch"]) for r in rows} == {
+        (m, s, e) for m in ("baseline", "grad", "recursive", "direct") for s in "01" for e in "12"}
+    for r in rows:
+        for k in ("train_loss", "test_acc", "kappa_mean", "kappa_sem", "rho_mean", "rho_sem", "epoch_time"):
+            assert np.isfinite(float(r[k])), (k, r)
+    # the same initial weights and data order per seed: baseline differs between seeds, not within
+    cfg = json.load(open(os.path.join(out, "config.json")))
+    assert cfg["methods"] == ["baseline", "grad", "recursive", "direct"] and cfg["block_size"] == 3 and "command" in cfg
+    png = open(os.path.join(out, "figure.png"), "rb").read()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+    summary = open(os.path.join(out, "summary.md")).read()
+    for label in ("baseline", "EVD (grad)", "recursive", "direct"):
+        assert label in summary
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == sorted(
+        f"{m}-seed{s}.pt" for m in ("baseline", "grad", "recursive", "direct") for s in (0, 1))
+    # whitened runs see whiter features than the baseline after training
+    last = {(r["method"], r["seed"]): float(r["rho_mean"]) for r in rows if r["epoch"] == "2"}
+    assert last[("grad", "0")] > last[("baseline", "0")]
+    # --replot redraws figure and summary from the CSV alone
+    os.remove(os.path.join(out, "figure.png"))
+    ex.main(["--replot", out, "--target-acc", "10"])
+    assert os.path.getsize(os.path.join(out, "figure.png")) > 20_000
+    assert "epochs to 10.0%" in open(os.path.join(out, "summary.md")).read()
+
+
+def test_resume_equals_uninterrupted(tmp_path, monkeypatch):
+    # 512 images / batch 64 = 8 steps per epoch, block size 3: a statistics block spans each interruption.
+    common = ["--quick", "--dataset", "synthetic", "--methods", "baseline,grad,recursive", "--epochs", "3",
+              "--block-size", "3", "--threads", "1"]
+    full = str(tmp_path / "full")
+    ex.main(common + ["--out", full, "--order", "sequential"])  # the order of the methods changes nothing
+
+    part = str(tmp_path / "part")
+    real_write = engine.write_metrics
+    calls = {"n": 0}
+
+    def interrupt_after_5_epochs(rows, path):
+        real_write(rows, path)
+        calls["n"] += 1
+        if calls["n"] == 5:  # interleaved: epoch 1 of all three methods, epoch 2 of baseline and grad
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine, "write_metrics", interrupt_after_5_epochs)
+    with pytest.raises(KeyboardInterrupt):
+        ex.main(common + ["--out", part])
+    monkeypatch.setattr(engine, "write_metrics", real_write)
+    partial = _rows(os.path.join(part, "metrics.csv"))
+    assert sorted((r["method"], r["epoch"]) for r in partial) == [
+        ("baseline", "1"), ("baseline", "2"), ("grad", "1"), ("grad", "2"), ("recursive", "1")]
+    ex.main(common + ["--out", part, "--resume"])
+    a, b = _rows(os.path.join(full, "metrics.csv")), _rows(os.path.join(part, "metrics.csv"))
+    assert len(a) == 9 and _no_time(a) == _no_time(b)
+    # and the final states agree bit for bit
+    for m in ("grad", "recursive"):
+        sa = torch.load(os.path.join(full, "checkpoints", f"{m}-seed0.pt"), weights_only=True)["model"]
+        sb = torch.load(os.path.join(part, "checkpoints", f"{m}-seed0.pt"), weights_only=True)["model"]
+        for k, v in sa.items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(v, sb[k]), k
+    # a changed configuration is refused
+    with pytest.raises(RuntimeError, match="differs"):
+        ex.main(common + ["--out", part, "--resume", "--lr", "0.05"])
+
+
+def test_two_process_torchrun_ranks_agree(tmp_path):
+    out = str(tmp_path / "ddp")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+           "-m", "whitenlayers.experiment", "--quick", "--dataset", "synthetic", "--methods", "baseline,grad,recursive",
+           "--block-size", "2", "--threads", "1", "--out", out]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=REPO, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = _rows(os.path.join(out, "metrics.csv"))
+    assert len(rows) == 3 * 2
+    cfg = json.load(open(os.path.join(out, "config.json")))
+    assert cfg["world_size"] == 2
+    for m in ("baseline", "grad", "recursive"):
+        r0 = json.load(open(os.path.join(out, "ranks", f"{m}-seed0-rank0.json")))
+        r1 = json.load(open(os.path.join(out, "ranks", f"{m}-seed0-rank1.json")))
+        assert r0["parameters_sha256"] == r1["parameters_sha256"]
+        assert r0["whitening_sha256"] == r1["whitening_sha256"]
+        assert r0["whitening_layers"] == (0 if m == "baseline" else 6)
+
+
+def test_imagefolder_run(tmp_path):
+    pytest.importorskip("torchvision")
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 8), ("val", 4)):
+        for cls in ("a", "b"):
+            d = tmp_path / "imgs" / split / cls
+            d.mkdir(parents=True)
+            for i in range(n):
+                Image.fromarray(rng.integers(0, 256, (40, 40, 3), dtype=np.uint8)).save(d / f"{i}.png")
+    out = str(tmp_path / "run")
+    ex.main(["--quick", "--dataset", f"imagefolder:{tmp_path / 'imgs'}", "--methods", "baseline,grad", "--epochs", "1",
+             "--batch-size", "4", "--workers", "0", "--diag-batches", "1", "--out", out])
+    rows = _rows(os.path.join(out, "metrics.csv"))
+    assert [r["method"] for r in rows] == ["baseline", "grad"]
+
+
+# --------------------------------------------------------------------------
+# GPU switches, on CPU
+# --------------------------------------------------------------------------
+def _switch_run(tmp_path, *extra, methods="baseline,grad,recursive,direct"):
+    out = str(tmp_path / "run")
+    ex.main(["--quick", "--dataset", "synthetic", "--methods", methods, "--epochs", "1", "--threads", "1",
+             "--out", out, *extra])
+    rows = _rows(os.path.join(out, "metrics.csv"))
+    assert [r["method"] for r in rows] == methods.split(",")
+    for r in rows:
+        assert np.isfinite(float(r["train_loss"])) and float(r["test_acc"]) > 50, r
+        assert 0 < float(r["kappa_mean"]) <= 1 and 0 < float(r["rho_mean"]) <= 1, r
+    return out, rows
+
+
+def test_amp_bf16_and_channels_last(tmp_path, monkeypatch):
+    seen = []
+    real = engine.Precision.autocast
+
+    def spy(self):
+        ctx = real(self)
+        seen.append(type(ctx).__name__)
+        return ctx
+
+    monkeypatch.setattr(engine.Precision, "autocast", spy)
+    out, _ = _switch_run(tmp_path, "--amp", "bf16", "--channels-last")
+    assert seen and set(seen) == {"autocast"}
+    cfg = json.load(open(os.path.join(out, "config.json")))
+    assert (cfg["amp"], cfg["channels_last"], cfg["compile"]) == ("bf16", True, False)
+    state = torch.load(os.path.join(out, "checkpoints", "grad-seed0.pt"), weights_only=False)
+    assert "scaler" not in state
+
+
+def test_channels_last_model_and_batches(tmp_path):
+    cfg = ex.resolve_config(ex.build_parser().parse_args(
+        ["--quick", "--dataset", "synthetic", "--channels-last", "--out", str(tmp_path)]))
+    ctx = ex.Context("cpu", 1)
+    try:
+        r = engine.Run(cfg, engine.load_dataset("synthetic"), "grad", 0, ctx)
+    finally:
+        ctx.close()
+    conv = r.model.layer1[0].conv1
+    assert conv.weight.is_contiguous(memory_format=torch.channels_last)
+    x = r.precision.inputs(torch.zeros(2, 3, 8, 8))
+    assert x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+
+
+def test_amp_fp16_uses_a_grad_scaler(tmp_path):
+    out, _ = _switch_run(tmp_path, "--amp", "fp16", methods="baseline,grad")
+    state = torch.load(os.path.join(out, "checkpoints", "grad-seed0.pt"), weights_only=False)
+    assert state["scaler"]["scale"] > 0  # saved for --resume
+
+
+def test_compile_wraps_the_training_model(tmp_path, monkeypatch):
+    compiled = []
+
+    def fake_compile(module):
+        compiled.append(module)
+        return module
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    _switch_run(tmp_path, "--compile", methods="baseline,grad")
+    assert len(compiled) == 2 and all(isinstance(m, torch.nn.Module) for m in compiled)
+
+
+@pytest.mark.skipif(not os.environ.get("WHITENLAYERS_TEST_COMPILE"),
+                    reason="torch.compile on CPU takes minutes; set WHITENLAYERS_TEST_COMPILE=1")
+def test_compile_real(tmp_path):
+    _switch_run(tmp_path, "--compile", methods="grad")

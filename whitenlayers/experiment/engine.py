@@ -1,0 +1,452 @@
+"""The training engine: models, loaders, the train and test loops, one resumable :class:`Run` per (method, seed), and :func:`run`.
+
+Every method of a seed starts from the same weights and sees the same data
+order; training draws nothing from the global random generators, so the
+methods' runs can be interleaved epoch by epoch without changing any result,
+and a resumed run equals an uninterrupted one (timings aside).
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import random
+import sys
+import time
+from typing import Any, ContextManager, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from .. import models
+from ..convert import whitening_layers
+from ..data import DataBundle, ImageLoader, TensorLoader, load_dataset
+from ..diagnostics import collect_diagnostics
+from . import checkpoint
+from .config import METHOD_LABELS, METHOD_REGISTRY, RunConfig, fingerprint, layer_kwargs, model_spec
+from .context import Context
+from .report import format_epoch_line, format_summary, plot_metrics, prepare_out, summarize, summary_text, title, write_metrics
+
+try:  # optional: in the 'experiment' extra; without it there is no progress bar
+    from tqdm import tqdm
+except ImportError:  # pragma: no cover - depends on the environment
+    tqdm = None
+
+__all__ = ["build_model", "lr_at", "make_loaders", "diagnostic_batches", "measure_diagnostics",
+           "whitening_fingerprint", "Precision", "train_epoch", "evaluate", "Run", "run"]
+
+
+# ==========================================================================
+# Model, data, learning rate
+# ==========================================================================
+def build_model(cfg: RunConfig, num_classes: int, in_channels: int) -> nn.Module:
+    kind, depth = model_spec(cfg.model)
+    if kind == "torchvision":
+        return models.resnet50(num_classes=num_classes, in_channels=in_channels)
+    return models.cifar_resnet(depth=depth, num_classes=num_classes, in_channels=in_channels, width=int(cfg.width))
+
+
+def lr_at(cfg: RunConfig, epoch: int) -> float:
+    """Learning rate for (0-based) ``epoch``: warm-up, then the schedule."""
+    base = float(cfg.lr)
+    warm = int(cfg.warmup_epochs)
+    if epoch < warm:
+        return base * (epoch + 1) / (warm + 1)
+    if cfg.schedule == "step":
+        return base * float(cfg.lr_gamma) ** sum(1 for m in cfg.milestones if epoch >= m)
+    if cfg.schedule == "cosine":
+        e = int(cfg.epochs)
+        t = (epoch - warm) / max(1, e - warm)
+        return base * 0.5 * (1.0 + math.cos(math.pi * t))
+    return base
+
+
+def make_loaders(cfg: RunConfig, bundle: DataBundle, seed: int, ctx: Context):
+    """This rank's training and test loaders (``--batch-size`` is the global batch)."""
+    gbs = int(cfg.batch_size)
+    if gbs % ctx.world:
+        raise ValueError(f"--batch-size {gbs} (global) must be divisible by the number of processes {ctx.world}")
+    bs = gbs // ctx.world
+    if bundle.in_memory:
+        aug = cfg.augment
+        if aug == "auto":
+            aug = bundle.default_augment
+        if len(bundle.train) // ctx.world < bs:
+            raise ValueError(f"--batch-size {gbs} is larger than the training set ({len(bundle.train)} images)")
+        train = TensorLoader(bundle.train, bs, shuffle=True, drop_last=True, seed=seed, rank=ctx.rank, world=ctx.world,
+                             augment=aug)
+        test = TensorLoader(bundle.test, max(bs, 256), shuffle=False, drop_last=False, rank=ctx.rank, world=ctx.world)
+        return train, test
+    workers = cfg.workers if cfg.workers is not None else min(8, max(1, (os.cpu_count() or 2) // ctx.local_world))
+    train = ImageLoader(bundle.train, bs, shuffle=True, drop_last=True, seed=seed, rank=ctx.rank, world=ctx.world,
+                        workers=workers)
+    test = ImageLoader(bundle.test, bs, shuffle=False, drop_last=False, seed=seed, rank=ctx.rank, world=ctx.world,
+                       workers=workers)
+    return train, test
+
+
+def diagnostic_batches(cfg: RunConfig, bundle: DataBundle, seed: int) -> List[torch.Tensor]:
+    """Fixed, held-aside training batches (no augmentation) for kappa and rho: the same on every rank."""
+    k = int(cfg.diag_batches)
+    if k == 0:
+        return []
+    bs = int(cfg.batch_size)
+    g = torch.Generator().manual_seed(10_007 + seed)
+    source = bundle.train if bundle.in_memory else bundle.diag
+    n = len(source)
+    perm = torch.randperm(n, generator=g)[: min(n, k * bs)]
+    batches = []
+    for start in range(0, len(perm), bs):
+        idx = perm[start:start + bs]
+        if bundle.in_memory:
+            batches.append(source.batch(idx)[0])
+        else:
+            batches.append(torch.stack([source[int(i)][0] for i in idx]))
+    return batches
+
+
+# ==========================================================================
+# Measurements
+# ==========================================================================
+def _float(v: Any) -> float:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+def measure_diagnostics(model: nn.Module, batches: List[torch.Tensor], device) -> Dict[str, float]:
+    nan = float("nan")
+    if not batches:
+        return dict(kappa_mean=nan, kappa_sem=nan, rho_mean=nan, rho_sem=nan)
+    d = collect_diagnostics(model, batches, device=device)
+    return dict(kappa_mean=_float(d.kappa_mean), kappa_sem=_float(d.kappa_sem), rho_mean=_float(d.rho_mean),
+                rho_sem=_float(d.rho_sem))
+
+
+def whitening_fingerprint(model: nn.Module) -> Dict[str, Any]:
+    """sha256 of every whitening buffer (and of all parameters), to compare ranks."""
+    h = hashlib.sha256()
+    layers = whitening_layers(model)
+    norm = 0.0
+    for _, mod in layers:
+        for b in ("running_mean", "running_cov", "whitening_matrix", "grad_transform", "num_blocks"):
+            t = getattr(mod, b, None)
+            if t is not None:
+                t = t.detach().cpu().contiguous()
+                h.update(t.numpy().tobytes())
+                if t.is_floating_point():
+                    norm += float(t.double().pow(2).sum())
+    p = hashlib.sha256()
+    for t in model.parameters():
+        p.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return {"whitening_layers": len(layers), "whitening_sha256": h.hexdigest(), "whitening_sq_norm": norm,
+            "parameters_sha256": p.hexdigest()}
+
+
+# ==========================================================================
+# Train and test loops
+# ==========================================================================
+def _grad_scaler(device: torch.device):
+    if hasattr(torch.amp, "GradScaler"):  # torch >= 2.3
+        return torch.amp.GradScaler(device.type)
+    if device.type == "cuda":  # pragma: no cover - old torch
+        return torch.cuda.amp.GradScaler()
+    raise RuntimeError("--amp fp16 off CUDA needs torch >= 2.3 (torch.amp.GradScaler)")  # pragma: no cover
+
+
+class Precision:
+    """``--amp`` and ``--channels-last`` for the loops: autocast, the fp16 gradient scaler, the batches' layout.
+
+    With the defaults (``amp="none"``, no channels_last) a step is exactly the
+    plain one: forward, cross-entropy, backward, ``opt.step()``.
+    """
+
+    def __init__(self, amp: str, channels_last: bool, device: torch.device) -> None:
+        self.amp, self.device = amp, device
+        self.dtype = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[amp]
+        self.channels_last = channels_last
+        self.scaler = _grad_scaler(device) if amp == "fp16" else None
+
+    def autocast(self) -> ContextManager:
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def inputs(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.device, non_blocking=True)
+        if self.channels_last and x.dim() == 4:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return x
+
+    def backward_step(self, loss: torch.Tensor, opt: torch.optim.Optimizer) -> None:
+        if self.scaler is None:
+            loss.backward()
+            opt.step()
+        else:  # skips the step when a gradient is not finite, and adapts the scale
+            self.scaler.scale(loss).backward()
+            self.scaler.step(opt)
+            self.scaler.update()
+
+
+def train_epoch(model: nn.Module, opt: torch.optim.Optimizer, loader, ctx: Context, precision: Precision,
+                bar=None) -> Tuple[float, float, int]:
+    """One pass over ``loader``; returns this rank's summed loss, correct count and sample count."""
+    model.train()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
+    correct = torch.zeros((), dtype=torch.long, device=ctx.device)
+    seen = 0
+    for x, y in loader:
+        x = precision.inputs(x)
+        y = y.to(ctx.device, non_blocking=True)
+        with precision.autocast():
+            out = model(x)
+            loss = F.cross_entropy(out, y)
+        opt.zero_grad(set_to_none=True)
+        precision.backward_step(loss, opt)
+        with torch.no_grad():
+            loss_sum += loss.detach().double() * y.shape[0]
+            correct += (out.argmax(1) == y).sum()
+        seen += int(y.shape[0])
+        if bar is not None and bar.update(1):  # True when tqdm redraws: read the loss (a device sync) only then
+            bar.set_postfix_str(f"loss {float(loss_sum) / max(1, seen):.4f}")
+    return float(loss_sum), float(correct), seen
+
+
+@torch.no_grad()
+def evaluate(module: nn.Module, loader, ctx: Context, precision: Precision) -> Tuple[float, float]:
+    """Test loss and accuracy (percent), summed over the ranks' shards."""
+    was_training = module.training
+    module.eval()
+    loss_sum, correct, n = 0.0, 0.0, 0
+    for x, y in loader:
+        x = precision.inputs(x)
+        y = y.to(ctx.device, non_blocking=True)
+        with precision.autocast():
+            out = module(x)
+            loss = F.cross_entropy(out, y, reduction="sum")
+        loss_sum += float(loss)
+        correct += float((out.argmax(1) == y).sum())
+        n += int(y.shape[0])
+    module.train(was_training)
+    loss_sum, correct, n = ctx.all_sum([loss_sum, correct, n])
+    return loss_sum / max(1.0, n), 100.0 * correct / max(1.0, n)
+
+
+def progress_enabled(cfg: RunConfig, ctx: Context) -> bool:
+    """``--progress``: a bar on rank 0 only, when stderr is a terminal (auto) or always; needs tqdm."""
+    if not ctx.is_main or cfg.progress == "never":
+        return False
+    show = cfg.progress == "always" or sys.stderr.isatty()
+    if show and tqdm is None:
+        if cfg.progress == "always":
+            raise ImportError("--progress always needs tqdm: pip install 'whitenlayers[experiment]' (or tqdm)")
+        ctx.log("note: no progress bar (pip install tqdm for one)")
+        return False
+    return show
+
+
+# ==========================================================================
+# One (method, seed) run
+# ==========================================================================
+class Run:
+    """One (method, seed) training run: model, optimizer, loaders; resumable epoch by epoch.
+
+    The model is built right after ``torch.manual_seed(seed)``, so every
+    method of a seed starts from the same weights; data order and
+    augmentation depend on ``(seed, epoch)`` only. Training draws nothing from
+    the global random generators, so runs can be interleaved epoch by epoch
+    without changing any result.
+    """
+
+    def __init__(self, cfg: RunConfig, bundle: DataBundle, method: str, seed: int, ctx: Context,
+                 show_progress: bool = False) -> None:
+        self.cfg, self.method, self.seed, self.ctx = cfg, method, seed, ctx
+        self.epochs = int(cfg.epochs)
+        self.path = checkpoint.checkpoint_path(cfg.out, method, seed)
+        self.fingerprint = fingerprint(cfg.to_record())
+        torch.manual_seed(seed)
+        np.random.seed(seed % 2**32)
+        random.seed(seed)
+        model = build_model(cfg, bundle.num_classes, bundle.in_channels).to(ctx.device)
+        model = METHOD_REGISTRY[method].apply(model, layer_kwargs(cfg, method))
+        if ctx.distributed and cfg.sync_bn:
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        if cfg.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        self.model = model
+        self.precision = Precision(cfg.amp, cfg.channels_last, ctx.device)
+        self.opt = torch.optim.SGD(model.parameters(), lr=lr_at(cfg, 0), momentum=float(cfg.momentum),
+                                   nesterov=bool(cfg.nesterov), weight_decay=float(cfg.weight_decay))
+        self.rows: List[Dict[str, Any]] = []
+        self.epoch = 0  # epochs completed
+        if cfg.resume:
+            self._resume()
+        self.net = model  # what trains: DDP and/or compiled around the model
+        if ctx.distributed:
+            self.net = DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+        if cfg.compile:
+            self.net = torch.compile(self.net)
+        self.train_loader, self.test_loader = make_loaders(cfg, bundle, seed, ctx)
+        self.diag = diagnostic_batches(cfg, bundle, seed)
+        self.show = show_progress
+
+    def _resume(self) -> None:
+        state = checkpoint._load_checkpoint(self.path, self.ctx)
+        if state is None:
+            return
+        if fingerprint(state["fingerprint"]) != self.fingerprint:
+            raise RuntimeError(f"{self.path}: the checkpoint was made with a different configuration; "
+                               "use another --out or drop --resume")
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optimizer"])
+        if self.precision.scaler is not None and "scaler" in state:
+            self.precision.scaler.load_state_dict(state["scaler"])
+        checkpoint.set_rng_state(state["rng"])
+        self.epoch = int(state["epoch"])
+        self.rows = [r for r in state["rows"] if r["epoch"] <= self.epochs]
+        what = "complete" if self.done else f"resuming after epoch {self.epoch}"
+        self.ctx.log(f"{METHOD_LABELS[self.method]} seed {self.seed}: {what} (checkpoint {self.path})")
+
+    def _save(self) -> None:
+        state = {"epoch": self.epoch, "method": self.method, "seed": self.seed, "model": self.model.state_dict(),
+                 "optimizer": self.opt.state_dict(), "rng": checkpoint.rng_state(), "rows": self.rows,
+                 "fingerprint": self.fingerprint}
+        if self.precision.scaler is not None:
+            state["scaler"] = self.precision.scaler.state_dict()
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        checkpoint._atomic_save(state, self.path)
+
+    @property
+    def done(self) -> bool:
+        return self.epoch >= self.epochs
+
+    def train_epoch(self) -> Dict[str, Any]:
+        """Train the next epoch, evaluate, measure kappa/rho, checkpoint; returns the epoch's metrics row."""
+        ctx, cfg, epoch = self.ctx, self.cfg, self.epoch
+        lr = lr_at(cfg, epoch)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        self.train_loader.set_epoch(epoch)
+        bar = None
+        if self.show:
+            bar = tqdm(total=len(self.train_loader), desc=f"{self.method:>9s} s{self.seed} ep {epoch + 1}/{self.epochs}",
+                       file=sys.stderr, leave=False, mininterval=0.1, dynamic_ncols=True)
+        ctx.synchronize()
+        t0 = time.perf_counter()
+        loss_sum, correct, seen = train_epoch(self.net, self.opt, self.train_loader, ctx, self.precision, bar)
+        ctx.synchronize()
+        epoch_time = time.perf_counter() - t0
+        if bar is not None:
+            bar.close()
+        loss_sum, correct, seen = ctx.all_sum([loss_sum, correct, seen])
+        t1 = time.perf_counter()
+        test_loss, test_acc = evaluate(self.model, self.test_loader, ctx, self.precision)
+        diag_vals = measure_diagnostics(self.model, self.diag, ctx.device)
+        ctx.synchronize()
+        eval_time = time.perf_counter() - t1
+        row = dict(method=self.method, seed=self.seed, epoch=epoch + 1, lr=lr, train_loss=loss_sum / max(1.0, seen),
+                   train_acc=100.0 * correct / max(1.0, seen), test_loss=test_loss, test_acc=test_acc,
+                   **diag_vals, epoch_time=epoch_time, eval_time=eval_time)
+        self.rows.append(row)
+        self.epoch = epoch + 1
+        ctx.log(format_epoch_line(row, self.epochs))
+        if not math.isfinite(row["train_loss"]):
+            ctx.log(f"warning: {self.method} seed {self.seed}: the training loss is not finite (diverged); "
+                    "consider a lower --lr")
+        if ctx.is_main:
+            self._save()
+        return row
+
+    def finish(self) -> None:
+        """Distributed: write this rank's whitening fingerprint (ranks must agree)."""
+        if self.ctx.distributed:
+            rank_dir = os.path.join(self.cfg.out, "ranks")
+            os.makedirs(rank_dir, exist_ok=True)
+            info = dict(method=self.method, seed=self.seed, rank=self.ctx.rank, world=self.ctx.world,
+                        epochs=self.epoch, **whitening_fingerprint(self.model))
+            with open(os.path.join(rank_dir, f"{self.method}-seed{self.seed}-rank{self.ctx.rank}.json"), "w") as f:
+                json.dump(info, f, indent=1)
+
+
+# ==========================================================================
+# The whole run
+# ==========================================================================
+def run(cfg: RunConfig, ctx: Context, argv: Sequence[str] = ()) -> Dict[str, Any]:
+    """Run every (seed, method) of ``cfg`` and write the outputs; returns rows, summary and paths."""
+    t_start = time.perf_counter()
+    prepare_out(cfg, ctx, argv)
+    show = progress_enabled(cfg, ctx)
+    if cfg.download and ctx.distributed and not ctx.is_main:
+        ctx.barrier()  # let rank 0 download first
+    bundle = load_dataset(cfg.dataset, data_dir=cfg.data_dir, download=bool(cfg.download) and ctx.is_main,
+                          test_fraction=float(cfg.test_fraction))
+    if cfg.download and ctx.distributed and ctx.is_main:
+        ctx.barrier()
+    bundle = bundle.limit(cfg.train_subset, cfg.test_subset)
+    kind, depth = model_spec(cfg.model)
+    model_name = "ResNet-50" if kind == "torchvision" else f"CIFAR ResNet-{depth} width {cfg.width}"
+    switches = [s for s, on in ((f"amp {cfg.amp}", cfg.amp != "none"), ("torch.compile", cfg.compile),
+                                ("channels_last", cfg.channels_last)) if on]
+    ctx.log(f"whitenlayers experiment: {bundle.label} ({len(bundle.train)} train / {len(bundle.test)} test), "
+            f"{model_name}, "
+            f"methods {','.join(cfg.methods)}, seeds {','.join(map(str, cfg.seeds))}, {cfg.epochs} epochs, "
+            f"batch {cfg.batch_size} on {ctx.world} process(es), device {ctx.device}, {ctx.threads} thread(s)/process"
+            + "".join(f", {s}" for s in switches))
+    for note in bundle.notes:
+        ctx.log(f"  {note}")
+    ctx.log(f"  output: {cfg.out}")
+    metrics_path = os.path.join(cfg.out, "metrics.csv")
+    done: List[Dict[str, Any]] = []
+
+    def flush(current: List[Dict[str, Any]]) -> None:
+        if ctx.is_main:
+            write_metrics(done + current, metrics_path)
+
+    for seed in cfg.seeds:
+        if cfg.order == "interleaved":
+            # Epoch e of every method, then epoch e + 1: the methods share the machine's load alike.
+            runs = [Run(cfg, bundle, method, seed, ctx, show) for method in cfg.methods]
+            while not all(r.done for r in runs):
+                for r in runs:
+                    if not r.done:
+                        r.train_epoch()
+                        flush([row for q in runs for row in q.rows])
+            for r in runs:
+                r.finish()
+                done.extend(r.rows)
+            del runs
+        else:
+            for method in cfg.methods:
+                r = Run(cfg, bundle, method, seed, ctx, show)
+                while not r.done:
+                    r.train_epoch()
+                    flush(r.rows)
+                r.finish()
+                done.extend(r.rows)
+                del r
+        flush([])
+    result: Dict[str, Any] = {"rows": done, "metrics": metrics_path}
+    if ctx.is_main:
+        summary, target = summarize(done, cfg.methods, cfg.target_acc)
+        table = format_summary(summary, target)
+        wall = time.perf_counter() - t_start
+        fig_path: Optional[str] = os.path.join(cfg.out, "figure.png")
+        name = title(cfg, bundle.label)
+        try:
+            plot_metrics(done, fig_path, name, cfg.methods)
+        except ImportError as exc:
+            fig_path = None
+            print(f"warning: no figure ({exc})", file=sys.stderr)
+        with open(os.path.join(cfg.out, "summary.md"), "w") as f:
+            f.write(summary_text(name, table, target, wall))
+        print("\n" + table, flush=True)
+        print(f"\ntotal wall time {wall:.1f} s; outputs in {cfg.out}: metrics.csv, config.json, summary.md"
+              + (", figure.png" if fig_path else ""), flush=True)
+        result.update(summary=summary, target=target, table=table, figure=fig_path, wall=wall)
+    return result

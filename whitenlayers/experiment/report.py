@@ -1,0 +1,336 @@
+"""The run's outputs: ``metrics.csv``, the summary table, the three-panel figure, ``config.json``.
+
+Everything here reads or writes files of an output folder; nothing trains.
+:func:`replot` redraws the figure and summary of a finished (or partial) run
+from its ``metrics.csv`` and ``config.json`` alone. ``matplotlib`` is
+imported only to draw the figure (it is in the ``experiment`` extra).
+"""
+from __future__ import annotations
+
+import csv
+import datetime
+import json
+import math
+import os
+import platform
+import shlex
+import subprocess
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from ..data import DATASET_LABELS
+from .config import METHOD_COLORS, METHOD_LABELS, METHODS, RunConfig, fingerprint, model_spec
+from .context import Context
+
+__all__ = ["CSV_FIELDS", "TIME_FIELDS", "write_metrics", "read_metrics", "summarize", "format_summary",
+           "plot_metrics", "replot", "format_epoch_line", "prepare_out"]
+
+CSV_FIELDS = ["method", "seed", "epoch", "lr", "train_loss", "train_acc", "test_loss", "test_acc", "kappa_mean",
+              "kappa_sem", "rho_mean", "rho_sem", "epoch_time", "eval_time"]
+TIME_FIELDS = ("epoch_time", "eval_time")
+
+
+def format_epoch_line(row: Dict[str, Any], epochs: int) -> str:
+    """The line printed after each epoch."""
+    w = len(str(epochs))
+    return (f"{METHOD_LABELS[row['method']]:>12s} seed {row['seed']}  epoch {row['epoch']:{w}d}/{epochs}  "
+            f"lr {row['lr']:.3g}  loss {row['train_loss']:.4f}  train {row['train_acc']:6.2f}%  "
+            f"test {row['test_acc']:6.2f}%  kappa {row['kappa_mean']:.3f}±{row['kappa_sem']:.3f}  "
+            f"rho {row['rho_mean']:.3f}±{row['rho_sem']:.3f}  time {row['epoch_time']:.1f}s")
+
+
+# ==========================================================================
+# CSV and summary
+# ==========================================================================
+def write_metrics(rows: Iterable[Dict[str, Any]], path: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: r[k] for k in CSV_FIELDS})
+    os.replace(tmp, path)
+
+
+def read_metrics(path: str) -> List[Dict[str, Any]]:
+    """Rows of a ``metrics.csv`` with numbers parsed."""
+    out = []
+    with open(path, newline="") as f:
+        for r in csv.DictReader(f):
+            row: Dict[str, Any] = dict(r)
+            row["seed"], row["epoch"] = int(r["seed"]), int(r["epoch"])
+            for k in CSV_FIELDS[3:]:
+                row[k] = float(r[k])
+            out.append(row)
+    return out
+
+
+def _by_method(rows: Sequence[Dict[str, Any]]) -> Dict[str, Dict[int, List[Dict[str, Any]]]]:
+    out: Dict[str, Dict[int, List[Dict[str, Any]]]] = {}
+    for r in rows:
+        out.setdefault(r["method"], {}).setdefault(r["seed"], []).append(r)
+    for seeds in out.values():
+        for lst in seeds.values():
+            lst.sort(key=lambda r: r["epoch"])
+    return out
+
+
+def _mean_std(values: Sequence[float]) -> Tuple[float, float]:
+    a = np.asarray(values, dtype=float)
+    if a.size == 0:
+        return float("nan"), float("nan")
+    return float(a.mean()), float(a.std(ddof=1)) if a.size > 1 else 0.0
+
+
+def _fmt(mean: float, std: float, nseeds: int, digits: int = 2) -> str:
+    if not math.isfinite(mean):
+        return "n/a"
+    return f"{mean:.{digits}f}" + (f" ± {std:.{digits}f}" if nseeds > 1 else "")
+
+
+def summarize(rows: Sequence[Dict[str, Any]], methods: Optional[Sequence[str]] = None,
+              target_acc: Optional[float] = None) -> Tuple[List[Dict[str, Any]], float]:
+    """Per-method summary: final/best accuracy, epochs to target, last kappa/rho, epoch time (and vs baseline).
+
+    Returns the summary rows and the target accuracy used.
+    """
+    groups = _by_method(rows)
+    methods = [m for m in (methods or METHODS) if m in groups] + [m for m in groups if m not in (methods or METHODS)]
+    if target_acc is None:
+        bests = []
+        for m in methods:
+            curves = [np.array([r["test_acc"] for r in lst]) for lst in groups[m].values()]
+            length = min(len(c) for c in curves)
+            bests.append(float(np.mean([c[:length] for c in curves], axis=0).max()))
+        target_acc = math.floor(0.99 * min(bests) * 10) / 10 if bests else 0.0
+    out = []
+    base_time = None
+    for m in methods:
+        seeds = groups[m]
+        final = [lst[-1]["test_acc"] for lst in seeds.values()]
+        best = [max(r["test_acc"] for r in lst) for lst in seeds.values()]
+        reach = []
+        for lst in seeds.values():
+            hit = [r["epoch"] for r in lst if r["test_acc"] >= target_acc]
+            reach.append(hit[0] if hit else float("nan"))
+        times = [float(np.mean([r["epoch_time"] for r in lst])) for lst in seeds.values()]
+        s = dict(method=m, seeds=len(seeds), epochs=max(len(lst) for lst in seeds.values()),
+                 final_acc=_mean_std(final), best_acc=_mean_std(best),
+                 epochs_to_target=_mean_std([v for v in reach if math.isfinite(v)]),
+                 reached=sum(math.isfinite(v) for v in reach),
+                 kappa=_mean_std([lst[-1]["kappa_mean"] for lst in seeds.values()]),
+                 rho=_mean_std([lst[-1]["rho_mean"] for lst in seeds.values()]),
+                 epoch_time=_mean_std(times))
+        if m == "baseline":
+            base_time = s["epoch_time"][0]
+        out.append(s)
+    for s in out:
+        s["time_ratio"] = s["epoch_time"][0] / base_time if base_time else float("nan")
+    return out, target_acc
+
+
+def format_summary(summary: Sequence[Dict[str, Any]], target: float) -> str:
+    head = ["method", "final acc (%)", "best acc (%)", f"epochs to {target:.1f}%", "kappa (last)", "rho (last)",
+            "epoch time (s)", "time vs baseline"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for s in summary:
+        n = s["seeds"]
+        if s["reached"] == 0:
+            reach = "not reached"
+        else:
+            reach = _fmt(*s["epochs_to_target"], n, 1)
+            if s["reached"] < n:
+                reach += f" ({s['reached']}/{n} seeds)"
+        ratio = f"{s['time_ratio']:.2f}x" if math.isfinite(s["time_ratio"]) else "n/a"
+        lines.append("| " + " | ".join([
+            METHOD_LABELS.get(s["method"], s["method"]), _fmt(*s["final_acc"], n), _fmt(*s["best_acc"], n), reach,
+            _fmt(*s["kappa"], n, 3), _fmt(*s["rho"], n, 3), _fmt(*s["epoch_time"], n, 1), ratio]) + " |")
+    return "\n".join(lines)
+
+
+# ==========================================================================
+# Figure
+# ==========================================================================
+def plot_metrics(rows: Sequence[Dict[str, Any]], path: str, title: str, methods: Optional[Sequence[str]] = None) -> None:
+    """The paper's figure: test accuracy, kappa and rho against epoch, one line per method with a spread band.
+
+    The band is +-1 standard deviation across seeds; with a single seed, kappa
+    and rho get +-1 standard error across layers and accuracy gets no band.
+    When the first epochs' accuracy is far below the rest, an inset zooms on
+    the second half of the run.
+    """
+    try:  # optional: in the 'experiment' extra
+        import matplotlib
+    except ImportError as exc:
+        raise ImportError("the figure needs matplotlib: pip install 'whitenlayers[experiment]' (or matplotlib)") from exc
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    groups = _by_method(rows)
+    methods = [m for m in (methods or METHODS) if m in groups] + [m for m in groups if m not in (methods or METHODS)]
+    panels = [("test_acc", None, "test accuracy (%)", "Test accuracy"),
+              ("kappa_mean", "kappa_sem", r"normalised rank $\kappa = M_s / M$", r"Normalised rank $\kappa$ (higher: fuller rank)"),
+              ("rho_mean", "rho_sem", r"whiteness $\rho$", r"Whiteness $\rho$ (1: uncorrelated)")]
+    curves: Dict[str, Dict[str, Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]]] = {}
+    for key, sem_key, _, _ in panels:
+        for m in methods:
+            seeds = list(groups[m].values())
+            length = min(len(lst) for lst in seeds)
+            ep = np.array([r["epoch"] for r in seeds[0][:length]])
+            vals = np.array([[r[key] for r in lst[:length]] for lst in seeds], dtype=float)
+            if vals.shape[0] > 1:
+                spread: Optional[np.ndarray] = vals.std(0, ddof=1)
+            elif sem_key is not None:
+                spread = np.array([r[sem_key] for r in seeds[0][:length]], dtype=float)
+            else:
+                spread = None
+            curves.setdefault(key, {})[m] = (ep, vals.mean(0), spread)
+
+    def draw(ax, key: str, markers: bool = True) -> None:
+        for m in methods:
+            ep, mean, spread = curves[key][m]
+            color = METHOD_COLORS.get(m)
+            ax.plot(ep, mean, color=color, label=METHOD_LABELS.get(m, m), lw=2,
+                    marker="o" if markers and len(ep) <= 30 else None, ms=4)
+            if spread is not None and np.isfinite(spread).any():
+                ax.fill_between(ep, mean - spread, mean + spread, color=color, alpha=0.18, lw=0)
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 5.0))
+    for ax, (key, _, ylabel, ptitle) in zip(axes, panels):
+        draw(ax, key)
+        ax.set_xlabel("epoch")
+        ax.set_ylabel(ylabel)
+        ax.set_title(ptitle, fontsize=11)
+        ax.grid(True, alpha=0.3)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+    for ax in axes[1:]:
+        lo, hi = ax.get_ylim()
+        ax.set_ylim(max(0.0, lo), min(1.02, hi))
+    # Accuracy: the whole range, and an inset on the second half when the start dwarfs the differences there.
+    acc = curves["test_acc"]
+    n_ep = max(len(v[0]) for v in acc.values())
+    late = np.concatenate([v[1][len(v[1]) // 2:] for v in acc.values()])
+    allv = np.concatenate([v[1] for v in acc.values()])
+    late, allv = late[np.isfinite(late)], allv[np.isfinite(allv)]
+    if n_ep >= 4 and late.size and allv.size and (allv.max() - allv.min()) > 4 * max(late.max() - late.min(), 0.2):
+        ax = axes[0]
+        ins = ax.inset_axes([0.46, 0.07, 0.51, 0.42])
+        draw(ins, "test_acc")
+        first = min(v[0][len(v[0]) // 2] for v in acc.values())
+        pad = max(0.1, 0.15 * (late.max() - late.min()))
+        ins.set_xlim(first - 0.12, n_ep + 0.12)
+        ins.set_ylim(late.min() - pad, late.max() + pad)
+        ins.xaxis.get_major_locator().set_params(integer=True)
+        ins.tick_params(labelsize=8)
+        ins.grid(True, alpha=0.3)
+        ins.set_title(f"zoom: epochs {first}-{n_ep}", fontsize=8)
+        ax.indicate_inset_zoom(ins, edgecolor="0.5")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=len(labels), bbox_to_anchor=(0.5, 0.945), frameon=False,
+               fontsize=11)
+    fig.suptitle(title, fontsize=13, y=0.99)
+    fig.tight_layout(rect=(0, 0, 1, 0.9))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def title(cfg: RunConfig, data_label: str) -> str:
+    """The figure's and summary's title."""
+    kind, depth = model_spec(cfg.model)
+    model = "ResNet-50 (torchvision)" if kind == "torchvision" else f"CIFAR ResNet-{depth}"
+    if kind == "cifar" and int(cfg.width) != 16:
+        model += f" (width {cfg.width})"
+    nseeds = len(cfg.seeds)
+    seeds = f"{nseeds} seeds, mean ± std" if nseeds > 1 else f"seed {cfg.seeds[0]}, band ± s.e. over layers"
+    return (f"{data_label}, {model}: {int(cfg.epochs)} epochs, batch {cfg.batch_size}, "
+            f"lr {cfg.lr:g} ({cfg.schedule})  [{seeds}]")
+
+
+# ==========================================================================
+# Summary file, replot, output folder
+# ==========================================================================
+def summary_text(title: str, table: str, target: float, wall: Optional[float]) -> str:
+    text = (f"# {title}\n\n{table}\n\nTarget accuracy {target:.1f}%. Epoch time = training loop only "
+            f"(forward, backward, step), mean over epochs; accuracies are test accuracies in percent; kappa and rho "
+            f"at the last epoch, mean over layers.")
+    if wall is not None:
+        text += f" Total wall time {wall:.0f} s."
+    return text + "\n"
+
+
+def replot(out: str, target_acc: Optional[float] = None) -> Tuple[str, str]:
+    """Redraw ``figure.png`` and ``summary.md`` of a finished (or partial) run from its CSV and config."""
+    rows = read_metrics(os.path.join(out, "metrics.csv"))
+    with open(os.path.join(out, "config.json")) as f:
+        cfg = RunConfig.from_record(json.load(f))
+    name = title(cfg, DATASET_LABELS.get(cfg.dataset, cfg.dataset))
+    fig_path = os.path.join(out, "figure.png")
+    plot_metrics(rows, fig_path, name, cfg.methods)
+    summary, target = summarize(rows, cfg.methods, target_acc if target_acc is not None else cfg.target_acc)
+    table = format_summary(summary, target)
+    with open(os.path.join(out, "summary.md"), "w") as f:
+        f.write(summary_text(name, table, target, None))
+    print(table)
+    return fig_path, table
+
+
+def _git_state() -> Optional[str]:
+    """``<commit>`` (``+dirty`` when the package has uncommitted changes) of the source tree, if it is a git checkout."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+                                timeout=10).stdout.strip()
+        if not commit:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "."], cwd=here, capture_output=True, text=True,
+                               timeout=10).stdout.strip()
+        return commit + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def prepare_out(cfg: RunConfig, ctx: Context, argv: Sequence[str]) -> None:
+    """Rank 0: check a resumed run's configuration, or clear an earlier run; write ``config.json``."""
+    out = cfg.out
+    cfg_path = os.path.join(out, "config.json")
+    record = cfg.to_record()
+    if ctx.is_main:
+        os.makedirs(os.path.join(out, "checkpoints"), exist_ok=True)
+        if cfg.resume and os.path.isfile(cfg_path):
+            with open(cfg_path) as f:
+                old = json.load(f)
+            a, b = fingerprint(old), fingerprint(record)
+            a.update(methods=old["methods"], seeds=old["seeds"])
+            b.update(methods=record["methods"], seeds=record["seeds"])
+            if a != b:
+                diff = sorted(k for k in set(a) | set(b) if json.dumps(a.get(k)) != json.dumps(b.get(k)))
+                raise RuntimeError(f"--resume: the configuration differs from the run in {out} ({', '.join(diff)})")
+        elif not cfg.resume:
+            ckdir = os.path.join(out, "checkpoints")
+            stale = [f for f in os.listdir(ckdir) if f.endswith(".pt")]
+            for f in stale:
+                os.remove(os.path.join(ckdir, f))
+            for name in ("metrics.csv", "summary.md", "figure.png"):
+                if os.path.exists(os.path.join(out, name)):
+                    os.remove(os.path.join(out, name))
+            if stale:
+                print(f"note: starting afresh in {out} (an earlier run there was discarded; use --resume to continue)",
+                      flush=True)
+        rank_dir = os.path.join(out, "ranks")
+        if os.path.isdir(rank_dir):
+            for f in os.listdir(rank_dir):
+                os.remove(os.path.join(rank_dir, f))
+        record.update(
+            git=_git_state(),
+            command=" ".join(["python -m whitenlayers.experiment"] + [shlex.quote(a) for a in argv]),
+            world_size=ctx.world, device=str(ctx.device), threads=ctx.threads, torch=torch.__version__,
+            python=platform.python_version(), platform=platform.platform(), processor=platform.processor() or platform.machine(),
+            started=datetime.datetime.now().isoformat(timespec="seconds"),
+        )
+        with open(cfg_path, "w") as f:
+            json.dump(record, f, indent=2, default=str)
+    ctx.barrier()
+
+
