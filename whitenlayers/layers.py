@@ -15,6 +15,19 @@ made or saved, and autograd produces the centred weight gradient by itself.
 Any ``padding_mode`` is supported under this convention (the identity holds
 for every padding mode); ``groups != 1`` is rejected, because a whitening
 matrix couples all input channels and a grouped weight cannot carry it.
+
+Centring absorbed by a following BatchNorm (SPEC): after
+``layer.absorb_centring(bn)`` (which :func:`~whitenlayers.convert_model` calls
+where the output feeds a BatchNorm and nothing else) the layer skips the
+per-channel offset ``s = c - sum_k W_k mu`` whenever ``bn`` normalises with
+batch statistics, because ``bn`` removes any per-channel constant and its
+input gradient sums to zero per channel, so the offset's weight-gradient
+term vanishes too; training is unchanged up to rounding. The BatchNorm's
+``running_mean`` then averages ``conv(x)`` instead of ``conv(x) + s``; the
+layer keeps the difference, ``d`` (buffer ``absorbed_offset``: ``s``
+averaged with the BatchNorm's own momentum), and whenever ``bn`` uses its
+running statistics (eval mode, or a frozen BatchNorm) it adds ``s - d``:
+``bn`` then sees exactly what it sees after the centred layer.
 """
 from __future__ import annotations
 
@@ -23,6 +36,7 @@ from typing import Any, Dict, Optional, Union
 import torch
 from torch import Tensor, nn
 from torch.nn.common_types import _size_2_t
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from .autograd import direct_whiten, grad_transformed
 from .stats import WhiteningStatistics
@@ -132,6 +146,8 @@ class _GradWhitenMixin(WhiteningStatistics):
 
     weight: Tensor
     bias: Optional[Tensor]
+    # The BatchNorm that absorbs the centring (absorb_centring); a plain attribute, not a submodule.
+    _centring_bn: Optional[_BatchNorm] = None
 
     def _init_grad_whitening(self, num_features: int, out_features: int, method: str, kw: Dict[str, Any], device, dtype) -> None:
         self._init_whitening(num_features, method=method, grad_transform=True, device=device, dtype=dtype, **kw)
@@ -147,14 +163,127 @@ class _GradWhitenMixin(WhiteningStatistics):
         return w @ mean.to(w.dtype)
 
     def _effective_bias(self, weight: Tensor) -> Tensor:
-        """``b + c - sum_k W_k mu``: the bias that makes the plain layer compute the centred one."""
+        """``b + c - sum_k W_k mu`` (``- d`` when the centring is absorbed): the bias of the equivalent plain layer."""
         mean = self.running_mean
         if torch.is_grad_enabled() and weight.requires_grad:
             mean = mean.clone()  # saved for backward: a later fold must not modify it
         offset = self._weight_mean_product(weight, mean)
         if self.bias is not None:
-            return self.bias - offset
-        return self.bias_correction.to(offset.dtype) - offset
+            out = self.bias - offset
+        else:
+            out = self.bias_correction.to(offset.dtype) - offset
+        absorbed = self._buffers.get("absorbed_offset")
+        if absorbed is not None:
+            out = out - absorbed.to(out.dtype)
+        return out
+
+    # ------------------------------------------------ centring absorbed by a BatchNorm
+    @property
+    def centring(self) -> str:
+        """``"input"`` (the layer centres its input) or ``"absorbed"`` (by :attr:`centring_batchnorm`)."""
+        return "input" if self._centring_bn is None else "absorbed"
+
+    @property
+    def centring_batchnorm(self) -> Optional[_BatchNorm]:
+        """The BatchNorm that absorbs this layer's centring (see :meth:`absorb_centring`), or ``None``."""
+        return self._centring_bn
+
+    @torch.no_grad()
+    def absorb_centring(self, batchnorm: Optional[_BatchNorm]) -> None:
+        """Let ``batchnorm``, which alone consumes this layer's output, absorb the centring; ``None`` undoes it.
+
+        SPEC "Centring absorbed by a following BatchNorm". The layer computes
+        ``z = conv(x, W) + b`` (no centring offset ``s = c - sum_k W_k mu``)
+        whenever ``batchnorm`` normalises with batch statistics (training
+        mode, or no running statistics): the BatchNorm subtracts the batch
+        mean, which removes ``s`` exactly, and its input gradient sums to zero
+        per channel, so ``s``'s weight-gradient term ``-(sum dz) mu^T`` is zero.
+        Training (weights, whitening state, BatchNorm output) is the centred
+        layer's up to rounding, without the pass over the output that adds
+        ``s`` and the backward reduction for it.
+
+        Running statistics stay exact: the BatchNorm's ``running_mean`` now
+        averages ``conv(x, W) + b``, i.e. the centred layer's running mean
+        minus ``d``, the running average of ``s`` with the BatchNorm's own
+        momentum (or cumulative average), which the layer keeps in the buffer
+        ``absorbed_offset`` (one ``S``-vector update per training forward).
+        Whenever the BatchNorm uses its running statistics (eval mode, or a
+        BatchNorm frozen in eval mode while the layer trains) the layer adds
+        ``s - d`` (with the centred layer's weight gradient), so the
+        BatchNorm's output is the centred layer's. :func:`export_model` moves
+        ``s - d`` into the BatchNorm's ``running_mean`` instead of a bias, so
+        the exported layer keeps the original's keys (a bias-free conv stays
+        bias-free).
+
+        Only call this when ``batchnorm`` is the *only* consumer of the
+        layer's output, called once per call of the layer (the BatchNorm's
+        ``num_features`` must equal the layer's output features; a linear
+        layer needs ``(B, in_features)`` inputs). Switching on starts with
+        ``d = 0`` and switching off adds ``d`` to the BatchNorm's
+        ``running_mean``: both leave the model's function unchanged. The
+        BatchNorm is held as a plain attribute (not a submodule): it is not in
+        this layer's ``state_dict``; ``copy.deepcopy`` / pickling of a whole
+        model keep the pairing.
+        """
+        if batchnorm is not None:
+            if not isinstance(batchnorm, _BatchNorm):
+                raise TypeError(
+                    f"{self._describe()}: absorb_centring expects a BatchNorm module, but got {type(batchnorm).__name__}"
+                )
+            out_features = self.weight.shape[0]
+            if batchnorm.num_features != out_features:
+                raise ValueError(
+                    f"{self._describe()}: absorb_centring needs a BatchNorm over the layer's {out_features} output "
+                    f"features, but got num_features={batchnorm.num_features}"
+                )
+        old = self._centring_bn
+        if old is not None:
+            d = self._buffers.pop("absorbed_offset")
+            if old.running_mean is not None:
+                old.running_mean.add_(d.to(old.running_mean.dtype))
+            object.__setattr__(self, "_centring_bn", None)
+        if batchnorm is not None:
+            self.register_buffer(
+                "absorbed_offset",
+                torch.zeros(self.weight.shape[0], device=self.weight.device, dtype=self.running_mean.dtype),
+            )
+            object.__setattr__(self, "_centring_bn", batchnorm)
+
+    def _batchnorm_absorbs(self) -> bool:
+        """True when the absorbing BatchNorm normalises this forward with batch statistics (it removes the offset)."""
+        bn = self._centring_bn
+        return bn is not None and (bn.training or (bn.running_mean is None and bn.running_var is None))
+
+    def _skipped_offset(self, weight: Tensor) -> Tensor:
+        """``s = c - sum_k W_k mu`` (bias-free) or ``- sum_k W_k mu``: the offset the absorbed layer leaves out."""
+        p = self._weight_mean_product(weight, self.running_mean)
+        if self.bias is None:
+            return self.bias_correction.to(p.dtype) - p
+        return -p
+
+    @torch.no_grad()
+    def _track_absorbed_offset(self, weight: Tensor) -> None:
+        """``d <- (1 - f) d + f s`` with the BatchNorm's factor ``f``, when it updates its running mean now."""
+        bn = self._centring_bn
+        if not (bn.training and bn.track_running_stats and bn.running_mean is not None):
+            return
+        d = self._buffers["absorbed_offset"]
+        if bn.momentum is None:  # cumulative average: f = 1 / num_batches_tracked after the BatchNorm's increment
+            if bn.num_batches_tracked is None:
+                return
+            factor: Union[float, Tensor] = (bn.num_batches_tracked.to(device=d.device, dtype=d.dtype) + 1).reciprocal()
+        else:
+            factor = bn.momentum
+        d.lerp_(self._skipped_offset(weight.detach().to(d.dtype)), factor)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        key = prefix + "absorbed_offset"
+        if self._centring_bn is not None and key not in state_dict:
+            # A checkpoint of the centred layer: its BatchNorm's running mean is the centred one, i.e. d = 0.
+            state_dict = dict(state_dict)
+            state_dict[key] = torch.zeros_like(self._buffers["absorbed_offset"])
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     def _weight_for_forward(self) -> Tensor:
         w = self.weight
@@ -177,6 +306,8 @@ class _GradWhitenMixin(WhiteningStatistics):
 
     def extra_repr(self) -> str:
         rest = self._whitening_repr()
+        if self._centring_bn is not None:
+            rest = (rest + ", " if rest else "") + "centring=absorbed"
         return super().extra_repr() + (f", {rest}" if rest else "")
 
 
@@ -189,6 +320,13 @@ class GradWhitenConv2d(_GradWhitenMixin, nn.Conv2d):
     kernel tap; the bias gradient is untouched. When a fold changes ``mu``
     the bias (or, for ``bias=False``, the non-trainable ``bias_correction``
     buffer) is compensated so the layer's function is unchanged.
+
+    Centring: ``layer.centring`` is ``"input"`` (the default: the layer
+    centres as above) or, after ``layer.absorb_centring(bn)``, ``"absorbed"``:
+    the output feeds the BatchNorm ``bn`` and nothing else, and the layer
+    skips the centring offset while ``bn`` normalises with batch statistics
+    (see :meth:`absorb_centring`; :func:`~whitenlayers.convert_model` does
+    this where it can tell). ``extra_repr`` shows ``centring=absorbed``.
 
     Constructor arguments are those of ``nn.Conv2d``, plus the keyword-only
     whitening arguments ``block_size``, ``alpha`` (0.9), ``beta`` (0.95),
@@ -252,7 +390,11 @@ class GradWhitenConv2d(_GradWhitenMixin, nn.Conv2d):
         if self.training:
             self._accumulate(x if x.dim() == 4 else x.unsqueeze(0))
         w = self._weight_for_forward()
-        if self.bias is None and self.training and w.requires_grad and torch.is_grad_enabled():
+        if self._batchnorm_absorbs():
+            # Centring absorbed by the following BatchNorm (absorb_centring): no offset, no pass over the output.
+            self._track_absorbed_offset(w)
+            out = self._conv_forward(x, w, self.bias)
+        elif self.bias is None and self.training and w.requires_grad and torch.is_grad_enabled():
             # Training a bias-free conv (the ResNet case): the centring term -W mu is added to the convolution's
             # fresh output in place instead of being passed to it as a bias: the CPU convolution backward
             # computes a bias gradient several times slower than autograd's one reduction for this add
@@ -306,7 +448,8 @@ class GradWhitenLinear(_GradWhitenMixin, nn.Linear):
     ``z = (x - mu) W^T + b`` computed as ``x W^T + (b - W mu)``; the weight
     gradient is right-multiplied by ``Q_s``. Inputs ``(*, in_features)``;
     statistics over all leading dimensions. Whitening keyword arguments as for
-    :class:`GradWhitenConv2d`.
+    :class:`GradWhitenConv2d`; the centring can be absorbed by a following
+    ``BatchNorm1d`` (:meth:`absorb_centring`, ``(B, in_features)`` inputs).
     """
 
     _METHOD = "evd"
@@ -338,10 +481,20 @@ class GradWhitenLinear(_GradWhitenMixin, nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         _check_input(self, x, dim=-1, ndims=tuple(range(1, 9)), what="an input of shape (*, in_features)")
+        absorbed = self._batchnorm_absorbs()  # centring absorbed by the following BatchNorm1d (absorb_centring)
+        if absorbed and x.dim() != 2:
+            raise ValueError(
+                f"{self._describe()}: with its centring absorbed by a BatchNorm the layer needs an input of shape "
+                f"(B, in_features), but got input of shape {tuple(x.shape)}"
+            )
         if self.training:
             self._accumulate(x.reshape(-1, self.num_features))
         w = self._weight_for_forward()
-        out = nn.functional.linear(x, w, self._effective_bias(w))
+        if absorbed:
+            self._track_absorbed_offset(w)
+            out = nn.functional.linear(x, w, self.bias)
+        else:
+            out = nn.functional.linear(x, w, self._effective_bias(w))
         if self.training:
             self._end_batch()
         return out
