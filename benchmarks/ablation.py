@@ -2,15 +2,18 @@
 
 Variants, interleaved with the plain model (ratios of the same run):
 
-* ``grad``: the converted model as shipped;
+* ``grad``: the converted model as shipped (every block conv feeds a
+  BatchNorm, so its centring is absorbed by it: no centring pass);
+* ``grad, centred (pre-#12)``: ``convert_model(..., absorb_centring=False)``:
+  each layer adds its centring term to the conv output in place (and reduces
+  the output gradient for it in the backward), as before issue 12;
 * ``grad, conv bias (pre-#6 centring)``: the centring term passed to each
-  convolution as its bias (the layer now adds it to the output in place);
+  convolution as its bias (as before issue 6);
 * ``grad, no statistics``: ``_accumulate`` and the block counting disabled
   (no per-batch ``sum x x^T``, no folds);
 * ``grad, no Q``: the weight-gradient transform disabled;
-* ``grad, neither``: both disabled -- what is left is the centring
-  (``z = conv(x) + b - W mu``, whose bias gradient is one more reduction over
-  the output) and the layers' Python overhead.
+* ``grad, neither``: both disabled -- what is left is the layers' Python
+  overhead and their small per-forward tensor ops.
 
 These are diagnostics, not usable layers. ``--threads 1`` gives timings that
 the other processes of a shared machine disturb less (no thread barriers).
@@ -61,7 +64,8 @@ def main(argv=None) -> Dict[str, object]:
     depth, batch, size, classes, width, rounds = (8, 8, 16, 10, 4, 10) if args.tiny else (20, 128, 32, 100, 16, args.rounds)
     base = build_base(depth, classes, width=width, seed=args.seed)
     batches = random_batches(2, batch, size, classes, seed=args.seed)
-    vs = {"plain": Variant("plain", base, batches), "grad": Variant("grad", base, batches)}
+    vs = {"plain": Variant("plain", base, batches), "grad": Variant("grad", base, batches),
+          "grad, centred (pre-#12)": Variant("grad:centred", base, batches)}
     for name, edits in (("grad, conv bias (pre-#6 centring)", [_conv_bias]), ("grad, no statistics", [_no_stats]),
                         ("grad, no Q", [_no_q]), ("grad, neither", [_no_stats, _no_q])):
         vs[name] = Variant("grad", base, batches)
