@@ -261,9 +261,12 @@ class _GradWhitenMixin(WhiteningStatistics):
             return self.bias_correction.to(p.dtype) - p
         return -p
 
-    @torch.no_grad()
     def _track_absorbed_offset(self, weight: Tensor) -> None:
-        """``d <- (1 - f) d + f s`` with the BatchNorm's factor ``f``, when it updates its running mean now."""
+        """``d <- (1 - f) d + f s`` with the BatchNorm's factor ``f``, when it updates its running mean now.
+
+        On the per-batch path: three small ops (tap sum, ``addmv``, ``lerp_``) on detached tensors, no
+        ``no_grad`` context (measured: half the time of the straightforward form on a 16-channel layer).
+        """
         bn = self._centring_bn
         if not (bn.training and bn.track_running_stats and bn.running_mean is not None):
             return
@@ -274,7 +277,19 @@ class _GradWhitenMixin(WhiteningStatistics):
             factor: Union[float, Tensor] = (bn.num_batches_tracked.to(device=d.device, dtype=d.dtype) + 1).reciprocal()
         else:
             factor = bn.momentum
-        d.lerp_(self._skipped_offset(weight.detach().to(d.dtype)), factor)
+        w = weight.detach()
+        if w.dim() > 2:
+            w = w.sum(tuple(range(2, w.dim())))  # sum_k W_k: (S, M)
+        if w.dtype != d.dtype:
+            w = w.to(d.dtype)
+        mean = self.running_mean
+        if mean.dtype != d.dtype:
+            mean = mean.to(d.dtype)
+        if self.bias is None:  # s = c - W mu
+            s = torch.addmv(self.bias_correction.to(d.dtype), w, mean, alpha=-1)
+        else:  # s = - W mu (the bias itself stays in the layer's output)
+            s = torch.mv(w, mean).neg_()
+        d.lerp_(s, factor)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         key = prefix + "absorbed_offset"
