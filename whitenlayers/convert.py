@@ -16,9 +16,11 @@
 ``name.weight`` (and ``name.bias``) and gains the whitening state
 ``name.running_mean``, ``name.running_cov``, ``name.whitening_matrix``,
 ``name.grad_transform``, ``name.num_blocks``, ``name._extra_state`` (the
-partial block), ``name.bias_correction`` for a bias-free layer, and for the
-recursive method ``name.running_cov_whitened``, ``name.running_power``,
-``name.whitening_gram``.
+partial block), ``name.bias_correction`` for a bias-free layer,
+``name.absorbed_offset`` for a layer whose centring its BatchNorm absorbs
+(``absorb_centring``, the default where the output feeds only a BatchNorm),
+and for the recursive method ``name.running_cov_whitened``,
+``name.running_power``, ``name.whitening_gram``.
 
 ``method="direct"``: the target ``name`` becomes a :class:`DirectWhitened`
 wrapper with two children, ``whiten`` (the :class:`~whitenlayers.DirectWhiten`)
