@@ -430,3 +430,78 @@ def test_copies_keep_the_pairing(how):
         assert k.centring_batchnorm is clone.get_submodule(bn_name)
     data = batches(3, seed=2)
     torch.testing.assert_close(train(clone, data), train(model, data), rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------
+# The BatchNorm replaced after the conversion
+# --------------------------------------------------------------------------
+def test_sync_batchnorm_conversion_after_convert_model_keeps_the_pairing():
+    """``convert_sync_batchnorm`` after ``convert_model`` (what the experiment runner does) replaces every
+    BatchNorm object; the layers look theirs up in its parent, so they follow (single process: SyncBatchNorm
+    normalises like BatchNorm)."""
+    data = batches(6)
+    a = nn.SyncBatchNorm.convert_sync_batchnorm(wl.convert_model(resnet(depth=8), block_size=2))
+    c = nn.SyncBatchNorm.convert_sync_batchnorm(wl.convert_model(resnet(depth=8), block_size=2, absorb_centring=False))
+    for n, m in wl.whitening_layers(a):
+        assert m.centring_batchnorm is a.get_submodule(n.replace("conv", "bn"))
+        assert type(m.centring_batchnorm) is nn.SyncBatchNorm
+    torch.testing.assert_close(train(a, data), train(c, data), **TIGHT)
+    assert_same_training_state(a, c)
+    a.eval(), c.eval()
+    x = batches(1, seed=5)[0][0]
+    torch.testing.assert_close(a(x), c(x), **TIGHT)
+    sd = wl.plain_state_dict(a)
+    plain = nn.SyncBatchNorm.convert_sync_batchnorm(resnet(seed=4, depth=8))
+    plain.load_state_dict(sd, strict=True)
+    torch.testing.assert_close(plain.eval()(x), c(x), **TIGHT)
+
+
+class FrozenBN(nn.Module):
+    """A non-BatchNorm module that normalises with fixed statistics (as detectron2's FrozenBatchNorm2d)."""
+
+    def __init__(self, bn):
+        super().__init__()
+        for k in ("weight", "bias", "running_mean", "running_var"):
+            self.register_buffer(k, getattr(bn, k).detach().clone())
+        self.eps = bn.eps
+
+    def forward(self, x):
+        scale = self.weight * (self.running_var + self.eps).rsqrt()
+        return x * scale.view(1, -1, 1, 1) + (self.bias - self.running_mean * scale).view(1, -1, 1, 1)
+
+
+def test_batchnorm_replaced_by_a_frozen_module_gets_the_centred_output():
+    data = batches(5)
+    a = wl.convert_model(resnet(depth=8), block_size=2)
+    c = wl.convert_model(resnet(depth=8), block_size=2, absorb_centring=False)
+    train(a, data[:3]), train(c, data[:3])
+    for model in (a, c):
+        for block in (model.layer1[0], model.layer2[0]):
+            block.bn1 = FrozenBN(block.bn1)
+    assert type(a.layer1[0].conv1.centring_batchnorm) is FrozenBN and a.layer1[0].conv1.centring == "absorbed"
+    torch.testing.assert_close(train(a, data[3:]), train(c, data[3:]), **TIGHT)
+    a.eval(), c.eval()
+    x = batches(1, seed=5)[0][0]
+    torch.testing.assert_close(a(x), c(x), **TIGHT)
+    # switching off with no BatchNorm there keeps the function through the bias compensation
+    want = a(x)
+    layer = a.layer1[0].conv1
+    c_before = layer.bias_correction.clone()
+    d = layer.absorbed_offset.clone()
+    layer.absorb_centring(None)
+    torch.testing.assert_close(layer.bias_correction, c_before - d)
+    torch.testing.assert_close(a(x), want, **TIGHT)
+    # and the export stays exact (that layer exports with a bias, the others move their offset into their BN)
+    torch.testing.assert_close(wl.export_model(a)(x), want, **TIGHT)
+
+
+def test_absorb_centring_parent_must_hold_the_batchnorm():
+    layer = wl.GradWhitenConv2d(3, 4, 3, bias=False)
+    bn = nn.BatchNorm2d(4)
+    with pytest.raises(ValueError, match="parent must hold the BatchNorm"):
+        layer.absorb_centring(bn, parent=nn.Sequential(nn.BatchNorm2d(4)))
+    parent = nn.Sequential(layer, bn)
+    layer.absorb_centring(bn, parent=parent)
+    assert layer.centring_batchnorm is bn
+    parent[1] = nn.BatchNorm2d(4)
+    assert layer.centring_batchnorm is parent[1]

@@ -277,8 +277,10 @@ def _absorbing_batchnorm_ok(layer: nn.Module, bn: nn.Module) -> bool:
             and not bn._forward_pre_hooks and not getattr(bn, "_forward_pre_hooks_with_kwargs", None))
 
 
-def absorbing_batchnorms(model: nn.Module, targets: Sequence[Tuple[str, nn.Module]]) -> Dict[int, nn.Module]:
-    """For each target whose output feeds one BatchNorm and nothing else: ``id(target) -> that BatchNorm``.
+def absorbing_batchnorms(
+    model: nn.Module, targets: Sequence[Tuple[str, nn.Module]]
+) -> Dict[int, Tuple[nn.Module, nn.Module]]:
+    """For each target whose output feeds one BatchNorm and nothing else: ``id(target) -> (BatchNorm, its parent)``.
 
     The rule (conservative; anything else is left centred): the dataflow of
     the forward of the target's parent module is traced with ``torch.fx``
@@ -311,7 +313,7 @@ def absorbing_batchnorms(model: nn.Module, targets: Sequence[Tuple[str, nn.Modul
                 graphs[path] = None
         return graphs[path]
 
-    found: Dict[int, nn.Module] = {}
+    found: Dict[int, Tuple[nn.Module, nn.Module]] = {}
     claims: Dict[int, int] = {}
     for name, layer in targets:
         if not name or places.get(id(layer), 0) != 1 or layer._forward_hooks:
@@ -340,12 +342,13 @@ def absorbing_batchnorms(model: nn.Module, targets: Sequence[Tuple[str, nn.Modul
                 break
             if sum(1 for n in graph.nodes if n.op == "call_module" and n.target == user.target) != 1:
                 break
-            bn = model.get_submodule(f"{anc}.{user.target}" if anc else str(user.target))
+            path = f"{anc}.{user.target}" if anc else str(user.target)
+            bn = model.get_submodule(path)
             if places.get(id(bn), 0) == 1 and _absorbing_batchnorm_ok(layer, bn):
-                found[id(layer)] = bn
+                found[id(layer)] = (bn, model.get_submodule(path.rpartition(".")[0]))
                 claims[id(bn)] = claims.get(id(bn), 0) + 1
             break
-    return {k: bn for k, bn in found.items() if claims[id(bn)] == 1}
+    return {k: v for k, v in found.items() if claims[id(v[0])] == 1}
 
 
 # --------------------------------------------------------------------------
@@ -502,8 +505,8 @@ def convert_model(
     new_by_id: Dict[int, nn.Module] = {}
     for name, module in targets:
         new_by_id[id(module)] = _make_layer(method, module, name, layer_kwargs)
-    for key, bn in absorbers.items():
-        new_by_id[key].absorb_centring(bn)
+    for key, (bn, parent) in absorbers.items():
+        new_by_id[key].absorb_centring(bn, parent=parent)
     if new_by_id:
         for parent in list(model.modules()):
             for child_name, child in list(parent._modules.items()):
@@ -582,7 +585,7 @@ def _export_absorbed(layer: nn.Module) -> nn.Module:
     if has_bias:
         out.bias.copy_(layer.bias)
         out.bias.requires_grad_(layer.bias.requires_grad)
-    bn = layer.centring_batchnorm
+    bn = layer._absorbing_bn()
     if bn.running_mean is not None:
         shift = layer._skipped_offset(w.detach().to(torch.float64)) - layer.absorbed_offset.to(torch.float64)
         bn.running_mean.copy_((bn.running_mean.to(torch.float64) - shift).to(bn.running_mean.dtype))
@@ -594,7 +597,7 @@ def _export_one(module: nn.Module) -> Optional[nn.Module]:
     if isinstance(module, DirectWhitened):
         return _export_direct(module)
     if isinstance(module, (GradWhitenConv2d, GradWhitenLinear)):
-        if module.centring == "absorbed":
+        if module.centring == "absorbed" and module._absorbing_bn() is not None:
             out = _export_absorbed(module)
         elif isinstance(module, GradWhitenConv2d):
             out = module.to_conv()

@@ -31,7 +31,7 @@ running statistics (eval mode, or a frozen BatchNorm) it adds ``s - d``:
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -146,8 +146,10 @@ class _GradWhitenMixin(WhiteningStatistics):
 
     weight: Tensor
     bias: Optional[Tensor]
-    # The BatchNorm that absorbs the centring (absorb_centring); a plain attribute, not a submodule.
-    _centring_bn: Optional[_BatchNorm] = None
+    # Where the BatchNorm that absorbs the centring is (absorb_centring): (None, bn) or (parent, child name), the
+    # latter looked up at every forward so that a replaced BatchNorm (convert_sync_batchnorm) is followed. A plain
+    # attribute: neither the BatchNorm nor the parent is a submodule of the layer.
+    _centring_ref: Optional[Tuple[Optional[nn.Module], Any]] = None
 
     def _init_grad_whitening(self, num_features: int, out_features: int, method: str, kw: Dict[str, Any], device, dtype) -> None:
         self._init_whitening(num_features, method=method, grad_transform=True, device=device, dtype=dtype, **kw)
@@ -181,15 +183,26 @@ class _GradWhitenMixin(WhiteningStatistics):
     @property
     def centring(self) -> str:
         """``"input"`` (the layer centres its input) or ``"absorbed"`` (by :attr:`centring_batchnorm`)."""
-        return "input" if self._centring_bn is None else "absorbed"
+        return "input" if self._centring_ref is None else "absorbed"
 
     @property
-    def centring_batchnorm(self) -> Optional[_BatchNorm]:
-        """The BatchNorm that absorbs this layer's centring (see :meth:`absorb_centring`), or ``None``."""
-        return self._centring_bn
+    def centring_batchnorm(self) -> Optional[nn.Module]:
+        """The module that absorbs this layer's centring (see :meth:`absorb_centring`), or ``None``.
+
+        With ``parent`` given to :meth:`absorb_centring`, whatever module is in that place now.
+        """
+        ref = self._centring_ref
+        if ref is None:
+            return None
+        parent, what = ref
+        return what if parent is None else parent._modules.get(what)
+
+    def _absorbing_bn(self) -> Optional[_BatchNorm]:
+        bn = self.centring_batchnorm
+        return bn if isinstance(bn, _BatchNorm) else None
 
     @torch.no_grad()
-    def absorb_centring(self, batchnorm: Optional[_BatchNorm]) -> None:
+    def absorb_centring(self, batchnorm: Optional[_BatchNorm], parent: Optional[nn.Module] = None) -> None:
         """Let ``batchnorm``, which alone consumes this layer's output, absorb the centring; ``None`` undoes it.
 
         SPEC "Centring absorbed by a following BatchNorm". The layer computes
@@ -218,13 +231,23 @@ class _GradWhitenMixin(WhiteningStatistics):
         Only call this when ``batchnorm`` is the *only* consumer of the
         layer's output, called once per call of the layer (the BatchNorm's
         ``num_features`` must equal the layer's output features; a linear
-        layer needs ``(B, in_features)`` inputs). Switching on starts with
-        ``d = 0`` and switching off adds ``d`` to the BatchNorm's
-        ``running_mean``: both leave the model's function unchanged. The
-        BatchNorm is held as a plain attribute (not a submodule): it is not in
-        this layer's ``state_dict``; ``copy.deepcopy`` / pickling of a whole
-        model keep the pairing.
+        layer needs ``(B, in_features)`` inputs). ``parent``: the module that
+        holds ``batchnorm`` as a child (what :func:`convert_model` passes);
+        the layer then looks the BatchNorm up there at every forward, so
+        replacing it later (``nn.SyncBatchNorm.convert_sync_batchnorm``) keeps
+        the pairing. If what sits there is no longer a BatchNorm, or without
+        ``parent`` the BatchNorm is replaced, the layer adds ``s - d`` always:
+        exact for a replacement that keeps the running statistics and uses
+        them (a frozen BatchNorm), wrong for one that normalises with batch
+        statistics (keep ``parent`` for that). Switching on starts with
+        ``d = 0``; switching off adds ``d`` to the BatchNorm's
+        ``running_mean`` (or, with no BatchNorm there, subtracts it from the
+        bias or ``bias_correction``): both leave the model's function
+        unchanged. The references are plain attributes (not submodules): not
+        in this layer's ``state_dict``; ``copy.deepcopy`` / pickling of a whole
+        model keep the pairing (of the layer alone: with a copy of ``parent``).
         """
+        name = None
         if batchnorm is not None:
             if not isinstance(batchnorm, _BatchNorm):
                 raise TypeError(
@@ -236,23 +259,38 @@ class _GradWhitenMixin(WhiteningStatistics):
                     f"{self._describe()}: absorb_centring needs a BatchNorm over the layer's {out_features} output "
                     f"features, but got num_features={batchnorm.num_features}"
                 )
-        old = self._centring_bn
-        if old is not None:
+            if parent is not None:
+                names = [n for n, m in parent._modules.items() if m is batchnorm]
+                if len(names) != 1:
+                    raise ValueError(
+                        f"{self._describe()}: absorb_centring: parent must hold the BatchNorm as exactly one child, "
+                        f"but it holds it {len(names)} times"
+                    )
+                name = names[0]
+        if self._centring_ref is not None:
             d = self._buffers.pop("absorbed_offset")
-            if old.running_mean is not None:
+            old = self._absorbing_bn()
+            if old is not None and old.running_mean is not None:
                 old.running_mean.add_(d.to(old.running_mean.dtype))
-            object.__setattr__(self, "_centring_bn", None)
+            else:  # nothing to hand d to: keep the function through the bias
+                target = self.bias if self.bias is not None else self.bias_correction
+                target.sub_(d.to(target.dtype))
+            object.__setattr__(self, "_centring_ref", None)
         if batchnorm is not None:
             self.register_buffer(
                 "absorbed_offset",
                 torch.zeros(self.weight.shape[0], device=self.weight.device, dtype=self.running_mean.dtype),
             )
-            object.__setattr__(self, "_centring_bn", batchnorm)
+            object.__setattr__(self, "_centring_ref", (None, batchnorm) if parent is None else (parent, name))
 
-    def _batchnorm_absorbs(self) -> bool:
-        """True when the absorbing BatchNorm normalises this forward with batch statistics (it removes the offset)."""
-        bn = self._centring_bn
-        return bn is not None and (bn.training or (bn.running_mean is None and bn.running_var is None))
+    def _batchnorm_absorbing_now(self) -> Optional[_BatchNorm]:
+        """The absorbing BatchNorm if it normalises this forward with batch statistics (it removes the offset)."""
+        if self._centring_ref is None:
+            return None
+        bn = self._absorbing_bn()
+        if bn is not None and (bn.training or (bn.running_mean is None and bn.running_var is None)):
+            return bn
+        return None
 
     def _skipped_offset(self, weight: Tensor) -> Tensor:
         """``s = c - sum_k W_k mu`` (bias-free) or ``- sum_k W_k mu``: the offset the absorbed layer leaves out."""
@@ -261,13 +299,12 @@ class _GradWhitenMixin(WhiteningStatistics):
             return self.bias_correction.to(p.dtype) - p
         return -p
 
-    def _track_absorbed_offset(self, weight: Tensor) -> None:
+    def _track_absorbed_offset(self, weight: Tensor, bn: _BatchNorm) -> None:
         """``d <- (1 - f) d + f s`` with the BatchNorm's factor ``f``, when it updates its running mean now.
 
         On the per-batch path: three small ops (tap sum, ``addmv``, ``lerp_``) on detached tensors, no
         ``no_grad`` context (measured: half the time of the straightforward form on a 16-channel layer).
         """
-        bn = self._centring_bn
         if not (bn.training and bn.track_running_stats and bn.running_mean is not None):
             return
         d = self._buffers["absorbed_offset"]
@@ -293,7 +330,7 @@ class _GradWhitenMixin(WhiteningStatistics):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         key = prefix + "absorbed_offset"
-        if self._centring_bn is not None and key not in state_dict:
+        if self._centring_ref is not None and key not in state_dict:
             # A checkpoint of the centred layer: its BatchNorm's running mean is the centred one, i.e. d = 0.
             state_dict = dict(state_dict)
             state_dict[key] = torch.zeros_like(self._buffers["absorbed_offset"])
@@ -321,7 +358,7 @@ class _GradWhitenMixin(WhiteningStatistics):
 
     def extra_repr(self) -> str:
         rest = self._whitening_repr()
-        if self._centring_bn is not None:
+        if self._centring_ref is not None:
             rest = (rest + ", " if rest else "") + "centring=absorbed"
         return super().extra_repr() + (f", {rest}" if rest else "")
 
@@ -405,9 +442,10 @@ class GradWhitenConv2d(_GradWhitenMixin, nn.Conv2d):
         if self.training:
             self._accumulate(x if x.dim() == 4 else x.unsqueeze(0))
         w = self._weight_for_forward()
-        if self._batchnorm_absorbs():
+        bn = self._batchnorm_absorbing_now()
+        if bn is not None:
             # Centring absorbed by the following BatchNorm (absorb_centring): no offset, no pass over the output.
-            self._track_absorbed_offset(w)
+            self._track_absorbed_offset(w, bn)
             out = self._conv_forward(x, w, self.bias)
         elif self.bias is None and self.training and w.requires_grad and torch.is_grad_enabled():
             # Training a bias-free conv (the ResNet case): the centring term -W mu is added to the convolution's
@@ -496,8 +534,8 @@ class GradWhitenLinear(_GradWhitenMixin, nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         _check_input(self, x, dim=-1, ndims=tuple(range(1, 9)), what="an input of shape (*, in_features)")
-        absorbed = self._batchnorm_absorbs()  # centring absorbed by the following BatchNorm1d (absorb_centring)
-        if absorbed and x.dim() != 2:
+        bn = self._batchnorm_absorbing_now()  # centring absorbed by the following BatchNorm1d (absorb_centring)
+        if bn is not None and x.dim() != 2:
             raise ValueError(
                 f"{self._describe()}: with its centring absorbed by a BatchNorm the layer needs an input of shape "
                 f"(B, in_features), but got input of shape {tuple(x.shape)}"
@@ -505,8 +543,8 @@ class GradWhitenLinear(_GradWhitenMixin, nn.Linear):
         if self.training:
             self._accumulate(x.reshape(-1, self.num_features))
         w = self._weight_for_forward()
-        if absorbed:
-            self._track_absorbed_offset(w)
+        if bn is not None:
+            self._track_absorbed_offset(w, bn)
             out = nn.functional.linear(x, w, self.bias)
         else:
             out = nn.functional.linear(x, w, self._effective_bias(w))
