@@ -16,9 +16,11 @@ Variants, interleaved with the plain model (ratios of the same run):
   overhead and their small per-forward tensor ops.
 
 These are diagnostics, not usable layers. ``--threads 1`` gives timings that
-the other processes of a shared machine disturb less (no thread barriers).
+the other processes of a shared machine disturb less (no thread barriers);
+``--threads 1 --clock cpu`` times each step in this process's CPU time, which
+a loaded machine disturbs least.
 
-    python benchmarks/ablation.py [--threads 1]
+    python benchmarks/ablation.py [--threads 1] [--clock cpu]
     python benchmarks/ablation.py --tiny
 """
 from __future__ import annotations
@@ -60,7 +62,7 @@ def main(argv=None) -> Dict[str, object]:
     add_common_args(p)
     p.add_argument("--rounds", type=int, default=20)
     args = p.parse_args(argv)
-    setup(args.threads, args.seed)
+    setup(args.threads, args.seed, args.clock)
     depth, batch, size, classes, width, rounds = (8, 8, 16, 10, 4, 10) if args.tiny else (20, 128, 32, 100, 16, args.rounds)
     base = build_base(depth, classes, width=width, seed=args.seed)
     batches = random_batches(2, batch, size, classes, seed=args.seed)
@@ -76,7 +78,7 @@ def main(argv=None) -> Dict[str, object]:
     bench = Interleaved({k: v.step for k, v in vs.items()}).run(rounds, warmup=2)
     st = ratio_stats(bench.times, "plain")
     rows = [[k, 1e3 * s["median_s"], s["ratio_median"], s["ratio_mean"], s["ratio_paired_median"]] for k, s in st.items()]
-    text = (f"ResNet-{depth}, batch {batch}, torch threads {args.threads}, {rounds} interleaved rounds; "
+    text = (f"ResNet-{depth}, batch {batch}, torch threads {args.threads}, {args.clock} clock, {rounds} interleaved rounds; "
             f"load average at the end {loadavg()}.\n\n"
             + md_table(["variant", "median (ms)", "median / plain", "mean / plain", "paired median ratio"], rows))
     print(text)

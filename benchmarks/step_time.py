@@ -85,7 +85,8 @@ def time_model(depth: int, args, variants: List[str]) -> Dict[str, object]:
     nabs = sum(1 for m in vs["grad"].model.modules() if getattr(m, "centring", None) == "absorbed") if "grad" in vs else 0
     head = (f"ResNet-{depth}: {nconv} whitened convs ({nabs} with the centring absorbed by their BatchNorm), "
             f"batch {batch}, {size}x{size}, {classes} classes; "
-            f"{rounds} timed rounds after warm-up; load average at the end {loadavg()}.")
+            f"{rounds} timed rounds after warm-up; torch threads {args.threads}, {args.clock} clock; "
+            f"load average at the end {loadavg()}.")
     table = md_table(
         ["variant", "median (ms)", "mean (ms)", "median / plain", "mean / plain", "paired median ratio",
          "peak MiB", "peak / plain", "step transient / plain"],
@@ -149,7 +150,7 @@ def main(argv=None) -> Dict[str, object]:
     p.add_argument("--fraction", type=float, default=0.25, help="stats_fraction of the grad:sub variant")
     p.add_argument("--skip-accuracy", action="store_true", help="timing only: skip the stats_fraction accuracy part")
     args = p.parse_args(argv)
-    setup(args.threads, args.seed)
+    setup(args.threads, args.seed, args.clock)
     depths = [8] if args.tiny else [int(d) for d in args.depths.split(",")]
     results = {}
     md = []
