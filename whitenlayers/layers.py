@@ -16,7 +16,7 @@ Any ``padding_mode`` is supported under this convention (the identity holds
 for every padding mode); ``groups != 1`` is rejected, because a whitening
 matrix couples all input channels and a grouped weight cannot carry it.
 
-Centring absorbed by a following BatchNorm (SPEC): after
+Centring absorbed by a following BatchNorm (README, Conventions): after
 ``layer.absorb_centring(bn)`` (which :func:`~whitenlayers.convert_model` calls
 where the output feeds a BatchNorm and nothing else) the layer skips the
 per-channel offset ``s = c - sum_k W_k mu`` whenever ``bn`` normalises with
@@ -165,19 +165,21 @@ class _GradWhitenMixin(WhiteningStatistics):
         return w @ mean.to(w.dtype)
 
     def _effective_bias(self, weight: Tensor) -> Tensor:
-        """``b + c - sum_k W_k mu`` (``- d`` when the centring is absorbed): the bias of the equivalent plain layer."""
+        """``b + c - sum_k W_k mu``: the bias that makes the plain layer compute the centred one."""
         mean = self.running_mean
         if torch.is_grad_enabled() and weight.requires_grad:
             mean = mean.clone()  # saved for backward: a later fold must not modify it
         offset = self._weight_mean_product(weight, mean)
         if self.bias is not None:
-            out = self.bias - offset
-        else:
-            out = self.bias_correction.to(offset.dtype) - offset
+            return self.bias - offset
+        return self.bias_correction.to(offset.dtype) - offset
+
+    def _layer_bias(self, weight: Tensor) -> Tensor:
+        """The bias of the equivalent plain layer: :meth:`_effective_bias`, minus ``d`` when the centring is absorbed
+        (then the output is the centred layer's minus ``d``, what its BatchNorm's running mean expects)."""
+        bias = self._effective_bias(weight)
         absorbed = self._buffers.get("absorbed_offset")
-        if absorbed is not None:
-            out = out - absorbed.to(out.dtype)
-        return out
+        return bias if absorbed is None else bias - absorbed.to(bias.dtype)
 
     # ------------------------------------------------ centring absorbed by a BatchNorm
     @property
@@ -205,7 +207,7 @@ class _GradWhitenMixin(WhiteningStatistics):
     def absorb_centring(self, batchnorm: Optional[_BatchNorm], parent: Optional[nn.Module] = None) -> None:
         """Let ``batchnorm``, which alone consumes this layer's output, absorb the centring; ``None`` undoes it.
 
-        SPEC "Centring absorbed by a following BatchNorm". The layer computes
+        README, Conventions, "Centring absorbed by a following BatchNorm". The layer computes
         ``z = conv(x, W) + b`` (no centring offset ``s = c - sum_k W_k mu``)
         whenever ``batchnorm`` normalises with batch statistics (training
         mode, or no running statistics): the BatchNorm subtracts the batch
@@ -294,7 +296,8 @@ class _GradWhitenMixin(WhiteningStatistics):
 
     def _skipped_offset(self, weight: Tensor) -> Tensor:
         """``s = c - sum_k W_k mu`` (bias-free) or ``- sum_k W_k mu``: the offset the absorbed layer leaves out."""
-        p = self._weight_mean_product(weight, self.running_mean)
+        w = weight.reshape(weight.shape[0], weight.shape[1], -1).sum(-1)
+        p = w @ self.running_mean.to(w.dtype)
         if self.bias is None:
             return self.bias_correction.to(p.dtype) - p
         return -p
@@ -453,9 +456,9 @@ class GradWhitenConv2d(_GradWhitenMixin, nn.Conv2d):
             # computes a bias gradient several times slower than autograd's one reduction for this add
             # (benchmarks/ablation.py, row "conv bias"). The two differ only by rounding; at conversion time
             # the term is exactly 0.
-            out = self._conv_forward(x, w, None).add_(self._effective_bias(w).view(-1, 1, 1))
+            out = self._conv_forward(x, w, None).add_(self._layer_bias(w).view(-1, 1, 1))
         else:  # the plain conv's own bias path: bit-identical to export_model's plain conv
-            out = self._conv_forward(x, w, self._effective_bias(w))
+            out = self._conv_forward(x, w, self._layer_bias(w))
         if self.training:
             self._end_batch()
         return out
@@ -489,7 +492,7 @@ class GradWhitenConv2d(_GradWhitenMixin, nn.Conv2d):
         )
         with torch.no_grad():
             conv.weight.copy_(self.weight)
-            conv.bias.copy_(self._effective_bias(self.weight))
+            conv.bias.copy_(self._layer_bias(self.weight))
         conv.weight.requires_grad_(self.weight.requires_grad)
         conv.train(self.training)
         return conv
@@ -547,7 +550,7 @@ class GradWhitenLinear(_GradWhitenMixin, nn.Linear):
             self._track_absorbed_offset(w, bn)
             out = nn.functional.linear(x, w, self.bias)
         else:
-            out = nn.functional.linear(x, w, self._effective_bias(w))
+            out = nn.functional.linear(x, w, self._layer_bias(w))
         if self.training:
             self._end_batch()
         return out
@@ -569,7 +572,7 @@ class GradWhitenLinear(_GradWhitenMixin, nn.Linear):
         lin = nn.Linear(self.in_features, self.out_features, bias=True, device=self.weight.device, dtype=self.weight.dtype)
         with torch.no_grad():
             lin.weight.copy_(self.weight)
-            lin.bias.copy_(self._effective_bias(self.weight))
+            lin.bias.copy_(self._layer_bias(self.weight))
         lin.weight.requires_grad_(self.weight.requires_grad)
         lin.train(self.training)
         return lin
