@@ -34,9 +34,19 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing the pack
 import torch  # noqa: E402
 
 
-def setup(threads: int = 2, seed: int = 0) -> None:
+_CLOCK: Callable[[], float] = time.perf_counter
+
+
+def setup(threads: int = 2, seed: int = 0, clock: str = "wall") -> None:
+    """Threads, seed, and the clock of :class:`Interleaved`: ``"wall"`` (``perf_counter``, the default) or
+    ``"cpu"`` (``process_time``: this process's CPU time, which other processes on a shared machine disturb
+    far less; meaningful with ``--threads 1``, where no thread waits on another)."""
+    global _CLOCK
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
+    if clock not in ("wall", "cpu"):
+        raise ValueError(f"clock must be 'wall' or 'cpu', but got {clock!r}")
+    _CLOCK = time.perf_counter if clock == "wall" else time.process_time
 
 
 def add_common_args(parser) -> None:
@@ -44,6 +54,9 @@ def add_common_args(parser) -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="clock of the interleaved timings: wall (default) or this process's CPU time "
+                             "(use with --threads 1 on a loaded machine)")
 
 
 def loadavg() -> str:
@@ -78,7 +91,8 @@ class Interleaved:
 
     ``run(rounds, warmup)`` calls every function once per round (rotated
     order), discards the first ``warmup`` rounds and keeps per-step
-    wall-clock times in ``self.times[name]``.
+    times (wall clock, or CPU time after ``setup(clock="cpu")``) in
+    ``self.times[name]``.
     """
 
     def __init__(self, steps: Mapping[str, Callable[[], object]]):
@@ -90,9 +104,9 @@ class Interleaved:
         for r in range(warmup + rounds):
             k = r % len(names)
             for name in names[k:] + names[:k]:
-                t0 = time.perf_counter()
+                t0 = _CLOCK()
                 self.steps[name]()
-                dt = time.perf_counter() - t0
+                dt = _CLOCK() - t0
                 if r >= warmup:
                     self.times[name].append(dt)
             if progress:

@@ -225,7 +225,12 @@ class KroneckerPreconditioner:
 
 
 class Variant:
-    """One model + optimizer (+ preconditioner) with a ``step()`` doing a full training step."""
+    """One model + optimizer (+ preconditioner) with a ``step()`` doing a full training step.
+
+    ``name`` is a method (``plain``, a whitening method or a peer) with optional suffixes: ``:sub`` (the caller
+    passes ``stats_fraction``) and ``:centred`` (``convert_model(..., absorb_centring=False)``: the layers
+    centre their input instead of leaving it to the following BatchNorm).
+    """
 
     def __init__(self, name: str, base: nn.Module, batches: List[Tuple[Tensor, Tensor]], lr: float = 0.05,
                  block_size: Optional[int] = None, stats_fraction: float = 1.0, channels_last: bool = False):
@@ -240,6 +245,8 @@ class Variant:
         if stats_fraction != 1.0:
             kw["stats_fraction"] = stats_fraction
         method = name.split(":")[0]
+        if method in ("grad", "recursive") and ":centred" in name:
+            kw["absorb_centring"] = False  # every layer centres its input (before issue 12)
         if method in WHITEN_METHODS:
             wl.convert_model(self.model, method, **kw)
         elif method == "iternorm":

@@ -176,7 +176,7 @@ def main(argv=None) -> Dict[str, object]:
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--repeat", type=int, default=9)
     args = p.parse_args(argv)
-    setup(args.threads, args.seed)
+    setup(args.threads, args.seed, args.clock)
     sizes = [1, 2] if args.tiny else [int(s) for s in args.sizes.split(",")]
     over = fold_overhead(sizes, args)
     acc = t_accuracy(sizes, args)

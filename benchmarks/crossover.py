@@ -148,7 +148,7 @@ def main(argv=None) -> Dict[str, object]:
     p.add_argument("--batches", default="8,16,32,64,128,256,512")
     p.add_argument("--repeat", type=int, default=7)
     args = p.parse_args(argv)
-    setup(args.threads, args.seed)
+    setup(args.threads, args.seed, args.clock)
     if args.tiny:
         bs, repeat, lin_m, conv_m, hw, step_bs = [4, 16], 2, 16, 8, 4, [4]
     else:

@@ -184,7 +184,7 @@ def main(argv=None) -> Dict[str, object]:
     p.add_argument("--sizes", default="64,128,256,512,1024")
     p.add_argument("--repeat", type=int, default=9)
     args = p.parse_args(argv)
-    setup(args.threads, args.seed)
+    setup(args.threads, args.seed, args.clock)
     gen = torch.Generator().manual_seed(args.seed)
     sizes = [8, 16] if args.tiny else [int(s) for s in args.sizes.split(",")]
     repeat = 2 if args.tiny else args.repeat

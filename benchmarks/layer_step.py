@@ -72,7 +72,7 @@ def main(argv=None) -> Dict[str, object]:
     p.add_argument("--size", type=int, default=32)
     p.add_argument("--rounds", type=int, default=30)
     args = p.parse_args(argv)
-    setup(args.threads, args.seed)
+    setup(args.threads, args.seed, args.clock)
     b, c, hw, rounds = (8, 8, 8, 10) if args.tiny else (args.batch, args.channels, args.size, args.rounds)
     x = torch.randn(b, c, hw, hw).relu_().requires_grad_(True)
 

@@ -16,9 +16,11 @@
 ``name.weight`` (and ``name.bias``) and gains the whitening state
 ``name.running_mean``, ``name.running_cov``, ``name.whitening_matrix``,
 ``name.grad_transform``, ``name.num_blocks``, ``name._extra_state`` (the
-partial block), ``name.bias_correction`` for a bias-free layer, and for the
-recursive method ``name.running_cov_whitened``, ``name.running_power``,
-``name.whitening_gram``.
+partial block), ``name.bias_correction`` for a bias-free layer,
+``name.absorbed_offset`` for a layer whose centring its BatchNorm absorbs
+(``absorb_centring``, the default where the output feeds only a BatchNorm),
+and for the recursive method ``name.running_cov_whitened``,
+``name.running_power``, ``name.whitening_gram``.
 
 ``method="direct"``: the target ``name`` becomes a :class:`DirectWhitened`
 wrapper with two children, ``whiten`` (the :class:`~whitenlayers.DirectWhiten`)
@@ -39,7 +41,9 @@ import warnings
 from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
+import torch.fx
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from .layers import DirectWhiten, GradWhitenConv2d, GradWhitenLinear, RecursiveWhitenConv2d, RecursiveWhitenLinear
 from .config import EVDConfig, RecursiveConfig
@@ -55,6 +59,7 @@ __all__ = [
     "target_layers",
     "load_plain_state_dict",
     "plain_state_dict",
+    "absorbing_batchnorms",
 ]
 
 #: Class names of the residual blocks whose convolutions are converted by default.
@@ -251,6 +256,105 @@ def _install_coordinator(model: nn.Module, strategy: str = "auto") -> Optional[F
 
 
 # --------------------------------------------------------------------------
+# Centring absorbed by a following BatchNorm: which targets feed only a BatchNorm
+# --------------------------------------------------------------------------
+class _DataflowTracer(torch.fx.Tracer):
+    """torch.fx tracer that keeps the targets (and whitening layers) as leaves, so their calls show as nodes."""
+
+    def __init__(self, leaves: set) -> None:
+        super().__init__()
+        self._leaves = leaves
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return id(m) in self._leaves or _is_whitening(m) or super().is_leaf_module(m, module_qualified_name)
+
+
+def _absorbing_batchnorm_ok(layer: nn.Module, bn: nn.Module) -> bool:
+    if isinstance(layer, nn.Conv2d):
+        kinds: Tuple[type, ...] = (nn.BatchNorm2d, nn.SyncBatchNorm)
+        features = layer.out_channels
+    else:
+        kinds = (nn.BatchNorm1d, nn.SyncBatchNorm)
+        features = layer.out_features
+    return (isinstance(bn, kinds) and isinstance(bn, _BatchNorm) and bn.num_features == features
+            and not bn._forward_pre_hooks and not getattr(bn, "_forward_pre_hooks_with_kwargs", None))
+
+
+def absorbing_batchnorms(
+    model: nn.Module, targets: Sequence[Tuple[str, nn.Module]]
+) -> Dict[int, Tuple[nn.Module, nn.Module]]:
+    """For each target whose output feeds one BatchNorm and nothing else: ``id(target) -> (BatchNorm, its parent)``.
+
+    The rule (conservative; anything else is left centred): the dataflow of
+    the forward of the target's parent module is traced with ``torch.fx``
+    (the targets kept as leaf modules; if the parent returns the target's
+    output unchanged, the grandparent's forward is traced, and so on). The
+    target must be called exactly once there, and its output's only user must
+    be one call of a ``BatchNorm2d`` (``BatchNorm1d`` for a linear target) or
+    ``SyncBatchNorm`` module with as many features, taking that output as its
+    only argument and called once in that forward. The target and the
+    BatchNorm must each sit at one place in the model, the target must have
+    no forward hooks (they could change its output) and the BatchNorm no
+    forward pre-hooks; a BatchNorm absorbs at most one target. A forward that
+    ``torch.fx`` cannot trace (data-dependent control flow) absorbs nothing.
+    Whether the BatchNorm is in training mode is checked at every forward by
+    the layer itself, not here.
+    """
+    places: Dict[int, int] = {}
+    for _, m in model.named_modules(remove_duplicate=False):
+        places[id(m)] = places.get(id(m), 0) + 1
+    leaves = {id(m) for _, m in targets}
+    graphs: Dict[str, Optional[torch.fx.Graph]] = {}
+
+    def graph_of(path: str) -> Optional[torch.fx.Graph]:
+        if path not in graphs:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    graphs[path] = _DataflowTracer(leaves).trace(model.get_submodule(path))
+            except Exception:  # untraceable forward: nothing absorbed there
+                graphs[path] = None
+        return graphs[path]
+
+    found: Dict[int, Tuple[nn.Module, nn.Module]] = {}
+    claims: Dict[int, int] = {}
+    for name, layer in targets:
+        if not name or places.get(id(layer), 0) != 1 or layer._forward_hooks:
+            continue
+        if getattr(layer, "_forward_hooks_with_kwargs", None) or getattr(layer, "_forward_hooks_always_called", None):
+            continue
+        parts = name.split(".")
+        for depth in range(len(parts) - 1, -1, -1):
+            anc, rel = ".".join(parts[:depth]), ".".join(parts[depth:])
+            graph = graph_of(anc)
+            if graph is None:
+                break
+            calls = [n for n in graph.nodes if n.op == "call_module" and n.target == rel]
+            if not calls:
+                continue  # called from further up, or not at all
+            if len(calls) > 1:
+                break
+            node = calls[0]
+            users = list(node.users)
+            if len(users) != 1:
+                break
+            user = users[0]
+            if user.op == "output" and user.args == (node,):
+                continue  # returned unchanged: its consumer is in the caller's forward
+            if user.op != "call_module" or user.args != (node,) or user.kwargs:
+                break
+            if sum(1 for n in graph.nodes if n.op == "call_module" and n.target == user.target) != 1:
+                break
+            path = f"{anc}.{user.target}" if anc else str(user.target)
+            bn = model.get_submodule(path)
+            if places.get(id(bn), 0) == 1 and _absorbing_batchnorm_ok(layer, bn):
+                found[id(layer)] = (bn, model.get_submodule(path.rpartition(".")[0]))
+                claims[id(bn)] = claims.get(id(bn), 0) + 1
+            break
+    return {k: v for k, v in found.items() if claims[id(v[0])] == 1}
+
+
+# --------------------------------------------------------------------------
 # convert_model
 # --------------------------------------------------------------------------
 #: Layer keywords that are not whitening hyper-parameters.
@@ -300,6 +404,7 @@ def convert_model(
     block_types: Optional[BlockTypes] = None,
     include_linear: bool = False,
     fold_strategy: str = "auto",
+    absorb_centring: bool = True,
     **layer_kwargs: Any,
 ) -> nn.Module:
     """Replace the target layers of ``model`` by whitening layers, in place; returns ``model``.
@@ -356,6 +461,20 @@ def convert_model(
     ``T = Q_s = I``), so the converted model computes exactly the same
     function, in train and eval mode.
 
+    Centring absorbed by a BatchNorm (``grad`` / ``recursive``; README,
+    Conventions). With ``absorb_centring=True`` (the
+    default) every new layer whose output feeds a BatchNorm and nothing else
+    (the rule of :func:`absorbing_batchnorms`: a ``torch.fx`` trace of the
+    enclosing block's forward; in a ResNet every block conv, downsample convs
+    included) gets ``layer.absorb_centring(bn)``: while that BatchNorm uses
+    batch statistics the layer skips its centring offset, which the BatchNorm
+    removes anyway (training unchanged up to rounding, one pass over the
+    output and one backward reduction less per layer); eval mode and
+    :func:`export_model` stay exact, and the export keeps the original keys
+    (bias-free convs stay bias-free). ``layer.centring`` says which layers
+    absorb. ``absorb_centring=False`` keeps every layer centring its input.
+    Ignored for ``direct``.
+
     Folding. One :class:`~whitenlayers.FoldCoordinator` is registered as a
     forward hook on ``model`` and given to every whitening layer: all layers
     whose block ends during a forward fold together after the model's forward
@@ -397,10 +516,13 @@ def convert_model(
         return _make_layer(method, model, "", layer_kwargs)
 
     targets = target_layers(model, predicate=predicate, block_types=block_types, include_linear=include_linear)
+    absorbers = absorbing_batchnorms(model, targets) if (absorb_centring and method != "direct") else {}
     # Build every new layer first, so an error leaves the model untouched.
     new_by_id: Dict[int, nn.Module] = {}
     for name, module in targets:
         new_by_id[id(module)] = _make_layer(method, module, name, layer_kwargs)
+    for key, (bn, parent) in absorbers.items():
+        new_by_id[key].absorb_centring(bn, parent=parent)
     if new_by_id:
         for parent in list(model.modules()):
             for child_name, child in list(parent._modules.items()):
@@ -460,11 +582,43 @@ def _export_direct(wrapper: DirectWhitened) -> nn.Module:
     return out
 
 
+@torch.no_grad()
+def _export_absorbed(layer: nn.Module) -> nn.Module:
+    """A layer whose centring its BatchNorm absorbs: the plain layer with the original keys, ``s - d`` moved into
+    the BatchNorm's ``running_mean`` (exact: the BatchNorm subtracts it; in training mode it removes any offset)."""
+    w = layer.weight
+    has_bias = layer.bias is not None
+    if isinstance(layer, nn.Conv2d):
+        out: nn.Module = nn.Conv2d(
+            layer.in_channels, layer.out_channels, layer.kernel_size, stride=layer.stride, padding=layer.padding,
+            dilation=layer.dilation, groups=layer.groups, bias=has_bias, padding_mode=layer.padding_mode,
+            device=w.device, dtype=w.dtype,
+        )
+    else:
+        out = nn.Linear(layer.in_features, layer.out_features, bias=has_bias, device=w.device, dtype=w.dtype)
+    out.weight.copy_(w)
+    out.weight.requires_grad_(w.requires_grad)
+    if has_bias:
+        out.bias.copy_(layer.bias)
+        out.bias.requires_grad_(layer.bias.requires_grad)
+    bn = layer._absorbing_bn()
+    if bn.running_mean is not None:
+        shift = layer._skipped_offset(w.detach().to(torch.float64)) - layer.absorbed_offset.to(torch.float64)
+        bn.running_mean.copy_((bn.running_mean.to(torch.float64) - shift).to(bn.running_mean.dtype))
+    out.train(layer.training)
+    return out
+
+
 def _export_one(module: nn.Module) -> Optional[nn.Module]:
     if isinstance(module, DirectWhitened):
         return _export_direct(module)
     if isinstance(module, (GradWhitenConv2d, GradWhitenLinear)):
-        out = module.to_conv() if isinstance(module, GradWhitenConv2d) else module.to_linear()
+        if module.centring == "absorbed" and module._absorbing_bn() is not None:
+            out = _export_absorbed(module)
+        elif isinstance(module, GradWhitenConv2d):
+            out = module.to_conv()
+        else:
+            out = module.to_linear()
         _share_hooks(module, out, _CALL_HOOKS + _STATE_HOOKS)
         return out
     return None
@@ -473,11 +627,20 @@ def _export_one(module: nn.Module) -> Optional[nn.Module]:
 def export_model(model: nn.Module) -> nn.Module:
     """Fold the whitening out of ``model``, in place; returns the plain model.
 
-    * Every grad / recursive layer becomes a plain ``nn.Conv2d`` / ``nn.Linear``
-      (:meth:`~whitenlayers.GradWhitenConv2d.to_conv`): same weight, the running
-      mean folded into the bias. Outputs are identical; the layer always has a
-      bias afterwards (``bias - sum_k W_k mu``, plus the bias compensation of a
-      bias-free layer).
+    * Every grad / recursive layer that centres its input becomes a plain
+      ``nn.Conv2d`` / ``nn.Linear`` (:meth:`~whitenlayers.GradWhitenConv2d.to_conv`):
+      same weight, the running mean folded into the bias. Outputs are
+      identical; the layer always has a bias afterwards (``bias - sum_k W_k mu``,
+      plus the bias compensation of a bias-free layer).
+    * A grad / recursive layer whose centring a following BatchNorm absorbs
+      (``layer.centring == "absorbed"``, the default of :func:`convert_model`
+      where the output feeds only a BatchNorm) becomes the plain layer with
+      the original's bias setting (bias-free stays bias-free), and its offset
+      (``s - d``, see :meth:`~whitenlayers.GradWhitenConv2d.absorb_centring`)
+      is subtracted from that BatchNorm's ``running_mean`` (computed in
+      float64): exact in eval mode, and in training mode the BatchNorm
+      removes any offset anyway. The export then has the state-dict keys of
+      the original architecture.
     * Every ``direct`` wrapper :class:`DirectWhitened` becomes, when exact,
       one plain layer with weight ``W T`` and bias ``b - sum_k (W T)_k mu``:
       always for ``nn.Linear``, and for an ``nn.Conv2d`` without padding
@@ -540,6 +703,9 @@ def _reset_to_identity(layer: WhiteningStatistics) -> None:
         bias.copy_(saved)
     if getattr(layer, "bias_correction", None) is not None:
         layer.bias_correction.zero_()
+    absorbed = getattr(layer, "_buffers", {}).get("absorbed_offset")
+    if absorbed is not None:
+        absorbed.zero_()  # the checkpoint's BatchNorm running mean is the plain model's: d = 0
 
 
 def load_plain_state_dict(model: nn.Module, state_dict: Dict[str, Any], strict: bool = True) -> _LoadResult:
@@ -612,9 +778,14 @@ def plain_state_dict(model: nn.Module) -> Dict[str, Any]:
 
     It is ``export_model(copy.deepcopy(model)).state_dict()``: the keys of
     the unconverted architecture, with the whitening folded in (see
-    :func:`export_model`). Two differences from the original architecture's
-    keys: every grad/recursive layer has a ``bias`` entry (the running mean
-    folded in; for a bias-free conv this is the only way to keep the function,
+    :func:`export_model`). For a model converted with the default
+    ``absorb_centring=True`` whose whitened layers all feed a BatchNorm (every
+    ResNet), the keys are exactly the original architecture's: the checkpoint
+    loads with ``strict=True`` into a fresh unconverted model, which then
+    computes what the converted model computes in eval mode (the offsets are
+    moved into the BatchNorms' ``running_mean``). Otherwise two differences
+    from the original keys: a grad/recursive layer that centres its input
+    has a ``bias`` entry (the running mean folded in; for a bias-free conv this is the only way to keep the function,
     so load such a checkpoint with :func:`load_plain_state_dict`, which puts
     it into ``bias_correction``, or into a plain model whose convs have
     biases), and a padded ``direct`` conv exports to ``name.0.*`` (the 1x1

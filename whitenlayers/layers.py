@@ -15,16 +15,30 @@ made or saved, and autograd produces the centred weight gradient by itself.
 Any ``padding_mode`` is supported under this convention (the identity holds
 for every padding mode); ``groups != 1`` is rejected, because a whitening
 matrix couples all input channels and a grouped weight cannot carry it.
+
+Centring absorbed by a following BatchNorm (README, Conventions): after
+``layer.absorb_centring(bn)`` (which :func:`~whitenlayers.convert_model` calls
+where the output feeds a BatchNorm and nothing else) the layer skips the
+per-channel offset ``s = c - sum_k W_k mu`` whenever ``bn`` normalises with
+batch statistics, because ``bn`` removes any per-channel constant and its
+input gradient sums to zero per channel, so the offset's weight-gradient
+term vanishes too; training is unchanged up to rounding. The BatchNorm's
+``running_mean`` then averages ``conv(x)`` instead of ``conv(x) + s``; the
+layer keeps the difference, ``d`` (buffer ``absorbed_offset``: ``s``
+averaged with the BatchNorm's own momentum), and whenever ``bn`` uses its
+running statistics (eval mode, or a frozen BatchNorm) it adds ``s - d``:
+``bn`` then sees exactly what it sees after the centred layer.
 """
 from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, Dict, Optional, Type, Union
+from typing import Any, Dict, Optional, Tuple, Type, Union
 
 import torch
 from torch import Tensor, nn
 from torch.nn.common_types import _size_2_t
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import functional as F_w
 from .autograd import direct_whiten, grad_transformed
@@ -146,6 +160,10 @@ class _GradWhitenMixin(WhiteningStatistics):
 
     weight: Tensor
     bias: Optional[Tensor]
+    # Where the BatchNorm that absorbs the centring is (absorb_centring): (None, bn) or (parent, child name), the
+    # latter looked up at every forward so that a replaced BatchNorm (convert_sync_batchnorm) is followed. A plain
+    # attribute: neither the BatchNorm nor the parent is a submodule of the layer.
+    _centring_ref: Optional[Tuple[Optional[nn.Module], Any]] = None
 
     #: The config class of the layer's rule (EVD for the grad layers, recursive for the recursive ones).
     _CONFIG: Type[WhiteningConfig] = EVDConfig
@@ -171,6 +189,172 @@ class _GradWhitenMixin(WhiteningStatistics):
             return self.bias - offset
         return self.bias_correction.to(offset.dtype) - offset
 
+    def _layer_bias(self, weight: Tensor) -> Tensor:
+        """The bias of the equivalent plain layer: :meth:`_effective_bias`, minus ``d`` when the centring is absorbed
+        (then the output is the centred layer's minus ``d``, what its BatchNorm's running mean expects)."""
+        bias = self._effective_bias(weight)
+        absorbed = self._buffers.get("absorbed_offset")
+        return bias if absorbed is None else bias - absorbed.to(bias.dtype)
+
+    # ------------------------------------------------ centring absorbed by a BatchNorm
+    @property
+    def centring(self) -> str:
+        """``"input"`` (the layer centres its input) or ``"absorbed"`` (by :attr:`centring_batchnorm`)."""
+        return "input" if self._centring_ref is None else "absorbed"
+
+    @property
+    def centring_batchnorm(self) -> Optional[nn.Module]:
+        """The module that absorbs this layer's centring (see :meth:`absorb_centring`), or ``None``.
+
+        With ``parent`` given to :meth:`absorb_centring`, whatever module is in that place now.
+        """
+        ref = self._centring_ref
+        if ref is None:
+            return None
+        parent, what = ref
+        return what if parent is None else parent._modules.get(what)
+
+    def _absorbing_bn(self) -> Optional[_BatchNorm]:
+        bn = self.centring_batchnorm
+        return bn if isinstance(bn, _BatchNorm) else None
+
+    @torch.no_grad()
+    def absorb_centring(self, batchnorm: Optional[_BatchNorm], parent: Optional[nn.Module] = None) -> None:
+        """Let ``batchnorm``, which alone consumes this layer's output, absorb the centring; ``None`` undoes it.
+
+        README, Conventions, "Centring absorbed by a following BatchNorm". The layer computes
+        ``z = conv(x, W) + b`` (no centring offset ``s = c - sum_k W_k mu``)
+        whenever ``batchnorm`` normalises with batch statistics (training
+        mode, or no running statistics): the BatchNorm subtracts the batch
+        mean, which removes ``s`` exactly, and its input gradient sums to zero
+        per channel, so ``s``'s weight-gradient term ``-(sum dz) mu^T`` is zero.
+        Training (weights, whitening state, BatchNorm output) is the centred
+        layer's up to rounding, without the pass over the output that adds
+        ``s`` and the backward reduction for it.
+
+        Running statistics stay exact: the BatchNorm's ``running_mean`` now
+        averages ``conv(x, W) + b``, i.e. the centred layer's running mean
+        minus ``d``, the running average of ``s`` with the BatchNorm's own
+        momentum (or cumulative average), which the layer keeps in the buffer
+        ``absorbed_offset`` (one ``S``-vector update per training forward).
+        Whenever the BatchNorm uses its running statistics (eval mode, or a
+        BatchNorm frozen in eval mode while the layer trains) the layer adds
+        ``s - d`` (with the centred layer's weight gradient), so the
+        BatchNorm's output is the centred layer's. :func:`export_model` moves
+        ``s - d`` into the BatchNorm's ``running_mean`` instead of a bias, so
+        the exported layer keeps the original's keys (a bias-free conv stays
+        bias-free).
+
+        Only call this when ``batchnorm`` is the *only* consumer of the
+        layer's output, called once per call of the layer (the BatchNorm's
+        ``num_features`` must equal the layer's output features; a linear
+        layer needs ``(B, in_features)`` inputs). ``parent``: the module that
+        holds ``batchnorm`` as a child (what :func:`convert_model` passes);
+        the layer then looks the BatchNorm up there at every forward, so
+        replacing it later (``nn.SyncBatchNorm.convert_sync_batchnorm``) keeps
+        the pairing. If what sits there is no longer a BatchNorm, or without
+        ``parent`` the BatchNorm is replaced, the layer adds ``s - d`` always:
+        exact for a replacement that keeps the running statistics and uses
+        them (a frozen BatchNorm), wrong for one that normalises with batch
+        statistics (keep ``parent`` for that). Switching on starts with
+        ``d = 0``; switching off adds ``d`` to the BatchNorm's
+        ``running_mean`` (or, with no BatchNorm there, subtracts it from the
+        bias or ``bias_correction``): both leave the model's function
+        unchanged. The references are plain attributes (not submodules): not
+        in this layer's ``state_dict``; ``copy.deepcopy`` / pickling of a whole
+        model keep the pairing (of the layer alone: with a copy of ``parent``).
+        """
+        name = None
+        if batchnorm is not None:
+            if not isinstance(batchnorm, _BatchNorm):
+                raise TypeError(
+                    f"{self._describe()}: absorb_centring expects a BatchNorm module, but got {type(batchnorm).__name__}"
+                )
+            out_features = self.weight.shape[0]
+            if batchnorm.num_features != out_features:
+                raise ValueError(
+                    f"{self._describe()}: absorb_centring needs a BatchNorm over the layer's {out_features} output "
+                    f"features, but got num_features={batchnorm.num_features}"
+                )
+            if parent is not None:
+                names = [n for n, m in parent._modules.items() if m is batchnorm]
+                if len(names) != 1:
+                    raise ValueError(
+                        f"{self._describe()}: absorb_centring: parent must hold the BatchNorm as exactly one child, "
+                        f"but it holds it {len(names)} times"
+                    )
+                name = names[0]
+        if self._centring_ref is not None:
+            d = self._buffers.pop("absorbed_offset")
+            old = self._absorbing_bn()
+            if old is not None and old.running_mean is not None:
+                old.running_mean.add_(d.to(old.running_mean.dtype))
+            else:  # nothing to hand d to: keep the function through the bias
+                target = self.bias if self.bias is not None else self.bias_correction
+                target.sub_(d.to(target.dtype))
+            object.__setattr__(self, "_centring_ref", None)
+        if batchnorm is not None:
+            self.register_buffer(
+                "absorbed_offset",
+                torch.zeros(self.weight.shape[0], device=self.weight.device, dtype=self.running_mean.dtype),
+            )
+            object.__setattr__(self, "_centring_ref", (None, batchnorm) if parent is None else (parent, name))
+
+    def _batchnorm_absorbing_now(self) -> Optional[_BatchNorm]:
+        """The absorbing BatchNorm if it normalises this forward with batch statistics (it removes the offset)."""
+        if self._centring_ref is None:
+            return None
+        bn = self._absorbing_bn()
+        if bn is not None and (bn.training or (bn.running_mean is None and bn.running_var is None)):
+            return bn
+        return None
+
+    def _skipped_offset(self, weight: Tensor) -> Tensor:
+        """``s = c - sum_k W_k mu`` (bias-free) or ``- sum_k W_k mu``: the offset the absorbed layer leaves out."""
+        w = weight.reshape(weight.shape[0], weight.shape[1], -1).sum(-1)
+        p = w @ self.running_mean.to(w.dtype)
+        if self.bias is None:
+            return self.bias_correction.to(p.dtype) - p
+        return -p
+
+    def _track_absorbed_offset(self, weight: Tensor, bn: _BatchNorm) -> None:
+        """``d <- (1 - f) d + f s`` with the BatchNorm's factor ``f``, when it updates its running mean now.
+
+        On the per-batch path: three small ops (tap sum, ``addmv``, ``lerp_``) on detached tensors, no
+        ``no_grad`` context (measured: half the time of the straightforward form on a 16-channel layer).
+        """
+        if not (bn.training and bn.track_running_stats and bn.running_mean is not None):
+            return
+        d = self._buffers["absorbed_offset"]
+        if bn.momentum is None:  # cumulative average: f = 1 / num_batches_tracked after the BatchNorm's increment
+            if bn.num_batches_tracked is None:
+                return
+            factor: Union[float, Tensor] = (bn.num_batches_tracked.to(device=d.device, dtype=d.dtype) + 1).reciprocal()
+        else:
+            factor = bn.momentum
+        w = weight.detach()
+        if w.dim() > 2:
+            w = w.sum(tuple(range(2, w.dim())))  # sum_k W_k: (S, M)
+        if w.dtype != d.dtype:
+            w = w.to(d.dtype)
+        mean = self.running_mean
+        if mean.dtype != d.dtype:
+            mean = mean.to(d.dtype)
+        if self.bias is None:  # s = c - W mu
+            s = torch.addmv(self.bias_correction.to(d.dtype), w, mean, alpha=-1)
+        else:  # s = - W mu (the bias itself stays in the layer's output)
+            s = torch.mv(w, mean).neg_()
+        d.lerp_(s, factor)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        key = prefix + "absorbed_offset"
+        if self._centring_ref is not None and key not in state_dict:
+            # A checkpoint of the centred layer: its BatchNorm's running mean is the centred one, i.e. d = 0.
+            state_dict = dict(state_dict)
+            state_dict[key] = torch.zeros_like(self._buffers["absorbed_offset"])
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
     def _weight_for_forward(self) -> Tensor:
         w = self.weight
         if torch.is_grad_enabled() and w.requires_grad:
@@ -189,6 +373,8 @@ class _GradWhitenMixin(WhiteningStatistics):
 
     def extra_repr(self) -> str:
         rest = self._whitening_repr()
+        if self._centring_ref is not None:
+            rest = (rest + ", " if rest else "") + "centring=absorbed"
         return super().extra_repr() + (f", {rest}" if rest else "")
 
 
@@ -201,6 +387,13 @@ class GradWhitenConv2d(_GradWhitenMixin, nn.Conv2d):
     kernel tap; the bias gradient is untouched. When a fold changes ``mu``
     the bias (or, for ``bias=False``, the non-trainable ``bias_correction``
     buffer) is compensated so the layer's function is unchanged.
+
+    Centring: ``layer.centring`` is ``"input"`` (the default: the layer
+    centres as above) or, after ``layer.absorb_centring(bn)``, ``"absorbed"``:
+    the output feeds the BatchNorm ``bn`` and nothing else, and the layer
+    skips the centring offset while ``bn`` normalises with batch statistics
+    (see :meth:`absorb_centring`; :func:`~whitenlayers.convert_model` does
+    this where it can tell). ``extra_repr`` shows ``centring=absorbed``.
 
     Constructor arguments are those of ``nn.Conv2d``, plus the keyword-only
     whitening arguments ``block_size``, ``alpha`` (0.9), ``beta`` (0.95),
@@ -257,15 +450,20 @@ class GradWhitenConv2d(_GradWhitenMixin, nn.Conv2d):
         if self.training:
             self._accumulate(x if x.dim() == 4 else x.unsqueeze(0))
         w = self._weight_for_forward()
-        if self.bias is None and self.training and w.requires_grad and torch.is_grad_enabled():
+        bn = self._batchnorm_absorbing_now()
+        if bn is not None:
+            # Centring absorbed by the following BatchNorm (absorb_centring): no offset, no pass over the output.
+            self._track_absorbed_offset(w, bn)
+            out = self._conv_forward(x, w, self.bias)
+        elif self.bias is None and self.training and w.requires_grad and torch.is_grad_enabled():
             # Training a bias-free conv (the ResNet case): the centring term -W mu is added to the convolution's
             # fresh output in place instead of being passed to it as a bias: the CPU convolution backward
             # computes a bias gradient several times slower than autograd's one reduction for this add
             # (benchmarks/ablation.py, row "conv bias"). The two differ only by rounding; at conversion time
             # the term is exactly 0.
-            out = self._conv_forward(x, w, None).add_(self._effective_bias(w).view(-1, 1, 1))
+            out = self._conv_forward(x, w, None).add_(self._layer_bias(w).view(-1, 1, 1))
         else:  # the plain conv's own bias path: bit-identical to export_model's plain conv
-            out = self._conv_forward(x, w, self._effective_bias(w))
+            out = self._conv_forward(x, w, self._layer_bias(w))
         if self.training:
             self._end_batch()
         return out
@@ -299,7 +497,7 @@ class GradWhitenConv2d(_GradWhitenMixin, nn.Conv2d):
         )
         with torch.no_grad():
             conv.weight.copy_(self.weight)
-            conv.bias.copy_(self._effective_bias(self.weight))
+            conv.bias.copy_(self._layer_bias(self.weight))
         conv.weight.requires_grad_(self.weight.requires_grad)
         conv.train(self.training)
         return conv
@@ -311,7 +509,8 @@ class GradWhitenLinear(_GradWhitenMixin, nn.Linear):
     ``z = (x - mu) W^T + b`` computed as ``x W^T + (b - W mu)``; the weight
     gradient is right-multiplied by ``Q_s``. Inputs ``(*, in_features)``;
     statistics over all leading dimensions. Whitening keyword arguments as for
-    :class:`GradWhitenConv2d`.
+    :class:`GradWhitenConv2d`; the centring can be absorbed by a following
+    ``BatchNorm1d`` (:meth:`absorb_centring`, ``(B, in_features)`` inputs).
     """
 
     @_with_whitening_signature(EVDConfig)
@@ -335,10 +534,20 @@ class GradWhitenLinear(_GradWhitenMixin, nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         _check_input(self, x, dim=-1, ndims=tuple(range(1, 9)), what="an input of shape (*, in_features)")
+        bn = self._batchnorm_absorbing_now()  # centring absorbed by the following BatchNorm1d (absorb_centring)
+        if bn is not None and x.dim() != 2:
+            raise ValueError(
+                f"{self._describe()}: with its centring absorbed by a BatchNorm the layer needs an input of shape "
+                f"(B, in_features), but got input of shape {tuple(x.shape)}"
+            )
         if self.training:
             self._accumulate(x.reshape(-1, self.num_features))
         w = self._weight_for_forward()
-        out = nn.functional.linear(x, w, self._effective_bias(w))
+        if bn is not None:
+            self._track_absorbed_offset(w, bn)
+            out = nn.functional.linear(x, w, self.bias)
+        else:
+            out = nn.functional.linear(x, w, self._layer_bias(w))
         if self.training:
             self._end_batch()
         return out
@@ -360,7 +569,7 @@ class GradWhitenLinear(_GradWhitenMixin, nn.Linear):
         lin = nn.Linear(self.in_features, self.out_features, bias=True, device=self.weight.device, dtype=self.weight.dtype)
         with torch.no_grad():
             lin.weight.copy_(self.weight)
-            lin.bias.copy_(self._effective_bias(self.weight))
+            lin.bias.copy_(self._layer_bias(self.weight))
         lin.weight.requires_grad_(self.weight.requires_grad)
         lin.train(self.training)
         return lin
