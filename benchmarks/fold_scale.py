@@ -197,10 +197,8 @@ def main(argv=None) -> Dict[str, object]:
     add_common_args(p)
     p.add_argument("--batch", type=int, default=8, help="ResNet-50 step batch at 224x224 (default 8)")
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                   help="single-process timer: wall clock or process CPU time (with --threads 1 on a busy machine)")
-    args = p.parse_args(argv)
-    setup(args.threads, args.seed)
+    args = p.parse_args(argv)  # --clock (add_common_args): also this script's single-process timer
+    setup(args.threads, args.seed, args.clock)
     CLOCK["fn"] = time.process_time if args.clock == "cpu" else time.perf_counter
     tiny = args.tiny
     repeat = 1 if tiny else args.repeat
