@@ -139,3 +139,23 @@ def test_batched_fold_counts_failures_per_layer(monkeypatch):
     assert torch.equal(layers[1].whitening_matrix, before[1])  # previous transform kept
     assert not torch.equal(layers[0].whitening_matrix, before[0])
     assert all(int(l.num_blocks) == 2 for l in layers)
+
+
+def test_wide_layers_are_not_batched(monkeypatch):
+    """Above ``EVDRule.BATCH_MAX_M`` one ``eigh`` per matrix is cheaper on the CPU than a batched call."""
+    from whitenlayers.rules import EVDRule
+
+    m_wide = EVDRule.BATCH_MAX_M + 1
+    layers = [wl.GradWhitenLinear(m, 2, block_size=10**6) for m in (m_wide, m_wide, 4, 4)]
+    for l in layers:
+        l(torch.randn(3 * l.num_features, l.num_features) + 1)
+    calls = []
+    real = torch.linalg.eigh
+
+    def spy(x, *a, **k):
+        calls.append(tuple(x.shape))
+        return real(x, *a, **k)
+
+    monkeypatch.setattr(torch.linalg, "eigh", spy)
+    fold_layers(layers)
+    assert sorted(calls) == sorted([(m_wide, m_wide), (m_wide, m_wide), (2, 4, 4)])

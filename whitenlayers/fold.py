@@ -182,13 +182,17 @@ def _result_layout(layer: "WhiteningStatistics") -> List[tuple]:
 
 def _exchange(items: Sequence[tuple], owners: Sequence[int], mine: Dict[int, Optional[RuleResult]], group
               ) -> List[Optional[RuleResult]]:
-    """Every rank gets every layer's result from its owner: one ``all_reduce`` (sum) of a float64 buffer in
-    which each owner writes its layers' results and every other rank zeros (``x + 0 == x`` exactly; float32
-    results survive the round trip through float64 bit for bit). A flag per layer says whether it succeeded."""
+    """Every rank gets every layer's result from its owner: one ``all_reduce`` (sum) of a buffer in which each
+    owner writes its layers' results and every other rank zeros (``x + 0 == x`` exactly), in float32 when all
+    results are float32 values, else float64 (float32 values survive that round trip bit for bit). A flag per
+    layer says whether it succeeded."""
     layouts = [_result_layout(layer) for layer, _ in items]
     sizes = [2 + sum(math.prod(shape) for _, shape in lay) for lay in layouts]
     dev = items[0][0].running_mean.device
-    flat = torch.zeros(sum(sizes), dtype=torch.float64, device=dev)
+    # float32 layers compute every result in float32 (the EVD rule's float64 Q is a float32 Q cast up), so
+    # float32 carries them exactly at half the volume; any float64 layer makes the buffer float64.
+    exact32 = all(layer.rule.work_dtype(layer.running_mean.dtype) == torch.float32 for layer, _ in items)
+    flat = torch.zeros(sum(sizes), dtype=torch.float32 if exact32 else torch.float64, device=dev)
     pos = 0
     for i, size in enumerate(sizes):
         if i in mine and mine[i] is not None:
@@ -199,7 +203,7 @@ def _exchange(items: Sequence[tuple], owners: Sequence[int], mine: Dict[int, Opt
             p = pos + 2
             for name, shape in layouts[i]:
                 n = math.prod(shape)
-                flat[p : p + n] = parts[name].reshape(-1).to(torch.float64)
+                flat[p : p + n] = parts[name].reshape(-1).to(flat.dtype)
                 p += n
         pos += size
     dist.all_reduce(flat, group=group)
