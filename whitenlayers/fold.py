@@ -61,16 +61,19 @@ def _all_reduce_summaries(summaries: List[BlockSummary], group) -> List[BlockSum
     parts = []
     for s, (n, mean) in zip(summaries, out_mean):
         d = s.mean - mean
-        local = s.scatter + s.count * torch.outer(d, d)
+        if s.scatter.dim() == 3:  # grouped layer: (G, k, k) blocks
+            local = s.scatter + s.count * F_w.block_outer(d, d, s.scatter.shape[0])
+        else:
+            local = s.scatter + s.count * torch.outer(d, d)
         parts.append(torch.cat([local.reshape(-1), s.power]))
     flat2 = torch.cat(parts)
     dist.all_reduce(flat2, group=group)
     result, pos = [], 0
     for s, (n, mean) in zip(summaries, out_mean):
-        m = s.mean.numel()
-        scatter = flat2[pos : pos + m * m].view(m, m)
-        power = flat2[pos + m * m : pos + m * m + m]
-        pos += m * m + m
+        m, mm = s.mean.numel(), s.scatter.numel()
+        scatter = flat2[pos : pos + mm].view(s.scatter.shape)
+        power = flat2[pos + mm : pos + mm + m]
+        pos += mm + m
         result.append(BlockSummary(n, mean, F_w.symmetrize(scatter), power))
     return result
 
@@ -146,7 +149,7 @@ def _use_owner(layers: Sequence["WhiteningStatistics"], world: int, strategy: st
         return False
     if strategy == "owner":
         return True
-    return sum(layer.rule.cost(layer.num_features) for layer in layers) >= OWNER_MIN_COST
+    return sum(layer.rule.cost(layer.num_features, layer.groups) for layer in layers) >= OWNER_MIN_COST
 
 
 def _compute(items: Sequence[tuple]) -> List[Optional[RuleResult]]:
@@ -246,7 +249,7 @@ def _fold_all(layers: Sequence["WhiteningStatistics"], summaries: Sequence[Block
     if not items:
         return
     if _use_owner([layer for layer, _ in items], world, strategy):
-        owners = assign_owners([layer.rule.cost(layer.num_features) for layer, _ in items], world)
+        owners = assign_owners([layer.rule.cost(layer.num_features, layer.groups) for layer, _ in items], world)
         rank = dist.get_rank(group)
         mine_idx = [i for i, o in enumerate(owners) if o == rank]
         computed = _compute([items[i] for i in mine_idx])
