@@ -335,11 +335,6 @@ def _plan(
         if _is_whitening(m):
             out.append((name, m, LayerDecision(name, kind, "whitening", "already a whitening layer")))
             continue
-        role = ""
-        if id(m) == stem:
-            role = "the stem (the model's first conv/linear layer; include_stem=True converts it)"
-        elif id(m) == classifier:
-            role = "the classifier (the model's last conv/linear layer; include_classifier=True converts it)"
         if isinstance(m, nn.MultiheadAttention):
             reason = ("nn.MultiheadAttention: its input and output projections are applied inside "
                       "F.multi_head_attention_forward, not called as modules, so no whitening layer can take "
@@ -349,6 +344,13 @@ def _plan(
             continue
         linear = isinstance(m, nn.Linear)
         problem = _unsupported(m, allow_subclass=predicate is not None)
+        role = ""
+        if id(m) == stem:
+            role = "the stem (the model's first conv/linear layer; " + (
+                "include_stem=True converts it)" if problem is None else f"and {problem})")
+        elif id(m) == classifier:
+            role = "the classifier (the model's last conv/linear layer; " + (
+                "include_classifier=True converts it)" if problem is None else f"and {problem})")
         why = ""
         if predicate is not None:
             if linear and not include_linear:
@@ -364,10 +366,12 @@ def _plan(
                 selected = True
             elif linear:
                 selected = include_linear
-                why = role or "nn.Linear: include_linear=True (or targets='all') converts Linear layers"
+                why = role or ("nn.Linear: include_linear=True (or targets='all') converts Linear layers"
+                               if problem is None else problem)
             else:
                 selected = in_block
-                why = role or f"not inside a residual block ({block_words}); targets='all' converts it"
+                why = role or f"not inside a residual block ({block_words}); " + (
+                    "targets='all' converts it" if problem is None else problem)
         else:  # all
             if role and not (id(m) == stem and include_stem or id(m) == classifier and include_classifier):
                 selected, why = False, role
