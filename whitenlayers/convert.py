@@ -303,6 +303,7 @@ def _plan(
     include_linear: Optional[bool] = None,
     include_stem: bool = False,
     include_classifier: bool = False,
+    example_input: Any = None,
 ) -> List[Tuple[str, nn.Module, LayerDecision]]:
     """The decision for every conv / linear layer (and ``nn.MultiheadAttention``) of ``model``, in module order."""
     _check_target_args(targets, predicate, block_types, include_stem, include_classifier)
@@ -326,6 +327,10 @@ def _plan(
 
         _walk(model, visit, is_block)
     layers = [m for _, m, _ in entries if _is_layer(m) or isinstance(m, DirectWhitened)]
+    called: Optional[Dict[int, int]] = None
+    if example_input is not None:
+        called = _call_order(model, [m for _, m, _ in entries], example_input)
+        layers = sorted((m for m in layers if id(m) in called), key=lambda m: called[id(m)])
     stem = id(layers[0]) if layers else None
     classifier = id(layers[-1]) if layers else None
     block_words = f"class or base class named {', '.join(map(repr, _block_names(block_types)))}"
@@ -379,6 +384,9 @@ def _plan(
                 selected, why = False, "nn.Linear, and include_linear=False"
             else:
                 selected = True
+        if selected and problem is None and called is not None and id(m) not in called:
+            problem = ("not called as a module by the model's forward of example_input (the model uses its weight "
+                       "directly, e.g. torchvision's Swin attention, or the branch did not run in eval mode)")
         if selected and problem is not None:
             out.append((name, m, LayerDecision(name, kind, "skipped", problem, True)))
         elif selected:
@@ -386,6 +394,36 @@ def _plan(
         else:
             out.append((name, m, LayerDecision(name, kind, "skipped", why, False)))
     return out
+
+
+@torch.no_grad()
+def _call_order(model: nn.Module, modules: Sequence[nn.Module], example_input: Any) -> Dict[int, int]:
+    """``id(module) -> position`` in the order ``modules`` are first called by an eval-mode forward of ``example_input``.
+
+    The model's training flags are restored afterwards; in eval mode nothing
+    is updated (BatchNorm statistics, whitening blocks).
+    """
+    order: Dict[int, int] = {}
+
+    def hook(module, args):
+        order.setdefault(id(module), len(order))
+
+    handles = [m.register_forward_pre_hook(hook) for m in modules]
+    flags = [(m, m.training) for m in model.modules()]
+    try:
+        model.eval()
+        if isinstance(example_input, tuple):
+            model(*example_input)
+        elif isinstance(example_input, dict):
+            model(**example_input)
+        else:
+            model(example_input)
+    finally:
+        for h in handles:
+            h.remove()
+        for m, flag in flags:
+            m.training = flag
+    return order
 
 
 def _block_names(block_types: Optional[BlockTypes]) -> List[str]:
@@ -405,6 +443,7 @@ def target_layers(
     include_linear: Optional[bool] = None,
     include_stem: bool = False,
     include_classifier: bool = False,
+    example_input: Any = None,
 ) -> List[Tuple[str, nn.Module]]:
     """The plain layers :func:`convert_model` would replace, with their qualified names.
 
@@ -413,7 +452,7 @@ def target_layers(
     listed (they would be left alone).
     """
     plan = _plan(model, targets=targets, predicate=predicate, block_types=block_types, include_linear=include_linear,
-                 include_stem=include_stem, include_classifier=include_classifier)
+                 include_stem=include_stem, include_classifier=include_classifier, example_input=example_input)
     return [(name, m) for name, m, d in plan if d.status == "to convert"]
 
 
@@ -427,6 +466,7 @@ def conversion_report(
     include_linear: Optional[bool] = None,
     include_stem: bool = False,
     include_classifier: bool = False,
+    example_input: Any = None,
 ) -> ConversionReport:
     """What :func:`convert_model` with these arguments would convert and leave out, and why; changes nothing.
 
@@ -439,7 +479,7 @@ def conversion_report(
     if method not in _METHODS:
         raise ValueError(f"method must be one of {_METHODS}, but got method={method!r}")
     plan = _plan(model, targets=targets, predicate=predicate, block_types=block_types, include_linear=include_linear,
-                 include_stem=include_stem, include_classifier=include_classifier)
+                 include_stem=include_stem, include_classifier=include_classifier, example_input=example_input)
     return ConversionReport(method, [d for _, _, d in plan], dry_run=True)
 
 
@@ -488,6 +528,8 @@ def _install_coordinator(model: nn.Module, strategy: str = "auto") -> Optional[F
         coord.handle = model.register_forward_hook(coord)
     for layer in layers:
         layer._fold_coordinator = coord
+    coord.layers = layers
+    coord.checked = False  # the first fold checks that every layer is called (FoldCoordinator)
     return coord
 
 
@@ -691,6 +733,7 @@ def convert_model(
     include_linear: Optional[bool] = None,
     include_stem: bool = False,
     include_classifier: bool = False,
+    example_input: Any = None,
     report: bool = False,
     fold_strategy: str = "auto",
     absorb_centring: bool = True,
@@ -752,7 +795,15 @@ def convert_model(
     standardisation, which the whitening layer would silently drop).
     Never converted: transposed convolutions, uninitialised lazy modules, and
     the projections of ``nn.MultiheadAttention`` (it applies them itself,
-    without calling them as modules).
+    without calling them as modules). A model may also use other layers'
+    weights without calling them (torchvision's Swin attention passes
+    ``qkv.weight`` to a function): such a layer, once converted, never sees
+    its input and cannot whiten. Pass ``example_input`` (a tensor, a tuple of
+    positional arguments or a dict of keyword arguments) to run one eval-mode
+    forward first: targets it does not call are then left out (and reported),
+    and the stem and the classifier are the first and last layers *called*;
+    without it, the first fold warns about every converted layer that saw no
+    input.
 
     What is left out is always said. ``convert_model(..., report=True)``
     returns ``(model, report)``, a :class:`ConversionReport` listing every
@@ -832,9 +883,9 @@ def convert_model(
     if isinstance(model, nn.parallel.DistributedDataParallel):
         raise ValueError("convert_model: convert the model before wrapping it in DistributedDataParallel")
     _check_layer_kwargs(method, layer_kwargs)
-    plan = _plan(model, targets=targets, predicate=predicate, block_types=block_types, include_linear=include_linear,
-                 include_stem=include_stem, include_classifier=include_classifier)
     _check_existing(model, method, layer_kwargs)
+    plan = _plan(model, targets=targets, predicate=predicate, block_types=block_types, include_linear=include_linear,
+                 include_stem=include_stem, include_classifier=include_classifier, example_input=example_input)
 
     selected = [(name, module) for name, module, decision in plan if decision.status == "to convert"]
     absorbers = absorbing_batchnorms(model, selected) if (absorb_centring and method != "direct") else {}
