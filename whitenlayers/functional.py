@@ -688,21 +688,15 @@ def grouped_batch_moments(x: Tensor, shift: Tensor, groups: int) -> Tuple[Tensor
     """:func:`batch_moments` of a grouped layer: ``s1`` ``(M,)`` and the diagonal blocks of ``s2``, ``(G, k, k)``.
 
     Costs ``M k`` multiply-adds per sample and position (``1/G`` of the
-    ungrouped product). Depthwise (``k = 1``): one ``torch.var_mean`` pass per
-    channel (no shifted copy; its variance is accurate also when
-    ``|mean| >> std``), turned into the shifted sums. Otherwise a batched
-    product over the ``B x G`` ``(k, H*W)`` slices, unshifted on the CPU when
-    that loses at most 3 bits (as :func:`batch_moments`).
+    ungrouped product): a batched product over the ``B x G`` ``(k, H*W)``
+    slices (for depthwise, ``k = 1``, one dot product per sample and channel),
+    unshifted on the CPU when that loses at most 3 bits (as
+    :func:`batch_moments`; measured on a ``(64, 192, 32, 32)`` depthwise input,
+    one thread: 4.6 ms, against 31 ms with the shifted copy, 90 ms for
+    ``torch.var_mean`` and 84 ms for the depthwise convolution's forward).
     """
     m = x.shape[1]
     k = m // groups
-    if k == 1:
-        n = x.numel() // m
-        if n == 0:
-            return x.new_zeros(m), x.new_zeros(groups, 1, 1)
-        var, mean = torch.var_mean(x, dim=[0] + list(range(2, x.dim())), correction=0)
-        d = mean - shift.to(x.dtype)
-        return d * n, ((var + d * d) * n).view(groups, 1, 1)
     if (x.device.type == "cpu" and x.dim() > 2 and x.numel() >= _CPU_UNSHIFTED_MIN_ELEMENTS
             and _as_rows(x) is None and not (torch.is_grad_enabled() and x.requires_grad)):
         res = _grouped_unshifted_moments(x, shift, groups)
