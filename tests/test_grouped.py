@@ -1,4 +1,4 @@
-"""Grouped and depthwise convolutions (SPEC "Grouped convolutions", issue 14).
+"""Grouped and depthwise convolutions (issue 14; docs/PAPER.md, "Conventions").
 
 Whitening per group: block-diagonal ``T`` and ``Q_s`` stored as ``(G, k, k)``,
 statistics per group, the equivalence of paper section 3.1 per group. The

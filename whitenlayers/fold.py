@@ -185,7 +185,7 @@ def _result_layout(layer: "WhiteningStatistics") -> List[tuple]:
     shape = tuple(layer.whitening_matrix.shape)
     layout = [("transform", shape), ("gram", shape)]
     fk = {"device": "meta", "dtype": layer.running_mean.dtype}
-    for name in layer.rule.initial_buffers(layer.num_features, fk):
+    for name in layer.rule.initial_buffers(layer.num_features, fk, groups=layer.groups):
         layout.append((name, tuple(getattr(layer, name).shape)))
     return layout
 

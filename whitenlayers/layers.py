@@ -18,7 +18,7 @@ made or saved, and autograd produces the centred weight gradient by itself.
 Any ``padding_mode`` is supported under this convention (the identity holds
 for every padding mode).
 
-Grouped convolutions (SPEC "Grouped convolutions"): a conv with ``groups=G``
+Grouped convolutions (``docs/PAPER.md``, "Conventions"): a conv with ``groups=G``
 whitens each group's ``k = M/G`` input channels on their own. ``T`` and
 ``Q_s`` are block-diagonal (one ``k x k`` block per group, kept as a
 ``(G, k, k)`` tensor), the statistics are the diagonal blocks of ``Phi_x``
