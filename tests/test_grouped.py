@@ -445,40 +445,45 @@ def test_grouped_diagnostics_plain_and_converted_line_up():
 # --------------------------------------------------------------------------
 # Distributed: grouped statistics summed across ranks
 # --------------------------------------------------------------------------
-def _grouped_layers():
+def _grouped_model(strategy):
     torch.manual_seed(0)
-    return [wl.GradWhitenConv2d(6, 6, 3, padding=1, groups=3, block_size=2),
-            wl.RecursiveWhitenConv2d(8, 8, 3, padding=1, groups=8, block_size=2)]
+    model = nn.Sequential(nn.Conv2d(6, 9, 3, padding=1, groups=3), nn.ReLU(), nn.Conv2d(9, 8, 1),
+                          nn.Conv2d(8, 8, 3, padding=1, groups=8),
+                          nn.Conv2d(8, 8, 1, groups=4))
+    method = "recursive" if strategy == "owner-recursive" else "grad"
+    return wl.convert_model(model, method, predicate=lambda n, m: True, block_size=2,
+                            fold_strategy="owner" if strategy.startswith("owner") else strategy)
 
 
-def _grouped_batches(step, rank):
-    return correlated(4, 6, 5, 10 * step + rank, 3), correlated(3 + rank, 8, 5, 10 * step + rank, 8)
+def _grouped_batch(step, rank):
+    return correlated(4 + rank, 6, 5, 10 * step + rank, 3)
 
 
-def _grouped_ranks(rank, world):
-    layers = _grouped_layers()
-    for step in range(4):
-        for layer, x in zip(layers, _grouped_batches(step, rank)):
-            layer(x)
-    return [{k: v for k, v in layer.state_dict().items() if isinstance(v, torch.Tensor)} for layer in layers]
+def _grouped_ranks(rank, world, strategy):
+    model = _grouped_model(strategy)
+    with torch.no_grad():
+        for step in range(4):
+            model(_grouped_batch(step, rank))
+    return {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
 
 
-def test_grouped_statistics_are_summed_across_ranks():
+@pytest.mark.parametrize("strategy", ["replicated", "owner", "owner-recursive"])
+def test_grouped_statistics_are_summed_across_ranks(strategy):
+    """2 gloo ranks: bit-identical state on every rank, equal to one process on the global batch."""
     import torch.distributed as dist
 
     if not dist.is_available():
         pytest.skip("torch.distributed is not available")
     from dist_utils import run_distributed
 
-    r0, r1 = run_distributed(_grouped_ranks, world_size=2)
-    single = _grouped_layers()
-    for step in range(4):
-        parts = [_grouped_batches(step, r) for r in range(2)]
-        for i, layer in enumerate(single):
-            layer(torch.cat([p[i] for p in parts]))
-    for a, b, ref in zip(r0, r1, single):
-        assert int(a["num_blocks"]) == 2
-        for key, value in ref.state_dict().items():
-            if isinstance(value, torch.Tensor):
-                assert torch.equal(a[key], b[key]), key
-                torch.testing.assert_close(a[key], value, rtol=1e-4, atol=1e-5)
+    r0, r1 = run_distributed(_grouped_ranks, strategy, world_size=2)
+    single = _grouped_model(strategy)
+    with torch.no_grad():
+        for step in range(4):
+            single(torch.cat([_grouped_batch(step, r) for r in range(2)]))
+    ref = single.state_dict()
+    assert int(r0["0.num_blocks"]) == 2 and tuple(r0["3.whitening_matrix"].shape) == (8, 1, 1)
+    for key, value in ref.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(r0[key], r1[key]), key
+            torch.testing.assert_close(r0[key], value, rtol=1e-4, atol=1e-5)
