@@ -195,6 +195,23 @@ def test_converting_again_with_other_method_or_arguments_raises():
     assert len(wl.whitening_layers(model)) == 20
 
 
+def test_max_features_leaves_out_impractically_wide_layers():
+    """VGG's first classifier layer has 25088 inputs: a 25088 x 25088 whitening state. 'all' caps at 8192."""
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(8 * 4 * 4, 16), nn.ReLU(),
+                          nn.Linear(16, 16), nn.Linear(16, 2))
+    rep = wl.conversion_report(model, targets="all", max_features=64)
+    assert rep.converted == ["4"] and "128 input features per group exceed max_features=64" in rep.unsupported["2"]
+    assert wl.conversion_report(model, targets="all").converted == ["2", "4"]  # default cap 8192
+    vggish = nn.Sequential(nn.Conv2d(3, 4, 1), nn.Flatten(), nn.Linear(25088, 2, bias=False), nn.Linear(2, 2))
+    rep = wl.conversion_report(vggish, targets="all")
+    assert "2" in rep.unsupported and "about 12.6 GB" in rep.unsupported["2"]
+    grouped = nn.Sequential(nn.Conv2d(3, 64, 1), nn.Conv2d(64, 64, 3, groups=2), nn.Conv2d(64, 64, 3, groups=64),
+                            nn.Conv2d(64, 2, 1))
+    assert wl.conversion_report(grouped, targets="all", max_features=16).converted == ["2"]  # per group
+    with pytest.raises(ValueError, match="max_features"):
+        wl.conversion_report(model, max_features=0)
+
+
 def test_target_argument_errors():
     model = models.resnet20()
     with pytest.raises(ValueError, match="targets must be one of"):

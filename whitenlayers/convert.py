@@ -187,6 +187,8 @@ def _walk(model: nn.Module, visit: Callable[[nn.Module, str, nn.Module, str, boo
 
 
 _TARGETS = ("blocks", "all")
+#: ``targets="all"`` leaves out layers with more input features per group than this (``max_features``).
+ALL_MAX_FEATURES = 8192
 _PLAIN_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
 _LAYER_WORDS = "nn.Conv1d / nn.Conv2d / nn.Conv3d or nn.Linear"
 
@@ -303,10 +305,14 @@ def _plan(
     include_linear: Optional[bool] = None,
     include_stem: bool = False,
     include_classifier: bool = False,
+    max_features: Optional[int] = None,
     example_input: Any = None,
 ) -> List[Tuple[str, nn.Module, LayerDecision]]:
     """The decision for every conv / linear layer (and ``nn.MultiheadAttention``) of ``model``, in module order."""
     _check_target_args(targets, predicate, block_types, include_stem, include_classifier)
+    if max_features is not None and (not isinstance(max_features, int) or max_features < 1):
+        raise ValueError(f"max_features must be a positive integer or None, but got max_features={max_features!r}")
+    cap = max_features if max_features is not None else (ALL_MAX_FEATURES if targets == "all" else None)
     if include_linear is None:
         include_linear = targets == "all"
     is_block = _block_matcher(block_types)
@@ -384,6 +390,12 @@ def _plan(
                 selected, why = False, "nn.Linear, and include_linear=False"
             else:
                 selected = True
+        if selected and problem is None and cap is not None:
+            k = m.in_features if linear else m.in_channels // m.groups
+            if k > cap:
+                gb = 20 * k * k * (1 if linear else m.groups) / 1e9  # 3 float32 matrices and a float64 accumulator
+                problem = (f"{k} input features per group exceed max_features={cap} (a {k} x {k} whitening state of "
+                           f"about {gb:.1f} GB and an O(M^3) fold; pass a larger max_features to convert it)")
         if selected and problem is None and called is not None and id(m) not in called:
             problem = ("not called as a module by the model's forward of example_input (the model uses its weight "
                        "directly, e.g. torchvision's Swin attention, or the branch did not run in eval mode)")
@@ -443,6 +455,7 @@ def target_layers(
     include_linear: Optional[bool] = None,
     include_stem: bool = False,
     include_classifier: bool = False,
+    max_features: Optional[int] = None,
     example_input: Any = None,
 ) -> List[Tuple[str, nn.Module]]:
     """The plain layers :func:`convert_model` would replace, with their qualified names.
@@ -452,7 +465,8 @@ def target_layers(
     listed (they would be left alone).
     """
     plan = _plan(model, targets=targets, predicate=predicate, block_types=block_types, include_linear=include_linear,
-                 include_stem=include_stem, include_classifier=include_classifier, example_input=example_input)
+                 include_stem=include_stem, include_classifier=include_classifier, example_input=example_input,
+                 max_features=max_features)
     return [(name, m) for name, m, d in plan if d.status == "to convert"]
 
 
@@ -466,6 +480,7 @@ def conversion_report(
     include_linear: Optional[bool] = None,
     include_stem: bool = False,
     include_classifier: bool = False,
+    max_features: Optional[int] = None,
     example_input: Any = None,
 ) -> ConversionReport:
     """What :func:`convert_model` with these arguments would convert and leave out, and why; changes nothing.
@@ -479,7 +494,8 @@ def conversion_report(
     if method not in _METHODS:
         raise ValueError(f"method must be one of {_METHODS}, but got method={method!r}")
     plan = _plan(model, targets=targets, predicate=predicate, block_types=block_types, include_linear=include_linear,
-                 include_stem=include_stem, include_classifier=include_classifier, example_input=example_input)
+                 include_stem=include_stem, include_classifier=include_classifier, example_input=example_input,
+                 max_features=max_features)
     return ConversionReport(method, [d for _, _, d in plan], dry_run=True)
 
 
@@ -733,6 +749,7 @@ def convert_model(
     include_linear: Optional[bool] = None,
     include_stem: bool = False,
     include_classifier: bool = False,
+    max_features: Optional[int] = None,
     example_input: Any = None,
     report: bool = False,
     fold_strategy: str = "auto",
@@ -781,7 +798,11 @@ def convert_model(
     whitening layer can replace, except the stem (the model's first conv /
     linear layer in module order) and the classifier (the last one), which
     ``include_stem=True`` / ``include_classifier=True`` add (they add them
-    with ``targets="blocks"`` too). ``include_linear`` says whether
+    with ``targets="blocks"`` too), and layers with more than
+    ``max_features`` input features per group (default 8192 for ``"all"``,
+    e.g. VGG's first classifier layer with 25088; no limit for ``"blocks"``
+    unless given), whose ``M x M`` whitening state and ``O(M^3)`` fold would
+    not be practical. ``include_linear`` says whether
     ``nn.Linear`` layers are targets: by default no for ``"blocks"`` and yes
     for ``"all"``; ``include_linear=True`` with ``"blocks"`` adds every plain
     ``nn.Linear`` (the classifier included).
@@ -885,7 +906,8 @@ def convert_model(
     _check_layer_kwargs(method, layer_kwargs)
     _check_existing(model, method, layer_kwargs)
     plan = _plan(model, targets=targets, predicate=predicate, block_types=block_types, include_linear=include_linear,
-                 include_stem=include_stem, include_classifier=include_classifier, example_input=example_input)
+                 include_stem=include_stem, include_classifier=include_classifier, example_input=example_input,
+                 max_features=max_features)
 
     selected = [(name, module) for name, module, decision in plan if decision.status == "to convert"]
     absorbers = absorbing_batchnorms(model, selected) if (absorb_centring and method != "direct") else {}

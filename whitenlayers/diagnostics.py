@@ -193,6 +193,7 @@ def collect_diagnostics(
     targets: str = "blocks",
     include_stem: bool = False,
     include_classifier: bool = False,
+    max_features: Optional[int] = None,
 ) -> Diagnostics:
     """``kappa`` / ``rho`` of the features each target layer's weights see, measured on ``batches``.
 
@@ -210,7 +211,7 @@ def collect_diagnostics(
     ``direct`` ``DirectWhiten`` (its input, already whitened), and every plain
     layer that :func:`~whitenlayers.convert_model` would target with the same
     ``targets`` / ``predicate`` / ``block_types`` / ``include_linear`` /
-    ``include_stem`` / ``include_classifier`` (``Phi_x``). So a plain model and
+    ``include_stem`` / ``include_classifier`` / ``max_features`` (``Phi_x``). So a plain model and
     its converted copy are measured on the same convolutions. Grouped
     convolutions are measured on their diagonal blocks (module docstring).
 
@@ -226,7 +227,8 @@ def collect_diagnostics(
         (18, True, True)
     """
     targets = _targets(model, predicate, block_types, include_linear,
-                       dict(targets=targets, include_stem=include_stem, include_classifier=include_classifier))
+                       dict(targets=targets, include_stem=include_stem, include_classifier=include_classifier,
+                            max_features=max_features))
     if device is None:
         device = _model_device(model)
     moments: Dict[str, _Moments] = {}
