@@ -203,7 +203,10 @@ class WhiteningStatistics:
                 in_force = self.running_mean.detach().to(device=x.device, dtype=torch.float64)
                 self._acc_shift = torch.where(self.num_blocks.to(x.device) > 0, in_force, first)
             n = x.numel() // self.num_features
-            s1, s2 = F_w.batch_moments(x, self._acc_shift, groups=self.groups)
+            if self.groups == 1:
+                s1, s2 = F_w.batch_moments(x, self._acc_shift)
+            else:  # the diagonal blocks only
+                s1, s2 = F_w.grouped_batch_moments(x, self._acc_shift, self.groups)
             finite = torch.isfinite(s2).all() & torch.isfinite(s1).all()
             zero = torch.zeros((), dtype=torch.float64, device=x.device)
             self._acc_s1 += torch.where(finite, s1.to(torch.float64), zero)
