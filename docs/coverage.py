@@ -286,7 +286,8 @@ def write(path: Path, sections: List[Tuple[str, Optional[List[Row]], str]], argv
         "(grouped or depthwise among them), layers the rule selected that cannot be converted (reason), the max "
         "relative difference of the eval outputs right after conversion, three SGD steps (`block_size=2`: one "
         "fold) finite, every converted layer called, the max relative difference of `export_model` against the "
-        "converted model, and the conversion time. `ok`: conversion difference <= 1e-5, finite, all called, "
+        "converted model, and the conversion time (with the `example_input` forward; the first model's includes "
+        "PyTorch's warm-up). `ok`: conversion difference <= 1e-5, finite, all called, "
         "export difference <= 1e-4.",
         "",
     ]
