@@ -291,3 +291,46 @@ def test_coverage_script_self_test(tmp_path):
     text = out.read_text()
     assert "| resnext_like" in text and "pending" in text
     assert "FAIL" not in text
+
+
+@pytest.mark.parametrize("method", ["grad", "recursive"])
+def test_absorbed_centring_of_grouped_and_conv1d_layers_trains_like_centred(method):
+    """Grouped, depthwise and Conv1d layers followed by a BatchNorm absorb their centring like Conv2d ones."""
+
+    class Audio(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv1d(3, 8, 3, padding=1, bias=False)
+            self.bn = nn.BatchNorm1d(8)
+
+        def forward(self, x):  # (B, 3, H, W) -> rows as a sequence
+            return self.bn(self.conv(x.flatten(2))).mean(-1)
+
+    def make(absorb):
+        torch.manual_seed(0)
+        model = nn.ModuleDict({"cnn": models.mobilenet_like(width=4), "seq": Audio()}).double()
+        wl.convert_model(model["cnn"], method, targets="all", block_size=2, absorb_centring=absorb)
+        wl.convert_model(model["seq"], method, predicate=lambda n, m: True, block_size=2, absorb_centring=absorb)
+        return model
+
+    a, c = make(True), make(False)
+    layers = dict(wl.whitening_layers(a["cnn"]))
+    assert all(layers[n].centring == "absorbed" for n in layers if n != "features.6.0")  # the head conv feeds ReLU6
+    assert sum(1 for m in layers.values() if m.groups > 1 and m.centring == "absorbed") == 5
+    assert a["seq"].conv.centring == "absorbed"
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (a, c)]
+    for step in range(4):
+        x, _ = batch(16, step)
+        x = x.double()
+        for m, opt in zip((a, c), opts):
+            torch.manual_seed(step)  # the same dropout mask
+            opt.zero_grad()
+            (m["cnn"](x).square().mean() + m["seq"](x).square().mean()).backward()
+            opt.step()
+    for (n, p), (_, q) in zip(a.named_parameters(), c.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-10, msg=n)
+    a.eval(), c.eval()
+    x, _ = batch(16, 9)
+    torch.testing.assert_close(a["cnn"](x.double()), c["cnn"](x.double()), rtol=1e-9, atol=1e-10)
+    exported = wl.export_model(copy.deepcopy(a["cnn"]))
+    torch.testing.assert_close(exported(x.double()), a["cnn"](x.double()), rtol=1e-9, atol=1e-10)

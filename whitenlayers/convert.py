@@ -564,8 +564,9 @@ class _DataflowTracer(torch.fx.Tracer):
 
 
 def _absorbing_batchnorm_ok(layer: nn.Module, bn: nn.Module) -> bool:
-    if isinstance(layer, nn.Conv2d):
-        kinds: Tuple[type, ...] = (nn.BatchNorm2d, nn.SyncBatchNorm)
+    if isinstance(layer, nn.modules.conv._ConvNd):
+        batchnorm = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}[len(layer.kernel_size)]
+        kinds: Tuple[type, ...] = (batchnorm, nn.SyncBatchNorm)
         features = layer.out_channels
     else:
         kinds = (nn.BatchNorm1d, nn.SyncBatchNorm)
@@ -1036,8 +1037,8 @@ def _export_absorbed(layer: nn.Module) -> nn.Module:
     the BatchNorm's ``running_mean`` (exact: the BatchNorm subtracts it; in training mode it removes any offset)."""
     w = layer.weight
     has_bias = layer.bias is not None
-    if isinstance(layer, nn.Conv2d):
-        out: nn.Module = nn.Conv2d(
+    if not isinstance(layer, nn.Linear):
+        out: nn.Module = _plain_conv_class(layer)(
             layer.in_channels, layer.out_channels, layer.kernel_size, stride=layer.stride, padding=layer.padding,
             dilation=layer.dilation, groups=layer.groups, bias=has_bias, padding_mode=layer.padding_mode,
             device=w.device, dtype=w.dtype,

@@ -347,8 +347,11 @@ class _GradWhitenMixin(WhiteningStatistics):
 
     def _skipped_offset(self, weight: Tensor) -> Tensor:
         """``s = c - sum_k W_k mu`` (bias-free) or ``- sum_k W_k mu``: the offset the absorbed layer leaves out."""
-        w = weight.reshape(weight.shape[0], weight.shape[1], -1).sum(-1)
-        p = w @ self.running_mean.to(w.dtype)
+        if self.groups != 1:  # grouped conv: each group's outputs see its own channels of the mean
+            p = F_w.weight_mean_product(weight, self.running_mean)
+        else:
+            w = weight.reshape(weight.shape[0], weight.shape[1], -1).sum(-1)
+            p = w @ self.running_mean.to(w.dtype)
         if self.bias is None:
             return self.bias_correction.to(p.dtype) - p
         return -p
@@ -376,7 +379,10 @@ class _GradWhitenMixin(WhiteningStatistics):
         mean = self.running_mean
         if mean.dtype != d.dtype:
             mean = mean.to(d.dtype)
-        if self.bias is None:  # s = c - W mu
+        if self.groups != 1:  # grouped conv: (S, M/G) weight, one group of the mean per group of outputs
+            p = F_w.weight_mean_product(w, mean)
+            s = self.bias_correction.to(d.dtype) - p if self.bias is None else p.neg_()
+        elif self.bias is None:  # s = c - W mu
             s = torch.addmv(self.bias_correction.to(d.dtype), w, mean, alpha=-1)
         else:  # s = - W mu (the bias itself stays in the layer's output)
             s = torch.mv(w, mean).neg_()
@@ -699,11 +705,15 @@ class _GradWhitenConvNd(_GradWhitenMixin):
         if self.training:
             self._accumulate(x if x.dim() == nd + 2 else x.unsqueeze(0))
         w = self._weight_for_forward()
-        if self.bias is None and self.training and w.requires_grad and torch.is_grad_enabled():
+        bn = self._batchnorm_absorbing_now()
+        if bn is not None:  # as GradWhitenConv2d: centring absorbed by the following BatchNorm
+            self._track_absorbed_offset(w, bn)
+            out = self._conv_forward(x, w, self.bias)
+        elif self.bias is None and self.training and w.requires_grad and torch.is_grad_enabled():
             # As GradWhitenConv2d: the centring term added to the fresh output (faster than a conv bias on the CPU).
-            out = self._conv_forward(x, w, None).add_(self._effective_bias(w).view((-1,) + (1,) * nd))
+            out = self._conv_forward(x, w, None).add_(self._layer_bias(w).view((-1,) + (1,) * nd))
         else:
-            out = self._conv_forward(x, w, self._effective_bias(w))
+            out = self._conv_forward(x, w, self._layer_bias(w))
         if self.training:
             self._end_batch()
         return out
@@ -734,7 +744,7 @@ class _GradWhitenConvNd(_GradWhitenMixin):
         )
         with torch.no_grad():
             conv.weight.copy_(self.weight)
-            conv.bias.copy_(self._effective_bias(self.weight))
+            conv.bias.copy_(self._layer_bias(self.weight))
         conv.weight.requires_grad_(self.weight.requires_grad)
         conv.train(self.training)
         return conv
