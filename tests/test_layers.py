@@ -312,9 +312,12 @@ def test_to_conv_is_exact(cls):
     assert type(layer.to_conv()) is nn.Conv2d
 
 
-def test_groups_rejected_and_padding_modes_supported():
+def test_bad_groups_rejected_and_padding_modes_supported():
     with pytest.raises(ValueError, match="groups"):
-        wl.GradWhitenConv2d(4, 4, 3, groups=2)
+        wl.GradWhitenConv2d(4, 4, 3, groups=3)  # nn.Conv2d's own check
+    with pytest.raises(ValueError, match="groups must be a positive integer that divides num_features=4"):
+        wl.DirectWhiten(4, groups=3)
+    assert tuple(wl.GradWhitenConv2d(4, 4, 3, groups=2).grad_transform.shape) == (2, 2, 2)
     for mode in ["zeros", "reflect", "replicate", "circular"]:
         wl.GradWhitenConv2d(4, 4, 3, padding=1, padding_mode=mode)(torch.randn(1, 4, 5, 5))
 

@@ -10,14 +10,20 @@ from . import config, functional, models
 from .config import EVDConfig, RecursiveConfig
 from .layers import (
     DirectWhiten,
+    GradWhitenConv1d,
     GradWhitenConv2d,
+    GradWhitenConv3d,
     GradWhitenLinear,
+    RecursiveWhitenConv1d,
     RecursiveWhitenConv2d,
+    RecursiveWhitenConv3d,
     RecursiveWhitenLinear,
 )
 from .stats import WhiteningStatistics
 from .convert import (
+    ConversionReport,
     DirectWhitened,
+    conversion_report,
     convert_model,
     export_model,
     load_plain_state_dict,
@@ -30,9 +36,13 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DirectWhiten",
+    "GradWhitenConv1d",
     "GradWhitenConv2d",
+    "GradWhitenConv3d",
     "GradWhitenLinear",
+    "RecursiveWhitenConv1d",
     "RecursiveWhitenConv2d",
+    "RecursiveWhitenConv3d",
     "RecursiveWhitenLinear",
     "WhiteningStatistics",
     "EVDConfig",
@@ -40,6 +50,8 @@ __all__ = [
     "config",
     "functional",
     "convert_model",
+    "conversion_report",
+    "ConversionReport",
     "export_model",
     "whitening_layers",
     "load_plain_state_dict",

@@ -18,7 +18,12 @@ __all__ = ["DirectWhitenFunction", "WeightGradTransform", "direct_whiten", "grad
 
 
 def _feature_matmul(mat: Tensor, x: Tensor) -> Tensor:
-    """``out[:, i, ...] = sum_j mat[i, j] x[:, j, ...]`` for ``x`` of shape ``(B, M, *)``."""
+    """``out[:, i, ...] = sum_j mat[i, j] x[:, j, ...]`` for ``x`` of shape ``(B, M, *)``.
+
+    ``mat`` may be a block-diagonal ``(G, k, k)`` stack (grouped whitening).
+    """
+    if mat.dim() == 3:
+        return _grouped_feature_matmul(mat, x)
     mat = mat.to(x.dtype)
     if x.numel() == 0:
         return torch.empty_like(x)  # keeps the memory format, which the paths below lose for an empty batch
@@ -30,6 +35,29 @@ def _feature_matmul(mat: Tensor, x: Tensor) -> Tensor:
     return torch.matmul(mat, x.flatten(2)).reshape(x.shape)  # flatten(2): also valid for an empty batch
 
 
+def _grouped_feature_matmul(mat: Tensor, x: Tensor) -> Tensor:
+    """:func:`_feature_matmul` with a block-diagonal ``mat`` ``(G, k, k)``: group ``g``'s features times ``mat[g]``."""
+    mat = mat.to(x.dtype)
+    g, k = mat.shape[0], mat.shape[-1]
+    if x.numel() == 0:
+        return torch.empty_like(x)
+    if k == 1:  # depthwise: a scale per channel, in x's own layout
+        return x * mat.reshape((1, g) + (1,) * (x.dim() - 2))
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
+        xl = x.permute(0, 2, 3, 1)  # (B, H, W, M), contiguous
+        out = (xl.reshape(xl.shape[:3] + (g, 1, k)) @ mat.transpose(-1, -2)).reshape(xl.shape)
+        return out.permute(0, 3, 1, 2)
+    xb = x.reshape(x.shape[0], g, k, -1)  # (B, G, k, P)
+    return torch.matmul(mat, xb).reshape(x.shape)
+
+
+def _transform_mean(transform: Tensor, mean: Tensor) -> Tensor:
+    """``T mu`` for a dense or a block-diagonal ``(G, k, k)`` ``T``."""
+    if transform.dim() == 3:
+        return (transform @ mean.view(transform.shape[0], -1, 1)).reshape(-1)
+    return transform @ mean
+
+
 class DirectWhitenFunction(torch.autograd.Function):
     """``y = T (x - mu)`` on dim 1; backward ``dx = T^T dy``. Saves no activation."""
 
@@ -37,14 +65,14 @@ class DirectWhitenFunction(torch.autograd.Function):
     def forward(ctx: Any, x: Tensor, transform: Tensor, mean: Tensor) -> Tensor:
         ctx.transform = transform
         shape = (1, -1) + (1,) * (x.dim() - 2)
-        offset = (transform @ mean).to(x.dtype).view(shape)
+        offset = _transform_mean(transform, mean).to(x.dtype).view(shape)
         return _feature_matmul(transform, x).sub_(offset)  # in place: the product is a fresh tensor
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> Tuple[Tensor, None, None]:
         grad_in = None
         if ctx.needs_input_grad[0]:
-            grad_in = _feature_matmul(ctx.transform.t(), grad_out)
+            grad_in = _feature_matmul(ctx.transform.mT, grad_out)
         return grad_in, None, None
 
 

@@ -38,6 +38,7 @@ import copy
 from collections import OrderedDict
 import inspect
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
@@ -45,13 +46,29 @@ import torch.fx
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .layers import DirectWhiten, GradWhitenConv2d, GradWhitenLinear, RecursiveWhitenConv2d, RecursiveWhitenLinear
-from .config import EVDConfig, RecursiveConfig
+from . import functional as F_w
+from .autograd import _transform_mean
+from .layers import (
+    GRAD_LAYER_TYPES,
+    DirectWhiten,
+    GradWhitenConv1d,
+    GradWhitenConv2d,
+    GradWhitenConv3d,
+    GradWhitenLinear,
+    RecursiveWhitenConv1d,
+    RecursiveWhitenConv2d,
+    RecursiveWhitenConv3d,
+    RecursiveWhitenLinear,
+)
+from .config import EVDConfig, RecursiveConfig, WhiteningConfig, make_config
 from .fold import STRATEGIES, FoldCoordinator
 from .stats import WhiteningStatistics
 
 __all__ = [
     "DEFAULT_BLOCK_TYPES",
+    "ConversionReport",
+    "LayerDecision",
+    "conversion_report",
     "DirectWhitened",
     "convert_model",
     "export_model",
@@ -62,8 +79,11 @@ __all__ = [
     "absorbing_batchnorms",
 ]
 
-#: Class names of the residual blocks whose convolutions are converted by default.
-DEFAULT_BLOCK_TYPES: Tuple[str, ...] = ("BasicBlock", "Bottleneck")
+#: Class names of the residual blocks whose convolutions are converted by default: ``BasicBlock`` and
+#: ``Bottleneck`` (torchvision's, timm's and most CIFAR ResNets'), and Hugging Face transformers' ResNet blocks
+#: ``ResNetBasicLayer`` and ``ResNetBottleNeckLayer``. A module is a block when its class or a base class has one
+#: of these names.
+DEFAULT_BLOCK_TYPES: Tuple[str, ...] = ("BasicBlock", "Bottleneck", "ResNetBasicLayer", "ResNetBottleNeckLayer")
 
 Predicate = Callable[[str, nn.Module], bool]
 BlockTypes = Union[str, type, Sequence[Union[str, type]]]
@@ -72,6 +92,10 @@ _METHODS = ("grad", "recursive", "direct")
 _GRAD_CLASSES = {
     "grad": (GradWhitenConv2d, GradWhitenLinear),
     "recursive": (RecursiveWhitenConv2d, RecursiveWhitenLinear),
+}
+_CONVND_CLASSES = {
+    "grad": {nn.Conv1d: GradWhitenConv1d, nn.Conv3d: GradWhitenConv3d},
+    "recursive": {nn.Conv1d: RecursiveWhitenConv1d, nn.Conv3d: RecursiveWhitenConv3d},
 }
 # Hook dictionaries of nn.Module that fire when the module is called.
 _CALL_HOOKS = (
@@ -103,6 +127,9 @@ class DirectWhitened(nn.Module):
         self.layer = layer
 
     def forward(self, x: Tensor) -> Tensor:
+        if isinstance(self.layer, nn.Linear) and x.dim() != 2:
+            # A linear layer acts on the last dim: whiten the (N, C) rows of x (statistics over all leading dims).
+            return self.layer(self.whiten(x.reshape(-1, x.shape[-1])).reshape(x.shape))
         return self.layer(self.whiten(x))
 
 
@@ -136,17 +163,6 @@ def _is_whitening(m: nn.Module) -> bool:
     return isinstance(m, (WhiteningStatistics, DirectWhitened))
 
 
-def _candidate(m: nn.Module, include_linear: bool, exact: bool) -> bool:
-    """A plain conv / linear module that a whitening layer can replace."""
-    if _is_whitening(m):
-        return False
-    if exact:
-        ok = type(m) is nn.Conv2d or (include_linear and type(m) is nn.Linear)
-    else:
-        ok = isinstance(m, nn.Conv2d) or (include_linear and isinstance(m, nn.Linear))
-    return ok and getattr(m, "groups", 1) == 1
-
-
 def _walk(model: nn.Module, visit: Callable[[nn.Module, str, nn.Module, str, bool], bool], is_block) -> None:
     """Depth-first over ``named_children``; ``visit(parent, child_name, child, qualified, in_block)``.
 
@@ -170,41 +186,317 @@ def _walk(model: nn.Module, visit: Callable[[nn.Module, str, nn.Module, str, boo
     rec(model, "", is_block(model))
 
 
+_TARGETS = ("blocks", "all")
+#: ``targets="all"`` leaves out layers with more input features per group than this (``max_features``).
+ALL_MAX_FEATURES = 8192
+_PLAIN_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
+_LAYER_WORDS = "nn.Conv1d / nn.Conv2d / nn.Conv3d or nn.Linear"
+
+
+def _is_layer(m: nn.Module) -> bool:
+    """A convolution or linear layer of any kind (what the conversion report lists)."""
+    return isinstance(m, (nn.modules.conv._ConvNd, nn.Linear))
+
+
+def _base_name(m: nn.Module) -> str:
+    for base in _PLAIN_LAYERS:
+        if isinstance(m, base):
+            return f"nn.{base.__name__}"
+    return type(m).__name__
+
+
+def _unsupported(m: nn.Module, allow_subclass: bool) -> Optional[str]:
+    """Why no whitening layer can take ``m``'s place (``None``: one can)."""
+    if isinstance(m, nn.modules.conv._ConvTransposeNd):
+        return f"{type(m).__name__}: transposed convolutions are not supported"
+    lazy = getattr(nn.modules.lazy, "LazyModuleMixin", None)
+    if lazy is not None and isinstance(m, lazy) and m.has_uninitialized_params():
+        return f"{type(m).__name__}: an uninitialised lazy module (run one forward before converting)"
+    if not isinstance(m, _PLAIN_LAYERS):
+        return f"{type(m).__name__}: not an {_LAYER_WORDS}"
+    if type(m) not in _PLAIN_LAYERS and not allow_subclass:
+        return (f"{type(m).__name__}: a subclass of {_base_name(m)}, whose forward may differ (e.g. weight "
+                "standardisation) and would be dropped; a predicate can select it")
+    if not m.weight.is_floating_point():
+        return f"{type(m).__name__}: weight of dtype {m.weight.dtype}, not floating point"
+    return None
+
+
+class LayerDecision(NamedTuple):
+    """One conv / linear layer (or ``nn.MultiheadAttention``) of a model and what :func:`convert_model` does with it.
+
+    ``status`` is ``"converted"`` (``"to convert"`` in a dry run), ``"whitening"``
+    (already a whitening layer, left as it is) or ``"skipped"``; ``reason``
+    says why for a skipped layer. ``unsupported`` is ``True`` when the layer
+    was selected by the target rule but cannot be converted (these are
+    warned about), ``False`` when it was not selected.
+    """
+
+    name: str
+    layer_type: str
+    status: str
+    reason: str = ""
+    unsupported: bool = False
+
+
+@dataclass
+class ConversionReport:
+    """What :func:`convert_model` converted and what it left out, and why (see :func:`conversion_report`).
+
+    ``decisions`` lists every convolution, linear layer and
+    ``nn.MultiheadAttention`` of the model, in module order. ``str(report)``
+    is a readable table.
+    """
+
+    method: str
+    decisions: List[LayerDecision]
+    dry_run: bool = False
+
+    @property
+    def converted(self) -> List[str]:
+        """Qualified names of the layers converted (to be converted, in a dry run)."""
+        return [d.name for d in self.decisions if d.status in ("converted", "to convert")]
+
+    @property
+    def skipped(self) -> Dict[str, str]:
+        """Qualified name -> reason, for every layer left out."""
+        return {d.name: d.reason for d in self.decisions if d.status == "skipped"}
+
+    @property
+    def unsupported(self) -> Dict[str, str]:
+        """The skipped layers that the target rule selected but that cannot be converted."""
+        return {d.name: d.reason for d in self.decisions if d.status == "skipped" and d.unsupported}
+
+    @property
+    def existing(self) -> List[str]:
+        """Layers that were whitening layers already."""
+        return [d.name for d in self.decisions if d.status == "whitening"]
+
+    def __str__(self) -> str:
+        head = (f"convert_model(method={self.method!r}){' (dry run)' if self.dry_run else ''}: "
+                f"{len(self.converted)} {'to convert' if self.dry_run else 'converted'}, {len(self.skipped)} left out, "
+                f"{len(self.existing)} already whitening")
+        width = max([len(d.name or "<root>") for d in self.decisions] + [4])
+        lines = [head] + [
+            f"  {d.name or '<root>':<{width}}  {d.layer_type:<18} {d.status}{': ' + d.reason if d.reason else ''}"
+            for d in self.decisions
+        ]
+        return "\n".join(lines)
+
+
+def _check_target_args(targets: str, predicate, block_types, include_stem: bool, include_classifier: bool) -> None:
+    if targets not in _TARGETS:
+        raise ValueError(f"targets must be one of {_TARGETS}, but got targets={targets!r}")
+    if predicate is not None and block_types is not None:
+        raise ValueError("pass either predicate or block_types, not both (the predicate decides alone)")
+    if predicate is not None and (targets != "blocks" or include_stem or include_classifier):
+        raise ValueError("a predicate decides alone: do not combine it with targets='all', include_stem or "
+                         "include_classifier")
+    if targets == "all" and block_types is not None:
+        raise ValueError("block_types only applies to targets='blocks'")
+
+
+def _plan(
+    model: nn.Module,
+    *,
+    targets: str = "blocks",
+    predicate: Optional[Predicate] = None,
+    block_types: Optional[BlockTypes] = None,
+    include_linear: Optional[bool] = None,
+    include_stem: bool = False,
+    include_classifier: bool = False,
+    max_features: Optional[int] = None,
+    example_input: Any = None,
+) -> List[Tuple[str, nn.Module, LayerDecision]]:
+    """The decision for every conv / linear layer (and ``nn.MultiheadAttention``) of ``model``, in module order."""
+    _check_target_args(targets, predicate, block_types, include_stem, include_classifier)
+    if max_features is not None and (not isinstance(max_features, int) or max_features < 1):
+        raise ValueError(f"max_features must be a positive integer or None, but got max_features={max_features!r}")
+    cap = max_features if max_features is not None else (ALL_MAX_FEATURES if targets == "all" else None)
+    if include_linear is None:
+        include_linear = targets == "all"
+    is_block = _block_matcher(block_types)
+    entries: List[Tuple[str, nn.Module, bool]] = []
+    if _is_layer(model) or _is_whitening(model):
+        entries.append(("", model, is_block(model)))
+    else:
+        seen = set()
+
+        def visit(parent, name, child, qualified, in_block):
+            if id(child) in seen:
+                return True
+            if isinstance(child, nn.MultiheadAttention) or _is_layer(child) or _is_whitening(child):
+                seen.add(id(child))
+                entries.append((qualified, child, in_block))
+                return True
+            return False
+
+        _walk(model, visit, is_block)
+    layers = [m for _, m, _ in entries if _is_layer(m) or isinstance(m, DirectWhitened)]
+    called: Optional[Dict[int, int]] = None
+    if example_input is not None:
+        called = _call_order(model, [m for _, m, _ in entries], example_input)
+        layers = sorted((m for m in layers if id(m) in called), key=lambda m: called[id(m)])
+    stem = id(layers[0]) if layers else None
+    classifier = id(layers[-1]) if layers else None
+    block_words = f"class or base class named {', '.join(map(repr, _block_names(block_types)))}"
+    out = []
+    for name, m, in_block in entries:
+        kind = type(m).__name__
+        if _is_whitening(m):
+            out.append((name, m, LayerDecision(name, kind, "whitening", "already a whitening layer")))
+            continue
+        if isinstance(m, nn.MultiheadAttention):
+            reason = ("nn.MultiheadAttention: its input and output projections are applied inside "
+                      "F.multi_head_attention_forward, not called as modules, so no whitening layer can take "
+                      "their place")
+            in_scope = predicate is None and (targets == "all" or in_block)
+            out.append((name, m, LayerDecision(name, kind, "skipped", reason, in_scope)))
+            continue
+        linear = isinstance(m, nn.Linear)
+        problem = _unsupported(m, allow_subclass=predicate is not None)
+        role = ""
+        if id(m) == stem:
+            role = "the stem (the model's first conv/linear layer; " + (
+                "include_stem=True converts it)" if problem is None else f"and {problem})")
+        elif id(m) == classifier:
+            role = "the classifier (the model's last conv/linear layer; " + (
+                "include_classifier=True converts it)" if problem is None else f"and {problem})")
+        why = ""
+        if predicate is not None:
+            if linear and not include_linear:
+                selected, why = False, "nn.Linear: a predicate is asked about Linear layers only with include_linear=True"
+            elif problem is not None:
+                selected = False  # the predicate is not asked about layers that cannot be converted
+                why = problem
+            else:
+                selected = bool(predicate(name, m))
+                why = "not selected by the predicate"
+        elif targets == "blocks":
+            if id(m) == stem and include_stem or id(m) == classifier and include_classifier:
+                selected = True
+            elif linear:
+                selected = include_linear
+                why = role or ("nn.Linear: include_linear=True (or targets='all') converts Linear layers"
+                               if problem is None else problem)
+            else:
+                selected = in_block
+                why = role or f"not inside a residual block ({block_words}); " + (
+                    "targets='all' converts it" if problem is None else problem)
+        else:  # all
+            if role and not (id(m) == stem and include_stem or id(m) == classifier and include_classifier):
+                selected, why = False, role
+            elif linear and not include_linear:
+                selected, why = False, "nn.Linear, and include_linear=False"
+            else:
+                selected = True
+        if selected and problem is None and cap is not None:
+            k = m.in_features if linear else m.in_channels // m.groups
+            if k > cap:
+                gb = 20 * k * k * (1 if linear else m.groups) / 1e9  # 3 float32 matrices and a float64 accumulator
+                problem = (f"{k} input features per group exceed max_features={cap} (a {k} x {k} whitening state of "
+                           f"about {gb:.1f} GB and an O(M^3) fold; pass a larger max_features to convert it)")
+        if selected and problem is None and called is not None and id(m) not in called:
+            problem = ("not called as a module by the model's forward of example_input (the model uses its weight "
+                       "directly, e.g. torchvision's Swin attention, or the branch did not run in eval mode)")
+        if selected and problem is not None:
+            out.append((name, m, LayerDecision(name, kind, "skipped", problem, True)))
+        elif selected:
+            out.append((name, m, LayerDecision(name, kind, "to convert")))
+        else:
+            out.append((name, m, LayerDecision(name, kind, "skipped", why, False)))
+    return out
+
+
+@torch.no_grad()
+def _call_order(model: nn.Module, modules: Sequence[nn.Module], example_input: Any) -> Dict[int, int]:
+    """``id(module) -> position`` in the order ``modules`` are first called by an eval-mode forward of ``example_input``.
+
+    The model's training flags are restored afterwards; in eval mode nothing
+    is updated (BatchNorm statistics, whitening blocks).
+    """
+    order: Dict[int, int] = {}
+
+    def hook(module, args):
+        order.setdefault(id(module), len(order))
+
+    handles = [m.register_forward_pre_hook(hook) for m in modules]
+    flags = [(m, m.training) for m in model.modules()]
+    try:
+        model.eval()
+        if isinstance(example_input, tuple):
+            model(*example_input)
+        elif isinstance(example_input, dict):
+            model(**example_input)
+        else:
+            model(example_input)
+    finally:
+        for h in handles:
+            h.remove()
+        for m, flag in flags:
+            m.training = flag
+    return order
+
+
+def _block_names(block_types: Optional[BlockTypes]) -> List[str]:
+    if block_types is None:
+        block_types = DEFAULT_BLOCK_TYPES
+    if isinstance(block_types, (str, type)):
+        block_types = (block_types,)
+    return [b if isinstance(b, str) else getattr(b, "__name__", repr(b)) for b in block_types]
+
+
 def target_layers(
     model: nn.Module,
     *,
+    targets: str = "blocks",
     predicate: Optional[Predicate] = None,
     block_types: Optional[BlockTypes] = None,
-    include_linear: bool = False,
+    include_linear: Optional[bool] = None,
+    include_stem: bool = False,
+    include_classifier: bool = False,
+    max_features: Optional[int] = None,
+    example_input: Any = None,
 ) -> List[Tuple[str, nn.Module]]:
     """The plain layers :func:`convert_model` would replace, with their qualified names.
 
-    See :func:`convert_model` for the rules. Whitening layers already in the
-    model are not listed (they would be left alone).
+    See :func:`convert_model` for the rules and :func:`conversion_report` for
+    what is left out and why. Whitening layers already in the model are not
+    listed (they would be left alone).
     """
-    if predicate is not None and block_types is not None:
-        raise ValueError("pass either predicate or block_types, not both (the predicate decides alone)")
-    is_block = _block_matcher(block_types)
-    out: List[Tuple[str, nn.Module]] = []
-    seen = set()
+    plan = _plan(model, targets=targets, predicate=predicate, block_types=block_types, include_linear=include_linear,
+                 include_stem=include_stem, include_classifier=include_classifier, example_input=example_input,
+                 max_features=max_features)
+    return [(name, m) for name, m, d in plan if d.status == "to convert"]
 
-    def visit(parent, name, child, qualified, in_block):
-        if id(child) in seen:
-            return True
-        if predicate is not None:
-            hit = _candidate(child, include_linear, exact=False) and bool(predicate(qualified, child))
-        else:
-            hit = _candidate(child, include_linear, exact=True) and (
-                in_block or (include_linear and isinstance(child, nn.Linear))
-            )
-        if hit:
-            seen.add(id(child))
-            out.append((qualified, child))
-            return True
-        return False
 
-    _walk(model, visit, is_block)
-    return out
+def conversion_report(
+    model: nn.Module,
+    method: str = "grad",
+    *,
+    targets: str = "blocks",
+    predicate: Optional[Predicate] = None,
+    block_types: Optional[BlockTypes] = None,
+    include_linear: Optional[bool] = None,
+    include_stem: bool = False,
+    include_classifier: bool = False,
+    max_features: Optional[int] = None,
+    example_input: Any = None,
+) -> ConversionReport:
+    """What :func:`convert_model` with these arguments would convert and leave out, and why; changes nothing.
+
+    Example:
+        >>> import whitenlayers as wl
+        >>> report = wl.conversion_report(wl.models.resnet20())
+        >>> len(report.converted), report.skipped["conv1"][:8], report.skipped["fc"][:14]
+        (18, 'the stem', 'the classifier')
+    """
+    if method not in _METHODS:
+        raise ValueError(f"method must be one of {_METHODS}, but got method={method!r}")
+    plan = _plan(model, targets=targets, predicate=predicate, block_types=block_types, include_linear=include_linear,
+                 include_stem=include_stem, include_classifier=include_classifier, example_input=example_input,
+                 max_features=max_features)
+    return ConversionReport(method, [d for _, _, d in plan], dry_run=True)
 
 
 def whitening_layers(model: nn.Module) -> List[Tuple[str, nn.Module]]:
@@ -252,6 +544,8 @@ def _install_coordinator(model: nn.Module, strategy: str = "auto") -> Optional[F
         coord.handle = model.register_forward_hook(coord)
     for layer in layers:
         layer._fold_coordinator = coord
+    coord.layers = layers
+    coord.checked = False  # the first fold checks that every layer is called (FoldCoordinator)
     return coord
 
 
@@ -270,8 +564,9 @@ class _DataflowTracer(torch.fx.Tracer):
 
 
 def _absorbing_batchnorm_ok(layer: nn.Module, bn: nn.Module) -> bool:
-    if isinstance(layer, nn.Conv2d):
-        kinds: Tuple[type, ...] = (nn.BatchNorm2d, nn.SyncBatchNorm)
+    if isinstance(layer, nn.modules.conv._ConvNd):
+        batchnorm = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}[len(layer.kernel_size)]
+        kinds: Tuple[type, ...] = (batchnorm, nn.SyncBatchNorm)
         features = layer.out_channels
     else:
         kinds = (nn.BatchNorm1d, nn.SyncBatchNorm)
@@ -375,21 +670,70 @@ def _check_layer_kwargs(method: str, layer_kwargs: Dict[str, Any]) -> None:
         raise TypeError(f"{owner} expects config to be a {cls.__name__}, but got {type(config).__name__}")
 
 
+def _requested_config(method: str, layer_kwargs: Dict[str, Any]) -> WhiteningConfig:
+    """The config the new layers of this call get (validated: ``ValueError`` naming a bad value)."""
+    owner = f"convert_model(method={method!r})"
+    whitening = {k: v for k, v in layer_kwargs.items() if k not in _LAYER_OPTIONS}
+    if method == "direct":
+        return make_config(DirectWhiten._CONFIG_CLASS, owner, layer_kwargs.get("config"), whitening,
+                           exclude=DirectWhiten._unused_fields)
+    return make_config(_GRAD_CLASSES[method][0]._CONFIG, owner, layer_kwargs.get("config"), whitening)
+
+
+def _check_existing(model: nn.Module, method: str, layer_kwargs: Dict[str, Any]) -> None:
+    """``ValueError`` when ``model`` holds whitening layers of another method or with other hyper-parameters.
+
+    Converting again with the same method and arguments converts the targets
+    that are still plain (e.g. after a partial conversion) and leaves the
+    whitening layers as they are; anything else would silently mix layers.
+    """
+    config = _requested_config(method, layer_kwargs)
+    group = layer_kwargs.get("process_group")
+    for name, m in model.named_modules():
+        if isinstance(m, DirectWhitened):
+            have, layer = "direct", m.whiten
+        elif isinstance(m, GRAD_LAYER_TYPES):
+            have, layer = ("recursive" if m.method == "recursive" else "grad"), m
+        else:
+            continue
+        where = f"'{name}'" if name else "the model"
+        if have != method:
+            raise ValueError(
+                f"convert_model: the model is already converted with method={have!r} ({where} is a "
+                f"{type(m).__name__}), so method={method!r} cannot be applied on top of it. Convert the plain model "
+                "instead, or fold the whitening out first with export_model(model) and convert that."
+            )
+        if layer.config != config or layer.process_group is not group:
+            what = ("another process_group" if layer.config == config else
+                    f"{layer.config!r}, and this call asks for {config!r}")
+            raise ValueError(
+                f"convert_model: {where} was converted with {what}; converting again would leave it as it is. "
+                "To change the hyper-parameters of converted layers, assign layer.config = "
+                "layer.config.replace(...) for each layer of wl.whitening_layers(model) (it takes effect at the "
+                "next fold), or convert the plain model with the new arguments."
+            )
+
+
 def _make_layer(method: str, module: nn.Module, name: str, layer_kwargs: Dict[str, Any]) -> nn.Module:
     if method == "direct":
         weight = module.weight
-        num = module.in_channels if isinstance(module, nn.Conv2d) else module.in_features
-        whiten = DirectWhiten(num, device=weight.device, dtype=weight.dtype, **layer_kwargs)
+        linear = isinstance(module, nn.Linear)
+        num = module.in_features if linear else module.in_channels
+        groups = 1 if linear else module.groups
+        whiten = DirectWhiten(num, device=weight.device, dtype=weight.dtype, groups=groups, **layer_kwargs)
         whiten.layer_name = f"{name}.whiten" if name else "whiten"
         new: nn.Module = DirectWhitened(whiten, module)
         new.train(module.training)
         _share_hooks(module, new, _CALL_HOOKS, move=True)
         return new
     conv_cls, lin_cls = _GRAD_CLASSES[method]
-    if isinstance(module, nn.Conv2d):
+    if isinstance(module, nn.Linear):
+        new = lin_cls.from_linear(module, **layer_kwargs)
+    elif isinstance(module, nn.Conv2d):
         new = conv_cls.from_conv(module, **layer_kwargs)
     else:
-        new = lin_cls.from_linear(module, **layer_kwargs)
+        plain = nn.Conv1d if isinstance(module, nn.Conv1d) else nn.Conv3d
+        new = _CONVND_CLASSES[method][plain].from_conv(module, **layer_kwargs)
     new.layer_name = name or None
     new.train(module.training)
     _share_hooks(module, new, _CALL_HOOKS + _STATE_HOOKS)
@@ -400,25 +744,36 @@ def convert_model(
     model: nn.Module,
     method: str = "grad",
     *,
+    targets: str = "blocks",
     predicate: Optional[Predicate] = None,
     block_types: Optional[BlockTypes] = None,
-    include_linear: bool = False,
+    include_linear: Optional[bool] = None,
+    include_stem: bool = False,
+    include_classifier: bool = False,
+    max_features: Optional[int] = None,
+    example_input: Any = None,
+    report: bool = False,
     fold_strategy: str = "auto",
     absorb_centring: bool = True,
     **layer_kwargs: Any,
-) -> nn.Module:
+) -> Union[nn.Module, Tuple[nn.Module, "ConversionReport"]]:
     """Replace the target layers of ``model`` by whitening layers, in place; returns ``model``.
 
     Methods:
 
     * ``"grad"``: each target ``nn.Conv2d`` / ``nn.Linear`` becomes a
       :class:`~whitenlayers.GradWhitenConv2d` / :class:`~whitenlayers.GradWhitenLinear`
-      (EVD transform, paper section 3);
+      (EVD transform, paper section 3); ``nn.Conv1d`` / ``nn.Conv3d`` become
+      :class:`~whitenlayers.GradWhitenConv1d` / :class:`~whitenlayers.GradWhitenConv3d`;
     * ``"recursive"``: :class:`~whitenlayers.RecursiveWhitenConv2d` /
-      :class:`~whitenlayers.RecursiveWhitenLinear` (paper section 4);
-    * ``"direct"``: the target is wrapped as ``DirectWhitened(DirectWhiten(C), target)``,
+      :class:`~whitenlayers.RecursiveWhitenLinear` (and ``...Conv1d`` / ``...Conv3d``; paper section 4);
+    * ``"direct"``: the target is wrapped as ``DirectWhitened(DirectWhiten(C, groups=G), target)``,
       i.e. the whitening ``y = T (x - mu)`` runs before the unchanged layer
-      (features on dim 1: a wrapped ``nn.Linear`` takes ``(B, C)`` inputs).
+      (features on dim 1 for a conv, on the last dim for an ``nn.Linear``).
+
+    Grouped and depthwise convolutions are converted like the others, with
+    whitening per group (block-diagonal ``T`` and ``Q_s``; see
+    :mod:`whitenlayers.layers`).
 
     ``layer_kwargs`` go to every new whitening layer: the whitening
     hyper-parameters (``block_size``, ``alpha``, ``beta``, ...: the fields of
@@ -429,24 +784,64 @@ def convert_model(
     argument the method's layers do not take raises ``TypeError`` before
     anything is changed (``DirectWhiten`` has no ``beta``).
 
-    Targets. By default every ``nn.Conv2d`` inside a module whose class (or a
-    base class) is named ``BasicBlock`` or ``Bottleneck``, including the
-    block's downsample / shortcut conv, and nothing else (not the stem conv,
-    not the classifier): 108 layers for CIFAR ResNet-110, 52 for ResNet-50.
-    ``block_types`` replaces those names (classes or class names). Only plain
-    ``nn.Conv2d`` / ``nn.Linear`` are targeted by default, not subclasses (a
-    subclass may override ``forward``, e.g. weight standardisation, which the
-    whitening layer would silently drop). ``include_linear=True`` adds every
-    plain ``nn.Linear`` of the model (e.g. the classifier) to the targets.
+    Targets. ``targets="blocks"`` (the default, the paper's placement): every
+    convolution (``nn.Conv1d`` / ``nn.Conv2d`` / ``nn.Conv3d``, grouped and
+    depthwise included) inside a residual block, including the block's
+    downsample / shortcut conv, and nothing else (not the stem, not the
+    classifier): 108 layers for CIFAR ResNet-110, 52 for ResNet-50 and for
+    ResNeXt-50. A module is a residual block when its class, or one of its
+    base classes, has one of the names in :data:`DEFAULT_BLOCK_TYPES`:
+    ``BasicBlock`` and ``Bottleneck`` (torchvision, timm and most CIFAR
+    ResNets, so a user's own ResNet converts too) and Hugging Face's
+    ``ResNetBasicLayer`` and ``ResNetBottleNeckLayer``; ``block_types``
+    replaces those names (classes or class names).
+    ``targets="all"``: every convolution and ``nn.Linear`` of the model that a
+    whitening layer can replace, except the stem (the model's first conv /
+    linear layer in module order) and the classifier (the last one), which
+    ``include_stem=True`` / ``include_classifier=True`` add (they add them
+    with ``targets="blocks"`` too), and layers with more than
+    ``max_features`` input features per group (default 8192 for ``"all"``,
+    e.g. VGG's first classifier layer with 25088; no limit for ``"blocks"``
+    unless given), whose ``M x M`` whitening state and ``O(M^3)`` fold would
+    not be practical. ``include_linear`` says whether
+    ``nn.Linear`` layers are targets: by default no for ``"blocks"`` and yes
+    for ``"all"``; ``include_linear=True`` with ``"blocks"`` adds every plain
+    ``nn.Linear`` (the classifier included).
     ``predicate(qualified_name, module) -> bool`` overrides the rule: it is
-    asked about every ``nn.Conv2d`` (and, with ``include_linear``, every
-    ``nn.Linear``), subclasses included, and decides alone (passing both
-    ``predicate`` and ``block_types`` is a ``ValueError``). Convolutions with
-    ``groups != 1`` are never targeted (a whitening matrix couples all input
-    channels; the layers reject them). A module that is already a whitening
-    layer, or a wrapper from an earlier ``direct`` conversion, is left alone,
-    so converting twice does not double-wrap. A module object that appears at
-    several places is converted once and the new layer is put at each place.
+    asked about every convolution (and, with ``include_linear``, every
+    ``nn.Linear``) that can be converted, subclasses included, and decides
+    alone (combining it with ``block_types``, ``targets="all"``,
+    ``include_stem`` or ``include_classifier`` is a ``ValueError``).
+    Without a predicate only plain ``nn.Conv1d/2d/3d`` / ``nn.Linear`` are
+    targeted, not subclasses (a subclass may override ``forward``, e.g. weight
+    standardisation, which the whitening layer would silently drop).
+    Never converted: transposed convolutions, uninitialised lazy modules, and
+    the projections of ``nn.MultiheadAttention`` (it applies them itself,
+    without calling them as modules). A model may also use other layers'
+    weights without calling them (torchvision's Swin attention passes
+    ``qkv.weight`` to a function): such a layer, once converted, never sees
+    its input and cannot whiten. Pass ``example_input`` (a tensor, a tuple of
+    positional arguments or a dict of keyword arguments) to run one eval-mode
+    forward first: targets it does not call are then left out (and reported),
+    and the stem and the classifier are the first and last layers *called*;
+    without it, the first fold warns about every converted layer that saw no
+    input.
+
+    What is left out is always said. ``convert_model(..., report=True)``
+    returns ``(model, report)``, a :class:`ConversionReport` listing every
+    conv / linear layer (and ``nn.MultiheadAttention``) with what was done and
+    why (:func:`conversion_report` gives the same without converting). A
+    ``UserWarning`` names every layer the rule selected but that cannot be
+    converted, and says when nothing was converted, and why.
+
+    Converting again. A module that is already a whitening layer, or a
+    wrapper from an earlier ``direct`` conversion, is left alone, so a second
+    call with the same method and hyper-parameters converts only what is
+    still plain (e.g. other targets) and never double-wraps. A second call
+    with another method, other hyper-parameters or another
+    ``process_group`` raises ``ValueError`` before changing anything. A
+    module object that appears at several places is converted once and the
+    new layer is put at each place.
 
     What is kept. The new layers share the original Parameter objects (an
     optimizer built before the conversion keeps working), so device, dtype and
@@ -489,12 +884,11 @@ def convert_model(
     after DDP's construction would not be synchronised); passing a DDP module
     raises ``ValueError``.
 
-    The root. A bare ``nn.Conv2d`` / ``nn.Linear`` passed as ``model`` is
-    converted only if ``predicate("", model)`` selects it (the default rule
-    never does: it is inside no block); the new layer is returned, and it
-    folds on its own (no coordinator). Check the result with
-    :func:`whitening_layers`; a warning says when nothing was converted and
-    the model has no whitening layers.
+    The root. A bare conv / ``nn.Linear`` passed as ``model`` is converted
+    only if ``predicate("", model)`` selects it, or with ``include_stem`` /
+    ``include_classifier`` (it is both; the default rule never converts it:
+    it is inside no block); the new layer is returned, and it folds on its own
+    (no coordinator). Check the result with :func:`whitening_layers`.
 
     Example:
         >>> import whitenlayers as wl
@@ -511,36 +905,80 @@ def convert_model(
     if isinstance(model, nn.parallel.DistributedDataParallel):
         raise ValueError("convert_model: convert the model before wrapping it in DistributedDataParallel")
     _check_layer_kwargs(method, layer_kwargs)
+    _check_existing(model, method, layer_kwargs)
+    plan = _plan(model, targets=targets, predicate=predicate, block_types=block_types, include_linear=include_linear,
+                 include_stem=include_stem, include_classifier=include_classifier, example_input=example_input,
+                 max_features=max_features)
 
-    if predicate is not None and _candidate(model, include_linear, exact=False) and predicate("", model):
-        return _make_layer(method, model, "", layer_kwargs)
-
-    targets = target_layers(model, predicate=predicate, block_types=block_types, include_linear=include_linear)
-    absorbers = absorbing_batchnorms(model, targets) if (absorb_centring and method != "direct") else {}
+    selected = [(name, module) for name, module, decision in plan if decision.status == "to convert"]
+    absorbers = absorbing_batchnorms(model, selected) if (absorb_centring and method != "direct") else {}
     # Build every new layer first, so an error leaves the model untouched.
     new_by_id: Dict[int, nn.Module] = {}
-    for name, module in targets:
+    for name, module in selected:
         new_by_id[id(module)] = _make_layer(method, module, name, layer_kwargs)
     for key, (bn, parent) in absorbers.items():
         new_by_id[key].absorb_centring(bn, parent=parent)
+    decisions = [d._replace(status="converted") if d.status == "to convert" else d for _, _, d in plan]
+    result = ConversionReport(method, decisions)
+    _warn_left_out(result, targets=targets, predicate=predicate, include_linear=include_linear,
+                   model_has_whitening=bool(whitening_layers(model)))
+    if id(model) in new_by_id:  # a bare layer passed as the model
+        new_root = new_by_id[id(model)]
+        return (new_root, result) if report else new_root
     if new_by_id:
         for parent in list(model.modules()):
             for child_name, child in list(parent._modules.items()):
                 if child is not None and id(child) in new_by_id and not _is_whitening(parent):
                     setattr(parent, child_name, new_by_id[id(child)])
-    if _install_coordinator(model, fold_strategy) is None:
+    _install_coordinator(model, fold_strategy)
+    return (model, result) if report else model
+
+
+def _warn_left_out(report: ConversionReport, *, targets: str, predicate, include_linear: Optional[bool],
+                   model_has_whitening: bool) -> None:
+    """The warnings of :func:`convert_model`: selected layers that cannot be converted; nothing converted."""
+    def listing(items: Dict[str, str], limit: int = 6) -> str:
+        parts = [f"'{n or '<root>'}' ({r})" for n, r in list(items.items())[:limit]]
+        more = len(items) - limit
+        return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
+
+    unsupported = report.unsupported
+    if unsupported:
         warnings.warn(
-            "convert_model found no layer to convert: no plain nn.Conv2d inside a module of class "
-            f"{DEFAULT_BLOCK_TYPES if block_types is None else block_types} (pass block_types or a predicate)",
-            UserWarning,
-            stacklevel=2,
+            f"convert_model left out {len(unsupported)} layer(s) that the target rule selected but that cannot be "
+            f"converted: {listing(unsupported)} (convert_model(..., report=True) lists every layer)",
+            UserWarning, stacklevel=3,
         )
-    return model
+    if report.converted or model_has_whitening:
+        return
+    decisions = report.decisions
+    if not decisions:
+        msg = f"the model has no {_LAYER_WORDS} layer"
+    elif predicate is not None:
+        considered = [d for d in decisions if d.reason == "not selected by the predicate"]
+        msg = f"the predicate selected none of the {len(considered)} layer(s) it was asked about"
+        others = {d.name: d.reason for d in decisions if d.reason != "not selected by the predicate"}
+        if others:
+            msg += f"; not asked about: {listing(others)}"
+    else:
+        counts: Dict[str, int] = {}
+        for d in decisions:
+            counts[d.reason] = counts.get(d.reason, 0) + 1
+        reasons = "; ".join(f"{n} x {r}" for r, n in counts.items())
+        msg = f"{len(decisions)} conv/linear layer(s) found, none converted: {reasons}"
+        if targets == "blocks":
+            msg += (". Pass targets='all' to convert every conv and linear layer, block_types=... to name your "
+                    "residual block classes, or a predicate")
+    warnings.warn(f"convert_model found no layer to convert: {msg}", UserWarning, stacklevel=3)
 
 
 # --------------------------------------------------------------------------
 # export_model
 # --------------------------------------------------------------------------
+def _plain_conv_class(conv: nn.Module) -> type:
+    return {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[len(conv.kernel_size)]
+
+
 def _zero_padding(conv: nn.Conv2d) -> bool:
     pad = getattr(conv, "_reversed_padding_repeated_twice", None)
     if pad is None:
@@ -555,22 +993,33 @@ def _export_direct(wrapper: DirectWhitened) -> nn.Module:
     mu = whiten.running_mean.to(torch.float64)
     w = layer.weight
     b64 = layer.bias.to(torch.float64) if layer.bias is not None else None
-    if isinstance(layer, nn.Conv2d) and not _zero_padding(layer):
-        # conv(pad(T (x - mu))) != conv(pad(x)) with any constant bias at the border: keep a 1x1 whitening conv.
-        pre = nn.Conv2d(whiten.num_features, whiten.num_features, 1, bias=True, device=w.device, dtype=w.dtype)
-        pre.weight.copy_(t.view(t.shape[0], t.shape[1], 1, 1))
-        pre.bias.copy_(-(t @ mu))
+    conv = not isinstance(layer, nn.Linear)
+    if conv and not _zero_padding(layer):
+        # conv(pad(T (x - mu))) != conv(pad(x)) with any constant bias at the border: keep a 1x1 whitening conv
+        # (grouped like T: one k x k block per group).
+        m, groups = whiten.num_features, whiten.groups
+        pre = _plain_conv_class(layer)(m, m, 1, groups=groups, bias=True, device=w.device, dtype=w.dtype)
+        pre.weight.copy_(t.reshape((m, m // groups) + (1,) * len(layer.kernel_size)))
+        pre.bias.copy_(-_transform_mean(t, mu))
         pre.weight.requires_grad_(w.requires_grad)
         out: nn.Module = nn.Sequential(pre, layer)
     else:
         # layer(T (x - mu)) = layer(x; W T) - sum_k (W T)_k mu: exact for unpadded convs and linear layers.
-        wt = torch.einsum("oi...,ij->oj...", w.to(torch.float64), t)
-        offset = wt.reshape(wt.shape[0], wt.shape[1], -1).sum(-1) @ mu
+        if t.dim() == 3:  # grouped: W_g T_g per group of output channels
+            g = t.shape[0]
+            w64 = w.to(torch.float64)
+            wt = torch.einsum("gsi...,gij->gsj...", w64.reshape((g, w.shape[0] // g) + tuple(w.shape[1:])), t)
+            wt = wt.reshape(w.shape)
+            offset = F_w.weight_mean_product(wt, mu)
+        else:
+            wt = torch.einsum("oi...,ij->oj...", w.to(torch.float64), t)
+            offset = wt.reshape(wt.shape[0], wt.shape[1], -1).sum(-1) @ mu
         bias = (b64 if b64 is not None else torch.zeros_like(offset)) - offset
-        if isinstance(layer, nn.Conv2d):
-            out = nn.Conv2d(layer.in_channels, layer.out_channels, layer.kernel_size, stride=layer.stride,
-                            padding=layer.padding, dilation=layer.dilation, groups=layer.groups, bias=True,
-                            padding_mode=layer.padding_mode, device=w.device, dtype=w.dtype)
+        if conv:
+            out = _plain_conv_class(layer)(
+                layer.in_channels, layer.out_channels, layer.kernel_size, stride=layer.stride,
+                padding=layer.padding, dilation=layer.dilation, groups=layer.groups, bias=True,
+                padding_mode=layer.padding_mode, device=w.device, dtype=w.dtype)
         else:
             out = nn.Linear(layer.in_features, layer.out_features, bias=True, device=w.device, dtype=w.dtype)
         out.weight.copy_(wt)
@@ -588,8 +1037,8 @@ def _export_absorbed(layer: nn.Module) -> nn.Module:
     the BatchNorm's ``running_mean`` (exact: the BatchNorm subtracts it; in training mode it removes any offset)."""
     w = layer.weight
     has_bias = layer.bias is not None
-    if isinstance(layer, nn.Conv2d):
-        out: nn.Module = nn.Conv2d(
+    if not isinstance(layer, nn.Linear):
+        out: nn.Module = _plain_conv_class(layer)(
             layer.in_channels, layer.out_channels, layer.kernel_size, stride=layer.stride, padding=layer.padding,
             dilation=layer.dilation, groups=layer.groups, bias=has_bias, padding_mode=layer.padding_mode,
             device=w.device, dtype=w.dtype,
@@ -612,13 +1061,13 @@ def _export_absorbed(layer: nn.Module) -> nn.Module:
 def _export_one(module: nn.Module) -> Optional[nn.Module]:
     if isinstance(module, DirectWhitened):
         return _export_direct(module)
-    if isinstance(module, (GradWhitenConv2d, GradWhitenLinear)):
+    if isinstance(module, GRAD_LAYER_TYPES):
         if module.centring == "absorbed" and module._absorbing_bn() is not None:
             out = _export_absorbed(module)
-        elif isinstance(module, GradWhitenConv2d):
-            out = module.to_conv()
-        else:
+        elif isinstance(module, GradWhitenLinear):
             out = module.to_linear()
+        else:
+            out = module.to_conv()
         _share_hooks(module, out, _CALL_HOOKS + _STATE_HOOKS)
         return out
     return None
@@ -690,7 +1139,7 @@ class _LoadResult(NamedTuple):
 
 def _positions(model: nn.Module) -> Dict[str, nn.Module]:
     """Qualified name -> grad/recursive layer or DirectWhitened wrapper."""
-    return {n: m for n, m in model.named_modules() if isinstance(m, (GradWhitenConv2d, GradWhitenLinear, DirectWhitened))}
+    return {n: m for n, m in model.named_modules() if isinstance(m, GRAD_LAYER_TYPES + (DirectWhitened,))}
 
 
 @torch.no_grad()

@@ -18,6 +18,17 @@ reads the whitening layers' own running statistics and needs no data.
 Layers are keyed by the qualified name of the *original* conv
 (``layer1.0.conv1``, also for a ``direct`` wrapper), so plain and converted
 results line up key for key.
+
+Grouped convolutions (``groups = G > 1``): what the weights of a grouped conv
+see is the block-diagonal part of the covariance (channels of different
+groups never meet in one output), so ``kappa`` and ``rho`` are those of the
+block-diagonal matrix: ``kappa = M_s / M`` of the union of the ``G`` blocks'
+spectra, ``rho`` with only the within-group correlations
+(:func:`~whitenlayers.functional.grouped_normalized_rank`,
+:func:`~whitenlayers.functional.grouped_whiteness`). For a depthwise conv
+``rho = 1`` always and ``kappa`` measures how evenly the channel variances
+are spread. Only the diagonal blocks are accumulated, for plain grouped
+convs too.
 """
 from __future__ import annotations
 
@@ -31,7 +42,7 @@ from torch import Tensor, nn
 
 from . import functional as F_w
 from .convert import DirectWhitened, Predicate, BlockTypes, target_layers
-from .layers import GradWhitenConv2d, GradWhitenLinear
+from .layers import GRAD_LAYER_TYPES
 from .stats import WhiteningStatistics
 
 __all__ = ["Diagnostics", "collect_diagnostics", "layer_diagnostics", "summarize"]
@@ -83,6 +94,8 @@ def _mean_sem(values: List[float]) -> Tuple[float, float]:
 def _kappa_rho(cov: Optional[Tensor]) -> Tuple[float, float]:
     if cov is None or not bool(torch.isfinite(cov).all()):
         return math.nan, math.nan
+    if cov.dim() == 3:  # a grouped layer's diagonal blocks
+        return float(F_w.grouped_normalized_rank(cov)), float(F_w.grouped_whiteness(cov))
     return float(F_w.normalized_rank(cov)), float(F_w.whiteness(cov))
 
 
@@ -97,7 +110,8 @@ def summarize(covariances: Dict[str, Optional[Tensor]], kinds: Optional[Dict[str
 
 
 def _targets(
-    model: nn.Module, predicate: Optional[Predicate], block_types: Optional[BlockTypes], include_linear: bool
+    model: nn.Module, predicate: Optional[Predicate], block_types: Optional[BlockTypes],
+    include_linear: Optional[bool], target_kw: Dict[str, Any],
 ) -> List[Tuple[str, nn.Module, str]]:
     """``(name, module to hook, kind)``: every whitening position, then the plain layers convert_model would target."""
     out: List[Tuple[str, nn.Module, str]] = []
@@ -105,12 +119,13 @@ def _targets(
     for name, m in model.named_modules():
         if isinstance(m, DirectWhitened):
             out.append((name, m.layer, "direct"))
-        elif isinstance(m, (GradWhitenConv2d, GradWhitenLinear)):
+        elif isinstance(m, GRAD_LAYER_TYPES):
             out.append((name, m, "grad"))
         else:
             continue
         seen.add(id(m))
-    for name, m in target_layers(model, predicate=predicate, block_types=block_types, include_linear=include_linear):
+    for name, m in target_layers(model, predicate=predicate, block_types=block_types, include_linear=include_linear,
+                                 **target_kw):
         if id(m) not in seen:
             out.append((name, m, "plain"))
     return out
@@ -119,8 +134,10 @@ def _targets(
 class _Moments:
     """Shifted float64 sums of one layer's inputs over all batches (the layers' estimator)."""
 
-    def __init__(self, is_conv: bool) -> None:
+    def __init__(self, is_conv: bool, groups: int = 1, spatial_dims: int = 2) -> None:
         self.is_conv = is_conv
+        self.groups = groups
+        self.spatial_dims = spatial_dims
         self.count = 0
         self.shift: Optional[Tensor] = None
         self.s1: Optional[Tensor] = None
@@ -133,7 +150,7 @@ class _Moments:
 
     def _add(self, x: Tensor) -> None:
         if self.is_conv:
-            if x.dim() == 3:
+            if x.dim() == self.spatial_dims + 1:  # unbatched input
                 x = x.unsqueeze(0)
         else:
             x = x.reshape(-1, x.shape[-1])
@@ -142,7 +159,7 @@ class _Moments:
         if self.shift is None:
             dims = [0] + list(range(2, x.dim()))
             self.shift = x.mean(dims)
-        s1, s2 = F_w.batch_moments(x, self.shift)
+        s1, s2 = F_w.batch_moments(x, self.shift, groups=self.groups)
         self.s1 = s1 if self.s1 is None else self.s1 + s1
         self.s2 = s2 if self.s2 is None else self.s2 + s2
         self.count += x.numel() // x.shape[1]
@@ -170,9 +187,13 @@ def collect_diagnostics(
     *,
     predicate: Optional[Predicate] = None,
     block_types: Optional[BlockTypes] = None,
-    include_linear: bool = False,
+    include_linear: Optional[bool] = None,
     device: Optional[torch.device] = None,
     max_batches: Optional[int] = None,
+    targets: str = "blocks",
+    include_stem: bool = False,
+    include_classifier: bool = False,
+    max_features: Optional[int] = None,
 ) -> Diagnostics:
     """``kappa`` / ``rho`` of the features each target layer's weights see, measured on ``batches``.
 
@@ -189,8 +210,10 @@ def collect_diagnostics(
     ``T Phi_x T^T``, ``T`` its ``whitening_matrix``), the layer behind every
     ``direct`` ``DirectWhiten`` (its input, already whitened), and every plain
     layer that :func:`~whitenlayers.convert_model` would target with the same
-    ``predicate`` / ``block_types`` / ``include_linear`` (``Phi_x``). So a
-    plain model and its converted copy are measured on the same convolutions.
+    ``targets`` / ``predicate`` / ``block_types`` / ``include_linear`` /
+    ``include_stem`` / ``include_classifier`` / ``max_features`` (``Phi_x``). So a plain model and
+    its converted copy are measured on the same convolutions. Grouped
+    convolutions are measured on their diagonal blocks (module docstring).
 
     Nothing about the model changes: each module's training flag is restored,
     the hooks are removed, and eval mode leaves parameters, buffers and the
@@ -203,7 +226,9 @@ def collect_diagnostics(
         >>> len(d.kappa), 0 < d.kappa_mean <= 1, 0 < d.rho_mean <= 1
         (18, True, True)
     """
-    targets = _targets(model, predicate, block_types, include_linear)
+    targets = _targets(model, predicate, block_types, include_linear,
+                       dict(targets=targets, include_stem=include_stem, include_classifier=include_classifier,
+                            max_features=max_features))
     if device is None:
         device = _model_device(model)
     moments: Dict[str, _Moments] = {}
@@ -211,7 +236,8 @@ def collect_diagnostics(
     flags = [(m, m.training) for m in model.modules()]
     try:
         for name, module, _ in targets:
-            acc = _Moments(isinstance(module, nn.Conv2d))
+            is_conv = isinstance(module, nn.modules.conv._ConvNd)
+            acc = _Moments(is_conv, module.groups if is_conv else 1, len(module.kernel_size) if is_conv else 0)
             moments[name] = acc
             handles.append(module.register_forward_pre_hook(acc))
         model.eval()
@@ -263,7 +289,7 @@ def layer_diagnostics(model: nn.Module) -> Diagnostics:
     for name, m in model.named_modules():
         if isinstance(m, DirectWhitened):
             layer, kind = m.whiten, "direct"
-        elif isinstance(m, (GradWhitenConv2d, GradWhitenLinear)):
+        elif isinstance(m, GRAD_LAYER_TYPES):
             layer, kind = m, "grad"
         elif isinstance(m, WhiteningStatistics) and id(m) not in wrapped:
             layer, kind = m, "direct"  # a DirectWhiten placed by hand: its output's covariance

@@ -15,6 +15,7 @@ together after the model's forward. Both are plumbing: users reach them through
 from __future__ import annotations
 
 import math
+import warnings
 from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Sequence
 
 import torch
@@ -61,16 +62,19 @@ def _all_reduce_summaries(summaries: List[BlockSummary], group) -> List[BlockSum
     parts = []
     for s, (n, mean) in zip(summaries, out_mean):
         d = s.mean - mean
-        local = s.scatter + s.count * torch.outer(d, d)
+        if s.scatter.dim() == 3:  # grouped layer: (G, k, k) blocks
+            local = s.scatter + s.count * F_w.block_outer(d, d, s.scatter.shape[0])
+        else:
+            local = s.scatter + s.count * torch.outer(d, d)
         parts.append(torch.cat([local.reshape(-1), s.power]))
     flat2 = torch.cat(parts)
     dist.all_reduce(flat2, group=group)
     result, pos = [], 0
     for s, (n, mean) in zip(summaries, out_mean):
-        m = s.mean.numel()
-        scatter = flat2[pos : pos + m * m].view(m, m)
-        power = flat2[pos + m * m : pos + m * m + m]
-        pos += m * m + m
+        m, mm = s.mean.numel(), s.scatter.numel()
+        scatter = flat2[pos : pos + mm].view(s.scatter.shape)
+        power = flat2[pos + mm : pos + mm + m]
+        pos += mm + m
         result.append(BlockSummary(n, mean, F_w.symmetrize(scatter), power))
     return result
 
@@ -87,7 +91,8 @@ OWNER_MIN_COST = 1e6
 
 
 @torch.compiler.disable  # the fold (once per block, host logic, EVD) stays out of compiled graphs
-def fold_layers(layers: Iterable["WhiteningStatistics"], *, strategy: str = "auto") -> None:
+def fold_layers(layers: Iterable["WhiteningStatistics"], *, strategy: str = "auto",
+                _coordinator: "FoldCoordinator" = None) -> None:
     """Fold the current block of each layer, statistics summed across ranks when distributed.
 
     All ranks must call this with the same layers in the same order (they do
@@ -110,6 +115,9 @@ def fold_layers(layers: Iterable["WhiteningStatistics"], *, strategy: str = "aut
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, but got strategy={strategy!r}")
+    if _coordinator is not None and not _coordinator.checked:  # the first fold after a conversion
+        _coordinator.checked = True
+        _warn_uncalled(_coordinator.layers)
     layers = list(layers)
     if not layers:
         return
@@ -146,7 +154,7 @@ def _use_owner(layers: Sequence["WhiteningStatistics"], world: int, strategy: st
         return False
     if strategy == "owner":
         return True
-    return sum(layer.rule.cost(layer.num_features) for layer in layers) >= OWNER_MIN_COST
+    return sum(layer.rule.cost(layer.num_features, layer.groups) for layer in layers) >= OWNER_MIN_COST
 
 
 def _compute(items: Sequence[tuple]) -> List[Optional[RuleResult]]:
@@ -177,7 +185,7 @@ def _result_layout(layer: "WhiteningStatistics") -> List[tuple]:
     shape = tuple(layer.whitening_matrix.shape)
     layout = [("transform", shape), ("gram", shape)]
     fk = {"device": "meta", "dtype": layer.running_mean.dtype}
-    for name in layer.rule.initial_buffers(layer.num_features, fk):
+    for name in layer.rule.initial_buffers(layer.num_features, fk, groups=layer.groups):
         layout.append((name, tuple(getattr(layer, name).shape)))
     return layout
 
@@ -246,7 +254,7 @@ def _fold_all(layers: Sequence["WhiteningStatistics"], summaries: Sequence[Block
     if not items:
         return
     if _use_owner([layer for layer, _ in items], world, strategy):
-        owners = assign_owners([layer.rule.cost(layer.num_features) for layer, _ in items], world)
+        owners = assign_owners([layer.rule.cost(layer.num_features, layer.groups) for layer, _ in items], world)
         rank = dist.get_rank(group)
         mine_idx = [i for i, o in enumerate(owners) if o == rank]
         computed = _compute([items[i] for i in mine_idx])
@@ -268,7 +276,17 @@ class FoldCoordinator:
     of right after each layer's forward changes nothing: a block's statistics
     and the transform in force for that batch's backward are the same.
     ``strategy`` is :func:`fold_layers`'s (how transforms are spread over ranks).
+
+    At the first fold after a conversion it checks that every whitening layer
+    of the model (:attr:`layers`) in training mode was called: a layer whose
+    weight the model uses without calling it as a module (e.g. torchvision's
+    Swin attention passes ``qkv.weight`` to a function) never sees its input,
+    so it cannot whiten; a ``RuntimeWarning`` names such layers.
     """
+
+    #: Defaults for coordinators pickled before these attributes existed: nothing to check.
+    layers: Sequence["WhiteningStatistics"] = ()
+    checked: bool = True
 
     def __init__(self, strategy: str = "auto") -> None:
         if strategy not in STRATEGIES:
@@ -276,6 +294,8 @@ class FoldCoordinator:
         self.pending: List["WhiteningStatistics"] = []
         self.handle = None
         self.strategy = strategy
+        self.layers = []
+        self.checked = False
 
     def request(self, layer: "WhiteningStatistics") -> None:
         if not any(p is layer for p in self.pending):
@@ -283,16 +303,34 @@ class FoldCoordinator:
 
     def flush(self) -> None:
         pending, self.pending = self.pending, []
-        fold_layers([p for p in pending if p._fold_pending], strategy=self.strategy)
+        fold_layers([p for p in pending if p._fold_pending], strategy=self.strategy, _coordinator=self)
 
     def __call__(self, module, inputs, output) -> None:
         if self.pending:
             self.flush()
 
     def __getstate__(self) -> Dict[str, Any]:
-        return {"pending": list(self.pending), "handle": None, "strategy": self.strategy}
+        return {"pending": list(self.pending), "handle": None, "strategy": self.strategy, "layers": list(self.layers),
+                "checked": self.checked}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update({"strategy": "auto", **state})  # coordinators pickled before strategies existed
+
+
+def _warn_uncalled(layers: Sequence["WhiteningStatistics"]) -> None:
+    """Warn about training-mode layers that have seen no input although a block of the model has ended."""
+    uncalled = [layer for layer in layers
+                if layer.training and not layer.frozen and not layer._fold_pending and layer.batches_in_block == 0
+                and int(layer.num_blocks) == 0]
+    if uncalled:
+        names = ", ".join(repr(layer.layer_name or type(layer).__name__) for layer in uncalled[:8])
+        more = f" and {len(uncalled) - 8} more" if len(uncalled) > 8 else ""
+        warnings.warn(
+            f"{len(uncalled)} whitening layer(s) saw no input during the model's first block of training forwards: "
+            f"{names}{more}. The model probably uses their weights without calling them as modules (e.g. "
+            "torchvision's Swin attention passes qkv.weight to a function), so they do not whiten: convert the "
+            "model without them (a predicate, or conversion_report to see the targets)", RuntimeWarning,
+            stacklevel=4,
+        )
 
 

@@ -6,6 +6,9 @@
   their weight gradient by ``Q_s`` (paper section 3, EVD transform).
 * :class:`RecursiveWhitenConv2d` / :class:`RecursiveWhitenLinear`: the same
   layers with the recursive ``O(M^2)`` transform update (paper section 4).
+* :class:`GradWhitenConv1d` / :class:`GradWhitenConv3d` and
+  :class:`RecursiveWhitenConv1d` / :class:`RecursiveWhitenConv3d`: the same for
+  ``nn.Conv1d`` / ``nn.Conv3d`` (audio, sequence and video models).
 
 Centring convention (``docs/PAPER.md``, "Conventions"): a convolution computes
 ``z = conv(pad(x) - mu, W) + b``, i.e. it centres *after* padding. This equals
@@ -13,8 +16,28 @@ Centring convention (``docs/PAPER.md``, "Conventions"): a convolution computes
 convolution with an adjusted bias, so no centred copy of the activation is
 made or saved, and autograd produces the centred weight gradient by itself.
 Any ``padding_mode`` is supported under this convention (the identity holds
-for every padding mode); ``groups != 1`` is rejected, because a whitening
-matrix couples all input channels and a grouped weight cannot carry it.
+for every padding mode).
+
+Grouped convolutions (``docs/PAPER.md``, "Conventions"): a conv with ``groups=G``
+whitens each group's ``k = M/G`` input channels on their own. ``T`` and
+``Q_s`` are block-diagonal (one ``k x k`` block per group, kept as a
+``(G, k, k)`` tensor), the statistics are the diagonal blocks of ``Phi_x``
+(never the full ``M x M`` product), the EVD gains are those of the whole
+block-diagonal ``Phi_x`` (normalised by the layer's mean eigenvalue), and the
+weight gradient of group ``g``'s ``S/G`` output channels is right-multiplied by
+``Q_g``. So the equivalence of paper section 3.1 holds per group: the layer
+with weights ``W_g T_g`` trains like ``DirectWhiten(groups=G)`` followed by the
+grouped conv with weights ``W_g``. **Depthwise** (``k = 1``, ``groups ==
+in_channels``): ``T`` and ``Q_s`` are diagonal, i.e. a per-channel gain; with
+the default practical gains channel ``c`` gets ``g_c = min(mean_c' var_c' /
+var_c, gmax)`` (``T_c = sqrt(g_c)``) if it is among the ``round(M_s)``
+highest-variance channels (``M_s`` the effective rank of the channel
+variances) and 1 otherwise: the strong channels are standardised to the
+layer's mean variance, gains capped at ``gmax``, the weakest channels left
+alone; ``gains="zca"`` gives plain standardisation ``1 / max(var_c, eps)``.
+The gradient transform then scales each output channel's weight gradient by
+its input channel's gain, which is what training on standardised inputs
+amounts to for a depthwise conv.
 
 Centring absorbed by a following BatchNorm (README, Conventions): after
 ``layer.absorb_centring(bn)`` (which :func:`~whitenlayers.convert_model` calls
@@ -37,7 +60,7 @@ from typing import Any, Dict, Optional, Tuple, Type, Union
 
 import torch
 from torch import Tensor, nn
-from torch.nn.common_types import _size_2_t
+from torch.nn.common_types import _size_1_t, _size_2_t, _size_3_t
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import functional as F_w
@@ -47,7 +70,11 @@ from .stats import WhiteningStatistics
 
 __all__ = [
     "DirectWhiten",
+    "GradWhitenConv1d",
     "GradWhitenConv2d",
+    "GradWhitenConv3d",
+    "RecursiveWhitenConv1d",
+    "RecursiveWhitenConv3d",
     "GradWhitenLinear",
     "RecursiveWhitenConv2d",
     "RecursiveWhitenLinear",
@@ -111,6 +138,12 @@ class DirectWhiten(WhiteningStatistics, nn.Module):
     is ``dx = T^T dy`` with ``T`` and ``mu`` constants; nothing activation-sized
     is saved for backward.
 
+    ``groups=G`` whitens each of ``G`` groups of ``C/G`` consecutive features
+    on its own (the input whitening of a ``groups=G`` convolution):
+    ``whitening_matrix`` and ``running_cov`` are then the ``(G, C/G, C/G)``
+    diagonal blocks (see the module docstring; depthwise ``C/G = 1`` is a
+    per-channel gain).
+
     Example:
         >>> import torch, whitenlayers as wl
         >>> layer = wl.DirectWhiten(3, block_size=1)
@@ -131,15 +164,18 @@ class DirectWhiten(WhiteningStatistics, nn.Module):
         process_group: Any = None,
         device=None,
         dtype=None,
+        groups: int = 1,
         **whitening: Any,
     ) -> None:
         nn.Module.__init__(self)
         cfg = make_config(EVDConfig, type(self).__name__, config, whitening, exclude=self._unused_fields)
         self._init_whitening(num_features, cfg, grad_transform=False, process_group=process_group, device=device,
-                             dtype=dtype)
+                             dtype=dtype, groups=groups)
 
     def extra_repr(self) -> str:
         rest = self._whitening_repr()
+        if self.groups != 1:
+            rest = f"groups={self.groups}" + (f", {rest}" if rest else "")
         return f"{self.num_features}" + (f", {rest}" if rest else "")
 
     def forward(self, x: Tensor) -> Tensor:
@@ -169,10 +205,10 @@ class _GradWhitenMixin(WhiteningStatistics):
     _CONFIG: Type[WhiteningConfig] = EVDConfig
 
     def _init_grad_whitening(self, num_features: int, out_features: int, config: Optional[WhiteningConfig],
-                             whitening: Dict[str, Any], process_group: Any, device, dtype) -> None:
+                             whitening: Dict[str, Any], process_group: Any, device, dtype, groups: int = 1) -> None:
         cfg = make_config(self._CONFIG, type(self).__name__, config, whitening)
         self._init_whitening(num_features, cfg, grad_transform=True, process_group=process_group, device=device,
-                             dtype=dtype)
+                             dtype=dtype, groups=groups)
         stats_dtype = self.running_mean.dtype
         # Compensation for mean updates of a bias-free layer: a buffer, never a trainable parameter.
         self.register_buffer(
@@ -311,8 +347,11 @@ class _GradWhitenMixin(WhiteningStatistics):
 
     def _skipped_offset(self, weight: Tensor) -> Tensor:
         """``s = c - sum_k W_k mu`` (bias-free) or ``- sum_k W_k mu``: the offset the absorbed layer leaves out."""
-        w = weight.reshape(weight.shape[0], weight.shape[1], -1).sum(-1)
-        p = w @ self.running_mean.to(w.dtype)
+        if self.groups != 1:  # grouped conv: each group's outputs see its own channels of the mean
+            p = F_w.weight_mean_product(weight, self.running_mean)
+        else:
+            w = weight.reshape(weight.shape[0], weight.shape[1], -1).sum(-1)
+            p = w @ self.running_mean.to(w.dtype)
         if self.bias is None:
             return self.bias_correction.to(p.dtype) - p
         return -p
@@ -340,7 +379,10 @@ class _GradWhitenMixin(WhiteningStatistics):
         mean = self.running_mean
         if mean.dtype != d.dtype:
             mean = mean.to(d.dtype)
-        if self.bias is None:  # s = c - W mu
+        if self.groups != 1:  # grouped conv: (S, M/G) weight, one group of the mean per group of outputs
+            p = F_w.weight_mean_product(w, mean)
+            s = self.bias_correction.to(d.dtype) - p if self.bias is None else p.neg_()
+        elif self.bias is None:  # s = c - W mu
             s = torch.addmv(self.bias_correction.to(d.dtype), w, mean, alpha=-1)
         else:  # s = - W mu (the bias itself stays in the layer's output)
             s = torch.mv(w, mean).neg_()
@@ -395,6 +437,9 @@ class GradWhitenConv2d(_GradWhitenMixin, nn.Conv2d):
     (see :meth:`absorb_centring`; :func:`~whitenlayers.convert_model` does
     this where it can tell). ``extra_repr`` shows ``centring=absorbed``.
 
+    ``groups=G`` whitens per group (block-diagonal ``T`` and ``Q_s`` stored as
+    ``(G, k, k)``; depthwise is a per-channel gain; see the module docstring).
+
     Constructor arguments are those of ``nn.Conv2d``, plus the keyword-only
     whitening arguments ``block_size``, ``alpha`` (0.9), ``beta`` (0.95),
     ``eps`` (1e-5), ``gmax`` (10), ``gains`` (``"practical"`` or ``"zca"``) and
@@ -436,14 +481,10 @@ class GradWhitenConv2d(_GradWhitenMixin, nn.Conv2d):
 
     def _init_conv(self, in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode,
                    device, dtype, config, process_group, whitening) -> None:
-        if groups != 1:
-            raise ValueError(
-                f"{type(self).__name__} supports groups=1 only (a whitening matrix couples all input channels), "
-                f"but got groups={groups}"
-            )
         nn.Conv2d.__init__(self, in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
                            padding_mode, device, dtype)
-        self._init_grad_whitening(in_channels, out_channels, config, whitening, process_group, device, dtype)
+        self._init_grad_whitening(in_channels, out_channels, config, whitening, process_group, device, dtype,
+                                  groups=groups)
 
     def forward(self, x: Tensor) -> Tensor:
         _check_input(self, x, dim=-3, ndims=(3, 4), what="an input of shape (B, C, H, W) or (C, H, W)")
@@ -639,3 +680,199 @@ class RecursiveWhitenLinear(GradWhitenLinear):
         **whitening: Any,
     ) -> None:
         self._init_linear(in_features, out_features, bias, device, dtype, config, process_group, whitening)
+
+
+class _GradWhitenConvNd(_GradWhitenMixin):
+    """Grad/recursive whitening for ``nn.Conv1d`` / ``nn.Conv3d``: :class:`GradWhitenConv2d`'s forward, any dimension.
+
+    Subclasses put the plain conv class second in their bases and set ``_PLAIN``.
+    """
+
+    _PLAIN: Type[nn.Module] = nn.Conv1d
+
+    def _init_convnd(self, in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+                     padding_mode, device, dtype, config, process_group, whitening) -> None:
+        self._PLAIN.__init__(self, in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+                             padding_mode, device, dtype)
+        self._init_grad_whitening(in_channels, out_channels, config, whitening, process_group, device, dtype,
+                                  groups=groups)
+
+    def forward(self, x: Tensor) -> Tensor:
+        nd = len(self.kernel_size)
+        spatial = {1: "L", 2: "H, W", 3: "D, H, W"}[nd]
+        _check_input(self, x, dim=-(nd + 1), ndims=(nd + 1, nd + 2),
+                     what=f"an input of shape (B, C, {spatial}) or (C, {spatial})")
+        if self.training:
+            self._accumulate(x if x.dim() == nd + 2 else x.unsqueeze(0))
+        w = self._weight_for_forward()
+        bn = self._batchnorm_absorbing_now()
+        if bn is not None:  # as GradWhitenConv2d: centring absorbed by the following BatchNorm
+            self._track_absorbed_offset(w, bn)
+            out = self._conv_forward(x, w, self.bias)
+        elif self.bias is None and self.training and w.requires_grad and torch.is_grad_enabled():
+            # As GradWhitenConv2d: the centring term added to the fresh output (faster than a conv bias on the CPU).
+            out = self._conv_forward(x, w, None).add_(self._layer_bias(w).view((-1,) + (1,) * nd))
+        else:
+            out = self._conv_forward(x, w, self._layer_bias(w))
+        if self.training:
+            self._end_batch()
+        return out
+
+    @classmethod
+    def from_conv(cls, conv: nn.Module, **kwargs: Any) -> "_GradWhitenConvNd":
+        """A whitening conv computing the same function as ``conv``, sharing its Parameter objects (as
+        :meth:`GradWhitenConv2d.from_conv`)."""
+        if not isinstance(conv, cls._PLAIN):
+            raise TypeError(f"{cls.__name__}.from_conv expects an nn.{cls._PLAIN.__name__}, "
+                            f"but got {type(conv).__name__}")
+        new = cls(
+            conv.in_channels, conv.out_channels, conv.kernel_size, stride=conv.stride, padding=conv.padding,
+            dilation=conv.dilation, groups=conv.groups, bias=conv.bias is not None, padding_mode=conv.padding_mode,
+            device=conv.weight.device, dtype=conv.weight.dtype, **kwargs,
+        )
+        new.weight = conv.weight
+        new.bias = conv.bias
+        new.train(conv.training)
+        return new
+
+    def to_conv(self) -> nn.Module:
+        """A plain conv of the same dimension with identical outputs (``mu`` folded into the bias); new Parameters."""
+        conv = self._PLAIN(
+            self.in_channels, self.out_channels, self.kernel_size, stride=self.stride, padding=self.padding,
+            dilation=self.dilation, groups=self.groups, bias=True, padding_mode=self.padding_mode,
+            device=self.weight.device, dtype=self.weight.dtype,
+        )
+        with torch.no_grad():
+            conv.weight.copy_(self.weight)
+            conv.bias.copy_(self._layer_bias(self.weight))
+        conv.weight.requires_grad_(self.weight.requires_grad)
+        conv.train(self.training)
+        return conv
+
+
+class GradWhitenConv1d(_GradWhitenConvNd, nn.Conv1d):
+    """Drop-in ``nn.Conv1d`` with gradient-based feature whitening: :class:`GradWhitenConv2d` for ``(B, C, L)``.
+
+    ``z = conv(pad0(x) - mu, W) + b``, weight gradient times ``Q_s`` per kernel
+    tap, ``groups`` supported (block-diagonal whitening), same whitening
+    keyword arguments, :meth:`from_conv` / :meth:`to_conv`.
+
+    Example:
+        >>> import torch, whitenlayers as wl
+        >>> conv = wl.GradWhitenConv1d(4, 8, 5, padding=2, block_size=2)
+        >>> _ = conv(torch.randn(3, 4, 50)); _ = conv(torch.randn(3, 4, 50))
+        >>> int(conv.num_blocks), tuple(conv.grad_transform.shape)
+        (1, (4, 4))
+    """
+
+    _PLAIN = nn.Conv1d
+
+    @_with_whitening_signature(EVDConfig)
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: _size_1_t,
+        stride: _size_1_t = 1,
+        padding: Union[str, _size_1_t] = 0,
+        dilation: _size_1_t = 1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: str = "zeros",
+        device=None,
+        dtype=None,
+        *,
+        config: Optional[EVDConfig] = None,
+        process_group: Any = None,
+        **whitening: Any,
+    ) -> None:
+        self._init_convnd(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+                          padding_mode, device, dtype, config, process_group, whitening)
+
+
+class GradWhitenConv3d(_GradWhitenConvNd, nn.Conv3d):
+    """Drop-in ``nn.Conv3d`` with gradient-based feature whitening: :class:`GradWhitenConv2d` for ``(B, C, D, H, W)``."""
+
+    _PLAIN = nn.Conv3d
+
+    @_with_whitening_signature(EVDConfig)
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: _size_3_t,
+        stride: _size_3_t = 1,
+        padding: Union[str, _size_3_t] = 0,
+        dilation: _size_3_t = 1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: str = "zeros",
+        device=None,
+        dtype=None,
+        *,
+        config: Optional[EVDConfig] = None,
+        process_group: Any = None,
+        **whitening: Any,
+    ) -> None:
+        self._init_convnd(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+                          padding_mode, device, dtype, config, process_group, whitening)
+
+
+class RecursiveWhitenConv1d(GradWhitenConv1d):
+    """:class:`GradWhitenConv1d` with the recursive transform update; see :class:`RecursiveWhitenConv2d`."""
+
+    _CONFIG = RecursiveConfig
+
+    @_with_whitening_signature(RecursiveConfig)
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: _size_1_t,
+        stride: _size_1_t = 1,
+        padding: Union[str, _size_1_t] = 0,
+        dilation: _size_1_t = 1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: str = "zeros",
+        device=None,
+        dtype=None,
+        *,
+        config: Optional[RecursiveConfig] = None,
+        process_group: Any = None,
+        **whitening: Any,
+    ) -> None:
+        self._init_convnd(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+                          padding_mode, device, dtype, config, process_group, whitening)
+
+
+class RecursiveWhitenConv3d(GradWhitenConv3d):
+    """:class:`GradWhitenConv3d` with the recursive transform update; see :class:`RecursiveWhitenConv2d`."""
+
+    _CONFIG = RecursiveConfig
+
+    @_with_whitening_signature(RecursiveConfig)
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: _size_3_t,
+        stride: _size_3_t = 1,
+        padding: Union[str, _size_3_t] = 0,
+        dilation: _size_3_t = 1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: str = "zeros",
+        device=None,
+        dtype=None,
+        *,
+        config: Optional[RecursiveConfig] = None,
+        process_group: Any = None,
+        **whitening: Any,
+    ) -> None:
+        self._init_convnd(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+                          padding_mode, device, dtype, config, process_group, whitening)
+
+
+#: Every grad / recursive whitening layer class (conv of any dimension and linear).
+GRAD_LAYER_TYPES = (GradWhitenConv1d, GradWhitenConv2d, GradWhitenConv3d, GradWhitenLinear)

@@ -12,6 +12,12 @@ class here and its config class, not editing branches elsewhere.
   share one batched ``eigh`` per width (:meth:`EVDRule.batch_key`).
 * :class:`RecursiveRule` (paper section 4): ``Phi_y`` tracked on the whitened
   features, then one ``O(M^2)`` rank-one power reduction plus leakage.
+
+Grouped layers (``groups > 1``) hand in their statistics as ``(G, k, k)``
+diagonal blocks (:mod:`whitenlayers.functional`, "Grouped features"): the EVD
+rule decomposes all blocks in one batched ``eigh`` (layers whose blocks have
+one size share it) with layer-wide gains; the recursive rule takes one step per
+group, vectorised over the groups.
 """
 from __future__ import annotations
 
@@ -66,7 +72,7 @@ class TransformRule:
         return f"{type(self).__name__}({self.config!r})"
 
     # Buffers of the rule's own, registered on the layer beside the contract buffers.
-    def initial_buffers(self, m: int, factory_kwargs: Dict[str, Any]) -> Dict[str, Tensor]:
+    def initial_buffers(self, m: int, factory_kwargs: Dict[str, Any], groups: int = 1) -> Dict[str, Tensor]:
         return {}
 
     def work_dtype(self, state_dtype: torch.dtype) -> torch.dtype:
@@ -77,12 +83,14 @@ class TransformRule:
         """The dtype of :attr:`RuleResult.gram` (``Q_s`` is smoothed in it)."""
         return self.work_dtype(state_dtype)
 
-    def cost(self, num_features: int) -> float:
-        """Relative cost of one :meth:`update` (for spreading layers over ranks): ``M^3``."""
-        return float(num_features) ** 3
+    def cost(self, num_features: int, groups: int = 1) -> float:
+        """Relative cost of one :meth:`update` (for spreading layers over ranks): ``M^3``, or ``G (M/G)^3`` for
+        ``groups=G`` (one ``M/G x M/G`` block per group)."""
+        return float(groups) * float(num_features // groups) ** 3
 
     # Batching across layers (one call for many layers that fold together).
-    def batch_key(self, num_features: int, state_dtype: torch.dtype, device: torch.device) -> Optional[Hashable]:
+    def batch_key(self, num_features: int, state_dtype: torch.dtype, device: torch.device,
+                  groups: int = 1) -> Optional[Hashable]:
         """Layers with equal keys may share :meth:`compute_batched`; ``None``: fold this layer alone."""
         return None
 
@@ -111,18 +119,26 @@ class EVDRule(TransformRule):
     #: process CPU time, median of 5; ``batched / looped``): M=16 0.31, 32 0.45, 64 0.65, 128 1.15,
     #: 256 1.23, 512 1.23, 1024 1.14: the batched call saves per-call overhead for small matrices and costs
     #: more than one call per matrix from M = 128 on. Not measured on CUDA (no GPU here): kept the same there.
+    #: Grouped layers: the same bound on the block size ``M/G`` for batching across layers (a grouped layer's
+    #: own blocks always share one batched call: no Python loop over groups).
     BATCH_MAX_M = 64
 
-    def batch_key(self, num_features: int, state_dtype: torch.dtype, device: torch.device) -> Optional[Hashable]:
-        if num_features > self.BATCH_MAX_M:
+    def batch_key(self, num_features: int, state_dtype: torch.dtype, device: torch.device,
+                  groups: int = 1) -> Optional[Hashable]:
+        if num_features // groups > self.BATCH_MAX_M:
             return None
         c = self.config
+        if groups != 1:  # grouped layers with blocks of one size share one batched eigh
+            return ("evd-grouped", num_features // groups, self.work_dtype(state_dtype), device, c.eps, c.gmax, c.gains)
         return ("evd", num_features, self.work_dtype(state_dtype), device, c.eps, c.gmax, c.gains)
 
     def compute_batched(self, folds: Sequence[Fold], state_dtype: torch.dtype) -> List[Any]:
         work = self.work_dtype(state_dtype)
-        covs = torch.stack([f.cov.to(work) for f in folds])
         c = self.config
+        if folds[0].cov.dim() == 3:
+            return F_w.evd_transform_grouped_batched([f.cov.to(work) for f in folds], eps=c.eps, gmax=c.gmax,
+                                                     gains=c.gains)
+        covs = torch.stack([f.cov.to(work) for f in folds])
         return F_w.evd_transform_batched(covs, eps=c.eps, gmax=c.gmax, gains=c.gains)
 
     def update(self, fold: Fold, state: Dict[str, Tensor], precomputed: Any = NOT_COMPUTED) -> Optional[RuleResult]:
@@ -130,7 +146,8 @@ class EVDRule(TransformRule):
         res = precomputed
         if res is NOT_COMPUTED:
             work = self.work_dtype(state["whitening_matrix"].dtype)
-            res = F_w.evd_transform(fold.cov.to(work), eps=c.eps, gmax=c.gmax, gains=c.gains)
+            evd = F_w.evd_transform_grouped if fold.cov.dim() == 3 else F_w.evd_transform
+            res = evd(fold.cov.to(work), eps=c.eps, gmax=c.gmax, gains=c.gains)
         if res is None:
             return None
         t, q = res
@@ -145,11 +162,11 @@ class RecursiveRule(TransformRule):
     config_class = RecursiveConfig
     failure_message = "non-finite recursive step; the previous transform is kept"
 
-    def initial_buffers(self, m: int, factory_kwargs: Dict[str, Any]) -> Dict[str, Tensor]:
+    def initial_buffers(self, m: int, factory_kwargs: Dict[str, Any], groups: int = 1) -> Dict[str, Tensor]:
         return {
-            "running_cov_whitened": torch.zeros(m, m, **factory_kwargs),  # Phi_y
+            "running_cov_whitened": torch.zeros(F_w.block_shape(m, groups), **factory_kwargs),  # Phi_y
             "running_power": torch.zeros(m, **factory_kwargs),  # phi_x,m (uncentred)
-            "whitening_gram": torch.eye(m, **factory_kwargs),  # unsmoothed Q = T^T T
+            "whitening_gram": F_w.block_identity(m, groups, **factory_kwargs),  # unsmoothed Q = T^T T
         }
 
     def update(self, fold: Fold, state: Dict[str, Tensor], precomputed: Any = NOT_COMPUTED) -> Optional[RuleResult]:
@@ -161,7 +178,8 @@ class RecursiveRule(TransformRule):
         phi_y = F_w.whitened_covariance_update(state["running_cov_whitened"], t_prev, fold.block_cov, c.alpha, fold.first)
         n = torch.clamp(fold.block.count, min=1.0)
         power = F_w.recursive_average(state["running_power"], fold.block.power / n, c.alpha, fold.first)
-        step = F_w.recursive_step(
+        step_fn = F_w.recursive_step_grouped if t_prev.dim() == 3 else F_w.recursive_step
+        step = step_fn(
             t_prev,
             state["whitening_gram"].to(wd),
             phi_y,

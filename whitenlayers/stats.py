@@ -8,6 +8,15 @@ forwards (``docs/PAPER.md``, "Conventions"): it computes the new moments and han
 transform rule (:mod:`whitenlayers.rules`), which returns the new transform.
 Hyper-parameters live in a frozen config (:mod:`whitenlayers.config`).
 
+Grouped layers (``groups = G > 1``, grouped convolutions and
+``DirectWhiten(groups=G)``) keep every ``M x M`` matrix as its ``G`` diagonal
+blocks, a ``(G, M/G, M/G)`` tensor: ``running_cov``, ``whitening_matrix``,
+``grad_transform`` and the recursive ``running_cov_whitened`` and
+``whitening_gram`` (a depthwise layer with ``M = 960`` keeps ``960 x 1 x 1``
+numbers, not ``960 x 960``); vectors (``running_mean``, ``running_power``)
+stay ``(M,)``. ``groups=1`` layers keep the ``(M, M)`` shapes of the contract,
+so their checkpoints are those of earlier versions and load unchanged.
+
 Per-batch accumulators are *not* buffers: DistributedDataParallel re-broadcasts
 every buffer from rank 0 before each forward, which would overwrite each rank's
 partial sums. They travel in checkpoints through ``get_extra_state``.
@@ -61,10 +70,15 @@ class WhiteningStatistics:
         process_group: Any = None,
         device=None,
         dtype=None,
+        groups: int = 1,
     ) -> None:
         if not isinstance(num_features, int) or isinstance(num_features, bool) or num_features < 1:
             raise ValueError(f"num_features must be a positive integer, but got num_features={num_features!r}")
+        if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1 or num_features % groups:
+            raise ValueError(f"groups must be a positive integer that divides num_features={num_features}, "
+                             f"but got groups={groups!r}")
         self.num_features = num_features
+        self.groups = groups
         self.rule = rule_for(config)
         self.process_group = process_group
         self.layer_name: Optional[str] = None
@@ -73,12 +87,12 @@ class WhiteningStatistics:
         fk = {"device": device, "dtype": stats_dtype}
         m = num_features
         self.register_buffer("running_mean", torch.zeros(m, **fk))
-        self.register_buffer("running_cov", torch.zeros(m, m, **fk))
-        self.register_buffer("whitening_matrix", torch.eye(m, **fk))
+        self.register_buffer("running_cov", torch.zeros(self._block_shape, **fk))
+        self.register_buffer("whitening_matrix", F_w.block_identity(m, groups, **fk))
         if grad_transform:
-            self.register_buffer("grad_transform", torch.eye(m, **fk))
+            self.register_buffer("grad_transform", F_w.block_identity(m, groups, **fk))
         self.register_buffer("num_blocks", torch.tensor(0, dtype=torch.long, device=device))
-        for name, value in self.rule.initial_buffers(m, fk).items():
+        for name, value in self.rule.initial_buffers(m, fk, groups=groups).items():
             self.register_buffer(name, value)
         # Counters, readable attributes (also saved in extra state).
         self.eig_failures = 0
@@ -130,10 +144,16 @@ class WhiteningStatistics:
         self._fold_coordinator = None
         return self
 
+    @property
+    def _block_shape(self) -> tuple:
+        """Shape of the per-group matrices: ``(M, M)``, or ``(G, M/G, M/G)`` for ``groups > 1``."""
+        return F_w.block_shape(self.num_features, self.groups)
+
     # ------------------------------------------------------------------ naming
     def _describe(self) -> str:
         name = f" '{self.layer_name}'" if self.layer_name else ""
-        return f"{type(self).__name__}{name} (num_features={self.num_features})"
+        groups = f", groups={self.groups}" if self.groups != 1 else ""
+        return f"{type(self).__name__}{name} (num_features={self.num_features}{groups})"
 
     def _warn_once(self, kind: str, message: str) -> None:
         if kind not in self._warned:
@@ -148,7 +168,7 @@ class WhiteningStatistics:
         self._acc_count = torch.zeros((), dtype=torch.float64, device=dev)
         self._acc_shift: Optional[Tensor] = None
         self._acc_s1 = torch.zeros(m, dtype=torch.float64, device=dev)
-        self._acc_s2 = torch.zeros(m, m, dtype=torch.float64, device=dev)
+        self._acc_s2 = torch.zeros(self._block_shape, dtype=torch.float64, device=dev)
         self._acc_nonfinite = torch.zeros((), dtype=torch.long, device=dev)
         self._fold_pending = False
 
@@ -183,7 +203,10 @@ class WhiteningStatistics:
                 in_force = self.running_mean.detach().to(device=x.device, dtype=torch.float64)
                 self._acc_shift = torch.where(self.num_blocks.to(x.device) > 0, in_force, first)
             n = x.numel() // self.num_features
-            s1, s2 = F_w.batch_moments(x, self._acc_shift)
+            if self.groups == 1:
+                s1, s2 = F_w.batch_moments(x, self._acc_shift)
+            else:  # the diagonal blocks only
+                s1, s2 = F_w.grouped_batch_moments(x, self._acc_shift, self.groups)
             finite = torch.isfinite(s2).all() & torch.isfinite(s1).all()
             zero = torch.zeros((), dtype=torch.float64, device=x.device)
             self._acc_s1 += torch.where(finite, s1.to(torch.float64), zero)
@@ -215,6 +238,9 @@ class WhiteningStatistics:
 
     # -------------------------------------------------------------------- fold
     def _rule_batch_key(self) -> Optional[Hashable]:
+        if self.groups != 1:
+            return self.rule.batch_key(self.num_features, self.running_mean.dtype, self.running_mean.device,
+                                       groups=self.groups)
         return self.rule.batch_key(self.num_features, self.running_mean.dtype, self.running_mean.device)
 
     @torch.no_grad()
@@ -303,18 +329,21 @@ class WhiteningStatistics:
             self._on_mean_change(self.running_mean.to(torch.float64), torch.zeros_like(self.running_mean, dtype=torch.float64))
             self.running_mean.zero_()
             self.running_cov.zero_()
-            self.whitening_matrix.copy_(torch.eye(self.num_features))
+            self.whitening_matrix.copy_(F_w.block_identity(self.num_features, self.groups))
             if hasattr(self, "grad_transform"):
-                self.grad_transform.copy_(torch.eye(self.num_features))
+                self.grad_transform.copy_(F_w.block_identity(self.num_features, self.groups))
             fk = {"device": self.running_mean.device, "dtype": self.running_mean.dtype}
-            for name, value in self.rule.initial_buffers(self.num_features, fk).items():
+            for name, value in self.rule.initial_buffers(self.num_features, fk, groups=self.groups).items():
                 getattr(self, name).copy_(value)
             self.num_blocks.zero_()
         self.eig_failures = self.skipped_folds = self.nonfinite_batches = self.clamped_steps = 0
         self._reset_accumulators()
 
     def whitened_covariance(self) -> Tensor:
-        """``T Phi_x T^T``: the covariance of the features the layer's weights effectively see. float64."""
+        """``T Phi_x T^T``: the covariance of the features the layer's weights effectively see. float64.
+
+        For ``groups > 1`` its diagonal blocks ``(G, k, k)`` (the rest is not tracked).
+        """
         t = self.whitening_matrix.to(torch.float64)
         return F_w.symmetrize(F_w.whitened_covariance(t, self.running_cov.to(torch.float64)))
 
@@ -344,10 +373,11 @@ class WhiteningStatistics:
     def set_extra_state(self, state: Dict[str, Any]) -> None:
         dev = self.running_mean.device
         m = self.num_features
-        if tuple(state["acc_s2"].shape) != (m, m):
+        if tuple(state["acc_s2"].shape) != self._block_shape:
             raise RuntimeError(
-                f"{self._describe()}: checkpoint block statistics are for {state['acc_s2'].shape[0]} "
-                f"features, but this layer has {m}"
+                f"{self._describe()}: checkpoint block statistics have shape {tuple(state['acc_s2'].shape)} "
+                f"({_shape_words(tuple(state['acc_s2'].shape))}), but this layer needs {self._block_shape} "
+                f"({_shape_words(self._block_shape)})"
             )
         self._acc_batches = int(state["acc_batches"])
         self._acc_count = state["acc_count"].to(dev, torch.float64).clone()
@@ -378,7 +408,22 @@ class WhiteningStatistics:
                 f"'{mkey}', but this layer has {m}"
             )
             return
+        ckey = prefix + "running_cov"
+        if ckey in state_dict and tuple(state_dict[ckey].shape) != self._block_shape:
+            shape = tuple(state_dict[ckey].shape)
+            error_msgs.append(
+                f"{self._describe()}: checkpoint '{ckey}' has shape {shape} ({_shape_words(shape)}), "
+                f"but this layer needs {self._block_shape} ({_shape_words(self._block_shape)})"
+            )
+            return
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+
+
+def _shape_words(shape: tuple) -> str:
+    """What a per-group matrix shape means, for error messages."""
+    if len(shape) == 3:
+        return f"groups={shape[0]} of {shape[1]} features"
+    return "groups=1" if len(shape) == 2 else "unknown layout"
 
 
 def _config_attribute(name: str) -> property:

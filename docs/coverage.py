@@ -1,0 +1,366 @@
+"""Generate ``docs/COVERAGE.md``: which models whitenlayers converts, trains and exports exactly.
+
+Usage::
+
+    python docs/coverage.py                   # every torchvision classification builder (+ timm families if installed)
+    python docs/coverage.py --self-test       # also the stand-ins of whitenlayers.models (no torchvision needed)
+    python docs/coverage.py --models resnet50,mobilenet_v2 --out /tmp/coverage.md
+
+torchvision's models are ``torchvision.models.list_models(module=torchvision.models)``,
+built untrained (``weights=None``); timm's are the first model of each of
+``timm.list_modules()``. Without torchvision (or timm) their table is left
+pending with a note saying so, and the script still succeeds.
+
+For each model, method and conversion (default targets: convolutions inside
+residual blocks; ``targets="all"``: every conv and linear layer but the stem
+and the classifier; both with ``example_input``, so that layers the model does
+not call as modules, e.g. torchvision's Swin attention projections, are left
+out and reported) it records:
+
+* layers converted (grouped / depthwise among them) and layers left out that
+  the rule selected but that cannot be converted (``ConversionReport.unsupported``);
+* function preserved at conversion: the max relative difference of the
+  eval-mode outputs, converted against plain (``|a - b|_max / |b|_max``);
+* three SGD training steps (``block_size=2``, so one fold happens) with a
+  finite loss and finite parameters, and every converted layer called (it saw
+  its input: a layer whose weight the model uses functionally does not);
+* export exact: max relative difference of :func:`whitenlayers.export_model`'s
+  plain model against the converted model, eval mode;
+* conversion time.
+
+A row is ``ok`` when the conversion difference is at most 1e-5, the steps are
+finite, every converted layer was called and the export difference is at
+most 1e-4. The exit status is 1 when a row failed.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import math
+import platform
+import sys
+import time
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+import whitenlayers as wl  # noqa: E402
+
+TARGETS = ("blocks", "all")
+CONVERSION_TOL = 1e-5
+EXPORT_TOL = 1e-4
+#: torchvision models that need a particular input size (others run at --size).
+TORCHVISION_SIZES = {"inception_v3": 160, "maxvit_t": 224, "vit_b_16": 224, "vit_b_32": 224, "vit_l_16": 224,
+                     "vit_l_32": 224, "vit_h_14": 224}
+
+
+@dataclass
+class Row:
+    model: str
+    method: str
+    targets: str
+    converted: int = 0
+    grouped: int = 0
+    unsupported: Dict[str, str] = field(default_factory=dict)
+    conversion_diff: float = math.nan
+    finite: bool = False
+    uncalled: List[str] = field(default_factory=list)
+    export_diff: float = math.nan
+    seconds: float = math.nan
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        if self.error:
+            return False
+        if self.converted == 0:
+            return True  # nothing to check (e.g. no residual block for the default targets)
+        return (self.conversion_diff <= CONVERSION_TOL and self.finite and not self.uncalled
+                and self.export_diff <= EXPORT_TOL)
+
+    @property
+    def status(self) -> str:
+        if self.error:
+            return f"FAIL: {self.error}"
+        if self.converted == 0:
+            return "nothing converted"
+        if self.ok:
+            return "ok"
+        why = []
+        if not self.conversion_diff <= CONVERSION_TOL:
+            why.append("function changed at conversion")
+        if not self.finite:
+            why.append("non-finite training")
+        if self.uncalled:
+            why.append(f"{len(self.uncalled)} layer(s) never called, e.g. {self.uncalled[0]}")
+        if not self.export_diff <= EXPORT_TOL:
+            why.append("export not exact")
+        return "FAIL: " + "; ".join(why)
+
+
+def _logits(out):
+    """The main output of a model (torchvision's Inception / GoogLeNet return named tuples in training mode)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if hasattr(out, "logits"):
+        return out.logits
+    return out[0]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp(min=1e-30))
+
+
+def check(name: str, build: Callable[[], nn.Module], shape: Tuple[int, ...], method: str, targets: str, *,
+          block_size: int = 2, steps: int = 3, device: str = "cpu") -> Row:
+    """The coverage checks of one model, method and target option."""
+    row = Row(name, method, targets)
+    try:
+        torch.manual_seed(0)
+        plain = build().to(device).eval()
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(shape, generator=g).to(device)
+        with torch.no_grad():
+            ref = _logits(plain(x))
+        model = copy.deepcopy(plain)
+        start = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # what is left out is in the report
+            model, report = wl.convert_model(model, method, targets=targets, block_size=block_size, report=True,
+                                             example_input=x)
+        row.seconds = time.perf_counter() - start
+        layers = wl.whitening_layers(model)
+        row.converted = len(report.converted)
+        row.grouped = sum(1 for _, m in layers if m.groups > 1)
+        row.unsupported = report.unsupported
+        if row.converted == 0:
+            return row
+        with torch.no_grad():
+            row.conversion_diff = _rel(_logits(model(x)), ref)
+        model.train()
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01, momentum=0.9)
+        finite = True
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # uncalled layers are recorded below
+            for step in range(steps):
+                xb = torch.randn(shape, generator=g).to(device)
+                out = _logits(model(xb))
+                if out.dim() == 2:
+                    loss = F.cross_entropy(out, torch.randint(0, out.shape[1], (out.shape[0],), generator=g).to(device))
+                else:
+                    loss = out.float().square().mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                finite &= bool(torch.isfinite(loss))
+        finite &= all(bool(torch.isfinite(p).all()) for p in model.parameters())
+        row.finite = finite
+        row.uncalled = [n for n, m in layers if int(m.num_blocks) == 0 and m.batches_in_block == 0]
+        model.eval()
+        with torch.no_grad():
+            converted_out = _logits(model(x))
+            exported = wl.export_model(copy.deepcopy(model))
+            row.export_diff = _rel(_logits(exported(x)), converted_out)
+    except Exception as exc:  # a model that fails is a row of the table, not the end of the run
+        row.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+        traceback.print_exc()
+    return row
+
+
+# --------------------------------------------------------------------------
+# Model sources
+# --------------------------------------------------------------------------
+Source = List[Tuple[str, Callable[[], nn.Module], Tuple[int, ...]]]
+
+
+def self_test_models() -> Source:
+    """The stand-ins of :mod:`whitenlayers.models` (the families of the issue), small enough for CI."""
+    m = wl.models
+    return [
+        ("cifar_resnet20", lambda: m.resnet20(width=8), (4, 3, 16, 16)),
+        ("mobilenet_like", lambda: m.mobilenet_like(width=8), (4, 3, 32, 32)),
+        ("resnext_like (ResNeXt-50 layout)", lambda: m.resnext_like((3, 4, 6, 3), width=4), (4, 3, 32, 32)),
+        ("vit_like (nn.Linear attention)", lambda: m.vit_like(), (4, 3, 16, 16)),
+        ("vit_like (nn.MultiheadAttention)", lambda: m.vit_like(attention="mha"), (4, 3, 16, 16)),
+        ("hf_resnet_like (HF ResNet-50 layout)", lambda: m.hf_resnet_like((3, 4, 6, 3)), (4, 3, 32, 32)),
+    ]
+
+
+def torchvision_models(size: int, batch: int, only: Optional[Sequence[str]]) -> Optional[Source]:
+    try:
+        import torchvision
+    except ImportError:
+        return None
+    names = torchvision.models.list_models(module=torchvision.models)
+    if only:
+        names = [n for n in names if n in only]
+    out: Source = []
+    for n in names:
+        s = TORCHVISION_SIZES.get(n, size)
+        out.append((n, (lambda n=n: torchvision.models.get_model(n, weights=None)), (batch, 3, s, s)))
+    return out
+
+
+def timm_models(batch: int, only: Optional[Sequence[str]]) -> Optional[Source]:
+    try:
+        import timm
+    except ImportError:
+        return None
+    out: Source = []
+    for module in timm.list_modules():
+        names = timm.list_models(module=module)
+        if only:
+            names = [n for n in names if n in only]
+        if not names:
+            continue
+        n = sorted(names)[0]
+
+        def build(n=n):
+            return timm.create_model(n, pretrained=False)
+
+        try:
+            cfg = timm.get_pretrained_cfg(n)
+            size = tuple(cfg.input_size) if cfg is not None else (3, 224, 224)
+        except Exception:
+            size = (3, 224, 224)
+        out.append((f"{module}: {n}", build, (batch,) + tuple(size)))
+    return out
+
+
+# --------------------------------------------------------------------------
+# The document
+# --------------------------------------------------------------------------
+def _fmt(v: float) -> str:
+    return "-" if math.isnan(v) else f"{v:.1e}"
+
+
+def table(rows: List[Row]) -> List[str]:
+    lines = ["| model | method | targets | converted (grouped) | left out, unsupported | max rel. diff at conversion "
+             "| 3 steps finite | layers called | export max rel. diff | convert time | status |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        unsupported = "-" if not r.unsupported else f"{len(r.unsupported)}: " + "; ".join(
+            sorted({v.split(":")[0] for v in r.unsupported.values()}))
+        called = "-" if r.converted == 0 or r.error else ("all" if not r.uncalled else f"{len(r.uncalled)} not")
+        finite = "-" if r.converted == 0 or r.error else ("yes" if r.finite else "NO")
+        secs = "-" if math.isnan(r.seconds) else f"{1000 * r.seconds:.0f} ms"
+        lines.append(f"| {r.model} | {r.method} | {r.targets} | {r.converted} ({r.grouped}) | {unsupported} | "
+                     f"{_fmt(r.conversion_diff)} | {finite} | {called} | {_fmt(r.export_diff)} | {secs} | {r.status} |")
+    return lines
+
+
+def totals(rows: List[Row]) -> List[str]:
+    out = []
+    for targets in TARGETS:
+        sel = [r for r in rows if r.targets == targets]
+        if not sel:
+            continue
+        models = sorted({r.model for r in sel})
+        ok = [m for m in models if all(r.ok and r.converted > 0 for r in sel if r.model == m)]
+        out.append(f"- `targets={targets!r}`: {len(ok)} of {len(models)} models converted, trained and exported "
+                   "exactly (every method)")
+    return out
+
+
+def write(path: Path, sections: List[Tuple[str, Optional[List[Row]], str]], argv: List[str]) -> None:
+    when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    lines = [
+        "# Coverage: which models convert, train and export",
+        "",
+        f"Generated by `python docs/coverage.py {' '.join(argv)}` on {when} (torch {torch.__version__}, "
+        f"{platform.machine()}, {torch.get_num_threads()} threads); do not edit by hand.",
+        "",
+        "Per model, method and targets (`blocks`: the default, convolutions inside residual blocks; `all`: "
+        "`targets=\"all\"`, every conv and linear layer but the stem and the classifier; both with "
+        "`example_input`): layers converted "
+        "(grouped or depthwise among them), layers the rule selected that cannot be converted (reason), the max "
+        "relative difference of the eval outputs right after conversion, three SGD steps (`block_size=2`: one "
+        "fold) finite, every converted layer called, the max relative difference of `export_model` against the "
+        "converted model, and the conversion time (with the `example_input` forward; the first model's includes "
+        "PyTorch's warm-up). `ok`: conversion difference <= 1e-5, finite, all called, "
+        "export difference <= 1e-4.",
+        "",
+    ]
+    for title, rows, note in sections:
+        lines += [f"## {title}", ""]
+        if note:
+            lines += [note, ""]
+        if rows:
+            lines += totals(rows) + [""] + table(rows) + [""]
+    path.write_text("\n".join(lines))
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=ROOT / "docs" / "COVERAGE.md")
+    p.add_argument("--self-test", action="store_true", help="also check the stand-ins of whitenlayers.models")
+    p.add_argument("--quick", action="store_true", help="method grad only (with --self-test: a smoke run)")
+    p.add_argument("--methods", default="grad,recursive,direct")
+    p.add_argument("--models", default="", help="comma-separated torchvision / timm model names (default: all)")
+    p.add_argument("--size", type=int, default=64, help="input size of torchvision models without a fixed one")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--no-timm", action="store_true")
+    args = p.parse_args(argv)
+    methods = ["grad"] if args.quick else [m for m in args.methods.split(",") if m]
+    only = [m for m in args.models.split(",") if m] or None
+
+    def run(source: Source, methods: Sequence[str]) -> List[Row]:
+        rows = []
+        for name, build, shape in source:
+            for method in methods:
+                for targets in TARGETS:
+                    row = check(name, build, shape, method, targets, device=args.device)
+                    print(f"{name:40s} {method:9s} {targets:6s} {row.converted:4d}  {row.status}", flush=True)
+                    rows.append(row)
+        return rows
+
+    sections = []
+    failed = False
+    if args.self_test:
+        rows = run(self_test_models(), methods)
+        failed |= any(not r.ok for r in rows)
+        sections.append(("Stand-ins (whitenlayers.models; no third-party package needed)", rows,
+                         "Small models with the structure and class names of MobileNetV2, ResNeXt-50, a ViT (timm's "
+                         "`nn.Linear` attention and torchvision's `nn.MultiheadAttention`) and Hugging Face's "
+                         "ResNet-50; tested in CI by `tests/test_families.py`."))
+    tv = torchvision_models(args.size, args.batch, only)
+    if tv is None:
+        msg = ("torchvision is not installed here: the torchvision table is **pending a machine with torchvision** "
+               "(`pip install torchvision`, then `python docs/coverage.py`).")
+        print(msg)
+        sections.append(("torchvision classification models", None, msg))
+    else:
+        rows = run(tv, methods)
+        failed |= any(not r.ok for r in rows)
+        sections.append(("torchvision classification models", rows,
+                         f"`torchvision.models.list_models(module=torchvision.models)`, untrained, batch {args.batch}, "
+                         f"{args.size}x{args.size} inputs except {TORCHVISION_SIZES}."))
+    tm = None if args.no_timm else timm_models(args.batch, only)
+    if tm is None:
+        msg = "timm is not installed here (or --no-timm): the timm table is pending."
+        print(msg)
+        sections.append(("timm families", None, msg))
+    else:
+        rows = run(tm, methods)
+        failed |= any(not r.ok for r in rows)
+        sections.append(("timm families (first model of each timm module)", rows, ""))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    write(args.out, sections, argv)
+    print(f"wrote {args.out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
