@@ -228,3 +228,15 @@ def test_busy_cpu_gets_one_thread(monkeypatch):
         assert ctx.threads == 2 and ctx.note == ""
     finally:
         ctx.close()
+
+
+def test_kfac_keeps_its_inverses_when_a_diverged_run_makes_statistics_nan():
+    torch.manual_seed(0)
+    conv = nn.Conv2d(2, 3, 3, padding=1, bias=False)
+    pre = peers.KroneckerPreconditioner([conv], 0.1, use_g=True, stat_every=1, inv_every=1)
+    conv(torch.randn(2, 2, 4, 4, requires_grad=True)).sum().backward()
+    pre.step()
+    before = [t.clone() for t in pre.inv[conv]]
+    pre.g[conv].fill_(float("nan"))
+    pre.update_inverses()  # no LinAlgError: the layer keeps its previous inverses
+    assert all(torch.equal(a, b) for a, b in zip(before, pre.inv[conv]))
