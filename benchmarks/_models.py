@@ -45,6 +45,8 @@ import whitenlayers as wl
 
 WHITEN_METHODS = ("grad", "recursive", "direct")
 PEERS = ("kfac", "foof", "iternorm")
+#: Peers from pytorch-optimizer (the 'peers' extra); skipped by the benchmarks when it is not installed.
+LIBRARY_PEERS = ("shampoo", "soap", "muon")
 
 
 # --------------------------------------------------------------------------
@@ -112,7 +114,12 @@ class Variant:
             insert_iternorm(self.model)
         self.model.train()
         wd = 3e-3 if method == "kfac" else 5e-4
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=lr, momentum=0.9, weight_decay=wd)
+        if method in LIBRARY_PEERS:  # at its authors' default rate (timing does not depend on it)
+            from whitenlayers.experiment.peers import LIBRARY_PEERS as RATES, library_optimizer
+
+            self.opt = library_optimizer(method, self.model, RATES[method][1], weight_decay=wd)
+        else:
+            self.opt = torch.optim.SGD(self.model.parameters(), lr=lr, momentum=0.9, weight_decay=wd)
         if method in ("kfac", "foof"):
             self.pre = KroneckerPreconditioner(block_convs(self.model), lr, use_g=(method == "kfac"))
 
