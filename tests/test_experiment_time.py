@@ -18,7 +18,7 @@ def _table():
     rows = []
     # seed 0: baseline final 90 reached at epoch 3 (1 + 1 + 1 = 3 s); grad reaches 90 at epoch 2 (2 + 2 = 4 s).
     for e, (b, g) in enumerate([(50, 70), (80, 91), (90, 95)], 1):
-        rows += [_row("baseline", 0, e, b, 1.0), _row("grad", 0, e, g, 2.0)]
+        rows += [_row("baseline", 0, e, b, 1.0), _row("grad", 0, e, g, 2.0, cpu=1.0)]  # grad waited half its time
     # seed 1: baseline final 85 (first reached at epoch 2, 2 s; the dip at epoch 3 does not move it);
     # grad reaches 85 at epoch 1 (2 s); recursive never does.
     for e, (b, g, r) in enumerate([(60, 86, 10), (86, 88, 20), (85, 89, 30)], 1):
@@ -39,6 +39,7 @@ def test_time_to_baseline_final_accuracy_is_paired_per_seed():
     assert (tta["grad"][1]["epoch"], tta["grad"][1]["seconds"]) == (1, 2.0)
     assert tta["grad"][0]["ratio"] == pytest.approx(4.0 / 3.0) and tta["grad"][1]["ratio"] == pytest.approx(1.0)
     assert tta["grad"][0]["epoch_ratio"] == pytest.approx(2 / 3)
+    assert tta["grad"][0]["cpu_seconds"] == 2.0 and tta["grad"][0]["cpu_ratio"] == pytest.approx(2.0 / 3.0)
     assert math.isnan(tta["recursive"][1]["seconds"]) and math.isnan(tta["recursive"][1]["epoch"])
     assert tta["grad"][0]["levels"][88.0] == (2.0, 4.0)
     assert all(math.isnan(v) for v in tta["baseline"][1]["levels"][88.0])  # seed 1's baseline peaks at 86

@@ -216,6 +216,12 @@ def time_to_accuracy(rows: Sequence[Dict[str, Any]], methods: Optional[Sequence[
                                    if any(math.isfinite(r.get("cpu_time", float("nan"))) for r in lst) else float("nan")}
             if seed in targets:
                 ep, sec = _first_reach(lst, targets[seed])
+                cpu = [r.get("cpu_time", float("nan")) for r in lst]
+                cpu_sec = float(np.sum(cpu[:int(ep)])) if math.isfinite(ep) else float("nan")
+                base_ep = base_reach[seed][0]
+                base_cpu = float(np.sum([r.get("cpu_time", float("nan")) for r in base[seed][:int(base_ep)]])) \
+                    if math.isfinite(base_ep) else float("nan")
+                rec.update(cpu_seconds=cpu_sec, cpu_ratio=cpu_sec / base_cpu if base_cpu > 0 else float("nan"))
                 rec.update(target=targets[seed], epoch=ep, seconds=sec,
                            ratio=sec / base_reach[seed][1] if base_reach[seed][1] > 0 else float("nan"),
                            epoch_ratio=ep / base_reach[seed][0] if base_reach[seed][0] > 0 else float("nan"))
@@ -239,7 +245,7 @@ def _mean_ci(values: Sequence[float], digits: int = 2, suffix: str = "") -> str:
 def format_time_to_accuracy(tta: Sequence[Dict[str, Any]], levels: Sequence[float] = ()) -> str:
     """The time-to-accuracy table (Markdown): mean over seeds, 95 % t-intervals in brackets; n/N = seeds reaching."""
     head = ["method", "final acc (%)", "target: baseline final (%)", "epochs to target", "seconds to target",
-            "time vs baseline (paired)"]
+            "time vs baseline (paired)", "CPU time vs baseline (paired)"]
     head += [f"s to {lv:g}%" for lv in levels]
     head += ["train s (total)", "CPU s / wall s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
@@ -259,9 +265,10 @@ def format_time_to_accuracy(tta: Sequence[Dict[str, Any]], levels: Sequence[floa
                           math.isfinite(r["epoch"]) for r in recs) else f"not reached (0/{n})",
                       (_mean_ci([r["seconds"] for r in recs], 1) + reached("seconds")) if any(
                           math.isfinite(r["seconds"]) for r in recs) else "—",
-                      _mean_ci([r["ratio"] for r in recs], 2, "x")]
+                      _mean_ci([r["ratio"] for r in recs], 2, "x"),
+                      _mean_ci([r.get("cpu_ratio", float("nan")) for r in recs], 2, "x")]
         else:
-            cells += ["—"] * 4
+            cells += ["—"] * 5
         for lv in levels:
             secs = [r["levels"][lv][1] for r in recs]
             k = sum(math.isfinite(v) for v in secs)
@@ -459,7 +466,8 @@ def summary_text(title: str, table: str, target: float, wall: Optional[float]) -
             f"which test accuracy reaches that seed's baseline final accuracy (or a fixed level) and the cumulative "
             f"training seconds to the end of that epoch (evaluation not counted); mean over seeds with a 95 % "
             f"t-interval in brackets, (k/n) when only k of n seeds reach it. 'time vs baseline' is the paired "
-            f"ratio of seconds to target on the same seed.")
+            f"ratio of seconds to target on the same seed; 'CPU time vs baseline' the same with the process's CPU "
+            f"seconds, which a busy machine inflates less than wall-clock seconds.")
     if wall is not None:
         text += f" Total wall time {wall:.0f} s."
     return text + "\n"
