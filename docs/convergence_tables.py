@@ -65,7 +65,7 @@ def grid_table(stage: str) -> str:
         chosen = _chosen(stage, methods)
     except SystemExit:
         chosen = {}
-    head = "| method | " + " | ".join(f"run {i}: lr → val acc (%)" for i in range(len(cols))) + \
+    head = "| method | " + " | ".join(f"{c}: lr → val acc (%)" for c in cols) + \
            " | chosen lr | epoch time vs baseline |"
     lines = [head, "|" + "---|" * (len(cols) + 3)]
     for m in methods:
