@@ -91,8 +91,9 @@ STAGES = {
     # Learning rate, every method, digits (6 epochs, step schedule /10 at 3 and 4), validation then test.
     "lr-val": lambda: _grid("lr-val", ALL, DIG + VAL),
     "lr-test": lambda: _test("lr-val", "lr-test", ALL, DIG),
-    # Short budget: 3 epochs (lr /10 after epoch... none: constant-then-step at 1,2).
+    # Short budget: 3 epochs (with fewer than 4 epochs the default schedule has no milestone: constant lr).
     "short-val": lambda: _grid("short-val", ("baseline",) + OURS, ["--dataset", "digits", "--epochs", "3"] + VAL),
+    "short-test": lambda: _test("short-val", "short-test", ("baseline",) + OURS, ["--dataset", "digits", "--epochs", "3"]),
     # Without BatchNorm (Fixup-style ResNet): where whitening should matter most.
     "nobn-val": lambda: _grid("nobn-val", ("baseline",) + OURS + ("kfac",), DIG + VAL + ["--norm", "none"]),
     "nobn-test": lambda: _test("nobn-val", "nobn-test", ("baseline",) + OURS + ("kfac",), DIG + ["--norm", "none"]),
@@ -106,6 +107,7 @@ STAGES = {
                           for L, b in ((1, 0.95), (8, 0.95), (2, 0.5))],
     # Width 16 (the paper's), lr 0.1, validation.
     "width-val": lambda: [("width-val-w16", ["--methods", "baseline,grad,recursive", "--width", "16", *DIG, *VAL])],
+    "width-test": lambda: [("width-test-w16", ["--methods", "baseline,grad,recursive", "--width", "16", *DIG])],
     # mnist5k, the default run's setting (lr 0.1 and the library authors' rates, untuned), every method.
     "mnist-default": lambda: [("mnist-default", ["--methods", ",".join(ALL), "--dataset", "mnist5k"])],
 }
