@@ -108,6 +108,10 @@ STAGES = {
     # Width 16 (the paper's), lr 0.1, validation.
     "width-val": lambda: [("width-val-w16", ["--methods", "baseline,grad,recursive", "--width", "16", *DIG, *VAL])],
     "width-test": lambda: [("width-test-w16", ["--methods", "baseline,grad,recursive", "--width", "16", *DIG])],
+    # mnist5k, the default run's setting (lr 0.1), with the two fastest peers on digits at their digits-validated
+    # rates; 3 seeds (the default run's), for lack of time at this machine's load.
+    "mnist-peers": lambda: [("mnist-peers", ["--methods", "baseline,grad,recursive,muon,soap", "--dataset", "mnist5k",
+                                             "--method-lr", "muon=0.04,soap=0.03", "--seeds", "0-2"])],
     # mnist5k, the default run's setting (lr 0.1 and the library authors' rates, untuned), every method.
     "mnist-default": lambda: [("mnist-default", ["--methods", ",".join(ALL), "--dataset", "mnist5k"])],
 }
