@@ -134,7 +134,11 @@ def _finals(rows, method: str) -> List[float]:
 
 
 def command(name: str, args: Sequence[str]) -> List[str]:
-    return [sys.executable, "-m", "whitenlayers.experiment", *args, *COMMON, "--out", os.path.join(RUNS, name)]
+    common = list(COMMON)
+    if "--seeds" in args:  # the stage's own seeds
+        i = common.index("--seeds")
+        del common[i:i + 2]
+    return [sys.executable, "-m", "whitenlayers.experiment", *args, *common, "--out", os.path.join(RUNS, name)]
 
 
 def _run_one(name: str, args: Sequence[str]) -> str:
