@@ -168,16 +168,16 @@ def main(argv=None) -> int:
         from convergence_tables import write_tables  # noqa: E402
         write_tables()
         return 0
-    todo = []
-    for s in a.stages:
+    for s in a.stages:  # stage by stage: a test stage reads the validation runs finished before it
+        todo = []
         for name, args in STAGES[s]():
             if args is None:
                 print(f"{name}: skipped, its validation stage has not finished")
             else:
                 todo.append((name, args))
-    with cf.ThreadPoolExecutor(max(1, a.jobs)) as ex:
-        for msg in ex.map(lambda t: _run_one(*t), todo):
-            print(msg, flush=True)
+        with cf.ThreadPoolExecutor(max(1, a.jobs)) as ex:
+            for msg in ex.map(lambda t: _run_one(*t), todo):
+                print(msg, flush=True)
     return 0
 
 
