@@ -1,6 +1,6 @@
-"""Models, data, the peer methods and training-step builders shared by the benchmarks.
+"""Models, data and training-step builders shared by the benchmarks; the peer methods come from the runner.
 
-Peers, written here from their papers (no third-party code), applied to the
+Peers (``whitenlayers.experiment.peers``, written from their papers, no third-party code), applied to the
 same layers as the whitening variants (every conv inside a residual block):
 
 * **K-FAC** (Martens & Grosse 2015; the convolution factors of Grosse &
@@ -45,6 +45,8 @@ import whitenlayers as wl
 
 WHITEN_METHODS = ("grad", "recursive", "direct")
 PEERS = ("kfac", "foof", "iternorm")
+#: Peers from pytorch-optimizer (the 'peers' extra); skipped by the benchmarks when it is not installed.
+LIBRARY_PEERS = ("shampoo", "soap", "muon")
 
 
 # --------------------------------------------------------------------------
@@ -79,149 +81,8 @@ def mnist_batches(n: int, batch: int, size: int = 32, seed: int = 0) -> Optional
 # --------------------------------------------------------------------------
 # Models
 # --------------------------------------------------------------------------
-def block_convs(model: nn.Module) -> List[nn.Conv2d]:
-    """Every Conv2d inside a BasicBlock/Bottleneck (the targets of convert_model)."""
-    out = []
-    for m in model.modules():
-        if type(m).__name__ in ("BasicBlock", "Bottleneck"):
-            out.extend(c for c in m.modules() if isinstance(c, nn.Conv2d))
-    return out
-
-
-class IterNorm(nn.Module):
-    """IterNorm (Huang et al. 2019): Newton-Schulz ZCA whitening of the channels, autograd backward."""
-
-    def __init__(self, num_features: int, iterations: int = 5, eps: float = 1e-5, momentum: float = 0.1):
-        super().__init__()
-        self.c, self.t, self.eps, self.momentum = num_features, iterations, eps, momentum
-        self.register_buffer("running_mean", torch.zeros(num_features))
-        self.register_buffer("running_wm", torch.eye(num_features))
-
-    def forward(self, x: Tensor) -> Tensor:
-        b, c = x.shape[:2]
-        xf = x.flatten(2)  # (B, C, HW)
-        if not self.training:
-            return (self.running_wm @ (xf - self.running_mean.view(1, c, 1))).view_as(x)
-        m = xf.shape[0] * xf.shape[2]
-        mean = xf.mean((0, 2))
-        xc = xf - mean.view(1, c, 1)
-        eye = torch.eye(c, dtype=x.dtype, device=x.device)
-        sigma = torch.bmm(xc, xc.transpose(1, 2)).sum(0) / m + self.eps * eye
-        tr = torch.diagonal(sigma).sum()
-        sn = sigma / tr
-        p = eye
-        for _ in range(self.t):
-            p = 1.5 * p - 0.5 * torch.linalg.matrix_power(p, 3) @ sn
-        wm = p / tr.sqrt()
-        with torch.no_grad():
-            self.running_mean.lerp_(mean, self.momentum)
-            self.running_wm.lerp_(wm, self.momentum)
-        return (wm @ xc).view_as(x)
-
-
-class _Wrapped(nn.Module):
-    def __init__(self, pre: nn.Module, conv: nn.Module):
-        super().__init__()
-        self.pre, self.conv = pre, conv
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.conv(self.pre(x))
-
-
-def insert_iternorm(model: nn.Module) -> nn.Module:
-    targets = {id(c) for c in block_convs(model)}
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if id(child) in targets:
-                setattr(parent, name, _Wrapped(IterNorm(child.in_channels), child))
-    return model
-
-
-class KroneckerPreconditioner:
-    """K-FAC (``use_g=True``) or FOOF (``use_g=False``) on the given convolutions."""
-
-    def __init__(self, convs: List[nn.Conv2d], lr: float, use_g: bool, stat_decay: float = 0.95,
-                 damping: float = 1e-3, kl_clip: float = 1e-3, stat_every: int = 10, inv_every: int = 100):
-        self.convs, self.lr, self.use_g = convs, lr, use_g
-        self.decay, self.damping, self.kl_clip = stat_decay, damping, kl_clip
-        self.stat_every, self.inv_every = stat_every, inv_every
-        self.steps = 0
-        self.a: Dict[nn.Module, Tensor] = {}
-        self.g: Dict[nn.Module, Tensor] = {}
-        self.inv: Dict[nn.Module, Tuple[Tensor, ...]] = {}
-        self.handles = []
-        for c in convs:
-            self.handles.append(c.register_forward_pre_hook(self._save_a))
-            if use_g:
-                self.handles.append(c.register_full_backward_hook(self._save_g))
-
-    def _stat_step(self) -> bool:
-        return self.steps % self.stat_every == 0
-
-    def _ema(self, store: Dict[nn.Module, Tensor], module: nn.Module, new: Tensor) -> None:
-        old = store.get(module)
-        store[module] = new if old is None else old.mul_(self.decay).add_(new, alpha=1.0 - self.decay)
-
-    def _save_a(self, module: nn.Conv2d, inputs) -> None:
-        if not (module.training and self._stat_step()):
-            return
-        x = inputs[0].detach()
-        a = F.unfold(x, module.kernel_size, module.dilation, module.padding, module.stride)  # (B, M k^2, L)
-        n = a.shape[0] * a.shape[2]
-        self._ema(self.a, module, torch.bmm(a, a.transpose(1, 2)).sum(0) / n)
-
-    def _save_g(self, module: nn.Conv2d, grad_input, grad_output) -> None:
-        if not self._stat_step():
-            return
-        g = grad_output[0].detach()
-        b = g.shape[0]
-        gf = g.flatten(2) * b  # per-example gradients of the mean loss
-        n = gf.shape[0] * gf.shape[2]
-        self._ema(self.g, module, torch.bmm(gf, gf.transpose(1, 2)).sum(0) / n)
-
-    def update_inverses(self) -> None:
-        for c in self.convs:
-            a = self.a[c]
-            if self.use_g:
-                da, qa = torch.linalg.eigh(a)
-                dg, qg = torch.linalg.eigh(self.g[c])
-                self.inv[c] = (qa, da.clamp(min=0), qg, dg.clamp(min=0))
-            else:
-                lam = self.damping * torch.diagonal(a).mean()
-                eye = torch.eye(a.shape[0], dtype=a.dtype)
-                self.inv[c] = (torch.cholesky_inverse(torch.linalg.cholesky(a + lam * eye)),)
-
-    def step(self) -> None:
-        """Call after backward, before optimizer.step()."""
-        if self.steps % self.inv_every == 0 and (self.a or not self.inv):
-            if len(self.a) == len(self.convs):
-                self.update_inverses()
-        self.steps += 1
-        if not self.inv:
-            return
-        vg_sum = 0.0
-        new = {}
-        for c in self.convs:
-            gw = c.weight.grad
-            mat = gw.reshape(gw.shape[0], -1)
-            if self.use_g:
-                qa, da, qg, dg = self.inv[c]
-                v = qg.t() @ mat @ qa
-                v = v / (dg.unsqueeze(1) * da.unsqueeze(0) + self.damping)
-                v = qg @ v @ qa.t()
-                vg_sum += float((v * mat).sum()) * self.lr**2
-            else:
-                v = mat @ self.inv[c][0]
-            new[c] = v
-        nu = min(1.0, math.sqrt(self.kl_clip / vg_sum)) if (self.use_g and vg_sum > 0) else 1.0
-        for c, v in new.items():
-            c.weight.grad.copy_(v.view_as(c.weight.grad)).mul_(nu)
-
-    def state_tensors(self) -> List[Tensor]:
-        out = list(self.a.values()) + list(self.g.values())
-        for t in self.inv.values():
-            out.extend(t)
-        return out
+# The peers live in the runner's package (kept out of the top-level namespace); re-exported for the benchmarks.
+from whitenlayers.experiment.peers import IterNorm, KroneckerPreconditioner, block_convs, insert_iternorm  # noqa: E402,F401
 
 
 class Variant:
@@ -253,7 +114,12 @@ class Variant:
             insert_iternorm(self.model)
         self.model.train()
         wd = 3e-3 if method == "kfac" else 5e-4
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=lr, momentum=0.9, weight_decay=wd)
+        if method in LIBRARY_PEERS:  # at its authors' default rate (timing does not depend on it)
+            from whitenlayers.experiment.peers import LIBRARY_PEERS as RATES, library_optimizer
+
+            self.opt = library_optimizer(method, self.model, RATES[method][1], weight_decay=wd)
+        else:
+            self.opt = torch.optim.SGD(self.model.parameters(), lr=lr, momentum=0.9, weight_decay=wd)
         if method in ("kfac", "foof"):
             self.pre = KroneckerPreconditioner(block_convs(self.model), lr, use_g=(method == "kfac"))
 

@@ -15,7 +15,9 @@ defaults: the block convs' centring absorbed by their BatchNorms);
 ``grad:centred``, ``recursive:centred`` (``absorb_centring=False``: every
 layer centres its input, as before issue 12; ResNet-20 only by default);
 ``grad:sub`` (grad with the opt-in ``stats_fraction``); peers ``kfac``,
-``foof``, ``iternorm`` (settings in ``_models``).
+``foof``, ``iternorm`` (settings in ``_models``); ``shampoo``, ``soap``, ``muon``
+(pytorch-optimizer, at their authors' default rates) when the ``peers`` extra
+is installed.
 
 Peak memory: live tensor bytes of the torch CPU allocator during one step
 (``torch.profiler`` memory events; ``_models.peak_step_memory``), persistent
@@ -49,6 +51,12 @@ from _models import Variant, build_base, mnist_batches, peak_step_memory, random
 
 ALL_VARIANTS = ("plain", "grad", "recursive", "direct", "grad:centred", "recursive:centred", "grad:sub", "kfac", "foof",
                 "iternorm")
+try:  # Shampoo, SOAP, Muon from pytorch-optimizer (the 'peers' extra), in the same interleaved run when installed
+    import pytorch_optimizer  # noqa: F401
+
+    ALL_VARIANTS += ("shampoo", "soap", "muon")
+except ImportError:  # pragma: no cover - depends on the environment
+    pass
 VARIANTS_110 = tuple(v for v in ALL_VARIANTS if not v.endswith(":centred"))
 
 

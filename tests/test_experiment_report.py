@@ -34,7 +34,11 @@ def _row(method, seed, epoch, acc):
 def test_metrics_round_trip_and_replot_of_an_older_run(tmp_path):
     rows = [_row(m, s, e, 50 + 10 * e + s) for m in ("baseline", "grad") for s in (0, 1) for e in (1, 2, 3)]
     ex.write_metrics(rows, str(tmp_path / "metrics.csv"))
-    assert ex.read_metrics(str(tmp_path / "metrics.csv")) == rows
+    back = ex.read_metrics(str(tmp_path / "metrics.csv"))
+    assert [{k: r[k] for k in rows[0]} for r in back] == rows  # the older columns round-trip
+    # the newer ones: cumulative training time recomputed, CPU time and load unknown
+    assert [r["train_time"] for r in back[:3]] == [1.0, 2.0, 3.0]
+    assert all(r["cpu_time"] != r["cpu_time"] for r in back)  # nan
     # config.json as written before the runner became a package (no amp/compile/channels_last/stats_fraction)
     old = dict(dataset="synthetic", data_dir="data", download=False, test_fraction=0.2, train_subset=512,
                test_subset=256, augment="auto", model="resnet8", width=8, methods=["baseline", "grad"], seeds=[0, 1],
@@ -46,5 +50,6 @@ def test_metrics_round_trip_and_replot_of_an_older_run(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(old))
     fig, table = ex.replot(str(tmp_path), target_acc=70)
     assert os.path.getsize(fig) > 10_000 and "| EVD (grad) |" in table
+    assert "seconds to target" in table and "| baseline | 80.50 ± 0.71 | 80.50 ± 0.71 | 3.0 [3.0, 3.0] | 3.0 [3.0, 3.0] |" in table
     text = (tmp_path / "summary.md").read_text()
     assert text.startswith("# synthetic, CIFAR ResNet-8 (width 8): 3 epochs, batch 64") and "epochs to 70.0%" in text

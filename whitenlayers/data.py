@@ -249,6 +249,22 @@ class DataBundle:
 
         return dataclasses.replace(self, train=first(self.train, train), test=first(self.test, test))
 
+    def validation(self, fraction: float, seed: int = SPLIT_SEED + 1) -> "DataBundle":
+        """The bundle with ``fraction`` of each training class carved out as its test split (in-memory data).
+
+        For choosing settings: the carved images are never trained on, and the
+        real test split is left untouched. Stratified and deterministic
+        (:func:`stratified_split` with ``seed``).
+        """
+        if not isinstance(self.train, TensorData):
+            raise ValueError("a validation split needs in-memory data (mnist5k, digits, cifar, synthetic)")
+        tr, va = stratified_split(self.train.labels.numpy(), fraction, seed)
+        t = self.train
+        pick = lambda idx: TensorData(t.images[idx].contiguous(), t.labels[idx].contiguous(), t.mean, t.std)  # noqa: E731
+        note = f"validation: {len(va)} of the {len(t)} training images held out and evaluated in place of the test split"
+        return dataclasses.replace(self, train=pick(torch.as_tensor(tr)), test=pick(torch.as_tensor(va)),
+                                   notes=list(self.notes) + [note])
+
 
 class ImageLoader:
     """Batches of a torch ``Dataset`` (ImageFolder data) through a ``DataLoader``, sharded across ranks.

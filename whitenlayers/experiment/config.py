@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import os
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from torch import nn
 
 from ..config import EVDConfig, RecursiveConfig, WhiteningConfig
 from ..convert import convert_model
-from . import context
+from . import context, peers
 
 __all__ = [
     "Method",
@@ -83,6 +84,16 @@ class Method:
     config: Optional[Type[WhiteningConfig]] = None
     exclude: Tuple[str, ...] = ()
     apply: Callable[[nn.Module, Mapping[str, Any]], nn.Module] = _unchanged
+    #: ``optimizer(model, lr, cfg)``: the method's own optimizer (e.g. Shampoo); ``None``: ``--optimizer``.
+    optimizer: Optional[Callable[..., Any]] = None
+    #: ``preconditioner(model, lr)``: an object whose ``step()`` rewrites the gradients after backward (K-FAC).
+    preconditioner: Optional[Callable[..., Any]] = None
+    #: The method's base learning rate when it differs from ``--lr`` (library optimizers); ``--method-lr`` overrides.
+    lr: Optional[float] = None
+    #: The module it needs beyond the core dependencies, and how to install it.
+    requires: Optional[str] = None
+    #: True for the comparison methods (not whitening).
+    peer: bool = False
 
     @property
     def option_names(self) -> Tuple[str, ...]:
@@ -112,6 +123,33 @@ register_method(Method("grad", "EVD (grad)", "#1f77b4", EVDConfig, apply=_conver
 register_method(Method("recursive", "recursive", "#d62728", RecursiveConfig, apply=_convert("recursive")))
 # DirectWhiten whitens the input itself: no gradient transform, so no beta.
 register_method(Method("direct", "direct (EVD)", "#2ca02c", EVDConfig, exclude=("beta",), apply=_convert("direct")))
+
+
+# Peers: comparison methods, not whitening (see peers.py). Same initial weights and data order as the others.
+def _kronecker(use_g: bool) -> Callable[..., Any]:
+    def make(model: nn.Module, lr: float) -> Any:
+        # Statistics every 5 steps, inverses every 20: ~1.5 refreshes per epoch of the default run (the
+        # benchmarks' CIFAR values, 10 / 100, would refresh twice in a whole 6-epoch run).
+        return peers.KroneckerPreconditioner(peers.block_convs(model), lr, use_g=use_g, stat_every=5, inv_every=20)
+
+    return make
+
+
+def _library(name: str) -> Callable[..., Any]:
+    def make(model: nn.Module, lr: float, cfg: "RunConfig") -> Any:
+        return peers.library_optimizer(name, model, lr, weight_decay=float(cfg.weight_decay),
+                                       momentum=float(cfg.momentum))
+
+    return make
+
+
+register_method(Method("kfac", "K-FAC", "#9467bd", preconditioner=_kronecker(True), peer=True))
+register_method(Method("foof", "FOOF", "#8c564b", preconditioner=_kronecker(False), peer=True))
+register_method(Method("iternorm", "IterNorm", "#e377c2", apply=lambda m, kw: peers.insert_iternorm(m), peer=True))
+for _name, _color in (("shampoo", "#bcbd22"), ("soap", "#17becf"), ("muon", "#ff7f0e")):
+    register_method(Method(_name, f"{peers.LIBRARY_PEERS[_name][0]} (pytorch-optimizer)", _color,
+                           optimizer=_library(_name), lr=peers.LIBRARY_PEERS[_name][1], requires="pytorch_optimizer",
+                           peer=True))
 
 METHODS = tuple(METHOD_REGISTRY)
 METHOD_LABELS = {m.name: m.label for m in METHOD_REGISTRY.values()}
@@ -191,6 +229,9 @@ class RunConfig:
     target_acc: Optional[float] = _opt(
         help="test accuracy (percent) for the 'epochs to target' column (default: 99%% of the lowest best accuracy "
              "among the methods, so every method reaches it)", cli=_FLOAT)
+    time_levels: List[float] = _opt(
+        help="comma-separated fixed test accuracies (percent) for the time-to-accuracy table, beside the baseline's "
+             "final accuracy (default 90,95,97)", factory=lambda: [90.0, 95.0, 97.0])
     diag_batches: int = _opt(
         4, "number of fixed, held-aside training batches (no augmentation) on which kappa and rho are measured after "
            "each epoch, for every method", cli=_INT, show_default=True)
@@ -215,6 +256,10 @@ class RunConfig:
     test_fraction: float = _opt(
         0.2, "mnist5k/digits: fraction of each class held out for testing, fixed-seed stratified split (default 0.2: "
              "4,000 train / 1,000 test for mnist5k)", _DATA, cli=_FLOAT)
+    val_fraction: float = _opt(
+        0.0, "in-memory data: carve this fraction of each class out of the training split (fixed-seed stratified) "
+             "and evaluate on it instead of the test split, for choosing settings without touching the test set "
+             "(default 0: evaluate on the test split)", _DATA, cli=_FLOAT)
     train_subset: Optional[int] = _opt(help="use only the first N training images", group=_DATA, cli=_INT)
     test_subset: Optional[int] = _opt(help="use only the first N test images", group=_DATA, cli=_INT)
     augment: str = _opt(
@@ -235,6 +280,18 @@ class RunConfig:
              "default run short on 2 CPU cores; 16, the paper's, otherwise)", group=_MODEL, cli=_INT)
     epochs: int = _opt(6, "training epochs", _MODEL, cli=_INT, show_default=True)
     batch_size: int = _opt(128, "global batch size, split over processes", _MODEL, cli=_INT, show_default=True)
+    norm: str = _opt(
+        "bn", "CIFAR ResNet normalisation: bn (BatchNorm, default) or none (Fixup-style: BatchNorm replaced by a "
+        "per-channel scale and bias, each block's last convolution and the classifier zero-initialised, the first "
+        "convolution of each block scaled by L^-1/2 for L blocks)", _MODEL, cli={"choices": ("bn", "none")})
+    optimizer: str = _opt(
+        "sgd", "optimizer of every method that has none of its own (baseline, the whitening methods, K-FAC, FOOF, "
+        "IterNorm): sgd (with --momentum, --nesterov), adam or adamw (betas 0.9, 0.999; --weight-decay as L2 for "
+        "adam, decoupled for adamw)", _MODEL, cli={"choices": ("sgd", "adam", "adamw")}, show_default=True)
+    method_lr: Dict[str, float] = _opt(
+        help="initial learning rate for some methods only, e.g. --method-lr soap=0.003,muon=0.02 (the library "
+             "optimizers default to their authors' rates: shampoo 0.001, soap 0.003, muon 0.02; the others to --lr)",
+        group=_MODEL, factory=dict)
     lr: float = _opt(0.1, "initial learning rate", _MODEL, cli=_FLOAT, show_default=True)
     momentum: float = _opt(0.9, "SGD momentum", _MODEL, cli=_FLOAT, show_default=True)
     nesterov: bool = _opt(False, "Nesterov momentum", _MODEL, cli=_FLAG)
@@ -268,7 +325,7 @@ class RunConfig:
         group="whitening hyper-parameters", factory=dict, cli={"action": "append", "metavar": "METHOD.KEY=VALUE"})
 
     def __post_init__(self) -> None:
-        for name in ("methods", "seeds", "milestones"):
+        for name in ("methods", "seeds", "milestones", "time_levels", "method_lr"):
             if isinstance(getattr(self, name), str):
                 setattr(self, name, _PARSE[name](getattr(self, name)))
         small = self.dataset in SMALL_DATASETS
@@ -284,7 +341,16 @@ class RunConfig:
         if self.out is None:
             self.out = os.path.join("runs", f"{_safe(self.dataset)}-{_safe(self.model)}" + ("-quick" if self.quick else ""))
         self.methods, self.seeds, self.milestones = list(self.methods), list(self.seeds), list(self.milestones)
+        self.time_levels = [float(v) for v in self.time_levels]
+        self.method_lr = {str(k): float(v) for k, v in dict(self.method_lr).items()}
         self.validate()
+
+    def method_lr_for(self, method: str) -> float:
+        """The initial learning rate of ``method``: ``--method-lr``, else the method's own default, else ``--lr``."""
+        if method in self.method_lr:
+            return float(self.method_lr[method])
+        own = METHOD_REGISTRY[method].lr
+        return float(own) if own is not None else float(self.lr)
 
     def validate(self) -> None:
         """``ValueError`` naming the first option out of range (before any training)."""
@@ -293,6 +359,10 @@ class RunConfig:
         bad = [m for m in self.methods if m not in METHOD_REGISTRY]
         if bad or not self.methods:
             raise ValueError(f"--methods: unknown {bad or self.methods!r}; choose from {', '.join(METHOD_REGISTRY)}")
+        for m in self.methods:
+            need = METHOD_REGISTRY[m].requires
+            if need and importlib.util.find_spec(need) is None:
+                raise ValueError(f"--methods {m}: needs {need}, which is not installed: {peers.PEERS_EXTRA}")
         if len(set(self.methods)) != len(self.methods):
             raise ValueError(f"--methods: repeated method in {','.join(self.methods)!r}")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
@@ -303,6 +373,13 @@ class RunConfig:
                 raise ValueError(f"--{key.replace('_', '-')} must be >= {low}, but got {getattr(self, key)}")
         if self.lr <= 0:
             raise ValueError(f"--lr must be > 0, but got {self.lr}")
+        for m, v in self.method_lr.items():
+            if m not in METHOD_REGISTRY or not v > 0:
+                raise ValueError(f"--method-lr {m}={v}: need a registered method and a rate > 0")
+        if not 0.0 <= float(self.val_fraction) < 1.0:
+            raise ValueError(f"--val-fraction must be in [0, 1), but got {self.val_fraction}")
+        if self.norm != "bn" and model_spec(self.model)[0] != "cifar":
+            raise ValueError("--norm none needs a CIFAR ResNet (--model resnetD)")
         unknown = sorted(set(self.whitening) - set(WHITEN_FIELDS))
         if unknown:
             raise ValueError(f"unknown whitening option(s) {unknown}; the methods take {', '.join(WHITEN_FIELDS)}")
@@ -403,9 +480,11 @@ QUICK: Dict[str, Any] = dict(model="resnet8", width=8, epochs=2, batch_size=64, 
 #: What a resumed run must share with the original (plus ``epochs`` when the schedule depends on it).
 _FINGERPRINT_KEYS = ("dataset", "test_fraction", "train_subset", "test_subset", "augment", "model", "width",
                      "batch_size", "lr", "momentum", "nesterov", "weight_decay", "schedule", "milestones", "lr_gamma",
-                     "warmup_epochs", "layer_kw", "diag_batches", "sync_bn", "amp", "channels_last", "compile")
+                     "warmup_epochs", "layer_kw", "diag_batches", "sync_bn", "amp", "channels_last", "compile",
+                     "val_fraction", "norm", "optimizer", "method_lr")
 #: Keys left out of the fingerprint at these values, so runs checkpointed before the option existed still resume.
-_UNSET = {"amp": "none", "channels_last": False, "compile": False, **{k: None for k in WHITEN_FIELDS}}
+_UNSET = {"amp": "none", "channels_last": False, "compile": False, "val_fraction": 0.0, "norm": "bn",
+          "optimizer": "sgd", "method_lr": {}, **{k: None for k in WHITEN_FIELDS}}
 
 
 def fingerprint(record: Mapping[str, Any]) -> Dict[str, Any]:
@@ -535,7 +614,22 @@ _PARSE: Dict[str, Callable[[Any], Any]] = {
     "seeds": _parse_seeds,
     "milestones": lambda s: [int(v) for v in str(s).split(",") if v.strip()],
     "layer_kw": _parse_layer_kw,
+    "time_levels": lambda s: [float(v) for v in str(s).split(",") if v.strip()],
+    "method_lr": lambda s: _parse_method_lr(s),
 }
+
+
+def _parse_method_lr(text: str) -> Dict[str, float]:
+    out: Dict[str, float] = {}
+    for item in str(text).split(","):
+        if not item.strip():
+            continue
+        try:
+            name, value = item.split("=", 1)
+            out[name.strip()] = float(value)
+        except ValueError:
+            raise ValueError(f"--method-lr expects METHOD=LR[,METHOD=LR...], but got {item!r}") from None
+    return out
 
 
 def resolve_config(args: argparse.Namespace) -> RunConfig:

@@ -30,7 +30,7 @@ from ..diagnostics import collect_diagnostics
 from . import checkpoint
 from .config import METHOD_LABELS, METHOD_REGISTRY, RunConfig, fingerprint, layer_kwargs, model_spec
 from .context import Context
-from .report import format_epoch_line, format_summary, plot_metrics, prepare_out, summarize, summary_text, title, write_metrics
+from .report import format_epoch_line, format_summary, format_time_to_accuracy, load_note, time_to_accuracy, plot_metrics, prepare_out, summarize, summary_text, title, write_metrics
 
 try:  # optional: in the 'experiment' extra; without it there is no progress bar
     from tqdm import tqdm
@@ -38,17 +38,73 @@ except ImportError:  # pragma: no cover - depends on the environment
     tqdm = None
 
 __all__ = ["build_model", "lr_at", "make_loaders", "diagnostic_batches", "measure_diagnostics",
-           "whitening_fingerprint", "Precision", "train_epoch", "evaluate", "Run", "run"]
+           "whitening_fingerprint", "Precision", "make_optimizer", "remove_batchnorm", "train_epoch", "evaluate", "Run", "run"]
 
 
 # ==========================================================================
 # Model, data, learning rate
 # ==========================================================================
+class ChannelAffine(nn.Module):
+    """Per-channel scale and bias (what is left of a BatchNorm in the ``--norm none`` ResNet)."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(channels))
+        self.bias = nn.Parameter(torch.zeros(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight.view(1, -1, 1, 1) + self.bias.view(1, -1, 1, 1)
+
+
+def remove_batchnorm(model: nn.Module) -> nn.Module:
+    """Fixup-style (Zhang et al. 2019) CIFAR ResNet without BatchNorm, in place.
+
+    Every BatchNorm2d becomes a :class:`ChannelAffine` (scale 1, bias 0); in
+    each of the ``L`` residual blocks the first convolution is scaled by
+    ``L^-1/2`` and the last is zero-initialised, as is the classifier, so
+    every block starts as the identity and the output variance stays bounded.
+    """
+    blocks = [m for m in model.modules() if isinstance(m, models.BasicBlock)]
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.BatchNorm2d):
+                setattr(parent, name, ChannelAffine(child.num_features).to(child.weight.device))
+    with torch.no_grad():
+        for b in blocks:
+            b.conv1.weight.mul_(len(blocks) ** -0.5)
+            b.conv2.weight.zero_()
+        if isinstance(getattr(model, "fc", None), nn.Linear):
+            model.fc.weight.zero_()
+            model.fc.bias.zero_()
+    return model
+
+
 def build_model(cfg: RunConfig, num_classes: int, in_channels: int) -> nn.Module:
     kind, depth = model_spec(cfg.model)
     if kind == "torchvision":
         return models.resnet50(num_classes=num_classes, in_channels=in_channels)
-    return models.cifar_resnet(depth=depth, num_classes=num_classes, in_channels=in_channels, width=int(cfg.width))
+    model = models.cifar_resnet(depth=depth, num_classes=num_classes, in_channels=in_channels, width=int(cfg.width))
+    if cfg.norm == "none":
+        remove_batchnorm(model)
+    return model
+
+
+def make_optimizer(cfg: RunConfig, method: str, model: nn.Module) -> torch.optim.Optimizer:
+    """The method's optimizer at its initial rate; every param group carries ``base_lr`` (scaled by the schedule)."""
+    lr = cfg.method_lr_for(method)
+    own = METHOD_REGISTRY[method].optimizer
+    if own is not None:
+        opt = own(model, lr, cfg)
+    elif cfg.optimizer == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=float(cfg.momentum), nesterov=bool(cfg.nesterov),
+                              weight_decay=float(cfg.weight_decay))
+    elif cfg.optimizer == "adam":
+        opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=float(cfg.weight_decay))
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=float(cfg.weight_decay))
+    for g in opt.param_groups:
+        g.setdefault("base_lr", g["lr"])
+    return opt
 
 
 def lr_at(cfg: RunConfig, epoch: int) -> float:
@@ -184,18 +240,24 @@ class Precision:
             x = x.contiguous(memory_format=torch.channels_last)
         return x
 
-    def backward_step(self, loss: torch.Tensor, opt: torch.optim.Optimizer) -> None:
+    def backward_step(self, loss: torch.Tensor, opt: torch.optim.Optimizer, pre=None) -> None:
+        """Backward, the preconditioner's gradient rewrite (``pre.step()``, K-FAC/FOOF) if any, optimizer step."""
         if self.scaler is None:
             loss.backward()
+            if pre is not None:
+                pre.step()
             opt.step()
         else:  # skips the step when a gradient is not finite, and adapts the scale
             self.scaler.scale(loss).backward()
+            if pre is not None:
+                self.scaler.unscale_(opt)
+                pre.step()
             self.scaler.step(opt)
             self.scaler.update()
 
 
 def train_epoch(model: nn.Module, opt: torch.optim.Optimizer, loader, ctx: Context, precision: Precision,
-                bar=None) -> Tuple[float, float, int]:
+                bar=None, pre=None) -> Tuple[float, float, int]:
     """One pass over ``loader``; returns this rank's summed loss, correct count and sample count."""
     model.train()
     loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
@@ -208,7 +270,7 @@ def train_epoch(model: nn.Module, opt: torch.optim.Optimizer, loader, ctx: Conte
             out = model(x)
             loss = F.cross_entropy(out, y)
         opt.zero_grad(set_to_none=True)
-        precision.backward_step(loss, opt)
+        precision.backward_step(loss, opt, pre)
         with torch.no_grad():
             loss_sum += loss.detach().double() * y.shape[0]
             correct += (out.argmax(1) == y).sum()
@@ -251,6 +313,14 @@ def progress_enabled(cfg: RunConfig, ctx: Context) -> bool:
     return show
 
 
+def _load1() -> float:
+    """The machine's 1-minute load average (nan where the OS has none)."""
+    try:
+        return float(os.getloadavg()[0])
+    except (AttributeError, OSError):  # pragma: no cover - Windows
+        return float("nan")
+
+
 # ==========================================================================
 # One (method, seed) run
 # ==========================================================================
@@ -281,8 +351,9 @@ class Run:
             model = model.to(memory_format=torch.channels_last)
         self.model = model
         self.precision = Precision(cfg.amp, cfg.channels_last, ctx.device)
-        self.opt = torch.optim.SGD(model.parameters(), lr=lr_at(cfg, 0), momentum=float(cfg.momentum),
-                                   nesterov=bool(cfg.nesterov), weight_decay=float(cfg.weight_decay))
+        self.opt = make_optimizer(cfg, method, model)
+        make_pre = METHOD_REGISTRY[method].preconditioner
+        self.pre = make_pre(model, cfg.method_lr_for(method)) if make_pre is not None else None
         self.rows: List[Dict[str, Any]] = []
         self.epoch = 0  # epochs completed
         if cfg.resume:
@@ -329,19 +400,24 @@ class Run:
     def train_epoch(self) -> Dict[str, Any]:
         """Train the next epoch, evaluate, measure kappa/rho, checkpoint; returns the epoch's metrics row."""
         ctx, cfg, epoch = self.ctx, self.cfg, self.epoch
-        lr = lr_at(cfg, epoch)
+        factor = lr_at(cfg, epoch) / float(cfg.lr)  # the schedule, applied to every method's own base rate
+        lr = cfg.method_lr_for(self.method) * factor
         for group in self.opt.param_groups:
-            group["lr"] = lr
+            group["lr"] = group["base_lr"] * factor
+        if self.pre is not None:
+            self.pre.lr = lr
         self.train_loader.set_epoch(epoch)
         bar = None
         if self.show:
             bar = tqdm(total=len(self.train_loader), desc=f"{self.method:>9s} s{self.seed} ep {epoch + 1}/{self.epochs}",
                        file=sys.stderr, leave=False, mininterval=0.1, dynamic_ncols=True)
         ctx.synchronize()
-        t0 = time.perf_counter()
-        loss_sum, correct, seen = train_epoch(self.net, self.opt, self.train_loader, ctx, self.precision, bar)
+        t0, c0 = time.perf_counter(), time.process_time()
+        loss_sum, correct, seen = train_epoch(self.net, self.opt, self.train_loader, ctx, self.precision, bar,
+                                              self.pre)
         ctx.synchronize()
         epoch_time = time.perf_counter() - t0
+        cpu_time = time.process_time() - c0
         if bar is not None:
             bar.close()
         loss_sum, correct, seen = ctx.all_sum([loss_sum, correct, seen])
@@ -352,7 +428,9 @@ class Run:
         eval_time = time.perf_counter() - t1
         row = dict(method=self.method, seed=self.seed, epoch=epoch + 1, lr=lr, train_loss=loss_sum / max(1.0, seen),
                    train_acc=100.0 * correct / max(1.0, seen), test_loss=test_loss, test_acc=test_acc,
-                   **diag_vals, epoch_time=epoch_time, eval_time=eval_time)
+                   **diag_vals, epoch_time=epoch_time, eval_time=eval_time,
+                   train_time=sum(r["epoch_time"] for r in self.rows) + epoch_time, cpu_time=cpu_time,
+                   load1=_load1(), wall_clock=time.time())
         self.rows.append(row)
         self.epoch = epoch + 1
         ctx.log(format_epoch_line(row, self.epochs))
@@ -389,6 +467,8 @@ def run(cfg: RunConfig, ctx: Context, argv: Sequence[str] = ()) -> Dict[str, Any
     if cfg.download and ctx.distributed and ctx.is_main:
         ctx.barrier()
     bundle = bundle.limit(cfg.train_subset, cfg.test_subset)
+    if float(cfg.val_fraction) > 0:
+        bundle = bundle.validation(float(cfg.val_fraction))
     kind, depth = model_spec(cfg.model)
     model_name = "ResNet-50" if kind == "torchvision" else f"CIFAR ResNet-{depth} width {cfg.width}"
     switches = [s for s, on in ((f"amp {cfg.amp}", cfg.amp != "none"), ("torch.compile", cfg.compile),
@@ -398,6 +478,8 @@ def run(cfg: RunConfig, ctx: Context, argv: Sequence[str] = ()) -> Dict[str, Any
             f"methods {','.join(cfg.methods)}, seeds {','.join(map(str, cfg.seeds))}, {cfg.epochs} epochs, "
             f"batch {cfg.batch_size} on {ctx.world} process(es), device {ctx.device}, {ctx.threads} thread(s)/process"
             + "".join(f", {s}" for s in switches))
+    if getattr(ctx, "note", ""):
+        ctx.log(f"  {ctx.note}")
     for note in bundle.notes:
         ctx.log(f"  {note}")
     ctx.log(f"  output: {cfg.out}")
@@ -435,6 +517,8 @@ def run(cfg: RunConfig, ctx: Context, argv: Sequence[str] = ()) -> Dict[str, Any
     if ctx.is_main:
         summary, target = summarize(done, cfg.methods, cfg.target_acc)
         table = format_summary(summary, target)
+        tta = time_to_accuracy(done, cfg.methods, cfg.time_levels)
+        table += "\n\n" + format_time_to_accuracy(tta, cfg.time_levels) + "\n\n" + load_note(done, ctx.threads)
         wall = time.perf_counter() - t_start
         fig_path: Optional[str] = os.path.join(cfg.out, "figure.png")
         name = title(cfg, bundle.label)

@@ -25,11 +25,16 @@ from .config import METHOD_COLORS, METHOD_LABELS, METHODS, RunConfig, fingerprin
 from .context import Context
 
 __all__ = ["CSV_FIELDS", "TIME_FIELDS", "write_metrics", "read_metrics", "summarize", "format_summary",
+           "time_to_accuracy", "format_time_to_accuracy", "load_note",
            "plot_metrics", "replot", "format_epoch_line", "prepare_out"]
 
 CSV_FIELDS = ["method", "seed", "epoch", "lr", "train_loss", "train_acc", "test_loss", "test_acc", "kappa_mean",
-              "kappa_sem", "rho_mean", "rho_sem", "epoch_time", "eval_time"]
-TIME_FIELDS = ("epoch_time", "eval_time")
+              "kappa_sem", "rho_mean", "rho_sem", "epoch_time", "eval_time", "train_time", "cpu_time", "load1",
+              "wall_clock"]
+#: Columns that depend on the machine, not on the computation (``train_time``: cumulative ``epoch_time``;
+#: ``cpu_time``: the process's CPU seconds in the epoch's training loop, all threads; ``load1``: the 1-minute
+#: load average after the epoch; ``wall_clock``: Unix time after the epoch).
+TIME_FIELDS = ("epoch_time", "eval_time", "train_time", "cpu_time", "load1", "wall_clock")
 
 
 def format_epoch_line(row: Dict[str, Any], epochs: int) -> str:
@@ -49,8 +54,8 @@ def write_metrics(rows: Iterable[Dict[str, Any]], path: str) -> None:
     with open(tmp, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
         w.writeheader()
-        for r in rows:
-            w.writerow({k: r[k] for k in CSV_FIELDS})
+        for r in rows:  # rows of a run resumed from an older checkpoint may lack the newer columns
+            w.writerow({k: r.get(k, float("nan")) for k in CSV_FIELDS})
     os.replace(tmp, path)
 
 
@@ -62,7 +67,10 @@ def read_metrics(path: str) -> List[Dict[str, Any]]:
             row: Dict[str, Any] = dict(r)
             row["seed"], row["epoch"] = int(r["seed"]), int(r["epoch"])
             for k in CSV_FIELDS[3:]:
-                row[k] = float(r[k])
+                row[k] = float(r[k]) if r.get(k) not in (None, "") else float("nan")
+            if not math.isfinite(row["train_time"]):  # an older CSV: cumulate the epoch times
+                done = [q for q in out if q["method"] == row["method"] and q["seed"] == row["seed"]]
+                row["train_time"] = sum(q["epoch_time"] for q in done) + row["epoch_time"]
             out.append(row)
     return out
 
@@ -151,6 +159,164 @@ def format_summary(summary: Sequence[Dict[str, Any]], target: float) -> str:
 
 
 # ==========================================================================
+# Time to accuracy
+# ==========================================================================
+def _first_reach(lst: Sequence[Dict[str, Any]], level: float) -> Tuple[float, float]:
+    """(epoch, cumulative training seconds) at which test accuracy first reaches ``level``; nan when never."""
+    elapsed = 0.0
+    for r in lst:
+        elapsed = r["train_time"] if math.isfinite(r.get("train_time", float("nan"))) else elapsed + r["epoch_time"]
+        if r["test_acc"] >= level:
+            return float(r["epoch"]), float(elapsed)
+    return float("nan"), float("nan")
+
+
+def _t_interval(values: Sequence[float]) -> Tuple[float, float, float]:
+    """Mean and the 95 % Student-t interval ``(mean, low, high)`` of the values (nan with fewer than two)."""
+    a = np.asarray([v for v in values if math.isfinite(v)], dtype=float)
+    if a.size == 0:
+        return float("nan"), float("nan"), float("nan")
+    if a.size == 1:
+        return float(a[0]), float("nan"), float("nan")
+    half = T95[min(a.size - 1, len(T95)) - 1] * a.std(ddof=1) / math.sqrt(a.size)
+    return float(a.mean()), float(a.mean() - half), float(a.mean() + half)
+
+
+#: Two-sided 95 % Student-t quantiles for 1..30 degrees of freedom (30 and beyond: 2.042, ~normal).
+T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+       2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def time_to_accuracy(rows: Sequence[Dict[str, Any]], methods: Optional[Sequence[str]] = None,
+                     levels: Sequence[float] = ()) -> List[Dict[str, Any]]:
+    """Per method: epochs and cumulative training seconds to the baseline's final accuracy and to fixed levels.
+
+    The target of seed ``s`` is the baseline's final test accuracy on seed
+    ``s`` (paired: same initial weights and data order). Per method the result
+    holds, for each seed, ``(epoch, seconds)`` to that target (nan when not
+    reached) and ``ratio``, the method's seconds over the baseline's (on the
+    same seed); ``levels`` gives the same at fixed accuracies. Seconds are
+    the training loop's (``train_time``, the cumulative ``epoch_time``), so
+    evaluation is not counted. Without a baseline the target part is empty.
+    """
+    groups = _by_method(rows)
+    methods = [m for m in (methods or METHODS) if m in groups] + [m for m in groups if m not in (methods or METHODS)]
+    base = groups.get("baseline", {})
+    targets = {seed: lst[-1]["test_acc"] for seed, lst in base.items()}
+    base_reach = {seed: _first_reach(lst, targets[seed]) for seed, lst in base.items()}
+    out = []
+    for m in methods:
+        seeds = groups[m]
+        per_seed = {}
+        for seed, lst in sorted(seeds.items()):
+            rec: Dict[str, Any] = {"final": lst[-1]["test_acc"], "epochs_run": len(lst),
+                                   "train_time": lst[-1].get("train_time", float("nan")),
+                                   "epoch_time": float(np.mean([r["epoch_time"] for r in lst])),
+                                   "cpu_time": float(np.nanmean([r.get("cpu_time", float("nan")) for r in lst]))
+                                   if any(math.isfinite(r.get("cpu_time", float("nan"))) for r in lst) else float("nan")}
+            if seed in targets:
+                ep, sec = _first_reach(lst, targets[seed])
+                cpu = [r.get("cpu_time", float("nan")) for r in lst]
+                cpu_sec = float(np.sum(cpu[:int(ep)])) if math.isfinite(ep) else float("nan")
+                base_ep = base_reach[seed][0]
+                base_cpu = float(np.sum([r.get("cpu_time", float("nan")) for r in base[seed][:int(base_ep)]])) \
+                    if math.isfinite(base_ep) else float("nan")
+                rec.update(cpu_seconds=cpu_sec, cpu_ratio=cpu_sec / base_cpu if base_cpu > 0 else float("nan"))
+                rec.update(target=targets[seed], epoch=ep, seconds=sec,
+                           ratio=sec / base_reach[seed][1] if base_reach[seed][1] > 0 else float("nan"),
+                           epoch_ratio=ep / base_reach[seed][0] if base_reach[seed][0] > 0 else float("nan"))
+            rec["levels"] = {lv: _first_reach(lst, lv) for lv in levels}
+            per_seed[seed] = rec
+        out.append({"method": m, "seeds": per_seed})
+    return out
+
+
+def _mean_ci(values: Sequence[float], digits: int = 2, suffix: str = "") -> str:
+    vals = [v for v in values if math.isfinite(v)]
+    if not vals:
+        return "—"
+    mean, lo, hi = _t_interval(vals)
+    text = f"{mean:.{digits}f}{suffix}"
+    if math.isfinite(lo):
+        text += f" [{lo:.{digits}f}, {hi:.{digits}f}]"
+    return text
+
+
+def format_time_to_accuracy(tta: Sequence[Dict[str, Any]], levels: Sequence[float] = ()) -> str:
+    """The time-to-accuracy table (Markdown): mean over seeds, 95 % t-intervals in brackets; n/N = seeds reaching."""
+    head = ["method", "final acc (%)", "target: baseline final (%)", "epochs to target", "seconds to target",
+            "time vs baseline (paired)", "CPU time vs baseline (paired)"]
+    head += [f"s to {lv:g}%" for lv in levels]
+    head += ["train s (total)", "CPU s / wall s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for t in tta:
+        recs = list(t["seeds"].values())
+        n = len(recs)
+
+        def reached(key: str) -> str:
+            k = sum(math.isfinite(r.get(key, float("nan"))) for r in recs)
+            return "" if k == n else f" ({k}/{n})"
+
+        has_target = any("target" in r for r in recs)
+        cells = [METHOD_LABELS.get(t["method"], t["method"]), _fmt(*_mean_std([r["final"] for r in recs]), n)]
+        if has_target:
+            cells += [_fmt(*_mean_std([r["target"] for r in recs]), n),
+                      (_mean_ci([r["epoch"] for r in recs], 1) + reached("epoch")) if any(
+                          math.isfinite(r["epoch"]) for r in recs) else f"not reached (0/{n})",
+                      (_mean_ci([r["seconds"] for r in recs], 1) + reached("seconds")) if any(
+                          math.isfinite(r["seconds"]) for r in recs) else "—",
+                      _mean_ci([r["ratio"] for r in recs], 2, "x"),
+                      _mean_ci([r.get("cpu_ratio", float("nan")) for r in recs], 2, "x")]
+        else:
+            cells += ["—"] * 5
+        for lv in levels:
+            secs = [r["levels"][lv][1] for r in recs]
+            k = sum(math.isfinite(v) for v in secs)
+            cells.append(f"{np.mean([v for v in secs if math.isfinite(v)]):.1f}" + ("" if k == n else f" ({k}/{n})")
+                         if k else "—")
+        cpu = [r["cpu_time"] / r["epoch_time"] for r in recs if r["epoch_time"] > 0 and math.isfinite(r["cpu_time"])]
+        cells += [_fmt(*_mean_std([r["train_time"] for r in recs]), n, 1),
+                  f"{np.mean(cpu):.2f}" if cpu else "n/a"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def load_note(rows: Sequence[Dict[str, Any]], threads: Optional[int] = None, cores: Optional[int] = None) -> str:
+    """A line on the machine's load during the run; flags the run when it changed notably.
+
+    Notable: the 1-minute load average's range over the epochs exceeds half the
+    machine's cores (or 1), or some epochs' CPU-to-wall ratio differs from the
+    median by more than 25 % (the process got less of the CPU than at other
+    times; epochs under 0.5 s are too short to say). Timing comparisons then rest on the interleaving alone.
+    """
+    cores = cores or os.cpu_count() or 1
+    loads = np.array([r.get("load1", float("nan")) for r in rows], dtype=float)
+    loads = loads[np.isfinite(loads)]
+    ratios = np.array([r["cpu_time"] / r["epoch_time"] for r in rows
+                       if math.isfinite(r.get("cpu_time", float("nan"))) and r["epoch_time"] > 0.5], dtype=float)
+    if loads.size == 0:
+        return "Machine load: not recorded."
+    spread = float(loads.max() - loads.min())
+    flags = []
+    if spread > max(1.0, 0.5 * cores):
+        flags.append(f"the 1-minute load average ranged {loads.min():.2f}-{loads.max():.2f} on {cores} cores")
+    if ratios.size >= 2:
+        med = float(np.median(ratios))
+        off = int(np.sum(np.abs(ratios - med) > 0.25 * med))
+        if off:
+            flags.append(f"{off} of {ratios.size} epochs had a CPU/wall ratio more than 25 % away from the median "
+                         f"{med:.2f}")
+    text = (f"Machine load: 1-minute load average {loads.min():.2f}-{loads.max():.2f} (mean {loads.mean():.2f}) on "
+            f"{cores} cores" + (f", {threads} thread(s) per process" if threads else "") + ".")
+    if loads.mean() > cores:
+        text += " The machine was oversubscribed (load above its cores): absolute times are inflated."
+    if flags:
+        text += (" **Flag: the load changed notably during the run** (" + "; ".join(flags) + "). Methods trained interleaved epoch by "
+                 "epoch (--order interleaved, the default) still shared it alike; compare absolute times with care.")
+    return text
+
+
+# ==========================================================================
 # Figure
 # ==========================================================================
 def plot_metrics(rows: Sequence[Dict[str, Any]], path: str, title: str, methods: Optional[Sequence[str]] = None) -> None:
@@ -197,7 +363,8 @@ def plot_metrics(rows: Sequence[Dict[str, Any]], path: str, title: str, methods:
             if spread is not None and np.isfinite(spread).any():
                 ax.fill_between(ep, mean - spread, mean + spread, color=color, alpha=0.18, lw=0)
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 5.0))
+    fig, grid = plt.subplots(2, 3, figsize=(15, 9.4))
+    axes = grid[0]
     for ax, (key, _, ylabel, ptitle) in zip(axes, panels):
         draw(ax, key)
         ax.set_xlabel("epoch")
@@ -227,11 +394,52 @@ def plot_metrics(rows: Sequence[Dict[str, Any]], path: str, title: str, methods:
         ins.grid(True, alpha=0.3)
         ins.set_title(f"zoom: epochs {first}-{n_ep}", fontsize=8)
         ax.indicate_inset_zoom(ins, edgecolor="0.5")
+    # Second row: against training wall-clock time (the interleaved epochs' cumulative training seconds, mean over
+    # seeds), where a user's decision is made; the baseline's final accuracy as a dashed line.
+    base_final = None
+    if "baseline" in groups:
+        base_final = float(np.mean([lst[-1]["test_acc"] for lst in groups["baseline"].values()]))
+    for ax, key, ylabel, ptitle in ((grid[1][0], "test_acc", "test accuracy (%)", "Test accuracy vs training time"),
+                                    (grid[1][1], "train_loss", "training loss", "Training loss vs training time")):
+        for m in methods:
+            seeds = list(groups[m].values())
+            length = min(len(lst) for lst in seeds)
+            t = np.array([[r.get("train_time", float("nan")) for r in lst[:length]] for lst in seeds], float).mean(0)
+            v = np.array([[r[key] for r in lst[:length]] for lst in seeds], dtype=float)
+            ax.plot(t, v.mean(0), color=METHOD_COLORS.get(m), lw=2, marker="o" if length <= 30 else None, ms=4,
+                    label=METHOD_LABELS.get(m, m))
+            if v.shape[0] > 1:
+                ax.fill_between(t, v.mean(0) - v.std(0, ddof=1), v.mean(0) + v.std(0, ddof=1),
+                                color=METHOD_COLORS.get(m), alpha=0.15, lw=0)
+        if key == "test_acc":
+            if base_final is not None:
+                ax.axhline(base_final, color="0.3", ls="--", lw=1, label="baseline final")
+            lo = np.nanpercentile([r["test_acc"] for r in rows], 10)
+            ax.set_ylim(max(0.0, lo - 2), min(100.0, max(r["test_acc"] for r in rows) + 1))
+        else:
+            ax.set_yscale("log")
+        ax.set_xlabel("training time (s, cumulative; interleaved epochs)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(ptitle, fontsize=11)
+        ax.grid(True, alpha=0.3)
+    ax = grid[1][2]
+    for m in methods:
+        seeds = list(groups[m].values())
+        length = min(len(lst) for lst in seeds)
+        ep = np.array([r["epoch"] for r in seeds[0][:length]])
+        v = np.array([[r["train_loss"] for r in lst[:length]] for lst in seeds], dtype=float)
+        ax.plot(ep, v.mean(0), color=METHOD_COLORS.get(m), lw=2, marker="o" if length <= 30 else None, ms=4)
+    ax.set_yscale("log")
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("training loss")
+    ax.set_title("Training loss vs epoch", fontsize=11)
+    ax.grid(True, alpha=0.3)
+    ax.xaxis.get_major_locator().set_params(integer=True)
     handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="upper center", ncol=len(labels), bbox_to_anchor=(0.5, 0.945), frameon=False,
-               fontsize=11)
-    fig.suptitle(title, fontsize=13, y=0.99)
-    fig.tight_layout(rect=(0, 0, 1, 0.9))
+    fig.legend(handles, labels, loc="upper center", ncol=min(len(labels), 6), bbox_to_anchor=(0.5, 0.965),
+               frameon=False, fontsize=11)
+    fig.suptitle(title, fontsize=13, y=0.995)
+    fig.tight_layout(rect=(0, 0, 1, 0.92 if len(labels) <= 6 else 0.9))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -254,7 +462,12 @@ def title(cfg: RunConfig, data_label: str) -> str:
 def summary_text(title: str, table: str, target: float, wall: Optional[float]) -> str:
     text = (f"# {title}\n\n{table}\n\nTarget accuracy {target:.1f}%. Epoch time = training loop only "
             f"(forward, backward, step), mean over epochs; accuracies are test accuracies in percent; kappa and rho "
-            f"at the last epoch, mean over layers.")
+            f"at the last epoch, mean over layers. Time to accuracy (second table): per seed, the first epoch at "
+            f"which test accuracy reaches that seed's baseline final accuracy (or a fixed level) and the cumulative "
+            f"training seconds to the end of that epoch (evaluation not counted); mean over seeds with a 95 % "
+            f"t-interval in brackets, (k/n) when only k of n seeds reach it. 'time vs baseline' is the paired "
+            f"ratio of seconds to target on the same seed; 'CPU time vs baseline' the same with the process's CPU "
+            f"seconds, which a busy machine inflates less than wall-clock seconds.")
     if wall is not None:
         text += f" Total wall time {wall:.0f} s."
     return text + "\n"
@@ -270,6 +483,8 @@ def replot(out: str, target_acc: Optional[float] = None) -> Tuple[str, str]:
     plot_metrics(rows, fig_path, name, cfg.methods)
     summary, target = summarize(rows, cfg.methods, target_acc if target_acc is not None else cfg.target_acc)
     table = format_summary(summary, target)
+    table += "\n\n" + format_time_to_accuracy(time_to_accuracy(rows, cfg.methods, cfg.time_levels), cfg.time_levels)
+    table += "\n\n" + load_note(rows, cfg.threads)
     with open(os.path.join(out, "summary.md"), "w") as f:
         f.write(summary_text(name, table, target, None))
     print(table)

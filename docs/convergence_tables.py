@@ -1,0 +1,137 @@
+"""Tables of docs/CONVERGENCE.md from the runs under runs/convergence (``python docs/convergence.py tables``)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from typing import Dict, List, Sequence
+
+import numpy as np
+
+from convergence import OUT, RUNS, STAGES, _chosen, _rows  # noqa: E402
+from whitenlayers.experiment.config import METHOD_LABELS
+from whitenlayers.experiment.report import _t_interval, format_time_to_accuracy, load_note, time_to_accuracy
+
+
+def _by(rows, method):
+    out: Dict[int, List[dict]] = {}
+    for r in rows:
+        if r["method"] == method:
+            out.setdefault(r["seed"], []).append(r)
+    return {s: sorted(v, key=lambda r: r["epoch"]) for s, v in sorted(out.items())}
+
+
+def _ms(vals: Sequence[float], d: int = 2) -> str:
+    a = np.asarray([v for v in vals if math.isfinite(v)], float)
+    if a.size == 0:
+        return "—"
+    return f"{a.mean():.{d}f} ± {a.std(ddof=1):.{d}f}" if a.size > 1 else f"{a[0]:.{d}f}"
+
+
+def _ci(vals: Sequence[float], d: int = 2) -> str:
+    m, lo, hi = _t_interval(vals)
+    if not math.isfinite(m):
+        return "—"
+    return f"{m:+.{d}f} [{lo:+.{d}f}, {hi:+.{d}f}]" if math.isfinite(lo) else f"{m:+.{d}f}"
+
+
+def _cmd(name: str) -> str:
+    p = os.path.join(RUNS, name, "command.txt")
+    return open(p).read().strip() if os.path.isfile(p) else "(not run)"
+
+
+def grid_table(stage: str) -> str:
+    """Validation grid: per method and learning rate, final validation accuracy (mean ± std over seeds)."""
+    runs = STAGES[stage]()
+    cols, table, methods = [], {}, []
+    for name, _ in runs:
+        rows = _rows(name)
+        if rows is None:
+            continue
+        cfg = json.load(open(os.path.join(RUNS, name, "config.json")))
+        cols.append(name)
+        for m in cfg["methods"]:
+            if m not in methods:
+                methods.append(m)
+            lr = cfg["method_lr"].get(m, cfg["lr"])
+            finals = [lst[-1]["test_acc"] for lst in _by(rows, m).values()]
+            epoch = float(np.mean([np.mean([r["epoch_time"] for r in lst]) for lst in _by(rows, m).values()]))
+            base = float(np.mean([np.mean([r["epoch_time"] for r in lst]) for lst in _by(rows, "baseline").values()]))
+            table.setdefault(m, []).append((lr, finals, epoch / base))
+    if not cols:
+        return f"(stage {stage}: not run)\n"
+    try:
+        chosen = _chosen(stage, methods)
+    except SystemExit:
+        chosen = {}
+    head = "| method | " + " | ".join(f"{c}: lr → val acc (%)" for c in cols) + \
+           " | chosen lr | epoch time vs baseline |"
+    lines = [head, "|" + "---|" * (len(cols) + 3)]
+    for m in methods:
+        cells = []
+        for lr, finals, _ in table[m]:
+            txt = f"{lr:g} → {_ms(finals)}"
+            if lr == chosen.get(m):
+                txt = f"**{txt}**"
+            if any(not math.isfinite(v) or v <= 12 for v in finals):
+                txt += f" ({sum(not math.isfinite(v) or v <= 12 for v in finals)} diverged)"
+            cells.append(txt)
+        ratio = np.mean([t[2] for t in table[m]])
+        lines.append(f"| {METHOD_LABELS.get(m, m)} | " + " | ".join(cells) +
+                     f" | {chosen.get(m, float('nan')):g} | {ratio:.2f}x |")
+    cmds = "\n".join(f"    {_cmd(n)}" for n in cols)
+    return "\n".join(lines) + f"\n\nCommands:\n\n{cmds}\n"
+
+
+def test_table(name: str) -> str:
+    """A test run at the chosen settings: time to accuracy, paired accuracy differences, kappa/rho, step ratio."""
+    rows = _rows(name)
+    if rows is None:
+        return f"(run {name}: not run)\n"
+    cfg = json.load(open(os.path.join(RUNS, name, "config.json")))
+    methods = cfg["methods"]
+    tta = time_to_accuracy(rows, methods, cfg["time_levels"])
+    text = format_time_to_accuracy(tta, cfg["time_levels"])
+    base = _by(rows, "baseline")
+    head = ["method", "lr", "test acc (%) mean ± std", "paired Δ acc vs baseline [95 % CI]",
+            "paired Δ acc at epoch 2 [95 % CI]", "epoch time vs baseline (paired)", "kappa (last)", "rho (last)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for m in methods:
+        runs = _by(rows, m)
+        seeds = sorted(set(runs) & set(base))
+        d_final = [runs[s][-1]["test_acc"] - base[s][-1]["test_acc"] for s in seeds]
+        d_e2 = [runs[s][1]["test_acc"] - base[s][1]["test_acc"] for s in seeds if len(runs[s]) > 1]
+        ratio = [np.mean([r["epoch_time"] for r in runs[s]]) / np.mean([r["epoch_time"] for r in base[s]])
+                 for s in seeds]
+        lr = cfg["method_lr"].get(m, cfg["lr"])
+        lines.append("| " + " | ".join([
+            METHOD_LABELS.get(m, m), f"{lr:g}", _ms([v[-1]["test_acc"] for v in runs.values()]),
+            _ci(d_final) if m != "baseline" else "—", _ci(d_e2) if m != "baseline" else "—",
+            f"{np.mean(ratio):.2f}x", _ms([v[-1]["kappa_mean"] for v in runs.values()], 3),
+            _ms([v[-1]["rho_mean"] for v in runs.values()], 3)]) + " |")
+    note = load_note(rows, 1)
+    return (f"Command:\n\n    {_cmd(name)}\n\nTime to accuracy:\n\n{text}\n\nAccuracy and cost:\n\n" + "\n".join(lines)
+            + f"\n\n{note}\n")
+
+
+def write_tables() -> None:
+    os.makedirs(OUT, exist_ok=True)
+    parts = []
+    for stage in STAGES:
+        runs = STAGES[stage]()
+        if stage.endswith("-val"):
+            body = grid_table(stage)
+        else:
+            body = "\n".join(test_table(n) for n, a in runs if a is not None) or "(not run)\n"
+            for n, a in runs:
+                fig = os.path.join(RUNS, n, "figure.png")
+                if a is not None and os.path.isfile(fig) and _rows(n) is not None:
+                    shutil.copyfile(fig, os.path.join(OUT, f"{n}.png"))
+                    body += f"\n![{n}]({os.path.basename(OUT)}/{n}.png)\n"
+        with open(os.path.join(OUT, f"{stage}.md"), "w") as f:
+            f.write(f"## {stage}\n\n{body}")
+        parts.append(f"## {stage}\n\n{body}")
+    with open(os.path.join(OUT, "all.md"), "w") as f:
+        f.write("\n".join(parts))
+    print(f"wrote {OUT}/*.md")
