@@ -60,7 +60,7 @@ def grid_table(stage: str) -> str:
             base = float(np.mean([np.mean([r["epoch_time"] for r in lst]) for lst in _by(rows, "baseline").values()]))
             table.setdefault(m, []).append((lr, finals, epoch / base))
     if not cols:
-        return f"(stage {stage}: not run)\n"
+        return f"(stage {stage}: not finished in this session)\n"
     try:
         chosen = _chosen(stage, methods)
     except SystemExit:
@@ -88,7 +88,7 @@ def test_table(name: str) -> str:
     """A test run at the chosen settings: time to accuracy, paired accuracy differences, kappa/rho, step ratio."""
     rows = _rows(name)
     if rows is None:
-        return f"(run {name}: not run)\n"
+        return f"(run {name}: not finished in this session)\n"
     cfg = json.load(open(os.path.join(RUNS, name, "config.json")))
     methods = cfg["methods"]
     tta = time_to_accuracy(rows, methods, cfg["time_levels"])
