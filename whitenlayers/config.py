@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Tuple, Type
 
-__all__ = ["WhiteningConfig", "EVDConfig", "RecursiveConfig", "config_class", "make_config", "validate_hyperparameters"]
+__all__ = ["WhiteningConfig", "EVDConfig", "RecursiveConfig", "make_config", "validate_hyperparameters"]
 
 DEFAULT_BLOCK_SIZE = 10
 
@@ -135,17 +135,6 @@ class RecursiveConfig(WhiteningConfig):
     c_abs: float = _hp(1e-6, "absolute threshold of the principal-subspace search", "c_abs")
 
     method = "recursive"
-
-
-_BY_METHOD: Dict[str, Type[WhiteningConfig]] = {"evd": EVDConfig, "recursive": RecursiveConfig}
-
-
-def config_class(method: str) -> Type[WhiteningConfig]:
-    """The config class of a rule (``"evd"`` or ``"recursive"``)."""
-    try:
-        return _BY_METHOD[method]
-    except KeyError:
-        raise ValueError(f"method must be one of {tuple(_BY_METHOD)}, but got method={method!r}") from None
 
 
 def make_config(cls: Type[WhiteningConfig], owner: str, config: Optional[WhiteningConfig],
