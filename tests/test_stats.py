@@ -118,9 +118,20 @@ def test_eval_mode_never_updates():
 def test_stats_fraction_opt_in():
     assert wl.GradWhitenConv2d(3, 4, 1).stats_fraction == 1.0
     layer = wl.DirectWhiten(2, block_size=1, stats_fraction=0.5)
-    x = torch.cat([torch.zeros(2, 2, 3, 3), torch.ones(2, 2, 3, 3) * 9])
+    x = torch.cat([torch.zeros(2, 2, 8, 8), torch.ones(2, 2, 8, 8) * 9])
     layer(x)
     torch.testing.assert_close(layer.running_mean, torch.zeros(2))  # only the leading half was used
+
+
+def test_stats_fraction_keeps_enough_rows():
+    """The fraction thins out rows to spare, never a batch with few rows per feature (a linear layer)."""
+    layer = wl.GradWhitenLinear(4, 3, block_size=1, stats_fraction=0.25)
+    x = torch.cat([torch.zeros(32, 4), torch.ones(32, 4) * 8])  # 64 rows: 16 per feature, all of them needed
+    layer(x)
+    torch.testing.assert_close(layer.running_mean, torch.full((4,), 4.0))
+    conv = wl.GradWhitenConv2d(2, 3, 1, block_size=1, stats_fraction=0.25)
+    conv(torch.cat([torch.zeros(4, 2, 8, 8), torch.ones(12, 2, 8, 8)]))  # 64 rows per sample: a quarter suffices
+    torch.testing.assert_close(conv.running_mean, torch.zeros(2))
 
 
 BAD = [

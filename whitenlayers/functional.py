@@ -20,6 +20,7 @@ Conventions
 """
 from __future__ import annotations
 
+import math
 from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
@@ -30,6 +31,7 @@ __all__ = [
     "symmetrize",
     "all_finite",
     "batch_moments",
+    "stats_samples",
     "summarize_block",
     "fold_mean",
     "block_covariance",
@@ -113,6 +115,30 @@ def _as_rows(x: Tensor) -> Optional[Tensor]:
 # (see batch_moments), accepted when it loses at most log2(_UNSHIFTED_MAX_LOSS) bits.
 _CPU_UNSHIFTED_MIN_ELEMENTS = 1 << 16
 _UNSHIFTED_MAX_LOSS = 8.0
+
+
+#: Sub-sampled statistics (``stats_fraction < 1``) keep at least this many rows (samples x positions) per
+#: feature in every batch: the fraction thins out batches with rows to spare (a conv's many positions), never
+#: the few rows of a linear layer or a small batch.
+STATS_MIN_ROWS_PER_FEATURE = 16
+
+
+def stats_samples(batch: int, positions: int, features: int, fraction: float) -> int:
+    """How many leading samples of a batch the statistics use with ``stats_fraction=fraction``.
+
+    ``ceil(fraction * batch)``, raised to the samples needed for
+    ``STATS_MIN_ROWS_PER_FEATURE * features`` rows of ``positions`` each, at most ``batch``.
+
+    Example:
+        >>> stats_samples(128, 32 * 32, 16, 0.25)   # a 16-channel conv at 32x32: a quarter of the batch
+        32
+        >>> stats_samples(128, 8 * 8, 64, 0.25)     # 64 channels at 8x8: still a quarter
+        32
+        >>> stats_samples(128, 1, 512, 0.25)        # a 512-wide linear layer: every sample
+        128
+    """
+    keep = max(math.ceil(fraction * batch), math.ceil(STATS_MIN_ROWS_PER_FEATURE * features / max(positions, 1)))
+    return max(1, min(batch, keep))
 
 
 def _unshifted_moments(x: Tensor, shift: Tensor) -> Optional[Tuple[Tensor, Tensor]]:

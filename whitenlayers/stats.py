@@ -34,7 +34,7 @@ from torch import Tensor
 from . import functional as F_w
 from .config import EVDConfig, RecursiveConfig, WhiteningConfig
 from .fold import FoldCoordinator, _no_autocast, fold_layers
-from .functional import BlockSummary
+from .functional import BlockSummary, stats_samples
 from .rules import NOT_COMPUTED, Fold, RuleResult, TransformRule, rule_for
 
 __all__ = ["WhiteningStatistics"]
@@ -187,7 +187,7 @@ class WhiteningStatistics:
             x = x.float()
         fraction = self.config.stats_fraction
         if fraction < 1.0 and x.shape[0] > 1:
-            x = x[: max(1, math.ceil(fraction * x.shape[0]))]
+            x = x[: stats_samples(x.shape[0], x[0].numel() // self.num_features, self.num_features, fraction)]
         if self._acc_s1.device != x.device:
             self._reset_accumulators_to(x.device)
         with _no_autocast(x.device):  # under autocast, products would run (and overflow) in fp16/bf16
