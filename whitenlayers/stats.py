@@ -24,7 +24,6 @@ Folding across layers and ranks is :mod:`whitenlayers.fold`'s.
 """
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Any, Dict, Hashable, Optional
 
