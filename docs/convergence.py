@@ -108,6 +108,12 @@ STAGES = {
     # Width 16 (the paper's), lr 0.1, validation.
     "width-val": lambda: [("width-val-w16", ["--methods", "baseline,grad,recursive", "--width", "16", *DIG, *VAL])],
     "width-test": lambda: [("width-test-w16", ["--methods", "baseline,grad,recursive", "--width", "16", *DIG])],
+    # Sub-sampled statistics (issue 12, lever 2): full statistics against stats_fraction=0.25 (the leading quarter
+    # of each batch), both embedded datasets at the default run's settings, validation split; paired by seed
+    # across the two runs of a dataset (same initial weights and data order).
+    "stats-val": lambda: [(f"stats-val-{ds}-f{f:g}", ["--methods", "baseline,grad,recursive" if f == 1 else "grad,recursive",
+                                                      "--dataset", ds, "--stats-fraction", f"{f:g}", *VAL])
+                          for ds in ("mnist5k", "digits") for f in (1.0, 0.25)],
     # mnist5k, the default run's setting (lr 0.1), with the two fastest peers on digits at their digits-validated
     # rates; 3 seeds (the default run's), for lack of time at this machine's load.
     "mnist-peers": lambda: [("mnist-peers", ["--methods", "baseline,grad,recursive,muon,soap", "--dataset", "mnist5k",
