@@ -83,7 +83,20 @@ def machine_description() -> Dict[str, str]:
         "threads": str(torch.get_num_threads()),
         "blas": "MKL" if torch.backends.mkl.is_available() else "other",
         "loadavg": loadavg(),
+        "commit": _commit(),
     }
+
+
+def _commit() -> str:
+    """The repository's commit (with ``+changes`` when the tree differs from it), or ``n/a``."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "n/a"
+    return (head + (" +changes" if dirty else "")) if head else "n/a"
 
 
 class Interleaved:

@@ -88,6 +88,7 @@ def main(argv=None) -> int:
         "| machine | |",
         "| --- | --- |",
         f"| date | {info['date']} |",
+        f"| commit | {info['commit']} |",
         f"| CPU (lscpu) | {info['cpu']} |",
         f"| torch | {info['torch']} (BLAS: {info['blas']}), Python {info['python']} |",
         f"| threads | torch.set_num_threads({args.threads}) in every script; {args.clock} clock for interleaved timings |",
