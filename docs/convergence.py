@@ -1,7 +1,7 @@
 """The convergence study of docs/CONVERGENCE.md: every run it reports, and the tables.
 
     python docs/convergence.py run STAGE [STAGE ...] [--jobs 2]   # train (skips finished runs)
-    python docs/convergence.py tables                             # docs/convergence/*.md from the runs
+    python docs/convergence.py tables [STAGE ...]                 # docs/convergence/*.md from the runs
     python docs/convergence.py list                               # the stages and their runs' commands
 
 Each run is one ``python -m whitenlayers.experiment`` command (printed, and
@@ -172,7 +172,7 @@ def main(argv=None) -> int:
         return 0
     if a.what == "tables":
         from convergence_tables import write_tables  # noqa: E402
-        write_tables()
+        write_tables(a.stages)
         return 0
     for s in a.stages:  # stage by stage: a test stage reads the validation runs finished before it
         todo = []

@@ -115,12 +115,46 @@ def test_table(name: str) -> str:
             + f"\n\n{note}\n")
 
 
-def write_tables() -> None:
+def stats_table(stage: str) -> str:
+    """Full statistics against ``stats_fraction=0.25``, paired by seed across the two runs of each dataset."""
+    lines = ["| dataset | method | full: val acc (%) | 0.25: val acc (%) | paired Δ final [95 % CI] | "
+             "paired Δ at epoch 2 [95 % CI] | CPU s / epoch vs baseline: full → 0.25 |", "|" + "---|" * 7]
+    cmds = []
+    for full_name, sub_name in zip(*[iter([n for n, _ in STAGES[stage]()])] * 2):
+        full, sub = _rows(full_name), _rows(sub_name)
+        if full is None or sub is None:
+            return f"(stage {stage}: not finished in this session)\n"
+        cmds += [_cmd(full_name), _cmd(sub_name)]
+        dataset = json.load(open(os.path.join(RUNS, full_name, "config.json")))["dataset"]
+        base = _by(full, "baseline")
+        cpu_base = np.mean([r["cpu_time"] for lst in base.values() for r in lst])
+        for m in ("grad", "recursive"):
+            a, b = _by(full, m), _by(sub, m)
+            seeds = sorted(set(a) & set(b))
+            cpu = [np.mean([r["cpu_time"] for lst in runs.values() for r in lst]) / cpu_base for runs in (a, b)]
+            lines.append("| " + " | ".join([
+                dataset, METHOD_LABELS.get(m, m), _ms([a[s][-1]["test_acc"] for s in seeds]),
+                _ms([b[s][-1]["test_acc"] for s in seeds]),
+                _ci([b[s][-1]["test_acc"] - a[s][-1]["test_acc"] for s in seeds]),
+                _ci([b[s][1]["test_acc"] - a[s][1]["test_acc"] for s in seeds]),
+                f"{cpu[0]:.2f}x → {cpu[1]:.2f}x"]) + " |")
+    return "\n".join(lines) + "\n\nCommands:\n\n" + "\n".join(f"    {c}" for c in cmds) + "\n"
+
+
+def write_tables(stages: Sequence[str] = ()) -> None:
+    """Write ``OUT/<stage>.md`` for ``stages`` (default: every stage) and ``OUT/all.md`` from every stage's file."""
     os.makedirs(OUT, exist_ok=True)
     parts = []
     for stage in STAGES:
+        path = os.path.join(OUT, f"{stage}.md")
+        if stages and stage not in stages:
+            if os.path.isfile(path):
+                parts.append(open(path).read())
+            continue
         runs = STAGES[stage]()
-        if stage.endswith("-val"):
+        if stage == "stats-val":
+            body = stats_table(stage)
+        elif stage.endswith("-val"):
             body = grid_table(stage)
         else:
             body = "\n".join(test_table(n) for n, a in runs if a is not None) or "(not run)\n"
@@ -129,7 +163,7 @@ def write_tables() -> None:
                 if a is not None and os.path.isfile(fig) and _rows(n) is not None:
                     shutil.copyfile(fig, os.path.join(OUT, f"{n}.png"))
                     body += f"\n![{n}]({os.path.basename(OUT)}/{n}.png)\n"
-        with open(os.path.join(OUT, f"{stage}.md"), "w") as f:
+        with open(path, "w") as f:
             f.write(f"## {stage}\n\n{body}")
         parts.append(f"## {stage}\n\n{body}")
     with open(os.path.join(OUT, "all.md"), "w") as f:
