@@ -10,7 +10,7 @@ from typing import Dict, List, Sequence
 import numpy as np
 
 from convergence import OUT, RUNS, STAGES, _chosen, _rows  # noqa: E402
-from whitenlayers.experiment.config import METHOD_LABELS
+from whitenlayers.experiment.config import METHOD_LABELS, RunConfig
 from whitenlayers.experiment.report import _t_interval, format_time_to_accuracy, load_note, time_to_accuracy
 
 
@@ -36,6 +36,11 @@ def _ci(vals: Sequence[float], d: int = 2) -> str:
     return f"{m:+.{d}f} [{lo:+.{d}f}, {hi:+.{d}f}]" if math.isfinite(lo) else f"{m:+.{d}f}"
 
 
+def _lr(cfg: dict, method: str) -> float:
+    """The rate ``method`` trained at: ``--method-lr``, else the method's own default (library peers), else ``--lr``."""
+    return RunConfig.from_record(cfg).method_lr_for(method)
+
+
 def _cmd(name: str) -> str:
     p = os.path.join(RUNS, name, "command.txt")
     return open(p).read().strip() if os.path.isfile(p) else "(not run)"
@@ -54,7 +59,7 @@ def grid_table(stage: str) -> str:
         for m in cfg["methods"]:
             if m not in methods:
                 methods.append(m)
-            lr = cfg["method_lr"].get(m, cfg["lr"])
+            lr = _lr(cfg, m)
             finals = [lst[-1]["test_acc"] for lst in _by(rows, m).values()]
             epoch = float(np.mean([np.mean([r["epoch_time"] for r in lst]) for lst in _by(rows, m).values()]))
             base = float(np.mean([np.mean([r["epoch_time"] for r in lst]) for lst in _by(rows, "baseline").values()]))
@@ -104,7 +109,7 @@ def test_table(name: str) -> str:
         d_e2 = [runs[s][1]["test_acc"] - base[s][1]["test_acc"] for s in seeds if len(runs[s]) > 1]
         ratio = [np.mean([r["epoch_time"] for r in runs[s]]) / np.mean([r["epoch_time"] for r in base[s]])
                  for s in seeds]
-        lr = cfg["method_lr"].get(m, cfg["lr"])
+        lr = _lr(cfg, m)
         lines.append("| " + " | ".join([
             METHOD_LABELS.get(m, m), f"{lr:g}", _ms([v[-1]["test_acc"] for v in runs.values()]),
             _ci(d_final) if m != "baseline" else "—", _ci(d_e2) if m != "baseline" else "—",
