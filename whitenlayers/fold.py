@@ -1,11 +1,14 @@
 """The fold: when and how the layers' block statistics become new transforms.
 
 :func:`fold_layers` folds the current block of any number of layers. Under
-``torch.distributed`` it first sums their block statistics across ranks in two
-coalesced ``all_reduce`` calls (first counts and means, then the scatter about
-the global mean, which keeps the sum accurate when ``|mean| >> std``), so all
-ranks fold identical numbers. Layers whose rule computes alike (EVD layers of
-one width, dtype and device) share one batched eigendecomposition.
+``torch.distributed`` it first sums their block statistics across ranks: one
+coalesced ``all_reduce`` of the counts and means, then the scatter about the
+global mean (which keeps the sum accurate when ``|mean| >> std``), summed on
+the rank that folds the layer. Either every rank folds every layer
+(``"replicated"``) or each layer is folded on one rank, its owner, which
+broadcasts the outcome (new buffers, flags) to the others (``"owner"``); either
+way all ranks end with identical state. Layers whose rule computes alike (EVD
+layers of one width, dtype and device) share one batched eigendecomposition.
 
 :class:`FoldCoordinator` is the forward hook :func:`~whitenlayers.convert_model`
 installs on a converted model: layers whose block ends during a forward fold
@@ -14,16 +17,18 @@ together after the model's forward. Both are plumbing: users reach them through
 """
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
-from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from . import functional as F_w
 from .functional import BlockSummary
-from .rules import RuleResult
+from .rules import Fold, RuleResult
 
 if TYPE_CHECKING:  # pragma: no cover
     from .stats import WhiteningStatistics
@@ -47,36 +52,21 @@ def _dist_group(layers: Sequence["WhiteningStatistics"]):
     return group, dist.get_world_size(group)
 
 
-def _all_reduce_summaries(summaries: List[BlockSummary], group) -> List[BlockSummary]:
-    """Global block statistics across ranks: two coalesced all_reduce calls for all layers."""
-    # Phase 1: counts and count-weighted means -> global count and mean.
-    flat = torch.cat([torch.cat([s.count.view(1), s.count * s.mean]) for s in summaries])
-    dist.all_reduce(flat, group=group)
-    out_mean, pos = [], 0
-    for s in summaries:
-        m = s.mean.numel()
-        n = flat[pos]
-        out_mean.append((n, flat[pos + 1 : pos + 1 + m] / torch.clamp(n, min=1.0)))
-        pos += 1 + m
-    # Phase 2: each rank's scatter about the global mean, and the powers.
-    parts = []
-    for s, (n, mean) in zip(summaries, out_mean):
-        d = s.mean - mean
-        if s.scatter.dim() == 3:  # grouped layer: (G, k, k) blocks
-            local = s.scatter + s.count * F_w.block_outer(d, d, s.scatter.shape[0])
-        else:
-            local = s.scatter + s.count * torch.outer(d, d)
-        parts.append(torch.cat([local.reshape(-1), s.power]))
-    flat2 = torch.cat(parts)
-    dist.all_reduce(flat2, group=group)
-    result, pos = [], 0
-    for s, (n, mean) in zip(summaries, out_mean):
-        m, mm = s.mean.numel(), s.scatter.numel()
-        scatter = flat2[pos : pos + mm].view(s.scatter.shape)
-        power = flat2[pos + mm : pos + mm + m]
-        pos += mm + m
-        result.append(BlockSummary(n, mean, F_w.symmetrize(scatter), power))
-    return result
+#: The status of a layer's fold (:class:`FoldOutcome`).
+FOLDED, FAILED, SKIPPED_EMPTY, SKIPPED_MOMENTS = 0, 1, 2, 3
+#: The warning of a skipped fold, by status.
+SKIP_MESSAGES = {
+    SKIPPED_EMPTY: "a block had no finite samples; the fold was skipped and the transform kept",
+    SKIPPED_MOMENTS: "non-finite moments; the fold was skipped and the transform kept",
+}
+
+
+class FoldOutcome(NamedTuple):
+    """What one layer's fold writes besides the mean, computed where the layer is folded (its owner rank)."""
+
+    status: int  # FOLDED, FAILED (the transform failed: the previous one is kept) or a skip (nothing written)
+    clamped: bool = False
+    buffers: Dict[str, Tensor] = {}  # new buffer values as stored (the layer's dtypes): running_cov, T, Q_s, ...
 
 
 #: Fold strategies under torch.distributed (see :func:`fold_layers`).
@@ -102,16 +92,22 @@ def fold_layers(layers: Iterable["WhiteningStatistics"], *, strategy: str = "aut
 
     * ``"replicated"``: every rank computes every layer's transform (EVD or
       recursive step) from the same global statistics;
-    * ``"owner"``: each layer's transform is computed on one rank, layers
-      assigned to balance their ``M^3`` cost (:func:`assign_owners`), and one
-      coalesced ``all_reduce`` sends the results to every rank;
+    * ``"owner"``: each layer is folded on one rank, layers assigned to
+      balance their ``M^3`` cost (:func:`assign_owners`): its scatter is
+      summed there only (one ``reduce`` per rank), the rank computes the
+      moments, the transform and ``Q_s``, and one ``broadcast`` per rank sends
+      its layers' new buffers (as stored) and flags to every rank, which
+      writes them and the new mean (every rank has the global mean) and
+      updates the counters and the bias compensation;
     * ``"auto"`` (default): ``"owner"`` when the layers' summed ``M^3`` is at
       least :data:`OWNER_MIN_COST`, else ``"replicated"``.
 
     Either way every rank ends with bit-identical ``mu``, ``Phi_x``, ``T``,
-    ``Q_s`` (and the recursive state), equal to one process on the global batch
-    up to float tolerance; a transform that fails on its owner leaves every
-    rank with the previous transform and the same failure count.
+    ``Q_s`` (and the recursive state) and counters, equal to one process on the
+    global batch up to float tolerance; a transform that fails on its owner
+    leaves every rank with the previous transform and the same failure count.
+    ``nonfinite_batches`` counts the ranks' batches with non-finite values,
+    summed over ranks.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, but got strategy={strategy!r}")
@@ -122,11 +118,15 @@ def fold_layers(layers: Iterable["WhiteningStatistics"], *, strategy: str = "aut
     if not layers:
         return
     with _no_autocast(layers[0].running_mean.device):
-        summaries = [layer._block_summary() for layer in layers]
         group, world = _dist_group(layers)
-        if world > 1:
-            summaries = _all_reduce_summaries(summaries, group)
-        _fold_all(layers, summaries, group, world, strategy)
+        if world == 1:
+            summaries = [layer._block_summary() for layer in layers]
+            nonfinite = [int(layer._acc_nonfinite) for layer in layers]
+            owners = None
+        else:
+            owners = _owners(layers, world, strategy)
+            summaries, nonfinite = _global_summaries(layers, owners, group)
+        _fold_all(layers, summaries, nonfinite, owners, group)
 
 
 def assign_owners(costs: Sequence[float], world_size: int) -> List[int]:
@@ -149,12 +149,67 @@ def assign_owners(costs: Sequence[float], world_size: int) -> List[int]:
     return owners
 
 
-def _use_owner(layers: Sequence["WhiteningStatistics"], world: int, strategy: str) -> bool:
-    if world <= 1 or strategy == "replicated" or len(layers) < 2:
-        return False
-    if strategy == "owner":
-        return True
-    return sum(layer.rule.cost(layer.num_features, layer.groups) for layer in layers) >= OWNER_MIN_COST
+def _owners(layers: Sequence["WhiteningStatistics"], world: int, strategy: str) -> Optional[List[int]]:
+    """The rank that folds each layer (owner strategy), or ``None``: every rank folds every layer."""
+    if strategy == "replicated" or len(layers) < 2:
+        return None
+    costs = [layer.rule.cost(layer.num_features, layer.groups) for layer in layers]
+    if strategy == "auto" and sum(costs) < OWNER_MIN_COST:
+        return None
+    return assign_owners(costs, world)
+
+
+def _global_summaries(layers: Sequence["WhiteningStatistics"], owners: Optional[Sequence[int]], group
+                      ) -> Tuple[List[BlockSummary], List[int]]:
+    """The global block of each layer (all ranks' samples) and its non-finite batch count, summed over ranks.
+
+    Phase 1, one ``all_reduce`` for all layers: counts, sums and non-finite batch counts, so every rank has
+    every layer's global count and mean. Phase 2: each rank's scatter about the global mean (which keeps the
+    sum accurate when ``|mean| >> std``) and its powers, summed on the rank that folds the layer: one
+    ``reduce`` per owner rank over its layers (owner strategy; the ``scatter`` and ``power`` of the other
+    ranks' layers are ``None`` here) or one ``all_reduce`` for all layers (replicated).
+    """
+    sums = [layer._block_sums() for layer in layers]
+    dev = layers[0].running_mean.device
+    f64 = torch.float64
+    flat = torch.cat([torch.cat([n.view(1), n * shift + s1, layer._acc_nonfinite.to(f64).view(1)])
+                      for layer, (n, shift, s1, _) in zip(layers, sums)])
+    dist.all_reduce(flat, group=group)
+    summaries, bounds, pos = [], [], 0
+    for layer in layers:
+        m = layer.num_features
+        n = flat[pos]
+        summaries.append(BlockSummary(n, flat[pos + 1 : pos + 1 + m] / torch.clamp(n, min=1.0), None, None))
+        bounds.append(pos + 1 + m)
+        pos += 2 + m
+    nonfinite = [int(v) for v in flat[torch.tensor(bounds, device=dev)].tolist()]
+    rank = dist.get_rank(group)
+    for target in ([None] if owners is None else range(dist.get_world_size(group))):
+        idx = [i for i in range(len(layers)) if target is None or owners[i] == target]
+        if not idx:
+            continue
+        flat2 = torch.empty(sum(sums[i][3].numel() + layers[i].num_features for i in idx), dtype=f64, device=dev)
+        pos = 0
+        for i in idx:
+            s2 = sums[i][3]
+            mm, m = s2.numel(), layers[i].num_features
+            _, power = F_w.scatter_about(*sums[i], summaries[i].mean, out=flat2[pos : pos + mm].view(s2.shape))
+            flat2[pos + mm : pos + mm + m] = power
+            pos += mm + m
+        if target is None:
+            dist.all_reduce(flat2, group=group)
+        else:
+            dist.reduce(flat2, group=group, group_dst=target)
+            if target != rank:
+                continue
+        pos = 0
+        for i in idx:
+            shape, m = sums[i][3].shape, layers[i].num_features
+            mm = math.prod(shape)
+            scatter = F_w.symmetrize(flat2[pos : pos + mm].view(shape))
+            summaries[i] = summaries[i]._replace(scatter=scatter, power=flat2[pos + mm : pos + mm + m].clone())
+            pos += mm + m
+    return summaries, nonfinite
 
 
 def _compute(items: Sequence[tuple]) -> List[Optional[RuleResult]]:
@@ -180,89 +235,80 @@ def _compute(items: Sequence[tuple]) -> List[Optional[RuleResult]]:
     return results
 
 
-def _result_layout(layer: "WhiteningStatistics") -> List[tuple]:
-    """``(name, shape)`` of what a layer's rule returns, from the layer's own buffers."""
-    shape = tuple(layer.whitening_matrix.shape)
-    layout = [("transform", shape), ("gram", shape)]
-    fk = {"device": "meta", "dtype": layer.running_mean.dtype}
-    for name in layer.rule.initial_buffers(layer.num_features, fk, groups=layer.groups):
-        layout.append((name, tuple(getattr(layer, name).shape)))
-    return layout
+def _outcomes(items: Sequence[tuple]) -> List[FoldOutcome]:
+    """The outcomes of ``(layer, global block, first)`` triples: moments, transforms (batched), ``Q_s``."""
+    starts = [layer._fold_start(block, first) for layer, block, first in items]
+    todo = [k for k, start in enumerate(starts) if isinstance(start, Fold)]
+    results = _compute([(items[k][0], starts[k]) for k in todo])
+    out = [FoldOutcome(start) if not isinstance(start, Fold) else None for start in starts]
+    for k, result in zip(todo, results):
+        out[k] = items[k][0]._fold_outcome(starts[k], result)
+    return out
 
 
-def _exchange(items: Sequence[tuple], owners: Sequence[int], mine: Dict[int, Optional[RuleResult]], group
-              ) -> List[Optional[RuleResult]]:
-    """Every rank gets every layer's result from its owner: one ``all_reduce`` (sum) of a buffer in which each
-    owner writes its layers' results and every other rank zeros (``x + 0 == x`` exactly), in float32 when all
-    results are float32 values, else float64 (float32 values survive that round trip bit for bit). A flag per
-    layer says whether it succeeded."""
-    layouts = [_result_layout(layer) for layer, _ in items]
-    sizes = [2 + sum(math.prod(shape) for _, shape in lay) for lay in layouts]
-    dev = items[0][0].running_mean.device
-    # float32 layers compute every result in float32 (the EVD rule's float64 Q is a float32 Q cast up), so
-    # float32 carries them exactly at half the volume; any float64 layer makes the buffer float64.
-    exact32 = all(layer.rule.work_dtype(layer.running_mean.dtype) == torch.float32 for layer, _ in items)
-    flat = torch.zeros(sum(sizes), dtype=torch.float32 if exact32 else torch.float64, device=dev)
+def _broadcast_outcomes(layers: Sequence["WhiteningStatistics"], outcomes: Sequence[Optional[FoldOutcome]],
+                        src: int, group) -> List[FoldOutcome]:
+    """The outcomes of the layers rank ``src`` folded, on every rank: one ``broadcast`` from ``src`` of their
+    status, clamp flag and buffers (as stored), in float32 unless a buffer is float64 (either way exact)."""
+    layouts = [layer._outcome_layout() for layer in layers]
+    sizes = [2 + sum(math.prod(shape) for _, shape in layout) for layout in layouts]
+    float64 = any(getattr(layer, name).dtype == torch.float64 for layer, layout in zip(layers, layouts)
+                  for name, _ in layout)
+    flat = torch.empty(sum(sizes), dtype=torch.float64 if float64 else torch.float32,
+                       device=layers[0].running_mean.device)
+    mine = dist.get_rank(group) == src
     pos = 0
-    for i, size in enumerate(sizes):
-        if i in mine and mine[i] is not None:
-            res = mine[i]
-            parts = {"transform": res.transform, "gram": res.gram, **res.buffers}
-            flat[pos] = 1.0
-            flat[pos + 1] = float(res.clamped)
+    for layer, layout, size, outcome in zip(layers, layouts, sizes, outcomes):
+        if mine:
+            flat[pos : pos + 2] = torch.tensor([float(outcome.status), float(outcome.clamped)])
             p = pos + 2
-            for name, shape in layouts[i]:
-                n = math.prod(shape)
-                flat[p : p + n] = parts[name].reshape(-1).to(flat.dtype)
-                p += n
-        pos += size
-    dist.all_reduce(flat, group=group)
-    out: List[Optional[RuleResult]] = []
-    pos = 0
-    for (layer, _), layout, size in zip(items, layouts, sizes):
-        if float(flat[pos]) != 1.0:
-            out.append(None)
-        else:
-            state_dtype = layer.running_mean.dtype
-            work, gram_dtype = layer.rule.work_dtype(state_dtype), layer.rule.gram_dtype(state_dtype)
-            p, parts = pos + 2, {}
             for name, shape in layout:
                 n = math.prod(shape)
-                parts[name] = flat[p : p + n].view(shape).to(gram_dtype if name == "gram" else work)
+                if name in outcome.buffers:
+                    flat[p : p + n] = outcome.buffers[name].reshape(-1)
                 p += n
-            transform, gram = parts.pop("transform"), parts.pop("gram")
-            out.append(RuleResult(transform, gram, parts, bool(float(flat[pos + 1]))))
+        pos += size
+    dist.broadcast(flat, group=group, group_src=src)
+    if mine:
+        return list(outcomes)
+    heads = torch.stack([flat[p : p + 2] for p in itertools.accumulate([0] + sizes[:-1])]).tolist()
+    out, pos = [], 0
+    for layer, layout, size, (status, clamped) in zip(layers, layouts, sizes, heads):
+        keep = {FOLDED: len(layout), FAILED: 1}.get(int(status), 0)  # a failed transform: running_cov only
+        buffers, p = {}, pos + 2
+        for name, shape in layout[:keep]:
+            n = math.prod(shape)
+            buffers[name] = layer._stored(name, flat[p : p + n].view(shape))
+            p += n
+        out.append(FoldOutcome(int(status), bool(clamped), buffers))
         pos += size
     return out
 
 
 @torch.no_grad()
-def _fold_all(layers: Sequence["WhiteningStatistics"], summaries: Sequence[BlockSummary], group=None,
-              world: int = 1, strategy: str = "replicated") -> None:
-    """Fold each layer: moments on every rank, transforms per ``strategy`` (see :func:`fold_layers`).
+def _fold_all(layers: Sequence["WhiteningStatistics"], summaries: Sequence[BlockSummary], nonfinite: Sequence[int],
+              owners: Optional[Sequence[int]] = None, group=None) -> None:
+    """Fold each layer from its global block: on every rank (``owners`` is ``None``) or on its owner rank,
+    which then broadcasts the outcome (see :func:`fold_layers`); every rank writes every outcome.
 
     Layers whose rules give equal :meth:`~whitenlayers.rules.TransformRule.batch_key` share one
     :meth:`~whitenlayers.rules.TransformRule.compute_batched` call (EVD: one batched ``eigh`` per width,
     dtype, device, ``eps``, ``gmax``, ``gains``; same results as one call per layer to float tolerance, with
     the same per-layer fallbacks and failure counts).
     """
-    items = []
-    for layer, summary in zip(layers, summaries):
-        fold = layer._fold_start(summary)
-        if fold is not None:
-            items.append((layer, fold))
-    if not items:
-        return
-    if _use_owner([layer for layer, _ in items], world, strategy):
-        owners = assign_owners([layer.rule.cost(layer.num_features, layer.groups) for layer, _ in items], world)
-        rank = dist.get_rank(group)
-        mine_idx = [i for i, o in enumerate(owners) if o == rank]
-        computed = _compute([items[i] for i in mine_idx])
-        results = _exchange(items, owners, dict(zip(mine_idx, computed)), group)
-    else:
-        results = _compute(items)
-    for (layer, fold), result in zip(items, results):
-        layer._apply_fold(fold, result)
+    firsts = [layer._fold_begin(bad) for layer, bad in zip(layers, nonfinite)]
+    rank = 0 if owners is None else dist.get_rank(group)
+    mine = [i for i in range(len(layers)) if owners is None or owners[i] == rank]
+    computed = dict(zip(mine, _outcomes([(layers[i], summaries[i], firsts[i]) for i in mine])))
+    for src in ([None] if owners is None else range(dist.get_world_size(group))):
+        idx = [i for i in range(len(layers)) if src is None or owners[i] == src]
+        if not idx:
+            continue
+        outcomes = [computed.get(i) for i in idx]
+        if src is not None:
+            outcomes = _broadcast_outcomes([layers[i] for i in idx], outcomes, src, group)
+        for i, outcome in zip(idx, outcomes):
+            layers[i]._fold_finish(summaries[i], firsts[i], outcome)
 
 
 class FoldCoordinator:

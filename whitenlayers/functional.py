@@ -31,6 +31,7 @@ __all__ = [
     "all_finite",
     "batch_moments",
     "summarize_block",
+    "scatter_about",
     "fold_mean",
     "block_covariance",
     "recursive_average",
@@ -183,25 +184,41 @@ def batch_moments(x: Tensor, shift: Tensor, groups: int = 1) -> Tuple[Tensor, Te
 def summarize_block(count: Tensor, shift: Tensor, s1: Tensor, s2: Tensor) -> BlockSummary:
     """Turn shifted sums into a :class:`BlockSummary` (mean and centred scatter).
 
-    ``scatter = s2 - s1 s1^T / n`` is exact algebra; it is accurate because
-    ``s1`` is small when ``shift`` is close to the block mean. A grouped ``s2``
-    ``(G, k, k)`` gives a grouped ``scatter``.
+    The scatter about the block's own mean (:func:`scatter_about`) is exact
+    algebra; it is accurate because ``s1`` is small when ``shift`` is close to
+    the block mean. A grouped ``s2`` ``(G, k, k)`` gives a grouped ``scatter``.
     """
     n = count.to(torch.float64)
-    safe = torch.clamp(n, min=1.0)
-    s1 = s1.to(torch.float64)
-    s2 = s2.to(torch.float64)
     shift = shift.to(torch.float64)
-    d = s1 / safe
-    mean = shift + d
+    mean = shift + s1.to(torch.float64) / torch.clamp(n, min=1.0)
+    scatter, power = scatter_about(count, shift, s1, s2, mean)
+    return BlockSummary(n, mean, symmetrize(scatter), power)
+
+
+def scatter_about(count: Tensor, shift: Tensor, s1: Tensor, s2: Tensor, center: Tensor, *,
+                  out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """The scatter ``sum (x - center)(x - center)^T`` of a block's samples and their power ``sum x**2``. float64.
+
+    From the shifted sums ``s1 = sum (x - shift)``, ``s2 = sum (x - shift)(x - shift)^T``
+    over ``count`` samples: with ``e = center - shift`` and ``u = s1 - count e / 2``,
+    ``scatter = s2 - u e^T - e u^T`` (two rank-one updates of ``s2``; symmetric up to
+    rounding: :func:`symmetrize` it) and ``power = diag(s2) + 2 shift s1 + count shift^2``.
+    A grouped ``s2`` ``(G, k, k)`` gives the grouped scatter. ``out`` (float64, ``s2``'s
+    shape) receives the scatter. Under ``torch.distributed`` each rank's scatter about
+    the *global* mean sums to the global batch's.
+    """
+    n = count.to(torch.float64)
+    shift, s1, s2 = shift.to(torch.float64), s1.to(torch.float64), s2.to(torch.float64)
+    e = center.to(torch.float64) - shift
+    u = s1 - (0.5 * n) * e
     if s2.dim() == 3:  # grouped: (G, k, k) blocks
-        scatter = symmetrize(s2 - block_outer(s1, d, s2.shape[0]))
-        power = torch.diagonal(s2, dim1=-2, dim2=-1).reshape(-1) + 2.0 * shift * s1 + n * shift * shift
-        return BlockSummary(n, mean, scatter, power)
-    scatter = symmetrize(s2 - torch.outer(s1, d))
+        g = s2.shape[0]
+        scatter = torch.sub(s2, block_outer(u, e, g), out=out).sub_(block_outer(e, u, g))
+    else:
+        scatter = torch.addr(s2, u, e, alpha=-1, out=out).addr_(e, u, alpha=-1)
     # sum x^2 = sum (x - K)^2 + 2 K s1 + n K^2
-    power = torch.diagonal(s2) + 2.0 * shift * s1 + n * shift * shift
-    return BlockSummary(n, mean, scatter, power)
+    power = torch.diagonal(s2, dim1=-2, dim2=-1).reshape(-1) + 2.0 * shift * s1 + n * shift * shift
+    return scatter, power
 
 
 def fold_mean(mean_prev: Tensor, block: BlockSummary, alpha: float, first: bool) -> Tensor:
