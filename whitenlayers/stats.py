@@ -169,7 +169,11 @@ class WhiteningStatistics:
         self._acc_count = torch.zeros((), dtype=torch.float64, device=dev)
         self._acc_shift: Optional[Tensor] = None
         self._acc_s1 = torch.zeros(m, dtype=torch.float64, device=dev)
-        self._acc_s2 = torch.zeros(self._block_shape, dtype=torch.float64, device=dev)
+        s2 = getattr(self, "_acc_s2", None)
+        if s2 is not None and s2.device == dev and tuple(s2.shape) == self._block_shape:
+            s2.zero_()  # in place: no fresh 8 M^2-byte allocation (and its page faults) at every fold
+        else:
+            self._acc_s2 = torch.zeros(self._block_shape, dtype=torch.float64, device=dev)
         self._acc_nonfinite = torch.zeros((), dtype=torch.long, device=dev)
         self._fold_pending = False
 
