@@ -174,11 +174,12 @@ def test_owner_fold_is_bit_identical_across_ranks_and_folds_each_layer_on_its_ow
             assert counts == [n if r == owners[i] else 0 for r in range(world)], (name, i, counts)
         assert all(runs[r]["calls"][("_fold_finish", f"l{i}")] == FOLDS for r in range(world))
     assert len(set(owners)) == min(world, len(layers))
-    # collectives per fold: counts and means (one all_reduce), the scatters (one reduce per owner rank), the
-    # outcomes (one broadcast per owner rank)
+    # collectives per fold: counts, means and powers (one all_reduce), the scatters (one reduce per layer, to its
+    # owner), the outcomes (per owner rank: one broadcast of the flags, one per buffer)
+    buffers = sum(len(m._outcome_layout()) for m in layers)
     for r in range(world):
         for calls in runs[r]["collectives"]:
-            assert calls == ["all_reduce"] + ["reduce"] * world + ["broadcast"] * world
+            assert calls == ["all_reduce"] + ["reduce"] * len(layers) + ["broadcast"] * (world + buffers)
 
 
 def test_replicated_fold_computes_every_transform_on_every_rank():

@@ -17,8 +17,6 @@ together after the model's forward. Both are plumbing: users reach them through
 """
 from __future__ import annotations
 
-import itertools
-import math
 import warnings
 from typing import TYPE_CHECKING, Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -163,52 +161,41 @@ def _global_summaries(layers: Sequence["WhiteningStatistics"], owners: Optional[
                       ) -> Tuple[List[BlockSummary], List[int]]:
     """The global block of each layer (all ranks' samples) and its non-finite batch count, summed over ranks.
 
-    Phase 1, one ``all_reduce`` for all layers: counts, sums and non-finite batch counts, so every rank has
-    every layer's global count and mean. Phase 2: each rank's scatter about the global mean (which keeps the
-    sum accurate when ``|mean| >> std``) and its powers, summed on the rank that folds the layer: one
-    ``reduce`` per owner rank over its layers (owner strategy; the ``scatter`` and ``power`` of the other
-    ranks' layers are ``None`` here) or one ``all_reduce`` for all layers (replicated).
+    Phase 1, one ``all_reduce`` for all layers: counts, sums, powers and non-finite batch counts, so every
+    rank has every layer's global count and mean. Phase 2: each rank's scatter about the global mean (which
+    keeps the sum accurate when ``|mean| >> std``), computed in its accumulator (reset after the fold), summed
+    where the layer is folded: one ``reduce`` per layer to its owner (owner strategy; here the ``scatter`` of
+    the layers other ranks own is ``None``), or one ``all_reduce`` of all layers (replicated).
     """
     sums = [layer._block_sums() for layer in layers]
-    dev = layers[0].running_mean.device
     f64 = torch.float64
-    flat = torch.cat([torch.cat([n.view(1), n * shift + s1, layer._acc_nonfinite.to(f64).view(1)])
-                      for layer, (n, shift, s1, _) in zip(layers, sums)])
+    flat = torch.cat([torch.cat([n.view(1), n * shift + s1, F_w.block_power(n, shift, s1, s2),
+                                 layer._acc_nonfinite.to(f64).view(1)])
+                      for layer, (n, shift, s1, s2) in zip(layers, sums)])
     dist.all_reduce(flat, group=group)
     summaries, bounds, pos = [], [], 0
     for layer in layers:
         m = layer.num_features
         n = flat[pos]
-        summaries.append(BlockSummary(n, flat[pos + 1 : pos + 1 + m] / torch.clamp(n, min=1.0), None, None))
-        bounds.append(pos + 1 + m)
-        pos += 2 + m
-    nonfinite = [int(v) for v in flat[torch.tensor(bounds, device=dev)].tolist()]
-    rank = dist.get_rank(group)
-    for target in ([None] if owners is None else range(dist.get_world_size(group))):
-        idx = [i for i in range(len(layers)) if target is None or owners[i] == target]
-        if not idx:
-            continue
-        flat2 = torch.empty(sum(sums[i][3].numel() + layers[i].num_features for i in idx), dtype=f64, device=dev)
-        pos = 0
-        for i in idx:
-            s2 = sums[i][3]
-            mm, m = s2.numel(), layers[i].num_features
-            _, power = F_w.scatter_about(*sums[i], summaries[i].mean, out=flat2[pos : pos + mm].view(s2.shape))
-            flat2[pos + mm : pos + mm + m] = power
-            pos += mm + m
-        if target is None:
-            dist.all_reduce(flat2, group=group)
-        else:
-            dist.reduce(flat2, group=group, group_dst=target)
-            if target != rank:
-                continue
-        pos = 0
-        for i in idx:
-            shape, m = sums[i][3].shape, layers[i].num_features
-            mm = math.prod(shape)
-            scatter = F_w.symmetrize(flat2[pos : pos + mm].view(shape))
-            summaries[i] = summaries[i]._replace(scatter=scatter, power=flat2[pos + mm : pos + mm + m].clone())
-            pos += mm + m
+        mean = flat[pos + 1 : pos + 1 + m] / torch.clamp(n, min=1.0)
+        summaries.append(BlockSummary(n, mean, None, flat[pos + 1 + m : pos + 1 + 2 * m]))
+        bounds.append(pos + 1 + 2 * m)
+        pos += 2 + 2 * m
+    nonfinite = [int(v) for v in flat[torch.tensor(bounds, device=flat.device)].tolist()]
+    scatters = [F_w.scatter_about(*sums_i, s.mean, inplace=True) for sums_i, s in zip(sums, summaries)]
+    if owners is None:
+        flat2 = torch.cat([x.reshape(-1) for x in scatters])
+        dist.all_reduce(flat2, group=group)
+        scatters = list(torch.split(flat2, [x.numel() for x in scatters]))
+        mine = range(len(layers))
+    else:
+        works = [dist.reduce(x, group=group, group_dst=owner, async_op=True) for x, owner in zip(scatters, owners)]
+        for work in works:
+            work.wait()
+        rank = dist.get_rank(group)
+        mine = [i for i, owner in enumerate(owners) if owner == rank]
+    for i in mine:
+        summaries[i] = summaries[i]._replace(scatter=F_w.symmetrize(scatters[i].view(sums[i][3].shape)))
     return summaries, nonfinite
 
 
@@ -248,40 +235,33 @@ def _outcomes(items: Sequence[tuple]) -> List[FoldOutcome]:
 
 def _broadcast_outcomes(layers: Sequence["WhiteningStatistics"], outcomes: Sequence[Optional[FoldOutcome]],
                         src: int, group) -> List[FoldOutcome]:
-    """The outcomes of the layers rank ``src`` folded, on every rank: one ``broadcast`` from ``src`` of their
-    status, clamp flag and buffers (as stored), in float32 unless a buffer is float64 (either way exact)."""
-    layouts = [layer._outcome_layout() for layer in layers]
-    sizes = [2 + sum(math.prod(shape) for _, shape in layout) for layout in layouts]
-    float64 = any(getattr(layer, name).dtype == torch.float64 for layer, layout in zip(layers, layouts)
-                  for name, _ in layout)
-    flat = torch.empty(sum(sizes), dtype=torch.float64 if float64 else torch.float32,
-                       device=layers[0].running_mean.device)
+    """The outcomes of the layers rank ``src`` folded, on every rank: broadcasts from ``src`` of their status
+    and clamp flags (one tensor), then of each buffer as stored, received straight into new tensors (no
+    packed copy). A buffer the outcome lacks (failed or skipped fold) is sent as the layer's current one."""
     mine = dist.get_rank(group) == src
-    pos = 0
-    for layer, layout, size, outcome in zip(layers, layouts, sizes, outcomes):
-        if mine:
-            flat[pos : pos + 2] = torch.tensor([float(outcome.status), float(outcome.clamped)])
-            p = pos + 2
-            for name, shape in layout:
-                n = math.prod(shape)
-                if name in outcome.buffers:
-                    flat[p : p + n] = outcome.buffers[name].reshape(-1)
-                p += n
-        pos += size
-    dist.broadcast(flat, group=group, group_src=src)
+    dev = layers[0].running_mean.device
+    if mine:
+        heads = torch.tensor([[float(o.status), float(o.clamped)] for o in outcomes], device=dev)
+    else:
+        heads = torch.empty(len(layers), 2, device=dev)
+    works = [dist.broadcast(heads, group=group, group_src=src, async_op=True)]
+    received = []
+    for layer, outcome in zip(layers, outcomes):
+        tensors = {}
+        for name, shape in layer._outcome_layout():
+            current = getattr(layer, name)
+            tensors[name] = (outcome.buffers.get(name, current) if mine else
+                             torch.empty(shape, dtype=current.dtype, device=current.device))
+            works.append(dist.broadcast(tensors[name], group=group, group_src=src, async_op=True))
+        received.append(tensors)
+    for work in works:
+        work.wait()
     if mine:
         return list(outcomes)
-    heads = torch.stack([flat[p : p + 2] for p in itertools.accumulate([0] + sizes[:-1])]).tolist()
-    out, pos = [], 0
-    for layer, layout, size, (status, clamped) in zip(layers, layouts, sizes, heads):
-        keep = {FOLDED: len(layout), FAILED: 1}.get(int(status), 0)  # a failed transform: running_cov only
-        buffers, p = {}, pos + 2
-        for name, shape in layout[:keep]:
-            n = math.prod(shape)
-            buffers[name] = layer._stored(name, flat[p : p + n].view(shape))
-            p += n
-        out.append(FoldOutcome(int(status), bool(clamped), buffers))
-        pos += size
+    out = []
+    for tensors, (status, clamped) in zip(received, heads.tolist()):
+        keep = {FOLDED: len(tensors), FAILED: 1}.get(int(status), 0)  # a failed transform: running_cov only
+        out.append(FoldOutcome(int(status), bool(clamped), dict(list(tensors.items())[:keep])))
     return out
 
 
