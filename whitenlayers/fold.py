@@ -297,7 +297,7 @@ class FoldCoordinator:
     Installed as a forward hook on the root module by
     :func:`whitenlayers.convert_model`: layers whose block ends during a
     forward ask to be folded, and the hook folds them in one
-    :func:`fold_layers` call (one pair of collectives per block for the whole
+    :func:`fold_layers` call (one set of collectives per block for the whole
     model instead of one per layer). Folding after the model's forward instead
     of right after each layer's forward changes nothing: a block's statistics
     and the transform in force for that batch's backward are the same.
