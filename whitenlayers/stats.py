@@ -321,10 +321,10 @@ class WhiteningStatistics:
         self.num_blocks += 1
 
     def _stored(self, name: str, value: Tensor) -> Tensor:
-        """``value`` as buffer ``name`` stores it (its device and dtype), a tensor of its own (never aliasing
-        ``value``)."""
+        """``value`` as buffer ``name`` stores it (its device and dtype), contiguous, a tensor of its own (never
+        aliasing ``value``)."""
         old = getattr(self, name)
-        new = value.detach().to(device=old.device, dtype=old.dtype)
+        new = value.detach().to(device=old.device, dtype=old.dtype).contiguous()
         return new.clone() if new.data_ptr() == value.data_ptr() else new
 
     def _replace_buffer(self, name: str, value: Tensor) -> None:
