@@ -77,7 +77,9 @@ def feed_nan(layers):
         layers[i]._accumulate(x)
 
 
-def _rank_run(rank: int, world: int, strategy: str, fail_rank: int):
+def _rank_run(rank: int, world: int, strategy: str, fail_rank: int, alone: bool = False):
+    if alone:  # every tensor in its own collective (as large layers' are), none packed
+        wl_fold.COALESCE_NUMEL = 1
     layers = make_layers()
     counter = CountingDist(torch.distributed)
     wl_fold.dist = counter
@@ -147,9 +149,9 @@ def test_unknown_strategy_is_a_value_error():
         fold_layers(make_layers(), strategy="fast")
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_owner_fold_is_bit_identical_across_ranks_and_folds_each_layer_on_its_owner_only(world):
-    runs = run_distributed(_rank_run, "owner", -1, world_size=world)
+@pytest.mark.parametrize("world, alone", [(2, False), (4, False), (2, True)], ids=["2", "4", "2-unpacked"])
+def test_owner_fold_is_bit_identical_across_ranks_and_folds_each_layer_on_its_owner_only(world, alone):
+    runs = run_distributed(_rank_run, "owner", -1, alone, world_size=world)
     ref = reference()
     layers = make_layers()
     owners = assign_owners([float(m.num_features) ** 3 for m in layers], world)
@@ -174,12 +176,15 @@ def test_owner_fold_is_bit_identical_across_ranks_and_folds_each_layer_on_its_ow
             assert counts == [n if r == owners[i] else 0 for r in range(world)], (name, i, counts)
         assert all(runs[r]["calls"][("_fold_finish", f"l{i}")] == FOLDS for r in range(world))
     assert len(set(owners)) == min(world, len(layers))
-    # collectives per fold: counts, means and powers (one all_reduce), the scatters (one reduce per layer, to its
-    # owner), the outcomes (per owner rank: one broadcast of the flags, one per buffer)
+    # collectives per fold: counts, means and powers (one all_reduce), the scatters (reduce to the owner), the
+    # outcomes (broadcast from the owner): these small layers packed, one call per owner rank; unpacked, one
+    # reduce per layer and one broadcast for the flags and per buffer
     buffers = sum(len(m._outcome_layout()) for m in layers)
+    expected = (["all_reduce"] + ["reduce"] * len(layers) + ["broadcast"] * (world + buffers) if alone else
+                ["all_reduce"] + ["reduce"] * world + ["broadcast"] * world)
     for r in range(world):
         for calls in runs[r]["collectives"]:
-            assert calls == ["all_reduce"] + ["reduce"] * len(layers) + ["broadcast"] * (world + buffers)
+            assert calls == expected
 
 
 def test_replicated_fold_computes_every_transform_on_every_rank():
