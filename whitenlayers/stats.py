@@ -34,7 +34,7 @@ from torch import Tensor
 from . import functional as F_w
 from .config import EVDConfig, RecursiveConfig, WhiteningConfig
 from .fold import (FAILED, FOLDED, SKIP_MESSAGES, SKIPPED_EMPTY, SKIPPED_MOMENTS, FoldCoordinator, FoldOutcome,
-                   _no_autocast, fold_layers)
+                   _fold_all, _no_autocast, fold_layers)
 from .functional import BlockSummary
 from .rules import NOT_COMPUTED, Fold, RuleResult, TransformRule, rule_for
 
@@ -254,6 +254,10 @@ class WhiteningStatistics:
             return self.rule.batch_key(self.num_features, self.running_mean.dtype, self.running_mean.device,
                                        groups=self.groups)
         return self.rule.batch_key(self.num_features, self.running_mean.dtype, self.running_mean.device)
+
+    def _fold(self, block: BlockSummary) -> None:
+        """Fold this layer alone on ``block`` (already summed over ranks): every step here, nothing sent."""
+        _fold_all([self], [block], [int(self._acc_nonfinite)])
 
     def _fold_begin(self, nonfinite: int) -> bool:
         """Count the block's ``nonfinite`` batches (summed over ranks), reset the accumulators; whether this is
