@@ -8,8 +8,10 @@ Usage::
 
 torchvision's models are ``torchvision.models.list_models(module=torchvision.models)``,
 built untrained (``weights=None``); timm's are the smallest model (fewest
-parameters) of each of ``timm.list_modules()``, at its default input size. Without torchvision (or timm) their table is left
-pending with a note saying so, and the script still succeeds.
+parameters) of each of ``timm.list_modules()``, at its default input size; Hugging Face's are
+``ResNetForImageClassification`` (ResNet-50 and ResNet-18 layouts). Without
+torchvision, timm or transformers their table is left pending with a note
+saying so, and the script still succeeds.
 
 For each model, method and conversion (default targets: convolutions inside
 residual blocks; ``targets="all"``: every conv and linear layer but the stem
@@ -293,6 +295,26 @@ def torchvision_models(size: int, batch: int, only: Optional[Sequence[str]]) -> 
     return out
 
 
+def hf_models(batch: int, size: int, only: Optional[Sequence[str]]) -> Optional[Source]:
+    """Hugging Face transformers' ``ResNetForImageClassification``: ResNet-50 (the default ``ResNetConfig``) and
+    ResNet-18 (``layer_type="basic"``), untrained."""
+    try:
+        from transformers import ResNetConfig, ResNetForImageClassification
+    except ImportError:
+        return None
+    configs = {
+        "hf ResNetForImageClassification (ResNet-50, default ResNetConfig)": {},
+        "hf ResNetForImageClassification (ResNet-18, layer_type='basic')": dict(
+            depths=[2, 2, 2, 2], hidden_sizes=[64, 128, 256, 512], layer_type="basic"),
+    }
+    out: Source = []
+    for name, kw in configs.items():
+        if only and name not in only and "hf" not in only:
+            continue
+        out.append((name, (lambda kw=kw: ResNetForImageClassification(ResNetConfig(**kw))), (batch, 3, size, size)))
+    return out
+
+
 def _timm_param_count(timm, name: str) -> float:
     """Parameters of a timm model, built on the meta device (no memory, no weights); inf where it fails."""
     try:
@@ -411,7 +433,7 @@ def _cpu() -> str:
 
 def _versions() -> str:
     out = [f"torch {torch.__version__}"]
-    for mod in ("torchvision", "timm"):
+    for mod in ("torchvision", "timm", "transformers"):
         try:
             out.append(f"{mod} {__import__(mod).__version__}")
         except ImportError:
@@ -474,6 +496,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--no-torchvision", action="store_true")
     p.add_argument("--no-timm", action="store_true")
+    p.add_argument("--no-hf", action="store_true", help="leave out Hugging Face transformers' ResNets")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's own choice)")
     p.add_argument("--isolate", action="store_true",
                    help="each torchvision / timm model in a forked process, with --timeout and --max-memory-gb")
@@ -549,6 +572,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         sections.append(("torchvision classification models", rows,
                          f"`torchvision.models.list_models(module=torchvision.models)` ({len(tv)} builders), "
                          f"untrained, batch {args.batch}, {args.size}x{args.size} inputs except {TORCHVISION_SIZES}."))
+    hf = None if args.no_hf else hf_models(args.batch, args.size, only)
+    if hf is None:
+        msg = "transformers is not installed here (or --no-hf): the Hugging Face table is pending."
+        print(msg)
+        sections.append(("Hugging Face transformers", None, msg))
+    else:
+        rows = section_rows(hf, run(hf, methods, args.isolate))
+        failed |= any(not r.ok for r in rows)
+        sections.append(("Hugging Face transformers", rows,
+                         f"`transformers.ResNetForImageClassification`, untrained, batch {args.batch}, "
+                         f"{args.size}x{args.size} inputs."))
     tm = None if args.no_timm else timm_models(args.batch, only)
     if tm is None:
         msg = "timm is not installed here (or --no-timm): the timm table is pending."
