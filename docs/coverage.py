@@ -86,6 +86,8 @@ class Row:
     error: str = ""
     #: why the checks did not run to the end on this machine (time or memory limit of ``--isolate``)
     not_run: str = ""
+    #: wall time of the whole check (build, conversion, steps, export)
+    check_seconds: float = math.nan
 
     @property
     def ok(self) -> bool:
@@ -135,6 +137,7 @@ def check(name: str, build: Callable[[], nn.Module], shape: Tuple[int, ...], met
           block_size: int = 2, steps: int = 3, device: str = "cpu") -> Row:
     """The coverage checks of one model, method and target option."""
     row = Row(name, method, targets)
+    t0 = time.perf_counter()
     try:
         torch.manual_seed(0)
         model = build().to(device).eval()  # converted in place: one copy of the weights (giant models)
@@ -153,6 +156,7 @@ def check(name: str, build: Callable[[], nn.Module], shape: Tuple[int, ...], met
         row.grouped = sum(1 for _, m in layers if m.groups > 1)
         row.unsupported = report.unsupported
         if row.converted == 0:
+            row.check_seconds = time.perf_counter() - t0
             return row
         with torch.no_grad():
             row.conversion_diff = _rel(_logits(model(x)), ref)
@@ -184,6 +188,7 @@ def check(name: str, build: Callable[[], nn.Module], shape: Tuple[int, ...], met
     except Exception as exc:  # a model that fails is a row of the table, not the end of the run
         row.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
         traceback.print_exc()
+    row.check_seconds = time.perf_counter() - t0
     return row
 
 
@@ -258,7 +263,7 @@ def check_isolated(name: str, build: Callable[[], nn.Module], shape: Tuple[int, 
                 yield Row(name, method, targets, not_run=reason)
             return
         pending.remove(current)
-        yield Row(name, current[0], current[1], not_run=reason)
+        yield Row(name, current[0], current[1], not_run=reason, check_seconds=time.monotonic() - started)
 
 
 # --------------------------------------------------------------------------
@@ -361,16 +366,17 @@ def _fmt(v: float) -> str:
 
 def table(rows: List[Row]) -> List[str]:
     lines = ["| model | method | targets | converted (grouped) | left out, unsupported | max rel. diff at conversion "
-             "| 3 steps finite | layers called | export max rel. diff | convert time | status |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| 3 steps finite | layers called | export max rel. diff | convert time | check time | status |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         unsupported = "-" if not r.unsupported else f"{len(r.unsupported)}: " + "; ".join(
             sorted({v.split(":")[0] for v in r.unsupported.values()}))
         called = "-" if r.converted == 0 or r.error else ("all" if not r.uncalled else f"{len(r.uncalled)} not")
         finite = "-" if r.converted == 0 or r.error else ("yes" if r.finite else "NO")
         secs = "-" if math.isnan(r.seconds) else f"{1000 * r.seconds:.0f} ms"
+        total = "-" if math.isnan(r.check_seconds) else f"{r.check_seconds:.1f} s"
         lines.append(f"| {r.model} | {r.method} | {r.targets} | {r.converted} ({r.grouped}) | {unsupported} | "
-                     f"{_fmt(r.conversion_diff)} | {finite} | {called} | {_fmt(r.export_diff)} | {secs} | {r.status} |")
+                     f"{_fmt(r.conversion_diff)} | {finite} | {called} | {_fmt(r.export_diff)} | {secs} | {total} | {r.status} |")
     return lines
 
 
@@ -458,8 +464,9 @@ def write(path: Path, sections: List[Tuple[str, Optional[List[Row]], str]], argv
         "(grouped or depthwise among them), layers the rule selected that cannot be converted (reason), the max "
         "relative difference of the eval outputs right after conversion, three SGD steps (`block_size=2`: one "
         "fold) finite, every converted layer called, the max relative difference of `export_model` against the "
-        "converted model, and the conversion time (with the `example_input` forward; the first model's includes "
-        "PyTorch's warm-up). `ok`: conversion difference <= 1e-5, finite, all called, "
+        "converted model, the conversion time (with the `example_input` forward; the first model's includes "
+        "PyTorch's warm-up) and the time of the whole check (build, conversion, steps with one fold, export; "
+        "`-` for rows of runs that did not record it). `ok`: conversion difference <= 1e-5, finite, all called, "
         "export difference <= 1e-4. `nothing converted`: the model has no layer the option selects (e.g. no "
         "residual block). `not run`: the check ran past this machine's time or memory limit (`--timeout`, "
         "`--max-memory-gb`): not a failure of the model, but not covered either.",
@@ -536,7 +543,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 it = (check(name, build, shape, m, t, device=args.device) for m, t in pairs)
             for row in it:
                 print(f"{name:40s} {row.method:9s} {row.targets:6s} {row.converted:4d}  "
-                      f"{row.seconds:7.1f}s  {row.status}", flush=True)
+                      f"{row.seconds:7.1f}s {row.check_seconds:7.1f}s  {row.status}", flush=True)
                 rows.append(row)
                 if args.rows is not None:
                     with open(args.rows, "a") as f:
