@@ -65,8 +65,9 @@ import whitenlayers as wl  # noqa: E402
 TARGETS = ("blocks", "all")
 CONVERSION_TOL = 1e-5
 EXPORT_TOL = 1e-4
-#: torchvision models that need a particular input size (others run at --size).
-TORCHVISION_SIZES = {"inception_v3": 160, "maxvit_t": 224, "vit_b_16": 224, "vit_b_32": 224, "vit_l_16": 224,
+#: torchvision models that need a particular input size (others run at --size): Inception-v3's auxiliary
+#: classifier (training mode) needs 17x17 features (299x299 inputs), MaxViT and ViT a fixed size.
+TORCHVISION_SIZES = {"inception_v3": 299, "maxvit_t": 224, "vit_b_16": 224, "vit_b_32": 224, "vit_l_16": 224,
                      "vit_l_32": 224, "vit_h_14": 224}
 
 
