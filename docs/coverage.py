@@ -331,12 +331,18 @@ def _timm_param_count(timm, name: str) -> float:
         return math.inf
 
 
-def timm_models(batch: int, only: Optional[Sequence[str]]) -> Optional[Source]:
-    """The smallest model (fewest parameters) of each ``timm.list_modules()`` module, at its default input size."""
+def timm_models(batch: int, only: Optional[Sequence[str]], cache: Optional[Path] = None) -> Optional[Source]:
+    """The smallest model (fewest parameters) of each ``timm.list_modules()`` module, at its default input size.
+
+    The choice (a few minutes of meta-device builds) is kept in ``cache`` (JSON) when given."""
     try:
         import timm
     except ImportError:
         return None
+    chosen: Dict[str, str] = {}
+    key = f"timm {timm.__version__}"
+    if cache is not None and cache.exists():
+        chosen = json.loads(cache.read_text()).get(key, {})
     out: Source = []
     for module in timm.list_modules():
         names = timm.list_models(module=module)
@@ -344,7 +350,12 @@ def timm_models(batch: int, only: Optional[Sequence[str]]) -> Optional[Source]:
             names = [n for n in names if n in only or f"{module}: {n}" in only]
         if not names:
             continue
-        n = min(sorted(names), key=lambda n: _timm_param_count(timm, n)) if len(names) > 1 else names[0]
+        if not only and chosen.get(module) in names:
+            n = chosen[module]
+        else:
+            n = min(sorted(names), key=lambda n: _timm_param_count(timm, n)) if len(names) > 1 else names[0]
+            if not only:
+                chosen[module] = n
 
         def build(n=n):
             return timm.create_model(n, pretrained=False)
@@ -355,6 +366,8 @@ def timm_models(batch: int, only: Optional[Sequence[str]]) -> Optional[Source]:
         except Exception:
             size = (3, 224, 224)
         out.append((f"{module}: {n}", build, (batch,) + tuple(size)))
+    if cache is not None and not only:
+        cache.write_text(json.dumps({key: chosen}, indent=1, sort_keys=True) + "\n")
     return out
 
 
@@ -591,7 +604,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         sections.append(("Hugging Face transformers", rows,
                          f"`transformers.ResNetForImageClassification`, untrained, batch {args.batch}, "
                          f"{args.size}x{args.size} inputs."))
-    tm = None if args.no_timm else timm_models(args.batch, only)
+    tm = None if args.no_timm else timm_models(
+        args.batch, only, None if args.rows is None else args.rows.with_suffix(".timm.json"))
     if tm is None:
         msg = "timm is not installed here (or --no-timm): the timm table is pending."
         print(msg)
