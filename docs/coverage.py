@@ -214,14 +214,15 @@ def _child(conn, name: str, build: Callable[[], nn.Module], shape: Tuple[int, ..
 
 def check_isolated(name: str, build: Callable[[], nn.Module], shape: Tuple[int, ...], pairs: List[Tuple[str, str]],
                    *, device: str = "cpu", timeout: float = 600.0, max_memory_gb: float = 10.0) -> Iterator[Row]:
-    """The checks of one model, in a forked process that is ended when a check runs past ``timeout`` seconds or
-    the process past ``max_memory_gb`` of resident memory: that check is a ``not run`` row (the limit named), and
-    the remaining ones run in a new process."""
+    """The checks of one model, each in a forked process that is ended when it runs past ``timeout`` seconds or
+    ``max_memory_gb`` of resident memory: that check is then a ``not run`` row (the limit named)."""
     ctx = multiprocessing.get_context("fork")
     pending = list(pairs)
     while pending:
         recv, send = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_child, args=(send, name, build, shape, pending, device), daemon=True)
+        # one check per process: memory a check freed is not always given back to the system, and would count
+        # against the next check's limit
+        proc = ctx.Process(target=_child, args=(send, name, build, shape, pending[:1], device), daemon=True)
         proc.start()
         send.close()
         current: Optional[Tuple[str, str]] = None
@@ -258,11 +259,8 @@ def check_isolated(name: str, build: Callable[[], nn.Module], shape: Tuple[int, 
         proc.join()
         recv.close()
         if not reason:
-            break
-        if current is None:  # died between checks: nothing more can be learnt from this model
-            for method, targets in pending:
-                yield Row(name, method, targets, not_run=reason)
-            return
+            continue
+        current = current or pending[0]  # (died before it said which check it started)
         pending.remove(current)
         yield Row(name, current[0], current[1], not_run=reason, check_seconds=time.monotonic() - started)
 
