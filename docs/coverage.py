@@ -462,7 +462,9 @@ def _versions() -> str:
 def write(path: Path, sections: List[Tuple[str, Optional[List[Row]], str]], argv: List[str],
           commits: Sequence[str] = (), notes: Sequence[str] = ()) -> None:
     when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
-    commit = ", ".join(dict.fromkeys(commits)) if commits else _commit()
+    counts = {c: list(commits).count(c) for c in dict.fromkeys(commits)}
+    commit = (_commit() if not counts else next(iter(counts)) if len(counts) == 1
+              else ", ".join(f"{c} ({n} rows)" for c, n in counts.items()))
     lines = [
         "# Coverage: which models convert, train and export",
         "",
@@ -525,6 +527,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="JSON-lines file: rows are appended as they finish, and the document is written from every "
                         "row in it (so that runs of different methods or models add up)")
     p.add_argument("--resume", action="store_true", help="with --rows: skip the checks that have a row there")
+    p.add_argument("--retry", action="store_true", help="with --resume: run again the checks that failed or did "
+                                                         "not run")
     p.add_argument("--note", action="append", default=[], help="a note for the document (repeatable)")
     args = p.parse_args(argv)
     if args.threads:
@@ -532,19 +536,24 @@ def main(argv: Optional[List[str]] = None) -> int:
     methods = ["grad"] if args.quick else [m for m in args.methods.split(",") if m]
     only = [m for m in args.models.split(",") if m] or None
     saved: List[Row] = []
-    commits: List[str] = []
+    row_commit: Dict[Tuple[str, str, str], str] = {}
     if args.rows is not None and args.rows.exists():
+        latest: Dict[Tuple[str, str, str], Tuple[Row, str]] = {}
         for line in args.rows.read_text().splitlines():
             if line.strip():
                 d = json.loads(line)
-                commits.append(d.pop("commit", "unknown"))
-                saved.append(Row(**d))
+                c = d.pop("commit", "unknown")
+                row = Row(**d)
+                latest[(row.model, row.method, row.targets)] = (row, c)  # a later row of a check replaces it
+        saved = [r for r, _ in latest.values()]
+        row_commit = {k: c for k, (_, c) in latest.items()}
     commit = _commit()
 
     def run(source: Source, methods: Sequence[str], isolate: bool) -> List[Row]:
         rows = []
         for name, build, shape in source:
-            done = {(r.method, r.targets) for r in saved if r.model == name} if args.resume else set()
+            done = {(r.method, r.targets) for r in saved if r.model == name
+                    and not (args.retry and (r.not_run or r.error))} if args.resume else set()
             pairs = [(m, t) for m in methods for t in TARGETS if (m, t) not in done]
             if not pairs:
                 continue
@@ -560,7 +569,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 if args.rows is not None:
                     with open(args.rows, "a") as f:
                         f.write(json.dumps(dict(dataclasses.asdict(row), commit=commit)) + "\n")
-                    commits.append(commit)
+                row_commit[(row.model, row.method, row.targets)] = commit
         return rows
 
     def section_rows(source: Source, new: List[Row]) -> List[Row]:
@@ -616,6 +625,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                          f"`timm.list_modules()`, untrained, batch {args.batch}, at its default input size "
                          "(`timm.get_pretrained_cfg(name).input_size`)."))
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    commits = [row_commit.get((r.model, r.method, r.targets), commit) for _, rows, _ in sections for r in rows or ()]
     write(args.out, sections, argv, commits=commits, notes=args.note)
     print(f"wrote {args.out}")
     return 1 if failed else 0
