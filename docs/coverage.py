@@ -511,7 +511,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--self-test", action="store_true", help="also check the stand-ins of whitenlayers.models")
     p.add_argument("--quick", action="store_true", help="method grad only (with --self-test: a smoke run)")
     p.add_argument("--methods", default="grad,recursive,direct")
-    p.add_argument("--models", default="", help="comma-separated torchvision / timm model names (default: all)")
+    p.add_argument("--models", default="",
+                   help="comma-separated torchvision / timm model names, run in this order (default: all)")
     p.add_argument("--size", type=int, default=64, help="input size of torchvision models without a fixed one")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--device", default="cpu")
@@ -530,6 +531,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--retry", action="store_true", help="with --resume: run again the checks that failed or did "
                                                          "not run")
     p.add_argument("--note", action="append", default=[], help="a note for the document (repeatable)")
+    p.add_argument("--budget", type=float, default=0.0,
+                   help="seconds for the whole run: checks not started by then are not run (with --resume: left "
+                        "to the rows already there)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -549,15 +553,24 @@ def main(argv: Optional[List[str]] = None) -> int:
         row_commit = {k: c for k, (_, c) in latest.items()}
     commit = _commit()
 
+    run_start = time.monotonic()
+
     def run(source: Source, methods: Sequence[str], isolate: bool) -> List[Row]:
         rows = []
+        if only:  # in the order given
+            rank = {n: i for i, n in enumerate(only)}
+            source = sorted(source, key=lambda s: rank.get(s[0], rank.get(s[0].split(": ")[-1], len(rank))))
         for name, build, shape in source:
             done = {(r.method, r.targets) for r in saved if r.model == name
                     and not (args.retry and (r.not_run or r.error))} if args.resume else set()
             pairs = [(m, t) for m in methods for t in TARGETS if (m, t) not in done]
             if not pairs:
                 continue
-            if isolate:
+            over = bool(args.budget) and time.monotonic() - run_start > args.budget
+            if over:  # in the document, not in --rows (a later --resume runs them)
+                it = iter([Row(name, m, t, not_run="not reached: the run's time budget (--budget) was spent")
+                           for m, t in pairs])
+            elif isolate:
                 it = check_isolated(name, build, shape, pairs, device=args.device, timeout=args.timeout,
                                     max_memory_gb=args.max_memory_gb)
             else:
@@ -566,7 +579,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 print(f"{name:40s} {row.method:9s} {row.targets:6s} {row.converted:4d}  "
                       f"{row.seconds:7.1f}s {row.check_seconds:7.1f}s  {row.status}", flush=True)
                 rows.append(row)
-                if args.rows is not None:
+                if args.rows is not None and not over:
                     with open(args.rows, "a") as f:
                         f.write(json.dumps(dict(dataclasses.asdict(row), commit=commit)) + "\n")
                 row_commit[(row.model, row.method, row.targets)] = commit
