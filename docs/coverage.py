@@ -487,7 +487,7 @@ def write(path: Path, sections: List[Tuple[str, Optional[List[Row]], str]], argv
         "",
     ]
     if notes:
-        lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
+        lines += ["## Notes", ""] + [n if n.startswith(("- ", "#", "|")) or not n else f"- {n}" for n in notes] + [""]
     for title, rows, note in sections:
         lines += [f"## {title}", ""]
         if note:
@@ -531,6 +531,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--retry", action="store_true", help="with --resume: run again the checks that failed or did "
                                                          "not run")
     p.add_argument("--note", action="append", default=[], help="a note for the document (repeatable)")
+    p.add_argument("--notes", type=Path, default=ROOT / "docs" / "coverage_notes.md",
+                   help="hand-written notes put into the document's Notes section (markdown; default: "
+                        "docs/coverage_notes.md where it exists)")
     p.add_argument("--budget", type=float, default=0.0,
                    help="seconds for the whole run: checks not started by then are not run (with --resume: left "
                         "to the rows already there)")
@@ -639,7 +642,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "(`timm.get_pretrained_cfg(name).input_size`)."))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     commits = [row_commit.get((r.model, r.method, r.targets), commit) for _, rows, _ in sections for r in rows or ()]
-    write(args.out, sections, argv, commits=commits, notes=args.note)
+    notes = (args.notes.read_text().strip().splitlines() if args.notes.exists() else []) + args.note
+    write(args.out, sections, argv, commits=commits, notes=notes)
     print(f"wrote {args.out}")
     return 1 if failed else 0
 
