@@ -487,7 +487,7 @@ def write(path: Path, sections: List[Tuple[str, Optional[List[Row]], str]], argv
         "",
     ]
     if notes:
-        lines += ["## Notes", ""] + [n if n.startswith(("- ", "#", "|")) or not n else f"- {n}" for n in notes] + [""]
+        lines += ["## Notes", ""] + list(notes) + [""]
     for title, rows, note in sections:
         lines += [f"## {title}", ""]
         if note:
@@ -585,7 +585,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 if args.rows is not None and not over:
                     with open(args.rows, "a") as f:
                         f.write(json.dumps(dict(dataclasses.asdict(row), commit=commit)) + "\n")
-                row_commit[(row.model, row.method, row.targets)] = commit
+                if not over:
+                    row_commit[(row.model, row.method, row.targets)] = commit
         return rows
 
     def section_rows(source: Source, new: List[Row]) -> List[Row]:
@@ -641,8 +642,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                          f"`timm.list_modules()`, untrained, batch {args.batch}, at its default input size "
                          "(`timm.get_pretrained_cfg(name).input_size`)."))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    commits = [row_commit.get((r.model, r.method, r.targets), commit) for _, rows, _ in sections for r in rows or ()]
-    notes = (args.notes.read_text().strip().splitlines() if args.notes.exists() else []) + args.note
+    commits = [row_commit[k] for _, rows, _ in sections for r in rows or ()  # rows that ran (not `not reached`)
+               if (k := (r.model, r.method, r.targets)) in row_commit]
+    notes = (args.notes.read_text().strip().splitlines() if args.notes.exists() else []) + [f"- {n}" for n in args.note]
     write(args.out, sections, argv, commits=commits, notes=notes)
     print(f"wrote {args.out}")
     return 1 if failed else 0
