@@ -118,13 +118,47 @@ def fold_layers(layers: Iterable["WhiteningStatistics"], *, strategy: str = "aut
     with _no_autocast(layers[0].running_mean.device):
         group, world = _dist_group(layers)
         if world == 1:
-            summaries = [layer._block_summary() for layer in layers]
-            nonfinite = [int(layer._acc_nonfinite) for layer in layers]
-            owners = None
-        else:
-            owners = _owners(layers, world, strategy)
-            summaries, nonfinite = _global_summaries(layers, owners, group)
+            # One process: fold one batch of layers at a time, so that the float64 temporaries of a fold (block
+            # summary, moments, new transform: several M x M matrices per layer) are held for that batch only,
+            # not for every layer of the model at once (ConvNeXt-B / DenseNet-161 with targets="all": gigabytes).
+            for chunk in _fold_chunks(layers):
+                _fold_all(chunk, [layer._block_summary() for layer in chunk],
+                          [int(layer._acc_nonfinite) for layer in chunk])
+            return
+        owners = _owners(layers, world, strategy)
+        summaries, nonfinite = _global_summaries(layers, owners, group)
         _fold_all(layers, summaries, nonfinite, owners, group)
+
+
+#: At most this many matrix entries (``groups * M^2`` summed over the layers) are folded together in one process.
+FOLD_CHUNK_ELEMENTS = 1 << 25
+
+
+def _fold_chunks(layers: Sequence["WhiteningStatistics"],
+                 max_elements: Optional[int] = None) -> List[List["WhiteningStatistics"]]:
+    """The layers in batches that :func:`_fold_all` folds together: those with one rule batch key (one batched
+    transform call), in order of first appearance, split where their summed ``groups * M^2`` would pass
+    ``max_elements`` (default :data:`FOLD_CHUNK_ELEMENTS`); a layer whose rule does not batch is a batch of its
+    own."""
+    if max_elements is None:
+        max_elements = FOLD_CHUNK_ELEMENTS
+    by_key: Dict[Any, List[List["WhiteningStatistics"]]] = {}
+    order: List[List["WhiteningStatistics"]] = []
+    sizes: Dict[int, int] = {}
+    for layer in layers:
+        key = layer._rule_batch_key()
+        n = layer.num_features * (layer.num_features // layer.groups)
+        chunks = by_key.setdefault(key, []) if key is not None else None
+        if chunks and sizes[id(chunks[-1])] + n <= max_elements:
+            chunks[-1].append(layer)
+            sizes[id(chunks[-1])] += n
+            continue
+        chunk = [layer]
+        sizes[id(chunk)] = n
+        order.append(chunk)
+        if chunks is not None:
+            chunks.append(chunk)
+    return order
 
 
 def assign_owners(costs: Sequence[float], world_size: int) -> List[int]:
