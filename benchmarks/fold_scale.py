@@ -10,9 +10,10 @@ Part 2 -- the same for CIFAR ResNet-110 (108 layers, widths 16/32/64) against it
 32x32: the goal is a fold overhead <= 1 % at the default block size (10).
 
 Part 3 -- distributed folds of the ResNet-50 layers (and the ResNet-110 layers) on 2 and 4 ``gloo`` ranks
-with one thread each, ``strategy="replicated"`` (every rank computes every transform) vs ``"owner"``
-(each transform on one rank, results all-reduced). Per rank: wall time of the fold and the process CPU
-time spent in it (the work the rank did). On a machine with fewer cores than ranks the wall time of
+with one thread each, ``strategy="replicated"`` (every rank computes every transform) vs ``"owner"`` (each
+layer folded on one rank: its scatter reduced to that rank, its new buffers broadcast from it). Per rank:
+wall time of the fold and the process CPU time spent in it (the work the rank did, gloo's threads
+included). On a machine with fewer cores than ranks the wall time of
 concurrent ranks is inflated by sharing cores, so the CPU time is the per-rank cost to project from.
 
     python benchmarks/fold_scale.py             # full (~10 min on 2 cores)

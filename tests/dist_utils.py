@@ -60,11 +60,11 @@ class CountingDist:
     """Stands in for the ``torch.distributed`` module inside one library module and counts collectives.
 
     ``wl.stats.dist = CountingDist(torch.distributed)`` counts the ``all_reduce``
-    / ``broadcast`` / ``all_gather`` calls that module makes, and nothing that
+    / ``reduce`` / ``broadcast`` / ``all_gather`` calls that module makes, and nothing that
     other code (DDP, a batch norm) does; every other attribute is the real one.
     """
 
-    COUNTED = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter", "all_reduce_coalesced")
+    COUNTED = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter", "all_reduce_coalesced")
 
     def __init__(self, real) -> None:
         self._real = real

@@ -159,3 +159,40 @@ def test_wide_layers_are_not_batched(monkeypatch):
     monkeypatch.setattr(torch.linalg, "eigh", spy)
     fold_layers(layers)
     assert sorted(calls) == sorted([(m_wide, m_wide), (m_wide, m_wide), (2, 4, 4)])
+
+
+def test_fold_chunks_group_by_batch_key_and_bound_their_size():
+    """One process folds a batch of layers at a time (their float64 temporaries only), at most
+    ``max_elements`` matrix entries per batch, same-width layers together in order of first appearance."""
+    from whitenlayers.fold import _fold_chunks
+
+    a = _layers([3, 5, 3, 8, 5, 3])
+    chunks = _fold_chunks(a, max_elements=18)  # two 3x3 layers fit, a 5x5 alone
+    assert [[a.index(l) for l in c] for c in chunks] == [[0, 2], [1], [3], [4], [5]]
+    assert [[a.index(l) for l in c] for c in _fold_chunks(a)] == [[0, 2, 5], [1, 4], [3]]
+    grouped = wl.GradWhitenConv2d(8, 8, 3, padding=1, groups=4, block_size=10**6)  # 4 groups of 2x2: 16 entries
+    assert _fold_chunks([grouped, grouped], max_elements=16) == [[grouped], [grouped]]
+
+
+def test_chunked_fold_equals_per_layer_fold(monkeypatch):
+    """Folding in small batches changes no result, and no call folds more than one batch."""
+    import whitenlayers.fold as fold_mod
+
+    widths = [3, 5, 3, 8, 5, 3]
+    a = _layers(widths)
+    b = copy.deepcopy(a)
+    calls = []
+    real = fold_mod._fold_all
+
+    def spy(layers, summaries, *args, **kw):
+        calls.append(len(layers))
+        return real(layers, summaries, *args, **kw)
+
+    monkeypatch.setattr(fold_mod, "FOLD_CHUNK_ELEMENTS", 18)
+    monkeypatch.setattr(fold_mod, "_fold_all", spy)
+    fold_layers(a)
+    assert calls == [2, 1, 1, 1, 1]
+    monkeypatch.undo()
+    for l in b:
+        fold_layers([l])
+    _assert_same(a, b)

@@ -1,9 +1,11 @@
 """Distributed fold strategies (issue 13): each layer's transform on one rank, results sent to all.
 
 Each rank gets its share of a global batch; the reference is one process that
-sees each whole global batch. Ranks must hold bit-identical state after every
-fold (they unpack the same all-reduced numbers), equal to the reference to
-float tolerance (the reference batches its eigendecompositions differently).
+sees each whole global batch. Ranks must hold bit-identical state and counters
+after every fold (non-owners write the buffers their owner broadcast), equal to
+the reference to float tolerance (the reference batches its eigendecompositions
+differently). The last fold has a non-finite batch on one rank only and a layer
+with no samples on any rank (a skipped fold).
 """
 from __future__ import annotations
 
@@ -13,13 +15,21 @@ import pytest
 import torch
 
 import whitenlayers as wl
+import whitenlayers.fold as wl_fold
 from whitenlayers.fold import assign_owners, fold_layers
 from whitenlayers.stats import WhiteningStatistics
-from dist_utils import run_distributed
+from dist_utils import CountingDist, run_distributed
+
+# The reference's warnings about the non-finite batch and the skipped fold (expected).
+pytestmark = [pytest.mark.filterwarnings("ignore:.*non-finite activations:RuntimeWarning"),
+              pytest.mark.filterwarnings("ignore:.*no finite samples:RuntimeWarning")]
 
 STATE = ("running_mean", "running_cov", "whitening_matrix", "grad_transform", "num_blocks", "bias_correction",
          "running_cov_whitened", "running_power", "whitening_gram")
 FOLDS = 3
+COUNTERS = ("eig_failures", "skipped_folds", "nonfinite_batches", "clamped_steps")
+NAN_LAYERS = (0, 3)  # at the last fold, one rank (the reference: once) feeds these a non-finite batch
+EMPTY_LAYER = 4  # at the last fold, no rank feeds it: the fold is skipped
 
 
 def make_layers():
@@ -48,49 +58,81 @@ def global_batch(layer_index: int, m: int, fold: int, conv: bool) -> torch.Tenso
 
 def snapshot(layers):
     return [{k: getattr(m, k).clone() for k in STATE if getattr(m, k, None) is not None}
-            | {"eig_failures": m.eig_failures} for m in layers]
+            | {c: getattr(m, c) for c in COUNTERS} for m in layers]
 
 
-def _rank_run(rank: int, world: int, strategy: str, fail_rank: int):
+def feed(layers, fold: int, part):
+    """Accumulate fold ``fold``'s global batch, ``part(x)`` of it; at the last fold with a skipped layer."""
+    for i, layer in enumerate(layers):
+        if fold == FOLDS - 1 and i == EMPTY_LAYER:
+            continue
+        conv = not isinstance(layer, wl.GradWhitenLinear)
+        layer._accumulate(part(global_batch(i, layer.num_features, fold, conv)))
+
+
+def feed_nan(layers):
+    for i in NAN_LAYERS:
+        x = global_batch(i, layers[i].num_features, 0, not isinstance(layers[i], wl.GradWhitenLinear))[:2].clone()
+        x[0, 0] = float("nan")
+        layers[i]._accumulate(x)
+
+
+def _rank_run(rank: int, world: int, strategy: str, fail_rank: int, alone: bool = False):
+    if alone:  # every tensor in its own collective (as large layers' are), none packed
+        wl_fold.COALESCE_NUMEL = 1
     layers = make_layers()
-    transforms = collections.Counter()
-    real_transform = WhiteningStatistics._transform
+    counter = CountingDist(torch.distributed)
+    wl_fold.dist = counter
+    calls = collections.Counter()  # (method, layer) -> calls on this rank
+    patched = {}
+    for name in ("_transform", "_fold_start", "_fold_outcome", "_fold_finish"):
+        real = getattr(WhiteningStatistics, name)
 
-    def counting(self, fold, *a):
-        transforms[self.layer_name] += 1
-        return real_transform(self, fold, *a)
+        def counting(self, *a, _real=real, _name=name):
+            calls[_name, self.layer_name] += 1
+            return _real(self, *a)
 
-    WhiteningStatistics._transform = counting
+        patched[name] = real
+        setattr(WhiteningStatistics, name, counting)
     real_eigh = torch.linalg.eigh
-    states = []
+    states, collectives = [], []
     try:
         for fold in range(FOLDS):
             if fold == 1 and rank == fail_rank:  # every eigh on this rank fails (also the float64 retry)
                 torch.linalg.eigh = lambda x, *a, **k: tuple(torch.full_like(t, float("nan")) for t in real_eigh(x, *a, **k))
-            for i, layer in enumerate(layers):
-                conv = not isinstance(layer, wl.GradWhitenLinear)
-                x = global_batch(i, layer.num_features, fold, conv)
-                rows = torch.arange(x.shape[0])
-                layer._accumulate(x[rows % world == rank])
+            feed(layers, fold, lambda x: x[torch.arange(x.shape[0]) % world == rank])
+            if fold == FOLDS - 1 and rank == world - 1:
+                feed_nan(layers)
+            before = len(counter.calls)
             fold_layers(layers, strategy=strategy)
+            collectives.append(counter.calls[before:])
             torch.linalg.eigh = real_eigh
             states.append(snapshot(layers))
     finally:
-        WhiteningStatistics._transform = real_transform
+        for name, real in patched.items():
+            setattr(WhiteningStatistics, name, real)
         torch.linalg.eigh = real_eigh
-    return {"states": states, "transforms": dict(transforms)}
+        wl_fold.dist = torch.distributed
+    return {"states": states, "calls": dict(calls), "collectives": collectives}
 
 
 def reference():
     layers = make_layers()
     states = []
     for fold in range(FOLDS):
-        for i, layer in enumerate(layers):
-            conv = not isinstance(layer, wl.GradWhitenLinear)
-            layer._accumulate(global_batch(i, layer.num_features, fold, conv))
+        feed(layers, fold, lambda x: x)
+        if fold == FOLDS - 1:
+            feed_nan(layers)
         fold_layers(layers)
         states.append(snapshot(layers))
     return states
+
+
+def assert_ranks_identical(runs, fold, i):
+    for r in range(1, len(runs)):
+        for k, v in runs[0]["states"][fold][i].items():
+            w = runs[r]["states"][fold][i][k]
+            assert (torch.equal(v, w) if torch.is_tensor(v) else v == w), f"fold {fold} layer {i} {k}: rank {r} differs"
 
 
 def test_assign_owners_balances_cubic_cost():
@@ -107,33 +149,54 @@ def test_unknown_strategy_is_a_value_error():
         fold_layers(make_layers(), strategy="fast")
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_owner_fold_is_bit_identical_across_ranks_and_runs_each_transform_once(world):
-    runs = run_distributed(_rank_run, "owner", -1, world_size=world)
+@pytest.mark.parametrize("world, alone", [(2, False), (4, False), (2, True)], ids=["2", "4", "2-unpacked"])
+def test_owner_fold_is_bit_identical_across_ranks_and_folds_each_layer_on_its_owner_only(world, alone):
+    runs = run_distributed(_rank_run, "owner", -1, alone, world_size=world)
     ref = reference()
     layers = make_layers()
     owners = assign_owners([float(m.num_features) ** 3 for m in layers], world)
     for fold in range(FOLDS):
         for i in range(len(layers)):
-            for r in range(1, world):
-                for k, v in runs[0]["states"][fold][i].items():
-                    same = torch.equal(v, runs[r]["states"][fold][i][k]) if torch.is_tensor(v) else v == runs[r]["states"][fold][i][k]
-                    assert same, f"fold {fold} layer {i} {k}: rank {r} differs from rank 0"
+            assert_ranks_identical(runs, fold, i)
             for k, v in ref[fold][i].items():
                 if torch.is_tensor(v):
                     torch.testing.assert_close(runs[0]["states"][fold][i][k], v, rtol=1e-5, atol=1e-5,
                                                msg=lambda m: f"fold {fold} layer {i} {k}: {m}")
-    # each layer's transform ran on exactly one rank, its owner, once per fold
+                else:
+                    assert runs[0]["states"][fold][i][k] == v, f"fold {fold} layer {i} {k}"
+    last = runs[0]["states"][-1]
+    assert [last[i]["nonfinite_batches"] for i in NAN_LAYERS] == [1, 1]  # one rank's batch, counted everywhere
+    assert last[EMPTY_LAYER]["skipped_folds"] == 1 and int(last[EMPTY_LAYER]["num_blocks"]) == FOLDS - 1
+    # the moments, the transform and Q_s of each layer ran on exactly one rank, its owner, once per fold (the
+    # skipped fold: its moments only); every rank wrote every fold
     for i in range(len(layers)):
-        counts = [runs[r]["transforms"].get(f"l{i}", 0) for r in range(world)]
-        assert counts == [FOLDS if r == owners[i] else 0 for r in range(world)], (i, counts)
+        done = FOLDS - (i == EMPTY_LAYER)
+        for name, n in (("_fold_start", FOLDS), ("_transform", done), ("_fold_outcome", done)):
+            counts = [runs[r]["calls"].get((name, f"l{i}"), 0) for r in range(world)]
+            assert counts == [n if r == owners[i] else 0 for r in range(world)], (name, i, counts)
+        assert all(runs[r]["calls"][("_fold_finish", f"l{i}")] == FOLDS for r in range(world))
     assert len(set(owners)) == min(world, len(layers))
+    # collectives per fold: counts, means and powers (one all_reduce), the scatters (reduce to the owner), the
+    # outcomes (broadcast from the owner): these small layers packed, one call per owner rank; unpacked, one
+    # reduce per layer and one broadcast for the flags and per buffer
+    buffers = sum(len(m._outcome_layout()) for m in layers)
+    expected = (["all_reduce"] + ["reduce"] * len(layers) + ["broadcast"] * (world + buffers) if alone else
+                ["all_reduce"] + ["reduce"] * world + ["broadcast"] * world)
+    for r in range(world):
+        for calls in runs[r]["collectives"]:
+            assert calls == expected
 
 
 def test_replicated_fold_computes_every_transform_on_every_rank():
     runs = run_distributed(_rank_run, "replicated", -1, world_size=2)
+    ref = reference()
     for r in range(2):
-        assert all(runs[r]["transforms"][f"l{i}"] == FOLDS for i in range(7))
+        assert all(runs[r]["calls"]["_transform", f"l{i}"] == FOLDS - (i == EMPTY_LAYER) for i in range(7))
+        assert all(calls == ["all_reduce", "all_reduce"] for calls in runs[r]["collectives"])
+    for fold in range(FOLDS):
+        for i in range(7):
+            assert_ranks_identical(runs, fold, i)
+            assert all(runs[0]["states"][fold][i][c] == ref[fold][i][c] for c in COUNTERS), (fold, i)
 
 
 def test_failure_on_the_owner_rank_leaves_every_rank_identical_with_the_previous_transform():
@@ -145,9 +208,9 @@ def test_failure_on_the_owner_rank_leaves_every_rank_identical_with_the_previous
     failed = [i for i in evd if owners[i] == 1]
     assert failed and [i for i in evd if owners[i] == 0]
     for i in range(len(layers)):
-        a, b = runs[0]["states"][1][i], runs[1]["states"][1][i]
-        for k, v in a.items():
-            assert (torch.equal(v, b[k]) if torch.is_tensor(v) else v == b[k]), (i, k)
+        for fold in range(FOLDS):
+            assert_ranks_identical(runs, fold, i)
+        a = runs[0]["states"][1][i]
         before = runs[0]["states"][0][i]
         if i in failed:
             assert a["eig_failures"] == 1

@@ -293,6 +293,38 @@ def test_coverage_script_self_test(tmp_path):
     assert "FAIL" not in text
 
 
+def _coverage_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("coverage_script", ROOT / "docs" / "coverage.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["coverage_script"] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class _Slow(nn.Module):
+    def forward(self, x):
+        import time
+
+        time.sleep(30)
+        return x
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forked processes and /proc")
+def test_coverage_isolated_checks_end_at_the_time_limit():
+    """--isolate: a check past --timeout is a 'not run' row naming the limit, and the next checks still run."""
+    cov = _coverage_module()
+    build = lambda: models.resnet20(width=4)
+    rows = list(cov.check_isolated("r20", build, (2, 3, 8, 8), [("grad", "blocks"), ("direct", "all")], timeout=120))
+    assert [(r.method, r.targets, r.status) for r in rows] == [("grad", "blocks", "ok"), ("direct", "all", "ok")]
+    slow = lambda: nn.Sequential(nn.Conv2d(3, 4, 3), _Slow())
+    rows = list(cov.check_isolated("slow", slow, (2, 3, 8, 8), [("grad", "all"), ("grad", "blocks")], timeout=1))
+    assert [r.targets for r in rows] == ["all", "blocks"]
+    assert all(r.status == "not run: over the 1 s time limit" and not r.ok for r in rows)
+    assert "not run" in cov.totals(rows)[0]
+
+
 @pytest.mark.parametrize("method", ["grad", "recursive"])
 def test_absorbed_centring_of_grouped_and_conv1d_layers_trains_like_centred(method):
     """Grouped, depthwise and Conv1d layers followed by a BatchNorm absorb their centring like Conv2d ones."""

@@ -873,11 +873,11 @@ def convert_model(
     Folding. One :class:`~whitenlayers.FoldCoordinator` is registered as a
     forward hook on ``model`` and given to every whitening layer: all layers
     whose block ends during a forward fold together after the model's forward
-    (one pair of coalesced collectives per block under ``torch.distributed``).
+    (one set of collectives per block for the whole model under ``torch.distributed``).
     Converting a model that already has a coordinator reuses it.
     ``fold_strategy`` says how the transforms are computed under
     ``torch.distributed``: ``"replicated"`` (every rank computes every layer),
-    ``"owner"`` (each layer on one rank, results sent to all) or ``"auto"``
+    ``"owner"`` (each layer folded on one rank, its new buffers sent to all) or ``"auto"``
     (owner when the layers' summed ``M^3`` is large; see
     :func:`whitenlayers.fold.fold_layers`). Convert
     before wrapping the model in ``DistributedDataParallel`` (buffers added

@@ -1,11 +1,14 @@
 """The fold: when and how the layers' block statistics become new transforms.
 
 :func:`fold_layers` folds the current block of any number of layers. Under
-``torch.distributed`` it first sums their block statistics across ranks in two
-coalesced ``all_reduce`` calls (first counts and means, then the scatter about
-the global mean, which keeps the sum accurate when ``|mean| >> std``), so all
-ranks fold identical numbers. Layers whose rule computes alike (EVD layers of
-one width, dtype and device) share one batched eigendecomposition.
+``torch.distributed`` it first sums their block statistics across ranks: one
+coalesced ``all_reduce`` of the counts and means, then the scatter about the
+global mean (which keeps the sum accurate when ``|mean| >> std``), summed on
+the rank that folds the layer. Either every rank folds every layer
+(``"replicated"``) or each layer is folded on one rank, its owner, which
+broadcasts the outcome (new buffers, flags) to the others (``"owner"``); either
+way all ranks end with identical state. Layers whose rule computes alike (EVD
+layers of one width, dtype and device) share one batched eigendecomposition.
 
 :class:`FoldCoordinator` is the forward hook :func:`~whitenlayers.convert_model`
 installs on a converted model: layers whose block ends during a forward fold
@@ -14,16 +17,16 @@ together after the model's forward. Both are plumbing: users reach them through
 """
 from __future__ import annotations
 
-import math
 import warnings
-from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from . import functional as F_w
 from .functional import BlockSummary
-from .rules import RuleResult
+from .rules import Fold, RuleResult
 
 if TYPE_CHECKING:  # pragma: no cover
     from .stats import WhiteningStatistics
@@ -47,36 +50,21 @@ def _dist_group(layers: Sequence["WhiteningStatistics"]):
     return group, dist.get_world_size(group)
 
 
-def _all_reduce_summaries(summaries: List[BlockSummary], group) -> List[BlockSummary]:
-    """Global block statistics across ranks: two coalesced all_reduce calls for all layers."""
-    # Phase 1: counts and count-weighted means -> global count and mean.
-    flat = torch.cat([torch.cat([s.count.view(1), s.count * s.mean]) for s in summaries])
-    dist.all_reduce(flat, group=group)
-    out_mean, pos = [], 0
-    for s in summaries:
-        m = s.mean.numel()
-        n = flat[pos]
-        out_mean.append((n, flat[pos + 1 : pos + 1 + m] / torch.clamp(n, min=1.0)))
-        pos += 1 + m
-    # Phase 2: each rank's scatter about the global mean, and the powers.
-    parts = []
-    for s, (n, mean) in zip(summaries, out_mean):
-        d = s.mean - mean
-        if s.scatter.dim() == 3:  # grouped layer: (G, k, k) blocks
-            local = s.scatter + s.count * F_w.block_outer(d, d, s.scatter.shape[0])
-        else:
-            local = s.scatter + s.count * torch.outer(d, d)
-        parts.append(torch.cat([local.reshape(-1), s.power]))
-    flat2 = torch.cat(parts)
-    dist.all_reduce(flat2, group=group)
-    result, pos = [], 0
-    for s, (n, mean) in zip(summaries, out_mean):
-        m, mm = s.mean.numel(), s.scatter.numel()
-        scatter = flat2[pos : pos + mm].view(s.scatter.shape)
-        power = flat2[pos + mm : pos + mm + m]
-        pos += mm + m
-        result.append(BlockSummary(n, mean, F_w.symmetrize(scatter), power))
-    return result
+#: The status of a layer's fold (:class:`FoldOutcome`).
+FOLDED, FAILED, SKIPPED_EMPTY, SKIPPED_MOMENTS = 0, 1, 2, 3
+#: The warning of a skipped fold, by status.
+SKIP_MESSAGES = {
+    SKIPPED_EMPTY: "a block had no finite samples; the fold was skipped and the transform kept",
+    SKIPPED_MOMENTS: "non-finite moments; the fold was skipped and the transform kept",
+}
+
+
+class FoldOutcome(NamedTuple):
+    """What one layer's fold writes besides the mean, computed where the layer is folded (its owner rank)."""
+
+    status: int  # FOLDED, FAILED (the transform failed: the previous one is kept) or a skip (nothing written)
+    clamped: bool = False
+    buffers: Dict[str, Tensor] = {}  # new buffer values as stored (the layer's dtypes): running_cov, T, Q_s, ...
 
 
 #: Fold strategies under torch.distributed (see :func:`fold_layers`).
@@ -102,16 +90,22 @@ def fold_layers(layers: Iterable["WhiteningStatistics"], *, strategy: str = "aut
 
     * ``"replicated"``: every rank computes every layer's transform (EVD or
       recursive step) from the same global statistics;
-    * ``"owner"``: each layer's transform is computed on one rank, layers
-      assigned to balance their ``M^3`` cost (:func:`assign_owners`), and one
-      coalesced ``all_reduce`` sends the results to every rank;
+    * ``"owner"``: each layer is folded on one rank, layers assigned to
+      balance their ``M^3`` cost (:func:`assign_owners`): its scatter is
+      summed there only (one ``reduce`` per rank), the rank computes the
+      moments, the transform and ``Q_s``, and one ``broadcast`` per rank sends
+      its layers' new buffers (as stored) and flags to every rank, which
+      writes them and the new mean (every rank has the global mean) and
+      updates the counters and the bias compensation;
     * ``"auto"`` (default): ``"owner"`` when the layers' summed ``M^3`` is at
       least :data:`OWNER_MIN_COST`, else ``"replicated"``.
 
     Either way every rank ends with bit-identical ``mu``, ``Phi_x``, ``T``,
-    ``Q_s`` (and the recursive state), equal to one process on the global batch
-    up to float tolerance; a transform that fails on its owner leaves every
-    rank with the previous transform and the same failure count.
+    ``Q_s`` (and the recursive state) and counters, equal to one process on the
+    global batch up to float tolerance; a transform that fails on its owner
+    leaves every rank with the previous transform and the same failure count.
+    ``nonfinite_batches`` counts the ranks' batches with non-finite values,
+    summed over ranks.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, but got strategy={strategy!r}")
@@ -122,11 +116,49 @@ def fold_layers(layers: Iterable["WhiteningStatistics"], *, strategy: str = "aut
     if not layers:
         return
     with _no_autocast(layers[0].running_mean.device):
-        summaries = [layer._block_summary() for layer in layers]
         group, world = _dist_group(layers)
-        if world > 1:
-            summaries = _all_reduce_summaries(summaries, group)
-        _fold_all(layers, summaries, group, world, strategy)
+        if world == 1:
+            # One process: fold one batch of layers at a time, so that the float64 temporaries of a fold (block
+            # summary, moments, new transform: several M x M matrices per layer) are held for that batch only,
+            # not for every layer of the model at once (ConvNeXt-B / DenseNet-161 with targets="all": gigabytes).
+            for chunk in _fold_chunks(layers):
+                _fold_all(chunk, [layer._block_summary() for layer in chunk],
+                          [int(layer._acc_nonfinite) for layer in chunk])
+            return
+        owners = _owners(layers, world, strategy)
+        summaries, nonfinite = _global_summaries(layers, owners, group)
+        _fold_all(layers, summaries, nonfinite, owners, group)
+
+
+#: At most this many matrix entries (``groups * M^2`` summed over the layers) are folded together in one process.
+FOLD_CHUNK_ELEMENTS = 1 << 25
+
+
+def _fold_chunks(layers: Sequence["WhiteningStatistics"],
+                 max_elements: Optional[int] = None) -> List[List["WhiteningStatistics"]]:
+    """The layers in batches that :func:`_fold_all` folds together: those with one rule batch key (one batched
+    transform call), in order of first appearance, split where their summed ``groups * M^2`` would pass
+    ``max_elements`` (default :data:`FOLD_CHUNK_ELEMENTS`); a layer whose rule does not batch is a batch of its
+    own."""
+    if max_elements is None:
+        max_elements = FOLD_CHUNK_ELEMENTS
+    by_key: Dict[Any, List[List["WhiteningStatistics"]]] = {}
+    order: List[List["WhiteningStatistics"]] = []
+    sizes: Dict[int, int] = {}
+    for layer in layers:
+        key = layer._rule_batch_key()
+        n = layer.num_features * (layer.num_features // layer.groups)
+        chunks = by_key.setdefault(key, []) if key is not None else None
+        if chunks and sizes[id(chunks[-1])] + n <= max_elements:
+            chunks[-1].append(layer)
+            sizes[id(chunks[-1])] += n
+            continue
+        chunk = [layer]
+        sizes[id(chunk)] = n
+        order.append(chunk)
+        if chunks is not None:
+            chunks.append(chunk)
+    return order
 
 
 def assign_owners(costs: Sequence[float], world_size: int) -> List[int]:
@@ -149,12 +181,63 @@ def assign_owners(costs: Sequence[float], world_size: int) -> List[int]:
     return owners
 
 
-def _use_owner(layers: Sequence["WhiteningStatistics"], world: int, strategy: str) -> bool:
-    if world <= 1 or strategy == "replicated" or len(layers) < 2:
-        return False
-    if strategy == "owner":
-        return True
-    return sum(layer.rule.cost(layer.num_features, layer.groups) for layer in layers) >= OWNER_MIN_COST
+def _owners(layers: Sequence["WhiteningStatistics"], world: int, strategy: str) -> Optional[List[int]]:
+    """The rank that folds each layer (owner strategy), or ``None``: every rank folds every layer."""
+    if strategy == "replicated" or len(layers) < 2:
+        return None
+    costs = [layer.rule.cost(layer.num_features, layer.groups) for layer in layers]
+    if strategy == "auto" and sum(costs) < OWNER_MIN_COST:
+        return None
+    return assign_owners(costs, world)
+
+
+def _global_summaries(layers: Sequence["WhiteningStatistics"], owners: Optional[Sequence[int]], group
+                      ) -> Tuple[List[BlockSummary], List[int]]:
+    """The global block of each layer (all ranks' samples) and its non-finite batch count, summed over ranks.
+
+    Phase 1, one ``all_reduce`` for all layers: counts, sums, powers and non-finite batch counts, so every
+    rank has every layer's global count and mean. Phase 2: each rank's scatter about the global mean (which
+    keeps the sum accurate when ``|mean| >> std``), computed in its accumulator (reset after the fold), summed
+    where the layer is folded: ``reduce`` to its owner (owner strategy, :func:`_coalesced` per owner: a large
+    scatter alone, small ones packed; here the ``scatter`` of the layers other ranks own is ``None``), or one
+    ``all_reduce`` of all layers (replicated).
+    """
+    sums = [layer._block_sums() for layer in layers]
+    f64 = torch.float64
+    flat = torch.cat([torch.cat([n.view(1), n * shift + s1, F_w.block_power(n, shift, s1, s2),
+                                 layer._acc_nonfinite.to(f64).view(1)])
+                      for layer, (n, shift, s1, s2) in zip(layers, sums)])
+    dist.all_reduce(flat, group=group)
+    summaries, bounds, pos = [], [], 0
+    for layer in layers:
+        m = layer.num_features
+        n = flat[pos]
+        mean = flat[pos + 1 : pos + 1 + m] / torch.clamp(n, min=1.0)
+        summaries.append(BlockSummary(n, mean, None, flat[pos + 1 + m : pos + 1 + 2 * m]))
+        bounds.append(pos + 1 + 2 * m)
+        pos += 2 + 2 * m
+    nonfinite = [int(v) for v in flat[torch.tensor(bounds, device=flat.device)].tolist()]
+    scatters = [F_w.scatter_about(*sums_i, s.mean, inplace=True) for sums_i, s in zip(sums, summaries)]
+    if owners is None:
+        flat2 = torch.cat([x.reshape(-1) for x in scatters])
+        dist.all_reduce(flat2, group=group)
+        scatters = list(torch.split(flat2, [x.numel() for x in scatters]))
+        mine = range(len(layers))
+    else:
+        rank = dist.get_rank(group)
+        mine = [i for i, owner in enumerate(owners) if owner == rank]
+        works = []
+        for owner in sorted(set(owners)):
+            idx = [i for i in range(len(layers)) if owners[i] == owner]
+            sent = _coalesced([scatters[i] for i in idx], works,
+                              lambda t: dist.reduce(t, group=group, group_dst=owner, async_op=True))
+            for i, x in zip(idx, sent):
+                scatters[i] = x
+        for work in works:
+            work.wait()
+    for i in mine:
+        summaries[i] = summaries[i]._replace(scatter=F_w.symmetrize(scatters[i].view(sums[i][3].shape)))
+    return summaries, nonfinite
 
 
 def _compute(items: Sequence[tuple]) -> List[Optional[RuleResult]]:
@@ -180,89 +263,103 @@ def _compute(items: Sequence[tuple]) -> List[Optional[RuleResult]]:
     return results
 
 
-def _result_layout(layer: "WhiteningStatistics") -> List[tuple]:
-    """``(name, shape)`` of what a layer's rule returns, from the layer's own buffers."""
-    shape = tuple(layer.whitening_matrix.shape)
-    layout = [("transform", shape), ("gram", shape)]
-    fk = {"device": "meta", "dtype": layer.running_mean.dtype}
-    for name in layer.rule.initial_buffers(layer.num_features, fk, groups=layer.groups):
-        layout.append((name, tuple(getattr(layer, name).shape)))
-    return layout
+def _outcomes(items: Sequence[tuple]) -> List[FoldOutcome]:
+    """The outcomes of ``(layer, global block, first)`` triples: moments, transforms (batched), ``Q_s``."""
+    starts = [layer._fold_start(block, first) for layer, block, first in items]
+    todo = [k for k, start in enumerate(starts) if isinstance(start, Fold)]
+    results = _compute([(items[k][0], starts[k]) for k in todo])
+    out = [FoldOutcome(start) if not isinstance(start, Fold) else None for start in starts]
+    for k, result in zip(todo, results):
+        out[k] = items[k][0]._fold_outcome(starts[k], result)
+    return out
 
 
-def _exchange(items: Sequence[tuple], owners: Sequence[int], mine: Dict[int, Optional[RuleResult]], group
-              ) -> List[Optional[RuleResult]]:
-    """Every rank gets every layer's result from its owner: one ``all_reduce`` (sum) of a buffer in which each
-    owner writes its layers' results and every other rank zeros (``x + 0 == x`` exactly), in float32 when all
-    results are float32 values, else float64 (float32 values survive that round trip bit for bit). A flag per
-    layer says whether it succeeded."""
-    layouts = [_result_layout(layer) for layer, _ in items]
-    sizes = [2 + sum(math.prod(shape) for _, shape in lay) for lay in layouts]
-    dev = items[0][0].running_mean.device
-    # float32 layers compute every result in float32 (the EVD rule's float64 Q is a float32 Q cast up), so
-    # float32 carries them exactly at half the volume; any float64 layer makes the buffer float64.
-    exact32 = all(layer.rule.work_dtype(layer.running_mean.dtype) == torch.float32 for layer, _ in items)
-    flat = torch.zeros(sum(sizes), dtype=torch.float32 if exact32 else torch.float64, device=dev)
-    pos = 0
-    for i, size in enumerate(sizes):
-        if i in mine and mine[i] is not None:
-            res = mine[i]
-            parts = {"transform": res.transform, "gram": res.gram, **res.buffers}
-            flat[pos] = 1.0
-            flat[pos + 1] = float(res.clamped)
-            p = pos + 2
-            for name, shape in layouts[i]:
-                n = math.prod(shape)
-                flat[p : p + n] = parts[name].reshape(-1).to(flat.dtype)
-                p += n
-        pos += size
-    dist.all_reduce(flat, group=group)
-    out: List[Optional[RuleResult]] = []
-    pos = 0
-    for (layer, _), layout, size in zip(items, layouts, sizes):
-        if float(flat[pos]) != 1.0:
-            out.append(None)
+def _broadcast_outcomes(layers: Sequence["WhiteningStatistics"], outcomes: Sequence[Optional[FoldOutcome]],
+                        src: int, group) -> List[FoldOutcome]:
+    """The outcomes of the layers rank ``src`` folded, on every rank: broadcasts from ``src`` of their status
+    and clamp flags and of each buffer as stored (:func:`_coalesced`: a large buffer alone, received straight
+    into its new tensor; small ones packed). A buffer the outcome lacks (failed or skipped fold) is sent as the
+    layer's current one."""
+    mine = dist.get_rank(group) == src
+    dev = layers[0].running_mean.device
+    if mine:
+        heads = torch.tensor([[float(o.status), float(o.clamped)] for o in outcomes], device=dev)
+    else:
+        heads = torch.empty(len(layers), 2, device=dev)
+    tensors, names = [heads], []
+    for layer, outcome in zip(layers, outcomes):
+        for name, shape in layer._outcome_layout():
+            current = getattr(layer, name)
+            tensors.append(outcome.buffers.get(name, current) if mine else
+                           torch.empty(shape, dtype=current.dtype, device=current.device))
+            names.append(name)
+    works: list = []
+    tensors = _coalesced(tensors, works, lambda t: dist.broadcast(t, group=group, group_src=src, async_op=True))
+    for work in works:
+        work.wait()
+    if mine:
+        return list(outcomes)
+    out, pos = [], 1
+    for layer, (status, clamped) in zip(layers, tensors[0].tolist()):
+        n = len(layer._outcome_layout())
+        keep = {FOLDED: n, FAILED: 1}.get(int(status), 0)  # a failed transform: running_cov only
+        # small buffers arrived in a packed buffer: copied out, so that no buffer holds on to it
+        buffers = {name: t.clone() if t._base is not None else t
+                   for name, t in zip(names[pos - 1 : pos - 1 + keep], tensors[pos : pos + keep])}
+        out.append(FoldOutcome(int(status), bool(clamped), buffers))
+        pos += n
+    return out
+
+
+#: Tensors with fewer elements than this travel in one flat buffer per collective and dtype (a gloo call costs
+#: about half a millisecond of CPU: ResNet-110's 108 small layers each alone cost more than their transforms);
+#: larger ones travel alone, without a packed copy.
+COALESCE_NUMEL = 1 << 16
+
+
+def _coalesced(tensors: Sequence[Tensor], works: list, collective) -> List[Tensor]:
+    """Start ``collective(t)`` (asynchronous, returns a work, appended to ``works``) for each of ``tensors``: the
+    large ones alone, the small ones together in one flat buffer per dtype. Returns the tensors that hold the
+    results once the works are done: the large ones themselves, views of the flat buffers for the small ones."""
+    out = list(tensors)
+    small: Dict[torch.dtype, List[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.numel() >= COALESCE_NUMEL:
+            works.append(collective(t))
         else:
-            state_dtype = layer.running_mean.dtype
-            work, gram_dtype = layer.rule.work_dtype(state_dtype), layer.rule.gram_dtype(state_dtype)
-            p, parts = pos + 2, {}
-            for name, shape in layout:
-                n = math.prod(shape)
-                parts[name] = flat[p : p + n].view(shape).to(gram_dtype if name == "gram" else work)
-                p += n
-            transform, gram = parts.pop("transform"), parts.pop("gram")
-            out.append(RuleResult(transform, gram, parts, bool(float(flat[pos + 1]))))
-        pos += size
+            small.setdefault(t.dtype, []).append(i)
+    for idx in small.values():
+        flat = torch.cat([tensors[i].reshape(-1) for i in idx])
+        works.append(collective(flat))
+        for i, part in zip(idx, torch.split(flat, [tensors[i].numel() for i in idx])):
+            out[i] = part.view(tensors[i].shape)
     return out
 
 
 @torch.no_grad()
-def _fold_all(layers: Sequence["WhiteningStatistics"], summaries: Sequence[BlockSummary], group=None,
-              world: int = 1, strategy: str = "replicated") -> None:
-    """Fold each layer: moments on every rank, transforms per ``strategy`` (see :func:`fold_layers`).
+def _fold_all(layers: Sequence["WhiteningStatistics"], summaries: Sequence[BlockSummary], nonfinite: Sequence[int],
+              owners: Optional[Sequence[int]] = None, group=None) -> None:
+    """Fold each layer from its global block: on every rank (``owners`` is ``None``) or on its owner rank,
+    which then broadcasts the outcome (see :func:`fold_layers`); every rank writes every outcome.
 
     Layers whose rules give equal :meth:`~whitenlayers.rules.TransformRule.batch_key` share one
     :meth:`~whitenlayers.rules.TransformRule.compute_batched` call (EVD: one batched ``eigh`` per width,
     dtype, device, ``eps``, ``gmax``, ``gains``; same results as one call per layer to float tolerance, with
     the same per-layer fallbacks and failure counts).
     """
-    items = []
-    for layer, summary in zip(layers, summaries):
-        fold = layer._fold_start(summary)
-        if fold is not None:
-            items.append((layer, fold))
-    if not items:
-        return
-    if _use_owner([layer for layer, _ in items], world, strategy):
-        owners = assign_owners([layer.rule.cost(layer.num_features, layer.groups) for layer, _ in items], world)
-        rank = dist.get_rank(group)
-        mine_idx = [i for i, o in enumerate(owners) if o == rank]
-        computed = _compute([items[i] for i in mine_idx])
-        results = _exchange(items, owners, dict(zip(mine_idx, computed)), group)
-    else:
-        results = _compute(items)
-    for (layer, fold), result in zip(items, results):
-        layer._apply_fold(fold, result)
+    firsts = [layer._fold_begin(bad) for layer, bad in zip(layers, nonfinite)]
+    rank = 0 if owners is None else dist.get_rank(group)
+    mine = [i for i in range(len(layers)) if owners is None or owners[i] == rank]
+    computed = dict(zip(mine, _outcomes([(layers[i], summaries[i], firsts[i]) for i in mine])))
+    for src in ([None] if owners is None else range(dist.get_world_size(group))):
+        idx = [i for i in range(len(layers)) if src is None or owners[i] == src]
+        if not idx:
+            continue
+        outcomes = [computed.get(i) for i in idx]
+        if src is not None:
+            outcomes = _broadcast_outcomes([layers[i] for i in idx], outcomes, src, group)
+        for i, outcome in zip(idx, outcomes):
+            layers[i]._fold_finish(summaries[i], firsts[i], outcome)
 
 
 class FoldCoordinator:
@@ -271,7 +368,7 @@ class FoldCoordinator:
     Installed as a forward hook on the root module by
     :func:`whitenlayers.convert_model`: layers whose block ends during a
     forward ask to be folded, and the hook folds them in one
-    :func:`fold_layers` call (one pair of collectives per block for the whole
+    :func:`fold_layers` call (one set of collectives per block for the whole
     model instead of one per layer). Folding after the model's forward instead
     of right after each layer's forward changes nothing: a block's statistics
     and the transform in force for that batch's backward are the same.

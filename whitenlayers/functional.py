@@ -33,6 +33,8 @@ __all__ = [
     "batch_moments",
     "stats_samples",
     "summarize_block",
+    "scatter_about",
+    "block_power",
     "fold_mean",
     "block_covariance",
     "recursive_average",
@@ -209,25 +211,47 @@ def batch_moments(x: Tensor, shift: Tensor, groups: int = 1) -> Tuple[Tensor, Te
 def summarize_block(count: Tensor, shift: Tensor, s1: Tensor, s2: Tensor) -> BlockSummary:
     """Turn shifted sums into a :class:`BlockSummary` (mean and centred scatter).
 
-    ``scatter = s2 - s1 s1^T / n`` is exact algebra; it is accurate because
-    ``s1`` is small when ``shift`` is close to the block mean. A grouped ``s2``
-    ``(G, k, k)`` gives a grouped ``scatter``.
+    The scatter about the block's own mean (:func:`scatter_about`) is exact
+    algebra; it is accurate because ``s1`` is small when ``shift`` is close to
+    the block mean. A grouped ``s2`` ``(G, k, k)`` gives a grouped ``scatter``.
     """
     n = count.to(torch.float64)
-    safe = torch.clamp(n, min=1.0)
-    s1 = s1.to(torch.float64)
-    s2 = s2.to(torch.float64)
     shift = shift.to(torch.float64)
-    d = s1 / safe
-    mean = shift + d
-    if s2.dim() == 3:  # grouped: (G, k, k) blocks
-        scatter = symmetrize(s2 - block_outer(s1, d, s2.shape[0]))
-        power = torch.diagonal(s2, dim1=-2, dim2=-1).reshape(-1) + 2.0 * shift * s1 + n * shift * shift
-        return BlockSummary(n, mean, scatter, power)
-    scatter = symmetrize(s2 - torch.outer(s1, d))
+    mean = shift + s1.to(torch.float64) / torch.clamp(n, min=1.0)
+    scatter = scatter_about(count, shift, s1, s2, mean)
+    return BlockSummary(n, mean, symmetrize(scatter), block_power(count, shift, s1, s2))
+
+
+def block_power(count: Tensor, shift: Tensor, s1: Tensor, s2: Tensor) -> Tensor:
+    """``sum x**2`` per feature from the shifted sums (see :func:`scatter_about`). float64."""
+    n, shift, s1 = count.to(torch.float64), shift.to(torch.float64), s1.to(torch.float64)
     # sum x^2 = sum (x - K)^2 + 2 K s1 + n K^2
-    power = torch.diagonal(s2) + 2.0 * shift * s1 + n * shift * shift
-    return BlockSummary(n, mean, scatter, power)
+    return torch.diagonal(s2, dim1=-2, dim2=-1).reshape(-1).to(torch.float64) + 2.0 * shift * s1 + n * shift * shift
+
+
+def scatter_about(count: Tensor, shift: Tensor, s1: Tensor, s2: Tensor, center: Tensor, *,
+                  inplace: bool = False) -> Tensor:
+    """The scatter ``sum (x - center)(x - center)^T`` of a block's samples. float64.
+
+    From the shifted sums ``s1 = sum (x - shift)``, ``s2 = sum (x - shift)(x - shift)^T``
+    over ``count`` samples: with ``e = center - shift`` and ``u = s1 - count e / 2``,
+    ``scatter = s2 - u e^T - e u^T``, one rank-2 update of ``s2`` (symmetric up to
+    rounding: :func:`symmetrize` it). A grouped ``s2`` ``(G, k, k)`` gives the grouped
+    scatter. ``inplace``: written into ``s2`` (float64), which is returned. Under
+    ``torch.distributed`` the ranks' scatters about the *global* mean sum to the global
+    batch's.
+    """
+    n = count.to(torch.float64)
+    e = center.to(torch.float64) - shift.to(torch.float64)
+    u = s1.to(torch.float64) - (0.5 * n) * e
+    a, b = torch.stack([u, e], -1), torch.stack([e, u])  # u e^T + e u^T = a @ b
+    if s2.dim() == 3:  # grouped: (G, k, k) blocks
+        g, k = s2.shape[0], s2.shape[1]
+        a, b = a.view(g, k, 2), b.view(2, g, k).transpose(0, 1)
+        mul = torch.Tensor.baddbmm_ if inplace else torch.baddbmm
+    else:
+        mul = torch.Tensor.addmm_ if inplace else torch.addmm
+    return mul(s2 if inplace else s2.to(torch.float64), a, b, alpha=-1)
 
 
 def fold_mean(mean_prev: Tensor, block: BlockSummary, alpha: float, first: bool) -> Tensor:

@@ -25,14 +25,15 @@ Folding across layers and ranks is :mod:`whitenlayers.fold`'s.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Dict, Hashable, Optional
+from typing import Any, Dict, Hashable, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from . import functional as F_w
 from .config import EVDConfig, RecursiveConfig, WhiteningConfig
-from .fold import FoldCoordinator, _no_autocast, fold_layers
+from .fold import (FAILED, FOLDED, SKIP_MESSAGES, SKIPPED_EMPTY, SKIPPED_MOMENTS, FoldCoordinator, FoldOutcome,
+                   _fold_all, _no_autocast, fold_layers)
 from .functional import BlockSummary, stats_samples
 from .rules import NOT_COMPUTED, Fold, RuleResult, TransformRule, rule_for
 
@@ -167,7 +168,11 @@ class WhiteningStatistics:
         self._acc_count = torch.zeros((), dtype=torch.float64, device=dev)
         self._acc_shift: Optional[Tensor] = None
         self._acc_s1 = torch.zeros(m, dtype=torch.float64, device=dev)
-        self._acc_s2 = torch.zeros(self._block_shape, dtype=torch.float64, device=dev)
+        s2 = getattr(self, "_acc_s2", None)
+        if s2 is not None and s2.device == dev and tuple(s2.shape) == self._block_shape:
+            s2.zero_()  # in place: no fresh 8 M^2-byte allocation (and its page faults) at every fold
+        else:
+            self._acc_s2 = torch.zeros(self._block_shape, dtype=torch.float64, device=dev)
         self._acc_nonfinite = torch.zeros((), dtype=torch.long, device=dev)
         self._fold_pending = False
 
@@ -231,51 +236,48 @@ class WhiteningStatistics:
             else:
                 fold_layers([self])
 
-    def _block_summary(self) -> BlockSummary:
+    def _block_sums(self) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        """This rank's block: ``(count, shift, s1, s2)``, the shifted sums (float64)."""
         shift = self._acc_shift if self._acc_shift is not None else torch.zeros_like(self._acc_s1)
-        return F_w.summarize_block(self._acc_count, shift, self._acc_s1, self._acc_s2)
+        return self._acc_count, shift, self._acc_s1, self._acc_s2
+
+    def _block_summary(self) -> BlockSummary:
+        return F_w.summarize_block(*self._block_sums())
 
     # -------------------------------------------------------------------- fold
+    # A fold in four steps (:func:`~whitenlayers.fold.fold_layers` runs them for many layers and ranks):
+    # _fold_begin (every rank), _fold_start and _fold_outcome (the layer's owner rank: the moments, the rule's
+    # transform, Q_s), _fold_finish (every rank: writes the owner's outcome, counters, bias compensation).
     def _rule_batch_key(self) -> Optional[Hashable]:
         if self.groups != 1:
             return self.rule.batch_key(self.num_features, self.running_mean.dtype, self.running_mean.device,
                                        groups=self.groups)
         return self.rule.batch_key(self.num_features, self.running_mean.dtype, self.running_mean.device)
 
-    @torch.no_grad()
-    def _fold_start(self, block: BlockSummary) -> Optional[Fold]:
-        """First part of a fold: counters, accumulator reset, the new moments; ``None`` if the fold is skipped."""
-        bad = int(self._acc_nonfinite)
-        if bad:
-            self.nonfinite_batches += bad
-            self._warn_once("nonfinite", f"{bad} batch(es) with non-finite activations (or second moments that overflow "
-                                          "the input's precision) were left out of the statistics")
+    def _fold(self, block: BlockSummary) -> None:
+        """Fold this layer alone on ``block`` (already summed over ranks): every step here, nothing sent."""
+        _fold_all([self], [block], [int(self._acc_nonfinite)])
+
+    def _fold_begin(self, nonfinite: int) -> bool:
+        """Count the block's ``nonfinite`` batches (summed over ranks), reset the accumulators; whether this is
+        the first block. Read the block's sums before."""
+        if nonfinite:
+            self.nonfinite_batches += nonfinite
+            self._warn_once("nonfinite", f"{nonfinite} batch(es) with non-finite activations (or second moments "
+                                         "that overflow the input's precision) were left out of the statistics")
         self._reset_accumulators()
-        first = int(self.num_blocks) == 0
-        finite = F_w.all_finite(*block)
-        if float(block.count) <= 0 or not finite:
-            self.skipped_folds += 1
-            self._warn_once("skip", "a block had no finite samples; the fold was skipped and the transform kept")
-            return None
+        return int(self.num_blocks) == 0
+
+    @torch.no_grad()
+    def _fold_start(self, block: BlockSummary, first: bool) -> Union[Fold, int]:
+        """The new moments from ``block`` (the global block), or the status of a skipped fold."""
+        if float(block.count) <= 0 or not F_w.all_finite(*block):
+            return SKIPPED_EMPTY
         mu, cov, block_cov = F_w.fold_moments(self.running_mean, self.running_cov, block, self.config.alpha, first,
                                               return_block_cov=True)
         if not F_w.all_finite(mu, cov):
-            self.skipped_folds += 1
-            self._warn_once("skip", "non-finite moments; the fold was skipped and the transform kept")
-            return None
+            return SKIPPED_MOMENTS
         return Fold(block, mu, cov, block_cov, first)
-
-    @torch.no_grad()
-    def _fold(self, block: BlockSummary) -> None:
-        """Fold one block of this layer alone (already summed over ranks)."""
-        fold = self._fold_start(block)
-        if fold is not None:
-            self._fold_finish(fold)
-
-    @torch.no_grad()
-    def _fold_finish(self, fold: Fold, precomputed: Any = NOT_COMPUTED) -> None:
-        """Second part of a fold: the rule's transform, then the buffers and the bias compensation."""
-        self._apply_fold(fold, self._transform(fold, precomputed))
 
     def _transform(self, fold: Fold, precomputed: Any = NOT_COMPUTED) -> Optional[RuleResult]:
         """The rule's new transform for ``fold`` (``None``: it failed); changes nothing."""
@@ -283,24 +285,50 @@ class WhiteningStatistics:
         return self.rule.update(fold, state, precomputed)
 
     @torch.no_grad()
-    def _apply_fold(self, fold: Fold, result: Optional[RuleResult]) -> None:
-        """Write a fold's outcome: the transform (or, on failure, keep the previous one and count it), ``Q_s``,
-        the rule's buffers, the moments and the bias compensation."""
-        if result is None:
+    def _fold_outcome(self, fold: Fold, result: Optional[RuleResult]) -> FoldOutcome:
+        """What the fold writes, as the buffers store it: ``running_cov`` and, unless the transform failed
+        (``result`` is ``None``), the transform, ``Q_s`` (smoothed) and the rule's buffers. Changes nothing."""
+        new = {"running_cov": fold.cov}
+        if result is not None:
+            new.update(result.buffers)
+            new["whitening_matrix"] = result.transform
+            if hasattr(self, "grad_transform"):
+                new["grad_transform"] = F_w.smooth_grad_transform(self.grad_transform, result.gram, self.config.beta)
+        stored = {name: self._stored(name, value) for name, value in new.items()}
+        return FoldOutcome(FAILED if result is None else FOLDED, result is not None and bool(result.clamped), stored)
+
+    def _outcome_layout(self) -> List[Tuple[str, Tuple[int, ...]]]:
+        """``(name, shape)`` of the buffers a fold's outcome may hold (:meth:`_fold_outcome`), in a fixed order."""
+        names = ["running_cov", "whitening_matrix"] + (["grad_transform"] if hasattr(self, "grad_transform") else [])
+        names += list(self.rule.initial_buffers(self.num_features, {"device": "meta"}, groups=self.groups))
+        return [(name, tuple(getattr(self, name).shape)) for name in names]
+
+    @torch.no_grad()
+    def _fold_finish(self, block: BlockSummary, first: bool, outcome: FoldOutcome) -> None:
+        """Write a fold's ``outcome`` (a skipped fold, a failed transform: the previous one is kept, and
+        counted), the new mean from ``block``'s (the global block mean; its scatter is not used) and the bias
+        compensation. ``outcome.buffers`` are taken as they are (fresh tensors, :meth:`_stored`)."""
+        if outcome.status in SKIP_MESSAGES:
+            self.skipped_folds += 1
+            self._warn_once("skip", SKIP_MESSAGES[outcome.status])
+            return
+        if outcome.status == FAILED:
             self.eig_failures += 1
             self._warn_once("transform", self.rule.failure_message)
-        else:
-            self.clamped_steps += int(result.clamped)
-            for name, value in result.buffers.items():
-                self._replace_buffer(name, value)
-            self._replace_buffer("whitening_matrix", result.transform)
-            if hasattr(self, "grad_transform"):
-                qs = F_w.smooth_grad_transform(self.grad_transform, result.gram, self.config.beta)
-                self._replace_buffer("grad_transform", qs)
-        self._on_mean_change(self.running_mean.to(torch.float64), fold.mean)
-        self._replace_buffer("running_mean", fold.mean)
-        self._replace_buffer("running_cov", fold.cov)
+        self.clamped_steps += int(outcome.clamped)
+        for name, value in outcome.buffers.items():
+            setattr(self, name, value)
+        mu = F_w.fold_mean(self.running_mean, block, self.config.alpha, first)
+        self._on_mean_change(self.running_mean.to(torch.float64), mu)
+        self._replace_buffer("running_mean", mu)
         self.num_blocks += 1
+
+    def _stored(self, name: str, value: Tensor) -> Tensor:
+        """``value`` as buffer ``name`` stores it (its device and dtype), contiguous, a tensor of its own (never
+        aliasing ``value``)."""
+        old = getattr(self, name)
+        new = value.detach().to(device=old.device, dtype=old.dtype).contiguous()
+        return new.clone() if new.data_ptr() == value.data_ptr() else new
 
     def _replace_buffer(self, name: str, value: Tensor) -> None:
         """Set a buffer to a new tensor instead of writing into the old one.
@@ -310,9 +338,7 @@ class WhiteningStatistics:
         clone of it, and an in-place update would make that backward fail (or
         use the new transform). DDP re-reads reassigned buffers before each sync.
         """
-        old = getattr(self, name)
-        new = value.detach().to(device=old.device, dtype=old.dtype)
-        setattr(self, name, new.clone() if new.data_ptr() == value.data_ptr() else new)  # never alias the input
+        setattr(self, name, self._stored(name, value))
 
     def _on_mean_change(self, old: Tensor, new: Tensor) -> None:
         """Hook for layers that must keep their function when the mean in force changes."""
