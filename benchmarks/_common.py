@@ -33,6 +33,8 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing the pack
 
 import torch  # noqa: E402
 
+from whitenlayers.experiment.report import git_state  # noqa: E402
+
 
 _CLOCK: Callable[[], float] = time.perf_counter
 
@@ -83,20 +85,8 @@ def machine_description() -> Dict[str, str]:
         "threads": str(torch.get_num_threads()),
         "blas": "MKL" if torch.backends.mkl.is_available() else "other",
         "loadavg": loadavg(),
-        "commit": _commit(),
+        "commit": git_state() or "n/a",
     }
-
-
-def _commit() -> str:
-    """The repository's commit (with ``+changes`` when the tree differs from it), or ``n/a``."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "n/a"
-    return (head + (" +changes" if dirty else "")) if head else "n/a"
 
 
 class Interleaved:

@@ -61,6 +61,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 import whitenlayers as wl  # noqa: E402
+from whitenlayers.experiment.report import git_state  # noqa: E402
 
 TARGETS = ("blocks", "all")
 CONVERSION_TOL = 1e-5
@@ -422,17 +423,6 @@ def totals(rows: List[Row]) -> List[str]:
     return out
 
 
-def _commit() -> str:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                             timeout=30).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=30).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return (sha + (" with uncommitted changes" if dirty else "")) if sha else "unknown"
-
-
 def _cpu() -> str:
     try:
         for line in subprocess.run(["lscpu"], capture_output=True, text=True, timeout=30).stdout.splitlines():
@@ -463,7 +453,7 @@ def write(path: Path, sections: List[Tuple[str, Optional[List[Row]], str]], argv
           commits: Sequence[str] = (), notes: Sequence[str] = ()) -> None:
     when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     counts = {c: list(commits).count(c) for c in dict.fromkeys(commits)}
-    commit = (_commit() if not counts else next(iter(counts)) if len(counts) == 1
+    commit = ((git_state() or "unknown") if not counts else next(iter(counts)) if len(counts) == 1
               else ", ".join(f"{c} ({n} rows)" for c, n in counts.items()))
     lines = [
         "# Coverage: which models convert, train and export",
@@ -554,7 +544,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 latest[(row.model, row.method, row.targets)] = (row, c)  # a later row of a check replaces it
         saved = [r for r, _ in latest.values()]
         row_commit = {k: c for k, (_, c) in latest.items()}
-    commit = _commit()
+    commit = git_state() or "unknown"
 
     run_start = time.monotonic()
 
@@ -597,50 +587,45 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     sections = []
     failed = False
-    if args.self_test:
-        src = self_test_models()
-        rows = section_rows(src, run(src, methods, False))
+
+    def add(title: str, src, isolate: bool, pending: str, describe) -> None:
+        """One table from the models of ``src``, or a note that it is pending (``src`` is ``None``)."""
+        nonlocal failed
+        if src is None:
+            print(pending)
+            sections.append((title, None, pending))
+            return
+        rows = section_rows(src, run(src, methods, isolate))
         failed |= any(not r.ok for r in rows)
-        sections.append(("Stand-ins (whitenlayers.models; no third-party package needed)", rows,
+        heading, text = describe(src)
+        sections.append((heading, rows, text))
+
+    if args.self_test:
+        add("Stand-ins", self_test_models(), False, "",
+            lambda src: ("Stand-ins (whitenlayers.models; no third-party package needed)",
                          "Small models with the structure and class names of MobileNetV2, ResNeXt-50, a ViT (timm's "
                          "`nn.Linear` attention and torchvision's `nn.MultiheadAttention`) and Hugging Face's "
                          "ResNet-50; tested in CI by `tests/test_families.py`."))
-    tv = None if args.no_torchvision else torchvision_models(args.size, args.batch, only)
-    if tv is None:
-        msg = ("torchvision is not installed here (or --no-torchvision): the torchvision table is **pending a "
-               "machine with torchvision** (`pip install torchvision`, then `python docs/coverage.py`).")
-        print(msg)
-        sections.append(("torchvision classification models", None, msg))
-    else:
-        rows = section_rows(tv, run(tv, methods, args.isolate))
-        failed |= any(not r.ok for r in rows)
-        sections.append(("torchvision classification models", rows,
-                         f"`torchvision.models.list_models(module=torchvision.models)` ({len(tv)} builders), "
-                         f"untrained, batch {args.batch}, {args.size}x{args.size} inputs except {TORCHVISION_SIZES}."))
-    hf = None if args.no_hf else hf_models(args.batch, args.size, only)
-    if hf is None:
-        msg = "transformers is not installed here (or --no-hf): the Hugging Face table is pending."
-        print(msg)
-        sections.append(("Hugging Face transformers", None, msg))
-    else:
-        rows = section_rows(hf, run(hf, methods, args.isolate))
-        failed |= any(not r.ok for r in rows)
-        sections.append(("Hugging Face transformers", rows,
-                         f"`transformers.ResNetForImageClassification`, untrained, batch {args.batch}, "
-                         f"{args.size}x{args.size} inputs."))
-    tm = None if args.no_timm else timm_models(
-        args.batch, only, None if args.rows is None else args.rows.with_suffix(".timm.json"))
-    if tm is None:
-        msg = "timm is not installed here (or --no-timm): the timm table is pending."
-        print(msg)
-        sections.append(("timm families", None, msg))
-    else:
-        rows = section_rows(tm, run(tm, methods, args.isolate))
-        failed |= any(not r.ok for r in rows)
-        sections.append(("timm families (smallest model of each timm module)", rows,
-                         f"The model with the fewest parameters of each of the {len(tm)} modules of "
-                         f"`timm.list_modules()`, untrained, batch {args.batch}, at its default input size "
-                         "(`timm.get_pretrained_cfg(name).input_size`)."))
+    add("torchvision classification models",
+        None if args.no_torchvision else torchvision_models(args.size, args.batch, only), args.isolate,
+        "torchvision is not installed here (or --no-torchvision): the torchvision table is **pending a "
+        "machine with torchvision** (`pip install torchvision`, then `python docs/coverage.py`).",
+        lambda tv: ("torchvision classification models",
+                    f"`torchvision.models.list_models(module=torchvision.models)` ({len(tv)} builders), "
+                    f"untrained, batch {args.batch}, {args.size}x{args.size} inputs except {TORCHVISION_SIZES}."))
+    add("Hugging Face transformers", None if args.no_hf else hf_models(args.batch, args.size, only), args.isolate,
+        "transformers is not installed here (or --no-hf): the Hugging Face table is pending.",
+        lambda hf: ("Hugging Face transformers",
+                    f"`transformers.ResNetForImageClassification`, untrained, batch {args.batch}, "
+                    f"{args.size}x{args.size} inputs."))
+    add("timm families",
+        None if args.no_timm else timm_models(args.batch, only,
+                                              None if args.rows is None else args.rows.with_suffix(".timm.json")),
+        args.isolate, "timm is not installed here (or --no-timm): the timm table is pending.",
+        lambda tm: ("timm families (smallest model of each timm module)",
+                    f"The model with the fewest parameters of each of the {len(tm)} modules of "
+                    f"`timm.list_modules()`, untrained, batch {args.batch}, at its default input size "
+                    "(`timm.get_pretrained_cfg(name).input_size`)."))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     commits = [row_commit[k] for _, rows, _ in sections for r in rows or ()  # rows that ran (not `not reached`)
                if (k := (r.model, r.method, r.targets)) in row_commit]

@@ -491,8 +491,10 @@ def replot(out: str, target_acc: Optional[float] = None) -> Tuple[str, str]:
     return fig_path, table
 
 
-def _git_state() -> Optional[str]:
-    """``<commit>`` (``+dirty`` when the package has uncommitted changes) of the source tree, if it is a git checkout."""
+def git_state() -> Optional[str]:
+    """``<commit>`` (``+dirty`` when the package has uncommitted changes) of the source tree, if it is a git checkout.
+
+    Also what ``benchmarks/`` and ``docs/coverage.py`` record next to their tables."""
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
@@ -538,7 +540,7 @@ def prepare_out(cfg: RunConfig, ctx: Context, argv: Sequence[str]) -> None:
             for f in os.listdir(rank_dir):
                 os.remove(os.path.join(rank_dir, f))
         record.update(
-            git=_git_state(),
+            git=git_state(),
             command=" ".join(["python -m whitenlayers.experiment"] + [shlex.quote(a) for a in argv]),
             world_size=ctx.world, device=str(ctx.device), threads=ctx.threads, torch=torch.__version__,
             python=platform.python_version(), platform=platform.platform(), processor=platform.processor() or platform.machine(),
