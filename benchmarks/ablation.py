@@ -53,7 +53,7 @@ def _conv_bias(model) -> None:
 def _no_q(model) -> None:
     for m in model.modules():
         if isinstance(m, wl.WhiteningStatistics):
-            m._weight_for_forward = (lambda mm: (lambda: mm.weight))(m)
+            m._weight_for_forward = (lambda mm: (lambda state: mm.weight))(m)
 
 
 def main(argv=None) -> Dict[str, object]:

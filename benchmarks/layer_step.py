@@ -55,11 +55,12 @@ class _ConvBias(wl.GradWhitenConv2d):
     """The centring term passed to the convolution as its bias, as the grad layer did before issue 6."""
 
     def forward(self, x):
-        if self.training:
+        training, state = self._forward_state()
+        if training:
             self._accumulate(x)
-        w = self._weight_for_forward()
-        out = self._conv_forward(x, w, self._effective_bias(w))
-        if self.training:
+        w = self._weight_for_forward(state)
+        out = self._conv_forward(x, w, self._effective_bias(w, state))
+        if training:
             self._end_batch()
         return out
 

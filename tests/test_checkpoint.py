@@ -77,10 +77,10 @@ def test_state_dict_has_version_and_partial_block():
     assert len(layers) == 6
     for name, layer in layers:
         assert sd._metadata[name]["version"] == wl.WhiteningStatistics._version >= 1
-        extra = sd[f"{name}._extra_state"]
-        assert extra["version"] == wl.WhiteningStatistics._version
-        assert extra["acc_batches"] == 1
-        assert float(extra["acc_count"]) > 0
+        extra = sd[f"{name}._extra_state"]  # one float64 tensor: layout tag, acc_batches, ..., the block's sums
+        assert isinstance(extra, torch.Tensor) and extra.dtype == torch.float64 and extra.dim() == 1
+        assert int(extra[0]) == 2 and int(extra[1]) == layer.batches_in_block == 1
+        assert extra.numel() == 9 + 2 * layer.num_features + layer.running_cov.numel()
         for buf in ("running_mean", "running_cov", "whitening_matrix", "grad_transform", "num_blocks"):
             assert f"{name}.{buf}" in sd
 

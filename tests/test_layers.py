@@ -113,7 +113,7 @@ def test_fold_keeps_every_output_position(cls, bias, padding_mode):
         torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-4)
     assert int(layer.num_blocks) == 3
     assert layer.running_mean.abs().min() > 1.0  # the mean really moved
-    assert (layer.bias_correction is None) == bias
+    assert layer.bias_correction.abs().max() > 0  # the compensation, in a buffer with or without a bias
     assert [n for n, _ in layer.named_parameters()] == (["weight", "bias"] if bias else ["weight"])
 
 
@@ -133,15 +133,19 @@ def test_linear_fold_keeps_function(cls, bias):
     assert int(layer.num_blocks) == 4
 
 
-def test_bias_compensation_on_bias_parameter():
-    """With a bias, z = conv(pad0(x) - mu, W) + b holds with the bias parameter itself."""
+def test_bias_compensation_never_writes_the_bias_parameter():
+    """A fold leaves the bias parameter alone (a sharded wrapper or a pending backward may hold it); the compensation
+    ``c`` is the buffer ``bias_correction``: z = conv(pad0(x) - mu, W) + b + c."""
     torch.manual_seed(0)
     layer = wl.GradWhitenConv2d(3, 4, 3, padding=1, block_size=1)
+    bias, version = layer.bias.detach().clone(), layer.bias._version
     for _ in range(3):
         layer(torch.randn(4, 3, 6, 6) + 5)
+    assert torch.equal(layer.bias.detach(), bias) and layer.bias._version == version
+    assert int(layer.num_blocks) == 3 and layer.bias_correction.abs().max() > 0.1
     x = torch.randn(2, 3, 6, 6)
     mu = layer.running_mean.view(1, 3, 1, 1)
-    ref = Fn.conv2d(Fn.pad(x, (1, 1, 1, 1)) - mu, layer.weight, layer.bias)
+    ref = Fn.conv2d(Fn.pad(x, (1, 1, 1, 1)) - mu, layer.weight, layer.bias + layer.bias_correction)
     layer.eval()
     torch.testing.assert_close(layer(x), ref, rtol=1e-5, atol=1e-5)
 

@@ -10,7 +10,7 @@ the fields below (each field's ``metadata`` holds its help text).
 Example:
     >>> from whitenlayers.config import EVDConfig, RecursiveConfig
     >>> EVDConfig()
-    EVDConfig(block_size=10, alpha=0.9, eps=1e-05, stats_fraction=1.0, beta=0.95, gmax=10.0, gains='practical')
+    EVDConfig(block_size=10, alpha=0.9, eps=1e-05, stats_fraction=1.0, accumulation_steps=1, beta=0.95, gmax=10.0, gains='practical')
     >>> RecursiveConfig(alpha=0.2).gamma
     0.99
     >>> EVDConfig(alpha=1.0)
@@ -37,6 +37,7 @@ def _int_at_least_1(v: Any) -> bool:
 #: name -> (predicate, what a valid value is); shared by every rule.
 _CHECKS = {
     "block_size": (_int_at_least_1, "an integer >= 1"),
+    "accumulation_steps": (_int_at_least_1, "an integer >= 1"),
     "alpha": (lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
     "beta": (lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
     "gamma": (lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
@@ -55,7 +56,7 @@ def validate_hyperparameters(**kw: Any) -> None:
     for name, value in kw.items():
         ok, what = _CHECKS[name]
         try:
-            valid = bool(ok(value)) and (name in ("block_size", "gains") or math.isfinite(value))
+            valid = bool(ok(value)) and (name in ("block_size", "accumulation_steps", "gains") or math.isfinite(value))
         except TypeError:
             valid = False
         if not valid:
@@ -75,6 +76,8 @@ class WhiteningConfig:
     eps: float = _hp(1e-5, "eigenvalue floor", "epsilon")
     stats_fraction: float = _hp(
         1.0, "fraction of each batch's samples used for the statistics (1.0: all, exact)", None)
+    accumulation_steps: int = _hp(
+        1, "training forwards per optimizer step (gradient accumulation): a block is block_size optimizer steps", None)
 
     method = ""  # class attribute, not a field
 

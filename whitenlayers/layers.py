@@ -154,6 +154,7 @@ class DirectWhiten(WhiteningStatistics, nn.Module):
 
     _CONFIG_CLASS = EVDConfig
     _unused_fields = ("beta",)  # no gradient transform to smooth
+    _FORWARD_BUFFERS = ("running_mean", "whitening_matrix")
 
     @_with_whitening_signature(EVDConfig, exclude=_unused_fields)
     def __init__(
@@ -180,13 +181,14 @@ class DirectWhiten(WhiteningStatistics, nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         _check_input(self, x, dim=1, ndims=tuple(range(2, 9)), what="an input of shape (B, C) or (B, C, *spatial)")
-        if self.training:
+        training, state = self._forward_state()
+        if training:
             self._accumulate(x)
-        t = self.whitening_matrix
+        t = state["whitening_matrix"]
         if torch.is_grad_enabled() and x.requires_grad:
             t = t.clone()  # the backward must use the T of this forward, even if a fold follows
-        out = direct_whiten(x, t, self.running_mean)
-        if self.training:
+        out = direct_whiten(x, t, state["running_mean"])
+        if training:
             self._end_batch()
         return out
 
@@ -203,32 +205,34 @@ class _GradWhitenMixin(WhiteningStatistics):
 
     #: The config class of the layer's rule (EVD for the grad layers, recursive for the recursive ones).
     _CONFIG: Type[WhiteningConfig] = EVDConfig
+    _FORWARD_BUFFERS = ("running_mean", "grad_transform", "bias_correction")
 
     def _init_grad_whitening(self, num_features: int, out_features: int, config: Optional[WhiteningConfig],
                              whitening: Dict[str, Any], process_group: Any, device, dtype, groups: int = 1) -> None:
         cfg = make_config(self._CONFIG, type(self).__name__, config, whitening)
         self._init_whitening(num_features, cfg, grad_transform=True, process_group=process_group, device=device,
                              dtype=dtype, groups=groups)
-        stats_dtype = self.running_mean.dtype
-        # Compensation for mean updates of a bias-free layer: a buffer, never a trainable parameter.
-        self.register_buffer(
-            "bias_correction", None if self.bias is not None else torch.zeros(out_features, device=device, dtype=stats_dtype)
-        )
+        # The compensation ``c`` of mean updates (ERRATA 8): a buffer, never written into a parameter (a sharded
+        # wrapper holds the full bias only during the forward, and autograd may hold it until the backward).
+        self.register_buffer("bias_correction", torch.zeros(out_features, device=device, dtype=self.running_mean.dtype))
 
-    def _effective_bias(self, weight: Tensor) -> Tensor:
-        """``b + c - sum_k W_k mu``: the bias that makes the plain layer compute the centred one."""
-        mean = self.running_mean
+    def _effective_bias(self, weight: Tensor, state: Optional[Dict[str, Tensor]] = None) -> Tensor:
+        """``b + c - sum_k W_k mu``: the bias that makes the plain layer compute the centred one.
+
+        ``state``: the buffers of this forward (:meth:`_forward_state`), by default those in force.
+        """
+        state = self._buffers if state is None else state
+        mean = state["running_mean"]
         if torch.is_grad_enabled() and weight.requires_grad:
             mean = mean.clone()  # saved for backward: a later fold must not modify it
         offset = F_w.weight_mean_product(weight, mean)
-        if self.bias is not None:
-            return self.bias - offset
-        return self.bias_correction.to(offset.dtype) - offset
+        shift = state["bias_correction"].to(offset.dtype) - offset
+        return shift if self.bias is None else self.bias + shift
 
-    def _layer_bias(self, weight: Tensor) -> Tensor:
+    def _layer_bias(self, weight: Tensor, state: Optional[Dict[str, Tensor]] = None) -> Tensor:
         """The bias of the equivalent plain layer: :meth:`_effective_bias`, minus ``d`` when the centring is absorbed
         (then the output is the centred layer's minus ``d``, what its BatchNorm's running mean expects)."""
-        bias = self._effective_bias(weight)
+        bias = self._effective_bias(weight, state)
         absorbed = self._buffers.get("absorbed_offset")
         return bias if absorbed is None else bias - absorbed.to(bias.dtype)
 
@@ -325,9 +329,8 @@ class _GradWhitenMixin(WhiteningStatistics):
             old = self._absorbing_bn()
             if old is not None and old.running_mean is not None:
                 old.running_mean.add_(d.to(old.running_mean.dtype))
-            else:  # nothing to hand d to: keep the function through the bias
-                target = self.bias if self.bias is not None else self.bias_correction
-                target.sub_(d.to(target.dtype))
+            else:  # nothing to hand d to: keep the function through the bias compensation
+                self.bias_correction = self.bias_correction - d.to(self.bias_correction.dtype)
             object.__setattr__(self, "_centring_ref", None)
         if batchnorm is not None:
             self.register_buffer(
@@ -346,17 +349,11 @@ class _GradWhitenMixin(WhiteningStatistics):
         return None
 
     def _skipped_offset(self, weight: Tensor) -> Tensor:
-        """``s = c - sum_k W_k mu`` (bias-free) or ``- sum_k W_k mu``: the offset the absorbed layer leaves out."""
-        if self.groups != 1:  # grouped conv: each group's outputs see its own channels of the mean
-            p = F_w.weight_mean_product(weight, self.running_mean)
-        else:
-            w = weight.reshape(weight.shape[0], weight.shape[1], -1).sum(-1)
-            p = w @ self.running_mean.to(w.dtype)
-        if self.bias is None:
-            return self.bias_correction.to(p.dtype) - p
-        return -p
+        """``s = c - sum_k W_k mu``: the offset the absorbed layer leaves out (its bias stays in the output)."""
+        p = F_w.weight_mean_product(weight, self.running_mean)
+        return self.bias_correction.to(p.dtype) - p
 
-    def _track_absorbed_offset(self, weight: Tensor, bn: _BatchNorm) -> None:
+    def _track_absorbed_offset(self, weight: Tensor, bn: _BatchNorm, state: Dict[str, Tensor]) -> None:
         """``d <- (1 - f) d + f s`` with the BatchNorm's factor ``f``, when it updates its running mean now.
 
         On the per-batch path: three small ops (tap sum, ``addmv``, ``lerp_``) on detached tensors, no
@@ -376,16 +373,13 @@ class _GradWhitenMixin(WhiteningStatistics):
             w = w.sum(tuple(range(2, w.dim())))  # sum_k W_k: (S, M)
         if w.dtype != d.dtype:
             w = w.to(d.dtype)
-        mean = self.running_mean
+        mean, comp = state["running_mean"], state["bias_correction"]
         if mean.dtype != d.dtype:
-            mean = mean.to(d.dtype)
+            mean, comp = mean.to(d.dtype), comp.to(d.dtype)
         if self.groups != 1:  # grouped conv: (S, M/G) weight, one group of the mean per group of outputs
-            p = F_w.weight_mean_product(w, mean)
-            s = self.bias_correction.to(d.dtype) - p if self.bias is None else p.neg_()
-        elif self.bias is None:  # s = c - W mu
-            s = torch.addmv(self.bias_correction.to(d.dtype), w, mean, alpha=-1)
-        else:  # s = - W mu (the bias itself stays in the layer's output)
-            s = torch.mv(w, mean).neg_()
+            s = comp - F_w.weight_mean_product(w, mean)
+        else:  # s = c - W mu (the bias itself stays in the layer's output)
+            s = torch.addmv(comp, w, mean, alpha=-1)
         d.lerp_(s, factor)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
@@ -394,24 +388,41 @@ class _GradWhitenMixin(WhiteningStatistics):
             # A checkpoint of the centred layer: its BatchNorm's running mean is the centred one, i.e. d = 0.
             state_dict = dict(state_dict)
             state_dict[key] = torch.zeros_like(self._buffers["absorbed_offset"])
+        key = prefix + "bias_correction"
+        version = local_metadata.get("version", None)
+        if self.bias is not None and key not in state_dict and (version is None or version < 2):
+            # Version 1 added a layer's bias compensation to its bias parameter: nothing to compensate apart.
+            state_dict = dict(state_dict)
+            state_dict[key] = torch.zeros_like(self.bias_correction)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 
-    def _weight_for_forward(self) -> Tensor:
+    def _weight_for_forward(self, state: Dict[str, Tensor]) -> Tensor:
         w = self.weight
         if torch.is_grad_enabled() and w.requires_grad:
             # A copy of Q_s: the backward uses the transform in force now, even if a fold follows.
-            w = grad_transformed(w, self.grad_transform.clone())
+            w = grad_transformed(w, state["grad_transform"].clone())
         return w
+
+    def _capture_fold_inputs(self) -> None:
+        # The fold at the end of the model's forward compensates with the weight of this forward: under a sharded
+        # wrapper (FSDP) the full weight exists only now. Its taps summed, float64: all the fold needs.
+        w = self.weight.detach()
+        self._fold_weight = w.to(torch.float64).reshape(w.shape[0], w.shape[1], -1).sum(-1)
+
+    def _full_weight(self) -> Tensor:
+        w = self.weight.detach()
+        return w.full_tensor() if hasattr(w, "full_tensor") else w  # a DTensor (FSDP2) outside the forward
 
     @torch.no_grad()
     def _on_mean_change(self, old: Tensor, new: Tensor) -> None:
-        # ERRATA 8 (docs/PAPER.md): b(i) = b(i-) + sum W (mu(i) - mu(i-1)) keeps z unchanged.
-        comp = F_w.weight_mean_product(self.weight.detach().to(torch.float64), new - old)
-        if self.bias is not None:
-            self.bias.add_(comp.to(self.bias.dtype))
-        else:
-            self.bias_correction.add_(comp.to(self.bias_correction.dtype))
+        # ERRATA 8 (docs/PAPER.md): c(i) = c(i-) + sum W (mu(i) - mu(i-1)) keeps z unchanged. A new tensor, never
+        # written in place: a forward still to be recomputed (activation checkpointing) holds the old one.
+        w, self._fold_weight = self._fold_weight, None
+        if w is None:
+            w = self._full_weight().to(torch.float64)
+        comp = F_w.weight_mean_product(w, new - old)
+        self.bias_correction = self.bias_correction + comp.to(self.bias_correction.dtype)
 
     def extra_repr(self) -> str:
         rest = self._whitening_repr()
@@ -488,13 +499,14 @@ class GradWhitenConv2d(_GradWhitenMixin, nn.Conv2d):
 
     def forward(self, x: Tensor) -> Tensor:
         _check_input(self, x, dim=-3, ndims=(3, 4), what="an input of shape (B, C, H, W) or (C, H, W)")
-        if self.training:
+        training, state = self._forward_state()
+        if training:
             self._accumulate(x if x.dim() == 4 else x.unsqueeze(0))
-        w = self._weight_for_forward()
+        w = self._weight_for_forward(state)
         bn = self._batchnorm_absorbing_now()
         if bn is not None:
             # Centring absorbed by the following BatchNorm (absorb_centring): no offset, no pass over the output.
-            self._track_absorbed_offset(w, bn)
+            self._track_absorbed_offset(w, bn, state)
             out = self._conv_forward(x, w, self.bias)
         elif self.bias is None and self.training and w.requires_grad and torch.is_grad_enabled():
             # Training a bias-free conv (the ResNet case): the centring term -W mu is added to the convolution's
@@ -502,10 +514,10 @@ class GradWhitenConv2d(_GradWhitenMixin, nn.Conv2d):
             # computes a bias gradient several times slower than autograd's one reduction for this add
             # (benchmarks/ablation.py, row "conv bias"). The two differ only by rounding; at conversion time
             # the term is exactly 0.
-            out = self._conv_forward(x, w, None).add_(self._layer_bias(w).view(-1, 1, 1))
+            out = self._conv_forward(x, w, None).add_(self._layer_bias(w, state).view(-1, 1, 1))
         else:  # the plain conv's own bias path: bit-identical to export_model's plain conv
-            out = self._conv_forward(x, w, self._layer_bias(w))
-        if self.training:
+            out = self._conv_forward(x, w, self._layer_bias(w, state))
+        if training:
             self._end_batch()
         return out
 
@@ -581,15 +593,16 @@ class GradWhitenLinear(_GradWhitenMixin, nn.Linear):
                 f"{self._describe()}: with its centring absorbed by a BatchNorm the layer needs an input of shape "
                 f"(B, in_features), but got input of shape {tuple(x.shape)}"
             )
-        if self.training:
+        training, state = self._forward_state()
+        if training:
             self._accumulate(x.reshape(-1, self.num_features))
-        w = self._weight_for_forward()
+        w = self._weight_for_forward(state)
         if bn is not None:
-            self._track_absorbed_offset(w, bn)
+            self._track_absorbed_offset(w, bn, state)
             out = nn.functional.linear(x, w, self.bias)
         else:
-            out = nn.functional.linear(x, w, self._layer_bias(w))
-        if self.training:
+            out = nn.functional.linear(x, w, self._layer_bias(w, state))
+        if training:
             self._end_batch()
         return out
 
@@ -702,19 +715,20 @@ class _GradWhitenConvNd(_GradWhitenMixin):
         spatial = {1: "L", 2: "H, W", 3: "D, H, W"}[nd]
         _check_input(self, x, dim=-(nd + 1), ndims=(nd + 1, nd + 2),
                      what=f"an input of shape (B, C, {spatial}) or (C, {spatial})")
-        if self.training:
+        training, state = self._forward_state()
+        if training:
             self._accumulate(x if x.dim() == nd + 2 else x.unsqueeze(0))
-        w = self._weight_for_forward()
+        w = self._weight_for_forward(state)
         bn = self._batchnorm_absorbing_now()
         if bn is not None:  # as GradWhitenConv2d: centring absorbed by the following BatchNorm
-            self._track_absorbed_offset(w, bn)
+            self._track_absorbed_offset(w, bn, state)
             out = self._conv_forward(x, w, self.bias)
         elif self.bias is None and self.training and w.requires_grad and torch.is_grad_enabled():
             # As GradWhitenConv2d: the centring term added to the fresh output (faster than a conv bias on the CPU).
-            out = self._conv_forward(x, w, None).add_(self._layer_bias(w).view((-1,) + (1,) * nd))
+            out = self._conv_forward(x, w, None).add_(self._layer_bias(w, state).view((-1,) + (1,) * nd))
         else:
-            out = self._conv_forward(x, w, self._layer_bias(w))
-        if self.training:
+            out = self._conv_forward(x, w, self._layer_bias(w, state))
+        if training:
             self._end_batch()
         return out
 

@@ -19,11 +19,20 @@ so their checkpoints are those of earlier versions and load unchanged.
 
 Per-batch accumulators are *not* buffers: DistributedDataParallel re-broadcasts
 every buffer from rank 0 before each forward, which would overwrite each rank's
-partial sums. They travel in checkpoints through ``get_extra_state``.
+partial sums. They travel in checkpoints through ``get_extra_state`` as one
+float64 tensor (like every other entry of the state dict, so EMA helpers,
+safetensors and exporters that expect tensors work; the dict of version 1
+checkpoints still loads).
+
+A forward that autograd re-runs inside a backward (activation checkpointing,
+either kind) is not a new batch: it gathers nothing, folds nothing, and reads
+the buffers that were in force at the layer's last original forward
+(:func:`recomputing`, :meth:`WhiteningStatistics._forward_state`).
 Folding across layers and ranks is :mod:`whitenlayers.fold`'s.
 """
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any, Dict, Hashable, List, Optional, Tuple, Union
 
@@ -37,7 +46,31 @@ from .fold import (FAILED, FOLDED, SKIP_MESSAGES, SKIPPED_EMPTY, SKIPPED_MOMENTS
 from .functional import BlockSummary, stats_samples
 from .rules import NOT_COMPUTED, Fold, RuleResult, TransformRule, rule_for
 
-__all__ = ["WhiteningStatistics"]
+__all__ = ["WhiteningStatistics", "recomputing"]
+
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+_is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
+
+
+def recomputing() -> bool:
+    """Whether the current forward runs inside a backward pass, i.e. autograd re-runs it (activation checkpointing).
+
+    Both kinds of :func:`torch.utils.checkpoint.checkpoint` recompute a
+    segment's forward while the autograd engine executes the backward; an
+    original forward never runs there. Inside a compiled graph this is
+    ``False`` (compiled checkpointing replays the graph, not the module).
+    """
+    if _graph_task_id is None or _is_compiling():
+        return False
+    return _graph_task_id() != -1
+
+
+#: Layout tag of the packed extra state (:meth:`WhiteningStatistics.get_extra_state`); version 1 was a dict.
+_EXTRA_LAYOUT = 2
+#: The scalar head of the packed extra state, in order; then ``shift (M)``, ``s1 (M)``, ``s2`` (block shape).
+_EXTRA_HEAD = ("layout", "acc_batches", "has_shift", "eig_failures", "skipped_folds", "nonfinite_batches",
+               "clamped_steps", "acc_count", "acc_nonfinite")
+_COUNTERS = ("eig_failures", "skipped_folds", "nonfinite_batches", "clamped_steps")
 
 
 class WhiteningStatistics:
@@ -57,9 +90,14 @@ class WhiteningStatistics:
     ``clamped_steps``.
     """
 
-    _version = 1
+    # 2: the partial block is one tensor in ``_extra_state``; grad layers with a bias keep their bias compensation
+    # in ``bias_correction`` (version 1 added it to the bias parameter).
+    _version = 2
     num_features: int
     rule: TransformRule
+    #: The buffers a forward reads; a recomputed forward reads those of the original one (:meth:`_forward_state`).
+    _FORWARD_BUFFERS: Tuple[str, ...] = ("running_mean",)
+    _in_force: Optional[Dict[str, Tensor]] = None
 
     def _init_whitening(
         self,
@@ -103,6 +141,40 @@ class WhiteningStatistics:
         self._fold_coordinator: Optional[FoldCoordinator] = None
         self._reset_accumulators()
 
+    # ------------------------------------------------------------------ forward
+    def _forward_state(self) -> Tuple[bool, Dict[str, Tensor]]:
+        """Begin a forward: whether it is a training batch (gathers statistics, counts toward the block), and the
+        buffers it reads (:attr:`_FORWARD_BUFFERS`, by reference: a fold replaces buffers, it never writes
+        into them).
+
+        A forward recomputed inside a backward (activation checkpointing, :func:`recomputing`) is not a batch: it
+        reads the buffers of the layer's last original forward, so its output and the transform its backward uses
+        are those of that forward even if a fold came in between (the fold follows the model's forward).
+        """
+        if recomputing():
+            state = self._in_force
+            if state is None:  # no original forward seen (e.g. state loaded since): what is in force now
+                state = {name: self._buffers[name] for name in self._FORWARD_BUFFERS}
+            return False, state
+        state = {name: self._buffers[name] for name in self._FORWARD_BUFFERS}
+        if not _is_compiling():  # a compiled graph replays itself when checkpointed; it never recomputes here
+            self._in_force = state
+        return self.training, state
+
+    def __getstate__(self) -> Dict[str, Any]:
+        # The buffers of the last forward and the weight of a fold under way are transient: not pickled or copied.
+        state = dict(self.__dict__)
+        state.pop("_in_force", None)
+        state.pop("_fold_weight", None)
+        return state
+
+    def __prepare_scriptable__(self) -> Any:
+        raise RuntimeError(
+            f"{self._describe()}: torch.jit.script cannot compile a whitening layer (its forward gathers statistics "
+            "and folds blocks in Python). To deploy, script the plain model: "
+            "torch.jit.script(wl.export_model(copy.deepcopy(model)).eval()); to trace or compile the converted model "
+            "use torch.jit.trace, torch.export.export or torch.compile")
+
     # ---------------------------------------------------------- configuration
     @property
     def config(self) -> WhiteningConfig:
@@ -140,7 +212,7 @@ class WhiteningStatistics:
         For a layer taken (e.g. deep-copied) out of a converted model. Returns the layer.
         """
         if self._fold_pending:
-            fold_layers([self])
+            self._fold_now()
         self._fold_coordinator = None
         return self
 
@@ -185,7 +257,7 @@ class WhiteningStatistics:
         if self.frozen:
             return
         if self._fold_pending:  # a requested fold whose coordinator never ran
-            fold_layers([self])
+            self._fold_now()
         x = x.detach()
         if x.dtype not in (torch.float32, torch.float64):
             x = x.float()
@@ -229,12 +301,24 @@ class WhiteningStatistics:
         if self.frozen:
             return
         self._acc_batches += 1
-        if self._acc_batches >= self.config.block_size:
+        if self._acc_batches >= self.config.block_size * self.config.accumulation_steps:
             self._fold_pending = True
+            self._capture_fold_inputs()
             if self._fold_coordinator is not None:
                 self._fold_coordinator.request(self)
             else:
                 fold_layers([self])
+
+    def _capture_fold_inputs(self) -> None:
+        """Hook: keep what the coming fold needs from this forward (grad layers: the weight, which a sharded
+        wrapper gathers only during the forward)."""
+
+    def _fold_now(self) -> None:
+        """Fold this layer alone, now (not at the end of the forward that ended its block)."""
+        self._fold_weight = None
+        fold_layers([self])
+
+    _fold_weight: Optional[Tensor] = None
 
     def _block_sums(self) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
         """This rank's block: ``(count, shift, s1, s2)``, the shifted sums (float64)."""
@@ -346,10 +430,11 @@ class WhiteningStatistics:
     # ------------------------------------------------------------- public API
     def fold(self) -> None:
         """Fold the current (possibly partial) block now, as if the block had ended."""
-        fold_layers([self])
+        self._fold_now()
 
     def reset_running_stats(self) -> None:
         """Back to the initial state (``mu = 0``, ``T = Q_s = I``, no blocks); the layer's function is kept."""
+        self._fold_weight = None
         with torch.no_grad():
             self._on_mean_change(self.running_mean.to(torch.float64), torch.zeros_like(self.running_mean, dtype=torch.float64))
             self.running_mean.zero_()
@@ -379,43 +464,67 @@ class WhiteningStatistics:
         return ", ".join(f"{k}={v}" for k, v in self.config.non_defaults(exclude=self._unused_fields).items())
 
     # ---------------------------------------------------------- checkpointing
-    def get_extra_state(self) -> Dict[str, Any]:
-        """The partial block and the counters, so that a mid-block checkpoint resumes bit-for-bit."""
-        return {
-            "version": self._version,
-            "acc_batches": self._acc_batches,
-            "acc_count": self._acc_count.clone(),
-            "acc_shift": None if self._acc_shift is None else self._acc_shift.clone(),
-            "acc_s1": self._acc_s1.clone(),
-            "acc_s2": self._acc_s2.clone(),
-            "acc_nonfinite": self._acc_nonfinite.clone(),
-            "eig_failures": self.eig_failures,
-            "skipped_folds": self.skipped_folds,
-            "nonfinite_batches": self.nonfinite_batches,
-            "clamped_steps": self.clamped_steps,
-        }
+    def get_extra_state(self) -> Tensor:
+        """The partial block and the counters as one float64 tensor, so a mid-block checkpoint resumes bit-for-bit.
 
-    def set_extra_state(self, state: Dict[str, Any]) -> None:
+        Layout: the scalars :data:`_EXTRA_HEAD` (a layout tag first), then the block's shift (``M``), first sums
+        (``M``) and second sums (the block shape, flattened). A tensor, not a dict, so the state dict holds
+        tensors only (EMA helpers, safetensors and exporters iterate over it as tensors); a fresh one at each
+        call, owned by nobody.
+        """
+        f64 = {"dtype": torch.float64, "device": self._acc_s1.device}
+        head = torch.tensor([_EXTRA_LAYOUT, self._acc_batches, self._acc_shift is not None]
+                            + [getattr(self, name) for name in _COUNTERS], **f64)
+        shift = self._acc_shift if self._acc_shift is not None else torch.zeros_like(self._acc_s1)
+        return torch.cat([head, self._acc_count.view(1), self._acc_nonfinite.to(**f64).view(1), shift, self._acc_s1,
+                          self._acc_s2.reshape(-1)])
+
+    def set_extra_state(self, state: Union[Tensor, Dict[str, Any]]) -> None:
+        if isinstance(state, dict):  # version 1 checkpoints
+            state = self._unpack_dict_extra_state(state)
+        else:
+            state = self._unpack_extra_state(state)
         dev = self.running_mean.device
-        m = self.num_features
-        if tuple(state["acc_s2"].shape) != self._block_shape:
-            raise RuntimeError(
-                f"{self._describe()}: checkpoint block statistics have shape {tuple(state['acc_s2'].shape)} "
-                f"({_shape_words(tuple(state['acc_s2'].shape))}), but this layer needs {self._block_shape} "
-                f"({_shape_words(self._block_shape)})"
-            )
         self._acc_batches = int(state["acc_batches"])
         self._acc_count = state["acc_count"].to(dev, torch.float64).clone()
         shift = state["acc_shift"]
         self._acc_shift = None if shift is None else shift.to(dev, torch.float64).clone()
         self._acc_s1 = state["acc_s1"].to(dev, torch.float64).clone()
         self._acc_s2 = state["acc_s2"].to(dev, torch.float64).clone()
-        self._acc_nonfinite = state["acc_nonfinite"].to(dev).clone()
-        self.eig_failures = int(state.get("eig_failures", 0))
-        self.skipped_folds = int(state.get("skipped_folds", 0))
-        self.nonfinite_batches = int(state.get("nonfinite_batches", 0))
-        self.clamped_steps = int(state.get("clamped_steps", 0))
+        self._acc_nonfinite = state["acc_nonfinite"].to(dev, torch.long).clone()
+        for name in _COUNTERS:
+            setattr(self, name, int(state.get(name, 0)))
         self._fold_pending = False
+
+    def _unpack_extra_state(self, packed: Tensor) -> Dict[str, Any]:
+        m, block = self.num_features, self._block_shape
+        numel = len(_EXTRA_HEAD) + 2 * m + math.prod(block)
+        if not isinstance(packed, Tensor) or packed.dim() != 1 or not packed.is_floating_point():
+            raise RuntimeError(f"{self._describe()}: checkpoint extra state must be a 1-D float tensor (the partial "
+                               f"block), but got {type(packed).__name__} {tuple(getattr(packed, 'shape', ()))}")
+        if packed.numel() < len(_EXTRA_HEAD) or int(packed[0]) != _EXTRA_LAYOUT:
+            raise RuntimeError(f"{self._describe()}: checkpoint extra state has an unknown layout "
+                               f"(tag {float(packed[0]) if packed.numel() else None}, expected {_EXTRA_LAYOUT})")
+        if packed.numel() != numel:
+            raise RuntimeError(
+                f"{self._describe()}: checkpoint extra state holds {packed.numel()} values, but this layer needs "
+                f"{numel}: block statistics of shape {block} ({_shape_words(block)}) for {m} features")
+        head = dict(zip(_EXTRA_HEAD, packed[: len(_EXTRA_HEAD)].tolist()))
+        shift, s1, s2 = torch.split(packed[len(_EXTRA_HEAD):], [m, m, math.prod(block)])
+        out: Dict[str, Any] = {name: head[name] for name in _COUNTERS}
+        out.update(acc_batches=head["acc_batches"], acc_count=packed[_EXTRA_HEAD.index("acc_count")],
+                   acc_nonfinite=packed[_EXTRA_HEAD.index("acc_nonfinite")],
+                   acc_shift=shift if head["has_shift"] else None, acc_s1=s1, acc_s2=s2.view(block))
+        return out
+
+    def _unpack_dict_extra_state(self, state: Dict[str, Any]) -> Dict[str, Any]:
+        if tuple(state["acc_s2"].shape) != self._block_shape:
+            raise RuntimeError(
+                f"{self._describe()}: checkpoint block statistics have shape {tuple(state['acc_s2'].shape)} "
+                f"({_shape_words(tuple(state['acc_s2'].shape))}), but this layer needs {self._block_shape} "
+                f"({_shape_words(self._block_shape)})"
+            )
+        return state
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         version = local_metadata.get("version", None)

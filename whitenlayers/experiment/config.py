@@ -97,14 +97,17 @@ class Method:
 
     @property
     def option_names(self) -> Tuple[str, ...]:
-        """The whitening options this method's layers take."""
+        """The whitening options this method's layers take (from the runner)."""
         if self.config is None:
             return ()
-        return tuple(n for n in self.config.field_names() if n not in self.exclude)
+        return tuple(n for n in self.config.field_names() if n not in self.exclude and n not in RUNNER_EXCLUDED_OPTIONS)
 
     def option_fields(self) -> List[dataclasses.Field]:
         return [f for f in dataclasses.fields(self.config) if f.name in self.option_names] if self.config else []
 
+
+#: Layer options the runner does not offer: it trains without gradient accumulation (one forward per step).
+RUNNER_EXCLUDED_OPTIONS = ("accumulation_steps",)
 
 #: The methods, by name, in their default display order.
 METHOD_REGISTRY: Dict[str, Method] = {}
