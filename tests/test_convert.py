@@ -594,12 +594,16 @@ def test_plain_state_dict_round_trip_after_training(method, absorb):
     model.eval()
     x = torch.randn(4, 3, 16, 16)
     want = model(x)
-    sd = plain_sd = wl.plain_state_dict(model)
     # keys: the plain architecture's, plus a bias for each bias-free whitening conv that centres its input (its
     # folded mean); with the centring absorbed by the BatchNorms (the default) exactly the plain keys
     plain_keys = set(small_resnet().state_dict())
     conv_names = {n for n, m in wl.whitening_layers(model) if m.bias is None and m.centring == "input"}
     assert bool(conv_names) != absorb
+    if not absorb:  # the original architecture cannot hold these layers: strict (the default) says which
+        with pytest.raises(ValueError, match=r"cannot hold the function of 6 converted layer\(s\): 'layer1.0.conv1'.*"
+                                             r"bias-free layer that centres its input.*export_model"):
+            wl.plain_state_dict(model)
+    sd = plain_sd = wl.plain_state_dict(model, strict=absorb)
     assert set(plain_sd) == plain_keys | {f"{n}.bias" for n in conv_names}
     assert not any("running_cov" in k or "whitening_matrix" in k or "absorbed" in k for k in plain_sd)
     torch.testing.assert_close(model(x), want)  # model itself unchanged

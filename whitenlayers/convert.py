@@ -34,12 +34,13 @@ checkpoint.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections import OrderedDict
 import inspect
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.fx
@@ -73,6 +74,7 @@ __all__ = [
     "convert_model",
     "export_model",
     "whitening_layers",
+    "frozen",
     "target_layers",
     "load_plain_state_dict",
     "plain_state_dict",
@@ -506,6 +508,36 @@ def whitening_layers(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     in ``.whiten``.
     """
     return [(n, m) for n, m in model.named_modules() if isinstance(m, WhiteningStatistics)]
+
+
+@contextlib.contextmanager
+def frozen(model: nn.Module) -> Iterator[nn.Module]:
+    """Inside the ``with`` block, ``model``'s whitening layers gather and fold nothing; they still whiten.
+
+    For passes in training mode that are not training steps, such as
+    :func:`torch.optim.swa_utils.update_bn`, which re-estimates the
+    BatchNorm statistics of an averaged model: the BatchNorms update, the
+    whitening state (``mu``, ``T``, ``Q_s``, the partial block, the counters)
+    stays as it is. Each layer's own :meth:`~whitenlayers.WhiteningStatistics.freeze`
+    setting is restored on exit.
+
+    Example:
+        >>> import torch, whitenlayers as wl
+        >>> model = wl.convert_model(wl.models.resnet20(), method="grad", block_size=1)
+        >>> with wl.frozen(model):
+        ...     _ = model(torch.randn(2, 3, 8, 8))
+        >>> int(wl.whitening_layers(model)[0][1].num_blocks)
+        0
+    """
+    layers = [m for _, m in whitening_layers(model)]
+    before = [m.frozen for m in layers]
+    for m in layers:
+        m.freeze()
+    try:
+        yield model
+    finally:
+        for m, was in zip(layers, before):
+            m.freeze(was)
 
 
 # --------------------------------------------------------------------------
@@ -1222,23 +1254,58 @@ def load_plain_state_dict(model: nn.Module, state_dict: Dict[str, Any], strict: 
     return _LoadResult(missing, unexpected)
 
 
-def plain_state_dict(model: nn.Module) -> Dict[str, Any]:
-    """The converted ``model``'s current function as a plain checkpoint (no whitening state).
+def _not_original(model: nn.Module) -> Dict[str, str]:
+    """Qualified name -> why the original architecture cannot hold that converted layer's current function."""
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, DirectWhitened):
+            layer = module.layer
+            if not isinstance(layer, nn.Linear) and not _zero_padding(layer):
+                out[name] = ("a padded direct conv: its zero border would have to be -T mu, so it exports as "
+                             "Sequential(1x1 whitening conv, conv)")
+        elif isinstance(module, GRAD_LAYER_TYPES) and module.bias is None:
+            if not (module.centring == "absorbed" and module._absorbing_bn() is not None):
+                out[name] = "a bias-free layer that centres its input: the centring needs a bias the original lacks"
+    return out
 
-    It is ``export_model(copy.deepcopy(model)).state_dict()``: the keys of
-    the unconverted architecture, with the whitening folded in (see
-    :func:`export_model`). For a model converted with the default
-    ``absorb_centring=True`` whose whitened layers all feed a BatchNorm (every
-    ResNet), the keys are exactly the original architecture's: the checkpoint
-    loads with ``strict=True`` into a fresh unconverted model, which then
-    computes what the converted model computes in eval mode (the offsets are
-    moved into the BatchNorms' ``running_mean``). Otherwise two differences
-    from the original keys: a grad/recursive layer that centres its input
-    has a ``bias`` entry (the running mean folded in; for a bias-free conv this is the only way to keep the function,
-    so load such a checkpoint with :func:`load_plain_state_dict`, which puts
-    it into ``bias_correction``, or into a plain model whose convs have
-    biases), and a padded ``direct`` conv exports to ``name.0.*`` (the 1x1
-    whitening conv) and ``name.1.*``. For layers with biases and unpadded
-    ``direct`` layers, the keys are exactly the original ones.
+
+def plain_state_dict(model: nn.Module, strict: bool = True) -> Dict[str, Any]:
+    """The converted ``model``'s current function as a checkpoint of the original architecture (no whitening state).
+
+    It is ``export_model(copy.deepcopy(model)).state_dict()`` (see
+    :func:`export_model`). With ``strict`` (default) its keys are exactly
+    those of the unconverted architecture: it loads with ``strict=True`` into
+    a fresh unconverted model, which then computes what the converted model
+    computes in eval mode. That holds for every grad / recursive layer whose
+    centring a BatchNorm absorbs (the default of :func:`convert_model` in
+    every ResNet; the offsets move into the BatchNorms' ``running_mean``),
+    every layer with a bias, and every unpadded ``direct`` layer (linear, 1x1
+    convs). Two kinds of layer have no exact form in the original
+    architecture, and with ``strict`` a ``ValueError`` names them:
+
+    * a padded ``direct`` conv (``conv(pad(T (x - mu)))``: the zero border
+      would have to be ``-T mu``); :func:`export_model` turns it into
+      ``nn.Sequential(1x1 whitening conv, conv)``, keys ``name.0.*`` and
+      ``name.1.*``;
+    * a bias-free grad / recursive layer that centres its input (converted
+      with ``absorb_centring=False``, or not followed by a BatchNorm): its
+      export needs a ``bias`` (the running mean folded in).
+
+    ``strict=False`` returns the export's state dict as it is, those extra
+    keys included; :func:`load_plain_state_dict` loads it back into a
+    converted model, and :func:`export_model` gives the matching module.
     """
+    if strict:
+        bad = _not_original(model)
+        if bad:
+            reasons: Dict[str, List[str]] = {}
+            for name, why in bad.items():
+                reasons.setdefault(why, []).append(repr(name))
+            listing = "; ".join(f"{', '.join(names[:6])}{f' and {len(names) - 6} more' if len(names) > 6 else ''}: "
+                                f"{why}" for why, names in reasons.items())
+            raise ValueError(
+                f"plain_state_dict: the original architecture cannot hold the function of {len(bad)} converted "
+                f"layer(s): {listing}. Use wl.export_model(copy.deepcopy(model)) for a plain model with that extra "
+                "structure, or plain_state_dict(model, strict=False) for its checkpoint (load it back with "
+                "wl.load_plain_state_dict)")
     return export_model(copy.deepcopy(model)).state_dict()
