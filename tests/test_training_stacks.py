@@ -133,6 +133,26 @@ def test_recomputed_forward_uses_the_transform_of_the_original_forward(method):
     assert int(conv.num_blocks) == 3  # the recomputation folded nothing
 
 
+def test_timm_set_grad_checkpointing():
+    """timm's own checkpointing of a converted resnet18 (run by hand in a side venv with timm)."""
+    timm = pytest.importorskip("timm")
+
+    def make():
+        torch.manual_seed(0)
+        return wl.convert_model(timm.create_model("resnet18", num_classes=5), method="grad", block_size=2)
+
+    data = batches(3, size=4, hw=32)
+    ref = make()
+    ref_grads = train(ref, data, lr=0.01, keep_grads=True)
+    model = make()
+    model.set_grad_checkpointing(True)
+    grads = train(model, data, lr=0.01, keep_grads=True)
+    assert all(int(layer.num_blocks) == 1 for _, layer in wl.whitening_layers(model))
+    assert_same(whitening_state(model), whitening_state(ref), rtol=1e-6, atol=1e-7)
+    for g, r in zip(grads, ref_grads):
+        assert_same(g, r, rtol=1e-5, atol=1e-6)
+
+
 # --------------------------------------------------------------------------
 # Gradient accumulation
 # --------------------------------------------------------------------------
