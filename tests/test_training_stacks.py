@@ -193,6 +193,31 @@ def test_gradient_accumulation_equals_the_big_batch(method):
     assert all(int(layer.num_blocks) == 12 for _, layer in wl.whitening_layers(plain))
 
 
+def _ddp_accumulation_worker(rank, world, method):
+    import contextlib
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    model = DDP(conv_net(method, block_size=2, accumulation_steps=2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for x, y in batches(4, size=16, dtype=F64):
+        x, y = x.chunk(world)[rank], y.chunk(world)[rank]  # this rank's half, in two micro-batches
+        opt.zero_grad()
+        for i, (xm, ym) in enumerate(zip(x.chunk(2), y.chunk(2))):
+            with model.no_sync() if i == 0 else contextlib.nullcontext():
+                (Fn.cross_entropy(model(xm), ym) / 2).backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.module.state_dict().items() if not k.endswith("_extra_state")}
+
+
+@pytest.mark.parametrize("method", ["grad", "direct"])
+def test_gradient_accumulation_under_ddp_no_sync_equals_the_big_batch(method):
+    results = run_distributed(_ddp_accumulation_worker, method)
+    big = conv_net(method, block_size=2)
+    train(big, batches(4, size=16, dtype=F64), lr=0.05)
+    want = {k: v for k, v in big.state_dict().items() if not k.endswith("_extra_state")}
+    assert_same(results[0], results[1])
+    assert_same(results[0], want, rtol=1e-9, atol=1e-10)
+
+
 # --------------------------------------------------------------------------
 # State as tensors: EMA, safetensors, old checkpoints
 # --------------------------------------------------------------------------

@@ -1177,11 +1177,7 @@ def _positions(model: nn.Module) -> Dict[str, nn.Module]:
 @torch.no_grad()
 def _reset_to_identity(layer: WhiteningStatistics) -> None:
     """The state right after conversion: ``mu = 0``, ``T = Q_s = I``, no blocks, no bias compensation."""
-    bias = getattr(layer, "bias", None)
-    saved = bias.detach().clone() if isinstance(bias, Tensor) else None
-    layer.reset_running_stats()
-    if saved is not None:
-        bias.copy_(saved)
+    layer.reset_running_stats()  # keeps the function through bias_correction, zeroed next (a fold never writes a bias)
     if getattr(layer, "bias_correction", None) is not None:
         layer.bias_correction.zero_()
     absorbed = getattr(layer, "_buffers", {}).get("absorbed_offset")
