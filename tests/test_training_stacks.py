@@ -164,6 +164,17 @@ def conv_net(method, seed=0, **kw):
     return wl.convert_model(net, method=method, targets="all", include_stem=True, **kw).double()
 
 
+def train_accumulated(model, data, k):
+    """SGD steps, each over ``k`` micro-batches of a batch of ``data`` (loss scaled by ``1/k``)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for x, y in data:
+        opt.zero_grad()
+        for xm, ym in zip(x.chunk(k), y.chunk(k)):
+            (Fn.cross_entropy(model(xm), ym) / k).backward()
+        opt.step()
+    return model
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_gradient_accumulation_equals_the_big_batch(method):
     """accumulation_steps=k: a block is block_size optimizer steps of k micro-batches each, so folds fall on
@@ -171,25 +182,13 @@ def test_gradient_accumulation_equals_the_big_batch(method):
     data = batches(6, size=16, dtype=F64)
     big = conv_net(method, block_size=2)
     train(big, data, lr=0.05)
-    acc = conv_net(method, block_size=2, accumulation_steps=4)
-    opt = torch.optim.SGD(acc.parameters(), lr=0.05, momentum=0.9)
-    for x, y in data:
-        opt.zero_grad()
-        for xm, ym in zip(x.chunk(4), y.chunk(4)):
-            (Fn.cross_entropy(acc(xm), ym) / 4).backward()
-        opt.step()
+    acc = train_accumulated(conv_net(method, block_size=2, accumulation_steps=4), data, 4)
     assert all(int(layer.num_blocks) == 3 for _, layer in wl.whitening_layers(acc))
     assert_same(whitening_state(acc, skip=("_extra_state",)), whitening_state(big, skip=("_extra_state",)),
                 rtol=1e-9, atol=1e-10)
     assert_same(dict(acc.named_parameters()), dict(big.named_parameters()), rtol=1e-9, atol=1e-10)
     # without the setting, blocks count micro-batches and every optimizer step mixes two transforms
-    plain = conv_net(method, block_size=2)
-    opt = torch.optim.SGD(plain.parameters(), lr=0.05, momentum=0.9)
-    for x, y in data:
-        opt.zero_grad()
-        for xm, ym in zip(x.chunk(4), y.chunk(4)):
-            (Fn.cross_entropy(plain(xm), ym) / 4).backward()
-        opt.step()
+    plain = train_accumulated(conv_net(method, block_size=2), data, 4)
     assert all(int(layer.num_blocks) == 12 for _, layer in wl.whitening_layers(plain))
 
 

@@ -1,0 +1,206 @@
+#!/usr/bin/env python
+"""The hot path: ATen ops per training step and per whitening layer, host synchronisations, step-time ratios.
+
+On a GPU every ATen op is at least one kernel launch (several microseconds of host time), so for small models in
+eager mode the op count, not the arithmetic, sets the step time. This script counts, with a
+``TorchDispatchMode``, every non-view ATen op of whole blocks of SGD training steps (forward, loss, backward,
+optimizer step and the folds), after one warm-up block, and reports per model and variant:
+
+* ops per training step, and the extra ops per whitening layer: ``(variant - plain) / layers``;
+* ``_local_scalar_dense`` calls (the op behind ``.item()`` / ``bool(tensor)``: a host synchronisation on CUDA)
+  per step, inside and outside the folds (the CPU-only accuracy check of the unshifted product is one; on CUDA
+  that path is never taken);
+* the largest op groups per whitening layer (what a regression shows first);
+* step-time ratios against the plain model, interleaved round by round in one process (``--timing-depths``).
+
+Models: a CIFAR ResNet-20 (32x32, batch 8) and the ResNet-50 widths of ``whitenlayers.models.resnet50``
+(32x32, batch 2, 10 classes; op counts do not depend on the image size except where the CPU picks the unshifted
+product for inputs of at least ``functional._CPU_UNSHIFTED_MIN_ELEMENTS`` values).
+
+    python benchmarks/hot_path.py                       # counts for ResNet-20 and ResNet-50, timing ResNet-20, -110
+    python benchmarks/hot_path.py --tiny --json out.json  # seconds (CI): ResNet-20 counts only
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import sys
+from typing import Callable, Dict, List, Optional, Tuple
+
+import _common  # noqa: F401  (puts the repository on sys.path)
+from _common import Interleaved, add_common_args, command_line, loadavg, machine_description, md_table, ratio_stats
+from _common import setup, write_json
+from _models import Variant, build_base, random_batches
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import whitenlayers as wl
+import whitenlayers.fold as wl_fold
+
+#: variant name -> (method, layer keyword arguments beyond the defaults)
+VARIANTS: Dict[str, Tuple[str, Dict[str, object]]] = {
+    "plain": ("plain", {}),
+    "grad": ("grad", {}),
+    "recursive": ("recursive", {}),
+    "direct": ("direct", {}),
+}
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts non-view ATen ops by name, separately inside and outside the folds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts = {"step": collections.Counter(), "fold": collections.Counter()}
+        self.phase = "step"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.counts[self.phase][func.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _folding(counter: OpCounter):
+    """Patch the fold entry point so that its ops are counted apart; returns the undo function."""
+    real = wl_fold.fold_layers
+
+    def counted(*args, **kwargs):
+        before, counter.phase = counter.phase, "fold"
+        try:
+            return real(*args, **kwargs)
+        finally:
+            counter.phase = before
+
+    wl_fold.fold_layers = counted
+    return lambda: setattr(wl_fold, "fold_layers", real)
+
+
+def build(model: str, seed: int = 0) -> Tuple[torch.nn.Module, List[Tuple[torch.Tensor, torch.Tensor]]]:
+    if model == "resnet20":
+        return build_base(20, 10, seed=seed), random_batches(4, 8, 32, 10, seed=seed)
+    if model == "resnet50":
+        torch.manual_seed(seed)
+        return wl.models.resnet50(num_classes=10), random_batches(4, 2, 32, 10, seed=seed)
+    raise ValueError(f"model must be resnet20 or resnet50, but got {model!r}")
+
+
+def count_variant(model: str, name: str, blocks: int = 1, block_size: int = 10) -> Dict[str, object]:
+    """Op counts of ``blocks`` whole blocks of training steps of ``name`` on ``model`` (one warm-up block first)."""
+    method, kw = VARIANTS[name]
+    base, batches = build(model)
+    net = copy.deepcopy(base)
+    if method != "plain":
+        wl.convert_model(net, method, block_size=block_size, **kw)
+    layers = len(wl.whitening_layers(net))
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+
+    def step(i: int) -> None:
+        x, y = batches[i % len(batches)]
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(net(x), y).backward()
+        opt.step()
+
+    for i in range(block_size):  # warm-up block: momentum buffers, first fold
+        step(i)
+    counter = OpCounter()
+    undo = _folding(counter)
+    try:
+        with counter:
+            for i in range(blocks * block_size):
+                step(i)
+    finally:
+        undo()
+    steps = blocks * block_size
+    total = {k: sum(c.values()) / steps for k, c in counter.counts.items()}
+    syncs = {k: c["_local_scalar_dense.default"] / steps for k, c in counter.counts.items()}
+    return {"model": model, "variant": name, "layers": layers, "steps": steps,
+            "ops_per_step": total["step"] + total["fold"], "fold_ops_per_step": total["fold"],
+            "syncs_per_step": syncs["step"], "fold_syncs_per_step": syncs["fold"],
+            "by_op": {k: (counter.counts["step"][k] + counter.counts["fold"][k]) / steps
+                      for k in set(counter.counts["step"]) | set(counter.counts["fold"])}}
+
+
+def count_table(models: List[str], names: List[str]) -> Tuple[List[Dict[str, object]], str, str]:
+    rows, groups = [], []
+    for model in models:
+        plain = count_variant(model, "plain")
+        for name in names:
+            r = plain if name == "plain" else count_variant(model, name)
+            n = r["layers"]
+            r["extra_per_layer"] = (r["ops_per_step"] - plain["ops_per_step"]) / n if n else 0.0
+            rows.append(r)
+            if n:
+                diff = {k: (v - plain["by_op"].get(k, 0.0)) / n for k, v in r["by_op"].items()}
+                top = sorted(((k, v) for k, v in diff.items() if v > 0.05), key=lambda t: -t[1])[:8]
+                groups.append([model, name, ", ".join(f"{k.split('.')[0]} {v:.1f}" for k, v in top)])
+    table = md_table(["model", "variant", "whitening layers", "ops per step", "extra ops per layer",
+                      "of which fold, per layer", "host syncs per step (outside folds)", "host syncs in folds"],
+                     [[r["model"], r["variant"], r["layers"], r["ops_per_step"], r["extra_per_layer"],
+                       (r["fold_ops_per_step"] / r["layers"]) if r["layers"] else 0.0, r["syncs_per_step"],
+                       r["fold_syncs_per_step"]] for r in rows], nd=1)
+    return rows, table, md_table(["model", "variant", "largest extra op groups per layer and step"], groups)
+
+
+def timing_table(depths: List[int], names: List[str], rounds: int, warmup: int) -> Tuple[Dict[str, object], str]:
+    out, table_rows = {}, []
+    for depth in depths:
+        base = build_base(depth, 10)
+        batches = random_batches(4, 32, 32, 10)
+        variants = {}
+        for name in names:
+            method, kw = VARIANTS[name]
+            v = Variant(method, base, batches) if not kw else _variant_with(method, base, batches, kw)
+            variants[name] = v
+        runner = Interleaved({k: v.step for k, v in variants.items()}).run(rounds, warmup, progress=f"resnet{depth}")
+        stats = ratio_stats(runner.times, "plain")
+        out[f"resnet{depth}"] = stats
+        for name in names:
+            s = stats[name]
+            table_rows.append([f"resnet{depth}", name, s["median_s"] * 1e3, s["ratio_median"], s["ratio_mean"],
+                               s["ratio_paired_median"]])
+    return out, md_table(["model", "variant", "median step (ms)", "ratio of medians", "ratio of means",
+                          "median paired ratio"], table_rows)
+
+
+def _variant_with(method: str, base, batches, kw: Dict[str, object]) -> Variant:
+    v = Variant("plain", base, batches)  # a plain copy, converted here with the variant's keywords
+    v.name = method
+    wl.convert_model(v.model, method, **kw)
+    v.opt = torch.optim.SGD(v.model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    return v
+
+
+def main(argv: Optional[List[str]] = None) -> Dict[str, object]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(p)
+    p.add_argument("--models", default="resnet20,resnet50", help="models whose ops are counted")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)}")
+    p.add_argument("--timing-depths", default="20,110", help="CIFAR ResNet depths timed ('' for none)")
+    p.add_argument("--rounds", type=int, default=20)
+    args = p.parse_args(argv)
+    setup(args.threads, args.seed, args.clock)
+    names = [n for n in args.variants.split(",") if n]
+    if "plain" not in names:
+        names.insert(0, "plain")
+    models = ["resnet20"] if args.tiny else [m for m in args.models.split(",") if m]
+    depths = [] if args.tiny else [int(d) for d in args.timing_depths.split(",") if d]
+    machine = machine_description()
+    rows, counts_md, groups_md = count_table(models, names)
+    timings, timing_md = ({}, "") if not depths else timing_table(depths, names, args.rounds, warmup=2)
+    md = "\n\n".join(x for x in [
+        f"Command: `{command_line()}`; {machine['cpu']}; torch {machine['torch']}; commit {machine['commit']}; "
+        f"load before/after {machine['loadavg']} / {loadavg()}",
+        "Non-view ATen ops per SGD training step (whole blocks of 10 steps, folds included):", counts_md,
+        groups_md, (f"Step time vs plain (interleaved, {args.rounds} rounds, {args.threads} threads, "
+                    f"{args.clock} clock):\n\n{timing_md}") if timing_md else ""] if x)
+    print(md)
+    payload = {"machine": machine, "counts": rows, "timings": timings, "markdown": md}
+    write_json(args.json, payload)
+    return payload
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
