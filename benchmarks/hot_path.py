@@ -13,8 +13,11 @@ optimizer step and the folds), after one warm-up block, and reports per model an
 * the largest op groups per whitening layer (what a regression shows first);
 * step-time ratios against the plain model, interleaved round by round in one process (``--timing-depths``).
 
-Models: a CIFAR ResNet-20 (32x32, batch 8) and the ResNet-50 widths of ``whitenlayers.models.resnet50``
-(32x32, batch 2, 10 classes; op counts do not depend on the image size except where the CPU picks the unshifted
+Variants: each method with its defaults, and with statistics on a schedule (``:every5``: ``stats_every=5``, the
+first of every 5 training forwards of a block gathers statistics).
+
+Models: a CIFAR ResNet-20 (32x32, batch 8) and torchvision's ResNet-50 layout (``benchmarks/_resnet50.py``, no
+torchvision needed; 32x32, batch 2, 10 classes; op counts do not depend on the image size except where the CPU picks the unshifted
 product for inputs of at least ``functional._CPU_UNSHIFTED_MIN_ELEMENTS`` values).
 
     python benchmarks/hot_path.py                       # counts for ResNet-20 and ResNet-50, timing ResNet-20, -110
@@ -32,6 +35,7 @@ import _common  # noqa: F401  (puts the repository on sys.path)
 from _common import Interleaved, add_common_args, command_line, loadavg, machine_description, md_table, ratio_stats
 from _common import setup, write_json
 from _models import Variant, build_base, random_batches
+from _resnet50 import resnet50
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +50,9 @@ VARIANTS: Dict[str, Tuple[str, Dict[str, object]]] = {
     "grad": ("grad", {}),
     "recursive": ("recursive", {}),
     "direct": ("direct", {}),
+    "grad:every5": ("grad", {"stats_every": 5}),
+    "recursive:every5": ("recursive", {"stats_every": 5}),
+    "direct:every5": ("direct", {"stats_every": 5}),
 }
 
 
@@ -83,7 +90,7 @@ def build(model: str, seed: int = 0) -> Tuple[torch.nn.Module, List[Tuple[torch.
         return build_base(20, 10, seed=seed), random_batches(4, 8, 32, 10, seed=seed)
     if model == "resnet50":
         torch.manual_seed(seed)
-        return wl.models.resnet50(num_classes=10), random_batches(4, 2, 32, 10, seed=seed)
+        return resnet50(num_classes=10), random_batches(4, 2, 32, 10, seed=seed)
     raise ValueError(f"model must be resnet20 or resnet50, but got {model!r}")
 
 

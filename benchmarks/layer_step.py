@@ -30,25 +30,15 @@ import torch
 from torch import nn
 
 import whitenlayers as wl
-from whitenlayers import functional as Fw
-
-
-def batch_moments_before(x: torch.Tensor, shift: torch.Tensor):
-    """``functional.batch_moments`` as it was before issue 6 (reference for the before/after figure)."""
-    m = x.shape[1]
-    xs = x - shift.to(x.dtype).view((1, m) + (1,) * (x.dim() - 2))
-    b = xs.flatten(2)
-    return b.sum((0, 2)), torch.bmm(b, b.transpose(1, 2)).sum(0)
 
 
 class _BeforeStats(wl.GradWhitenConv2d):
+    """Statistics as before issue 6: always the shifted product (an activation-sized shifted copy, then one
+    batched product), never the sums about 0 that the layer now uses where its statistics allow."""
+
     def _accumulate(self, x):
-        saved = Fw.batch_moments
-        Fw.batch_moments = batch_moments_before
-        try:
-            super()._accumulate(x)
-        finally:
-            Fw.batch_moments = saved
+        self._stats_unshifted = False
+        super()._accumulate(x)
 
 
 class _ConvBias(wl.GradWhitenConv2d):

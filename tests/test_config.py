@@ -23,9 +23,10 @@ REC_INVALID = INVALID + [("gamma", 0.0), ("gamma", 1.5), ("delta", 0.0), ("c_rel
 
 def test_defaults_are_the_papers_values():
     assert dataclasses.asdict(EVDConfig()) == dict(block_size=10, alpha=0.9, eps=1e-5, stats_fraction=1.0,
-                                                   accumulation_steps=1, beta=0.95, gmax=10.0, gains="practical")
+                                                   accumulation_steps=1, stats_every=1, beta=0.95, gmax=10.0,
+                                                   gains="practical")
     assert dataclasses.asdict(RecursiveConfig()) == dict(block_size=10, alpha=0.1, eps=1e-5, stats_fraction=1.0,
-                                                         accumulation_steps=1, beta=0.1, gamma=0.99, delta=0.25, c_rel=0.025, c_abs=1e-6)
+                                                         accumulation_steps=1, stats_every=1, beta=0.1, gamma=0.99, delta=0.25, c_rel=0.025, c_abs=1e-6)
 
 
 @pytest.mark.parametrize("name,value", EVD_INVALID)

@@ -27,8 +27,8 @@ pytestmark = [pytest.mark.filterwarnings("ignore:.*non-finite activations:Runtim
 STATE = ("running_mean", "running_cov", "whitening_matrix", "grad_transform", "num_blocks", "bias_correction",
          "running_cov_whitened", "running_power", "whitening_gram")
 FOLDS = 3
-COUNTERS = ("eig_failures", "skipped_folds", "nonfinite_batches", "clamped_steps")
-NAN_LAYERS = (0, 3)  # at the last fold, one rank (the reference: once) feeds these a non-finite batch
+COUNTERS = ("eig_failures", "skipped_folds", "nonfinite_blocks", "clamped_steps")
+NAN_LAYERS = (0, 3)  # at the last fold, one rank (the reference: once) feeds these a non-finite batch: dropped
 EMPTY_LAYER = 4  # at the last fold, no rank feeds it: the fold is skipped
 
 
@@ -165,12 +165,13 @@ def test_owner_fold_is_bit_identical_across_ranks_and_folds_each_layer_on_its_ow
                 else:
                     assert runs[0]["states"][fold][i][k] == v, f"fold {fold} layer {i} {k}"
     last = runs[0]["states"][-1]
-    assert [last[i]["nonfinite_batches"] for i in NAN_LAYERS] == [1, 1]  # one rank's batch, counted everywhere
+    assert [last[i]["nonfinite_blocks"] for i in NAN_LAYERS] == [1, 1]  # one rank's block, counted everywhere
+    assert [last[i]["skipped_folds"] for i in NAN_LAYERS] == [1, 1]  # and dropped everywhere
     assert last[EMPTY_LAYER]["skipped_folds"] == 1 and int(last[EMPTY_LAYER]["num_blocks"]) == FOLDS - 1
     # the moments, the transform and Q_s of each layer ran on exactly one rank, its owner, once per fold (the
     # skipped fold: its moments only); every rank wrote every fold
     for i in range(len(layers)):
-        done = FOLDS - (i == EMPTY_LAYER)
+        done = FOLDS - (i == EMPTY_LAYER or i in NAN_LAYERS)
         for name, n in (("_fold_start", FOLDS), ("_transform", done), ("_fold_outcome", done)):
             counts = [runs[r]["calls"].get((name, f"l{i}"), 0) for r in range(world)]
             assert counts == [n if r == owners[i] else 0 for r in range(world)], (name, i, counts)
@@ -191,7 +192,7 @@ def test_replicated_fold_computes_every_transform_on_every_rank():
     runs = run_distributed(_rank_run, "replicated", -1, world_size=2)
     ref = reference()
     for r in range(2):
-        assert all(runs[r]["calls"]["_transform", f"l{i}"] == FOLDS - (i == EMPTY_LAYER) for i in range(7))
+        assert all(runs[r]["calls"]["_transform", f"l{i}"] == FOLDS - (i == EMPTY_LAYER or i in NAN_LAYERS) for i in range(7))
         assert all(calls == ["all_reduce", "all_reduce"] for calls in runs[r]["collectives"])
     for fold in range(FOLDS):
         for i in range(7):

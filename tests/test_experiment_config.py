@@ -105,7 +105,7 @@ def test_whitening_flags_are_derived_from_the_config_dataclasses():
 
 
 #: A valid value, away from every method's default, for each whitening option.
-EVERY_OPTION = dict(block_size=3, alpha=0.5, eps=1e-4, stats_fraction=0.5, beta=0.3, gmax=5.0, gains="zca",
+EVERY_OPTION = dict(block_size=3, alpha=0.5, eps=1e-4, stats_fraction=0.5, stats_every=2, beta=0.3, gmax=5.0, gains="zca",
                     gamma=0.9, delta=0.5, c_rel=0.05, c_abs=1e-5)
 
 

@@ -18,6 +18,7 @@ Guarantees checked here:
 """
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -53,7 +54,7 @@ def state(layer):
 def bias_of(layer):
     if isinstance(layer, wl.DirectWhiten):
         return None
-    return (layer.bias if layer.bias is not None else layer.bias_correction).detach().clone()
+    return layer.bias_correction.detach().clone()  # the compensation, also for a layer with a bias
 
 
 def assert_all_finite(layer):
@@ -278,41 +279,47 @@ def poison(x, value, where):
 @pytest.mark.parametrize("kind", sorted(ALL_LAYERS))
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
 @pytest.mark.parametrize("position", [0, 1, 2])
-def test_nonfinite_batch_is_left_out_of_the_block(kind, value, position):
-    """A block [a, b] with a bad batch inserted folds like the block [a, b]: in the first block and later ones."""
+@pytest.mark.parametrize("bad_block", [0, 1])
+def test_nonfinite_batch_drops_its_block(kind, value, position, bad_block):
+    """A block with a non-finite batch is dropped whole: the layer ends exactly where a layer that never saw that
+    block ends (mu, T, Q_s, Phi_x, the bias compensation, num_blocks), and it is counted and named once.
+
+    Why a whole block and not the batch alone: telling a bad batch apart needs a check of every batch (several
+    ops and, to act on it, a host synchronisation or masked updates), and the hot path is one product and one
+    accumulate per batch. A non-finite activation is an accident (an overflow, a diverging step), after which
+    keeping the previous transform for one more block is what a skipped fold already does."""
     torch.manual_seed(0)
-    ref = ALL_LAYERS[kind](block_size=2)
-    layer = ALL_LAYERS[kind](block_size=3)
-    layer.load_state_dict(ref.state_dict())
+    ref = ALL_LAYERS[kind](block_size=3)
+    layer = copy.deepcopy(ref)
     layer.layer_name = "features.3"
-    xs = data(6, seed=4)
+    xs = data(9, seed=4)
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
         for blk in range(3):
-            a, b = xs[2 * blk], xs[2 * blk + 1]
-            ref(a)
-            ref(b)
-            batches = [a, b]
-            batches.insert(position, poison(a, value, "one"))
+            batches = xs[3 * blk: 3 * blk + 3]
+            if blk == bad_block:
+                batches = list(batches)
+                batches[position] = poison(batches[position], value, "one")
+                before = state(layer)
+            else:
+                for x in batches:
+                    ref(x)
             for x in batches:
                 layer(x)
-            for k, v in state(ref).items():
-                if blk == 0 and position == 0 and k != "num_blocks":
-                    # The first block's moments are taken about the first batch's mean, here that of the bad
-                    # batch (0 where it is not finite): the same sums, rounded differently.
-                    torch.testing.assert_close(getattr(layer, k), v, rtol=1e-5, atol=1e-6)
-                else:
-                    assert torch.equal(getattr(layer, k), v), f"block {blk}: {k}"
-            if blk == 0 and position == 0:
-                ref.load_state_dict(layer.state_dict())  # continue bit-for-bit from here
-            elif bias_of(ref) is not None:
-                assert torch.equal(bias_of(layer), bias_of(ref))
-    assert layer.nonfinite_batches == 3
-    assert layer.skipped_folds == 0
-    assert int(layer.num_blocks) == 3
+            if blk == bad_block:
+                assert_same_state(state(layer), before)
+    assert_same_state(state(layer), state(ref))
+    assert torch.equal(bias_of(layer), bias_of(ref)) if bias_of(ref) is not None else True
+    assert layer.nonfinite_blocks == 1 and layer.skipped_folds == 1 and int(layer.num_blocks) == 2
     msgs = [m for m in messages(rec) if "non-finite" in m]
-    assert len(msgs) == 1 and "'features.3'" in msgs[0]
+    assert len(msgs) == 1 and "'features.3'" in msgs[0] and "dropped" in msgs[0]
     assert_all_finite(layer)
+
+
+def assert_same_state(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
 
 
 @pytest.mark.parametrize("kind", sorted(ALL_LAYERS))
@@ -331,7 +338,7 @@ def test_block_without_finite_samples_is_not_folded(kind):
         assert torch.equal(getattr(layer, k), v), k
     if bias is not None:
         assert torch.equal(bias_of(layer), bias)
-    assert layer.skipped_folds == 1 and layer.nonfinite_batches == 2
+    assert layer.skipped_folds == 1 and layer.nonfinite_blocks == 1
     assert any("skipped" in m for m in messages(rec))
     assert_all_finite(layer)
 
@@ -361,8 +368,8 @@ def test_training_through_nonfinite_batches_keeps_everything_finite(kind):
             assert torch.isfinite(conv.weight.grad).all()
             opt.step()
     assert skipped == 3
-    assert conv.nonfinite_batches == 3
-    assert int(conv.num_blocks) == 5 and conv.skipped_folds == 1  # batches 4 and 5 make a block of their own
+    assert conv.nonfinite_blocks == 2  # blocks [0, 1] and [4, 5] are dropped
+    assert int(conv.num_blocks) == 4 and conv.skipped_folds == 2
     assert_all_finite(model)
     assert not torch.equal(conv.grad_transform, torch.eye(4))
 
@@ -380,12 +387,12 @@ def test_large_values_float32_overflow_is_counted_float64_folds():
         warnings.simplefilter("always")
         f32(x * 1e20)
     assert any("overflow" in m for m in messages(rec)) and any("skipped" in m for m in messages(rec))
-    assert f32.nonfinite_batches == 1 and f32.skipped_folds == 1 and int(f32.num_blocks) == 0
+    assert f32.nonfinite_blocks == 1 and f32.skipped_folds == 1 and int(f32.num_blocks) == 0
     assert torch.equal(f32.whitening_matrix, torch.eye(4))
 
     f64 = wl.GradWhitenConv2d(4, 3, 1, block_size=1, dtype=torch.float64)
     f64(x.double() * 1e20)
-    assert f64.nonfinite_batches == 0 and int(f64.num_blocks) == 1
+    assert f64.nonfinite_blocks == 0 and int(f64.num_blocks) == 1
     assert_all_finite(f64)
     assert (f64.running_cov.diagonal() > 1e39).all()
     # scale invariance of the practical gains: T of x*1e20 is T of x
@@ -421,7 +428,7 @@ def test_invalid_input_errors_name_layer_expected_and_actual(name, training):
     layer.layer_name = "layer3.1.conv2"
     good = torch.randn(shape)
     layer(good)  # valid input works
-    before = {**state(layer), "acc_s2": layer._acc_s2.clone(), "acc_count": layer._acc_count.clone()}
+    before = {**state(layer), "partial block": layer.get_extra_state()}
 
     def check(exc, x, *fragments):
         with pytest.raises(exc) as info:
@@ -448,7 +455,7 @@ def test_invalid_input_errors_name_layer_expected_and_actual(name, training):
     with pytest.raises(TypeError, match=name):
         layer([1.0, 2.0])
     # rejected input left no trace in the statistics
-    after = {**state(layer), "acc_s2": layer._acc_s2, "acc_count": layer._acc_count}
+    after = {**state(layer), "partial block": layer.get_extra_state()}
     for k, v in before.items():
         assert torch.equal(after[k], v), k
     assert layer.batches_in_block == (1 if training else 0)
@@ -528,4 +535,4 @@ def test_fuzz_odd_shapes_and_values(kind, batch, h, w, c, scale, offset, constan
         assert torch.equal(layer.whitening_matrix, torch.eye(c, dtype=stats_dtype))
     # empty batches never count as non-finite
     if batch == 0:
-        assert layer.nonfinite_batches == 0 and int(layer.num_blocks) == 0
+        assert layer.nonfinite_blocks == 0 and int(layer.num_blocks) == 0

@@ -58,7 +58,7 @@ def whitening_state(model, skip=("absorbed_offset",)):
             if key in ("weight", "bias") or key in skip:
                 continue
             out[f"{name}.{key}"] = value
-        for counter in ("eig_failures", "skipped_folds", "nonfinite_batches", "clamped_steps"):
+        for counter in ("eig_failures", "skipped_folds", "nonfinite_blocks", "clamped_steps"):
             out[f"{name}.{counter}"] = torch.tensor(getattr(layer, counter))
     return out
 

@@ -10,7 +10,7 @@ the fields below (each field's ``metadata`` holds its help text).
 Example:
     >>> from whitenlayers.config import EVDConfig, RecursiveConfig
     >>> EVDConfig()
-    EVDConfig(block_size=10, alpha=0.9, eps=1e-05, stats_fraction=1.0, accumulation_steps=1, beta=0.95, gmax=10.0, gains='practical')
+    EVDConfig(block_size=10, alpha=0.9, eps=1e-05, stats_fraction=1.0, accumulation_steps=1, stats_every=1, beta=0.95, gmax=10.0, gains='practical')
     >>> RecursiveConfig(alpha=0.2).gamma
     0.99
     >>> EVDConfig(alpha=1.0)
@@ -38,6 +38,7 @@ def _int_at_least_1(v: Any) -> bool:
 _CHECKS = {
     "block_size": (_int_at_least_1, "an integer >= 1"),
     "accumulation_steps": (_int_at_least_1, "an integer >= 1"),
+    "stats_every": (_int_at_least_1, "an integer >= 1"),
     "alpha": (lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
     "beta": (lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
     "gamma": (lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
@@ -56,7 +57,7 @@ def validate_hyperparameters(**kw: Any) -> None:
     for name, value in kw.items():
         ok, what = _CHECKS[name]
         try:
-            valid = bool(ok(value)) and (name in ("block_size", "accumulation_steps", "gains") or math.isfinite(value))
+            valid = bool(ok(value)) and (name in ("block_size", "accumulation_steps", "stats_every", "gains") or math.isfinite(value))
         except TypeError:
             valid = False
         if not valid:
@@ -78,6 +79,9 @@ class WhiteningConfig:
         1.0, "fraction of each batch's samples used for the statistics (1.0: all, exact)", None)
     accumulation_steps: int = _hp(
         1, "training forwards per optimizer step (gradient accumulation): a block is block_size optimizer steps", None)
+    stats_every: int = _hp(
+        1, "gather statistics on the first of every stats_every training forwards of a block (1: every forward)",
+        None)
 
     method = ""  # class attribute, not a field
 

@@ -51,11 +51,12 @@ def _dist_group(layers: Sequence["WhiteningStatistics"]):
 
 
 #: The status of a layer's fold (:class:`FoldOutcome`).
-FOLDED, FAILED, SKIPPED_EMPTY, SKIPPED_MOMENTS = 0, 1, 2, 3
-#: The warning of a skipped fold, by status.
+FOLDED, FAILED, SKIPPED_EMPTY, SKIPPED_MOMENTS, SKIPPED_NONFINITE = 0, 1, 2, 3, 4
+#: The warning of a skipped fold, by status (``None``: the layer already warned, counting the non-finite block).
 SKIP_MESSAGES = {
-    SKIPPED_EMPTY: "a block had no finite samples; the fold was skipped and the transform kept",
+    SKIPPED_EMPTY: "a block had no samples; the fold was skipped and the transform kept",
     SKIPPED_MOMENTS: "non-finite moments; the fold was skipped and the transform kept",
+    SKIPPED_NONFINITE: None,
 }
 
 
@@ -104,8 +105,8 @@ def fold_layers(layers: Iterable["WhiteningStatistics"], *, strategy: str = "aut
     ``Q_s`` (and the recursive state) and counters, equal to one process on the
     global batch up to float tolerance; a transform that fails on its owner
     leaves every rank with the previous transform and the same failure count.
-    ``nonfinite_batches`` counts the ranks' batches with non-finite values,
-    summed over ranks.
+    ``nonfinite_blocks`` counts the ranks whose block had non-finite sums
+    (summed over ranks); such a block is dropped on every rank.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, but got strategy={strategy!r}")
@@ -123,7 +124,7 @@ def fold_layers(layers: Iterable["WhiteningStatistics"], *, strategy: str = "aut
             # not for every layer of the model at once (ConvNeXt-B / DenseNet-161 with targets="all": gigabytes).
             for chunk in _fold_chunks(layers):
                 _fold_all(chunk, [layer._block_summary() for layer in chunk],
-                          [int(layer._acc_nonfinite) for layer in chunk])
+                          [int(layer._block_nonfinite()) for layer in chunk])
             return
         owners = _owners(layers, world, strategy)
         summaries, nonfinite = _global_summaries(layers, owners, group)
@@ -205,7 +206,7 @@ def _global_summaries(layers: Sequence["WhiteningStatistics"], owners: Optional[
     sums = [layer._block_sums() for layer in layers]
     f64 = torch.float64
     flat = torch.cat([torch.cat([n.view(1), n * shift + s1, F_w.block_power(n, shift, s1, s2),
-                                 layer._acc_nonfinite.to(f64).view(1)])
+                                 layer._block_nonfinite().view(1)])
                       for layer, (n, shift, s1, s2) in zip(layers, sums)])
     dist.all_reduce(flat, group=group)
     summaries, bounds, pos = [], [], 0
@@ -264,8 +265,9 @@ def _compute(items: Sequence[tuple]) -> List[Optional[RuleResult]]:
 
 
 def _outcomes(items: Sequence[tuple]) -> List[FoldOutcome]:
-    """The outcomes of ``(layer, global block, first)`` triples: moments, transforms (batched), ``Q_s``."""
-    starts = [layer._fold_start(block, first) for layer, block, first in items]
+    """The outcomes of ``(layer, global block, first, non-finite ranks)`` items: moments, transforms (batched),
+    ``Q_s``."""
+    starts = [layer._fold_start(block, first, bad) for layer, block, first, bad in items]
     todo = [k for k, start in enumerate(starts) if isinstance(start, Fold)]
     results = _compute([(items[k][0], starts[k]) for k in todo])
     out = [FoldOutcome(start) if not isinstance(start, Fold) else None for start in starts]
@@ -350,7 +352,7 @@ def _fold_all(layers: Sequence["WhiteningStatistics"], summaries: Sequence[Block
     firsts = [layer._fold_begin(bad) for layer, bad in zip(layers, nonfinite)]
     rank = 0 if owners is None else dist.get_rank(group)
     mine = [i for i in range(len(layers)) if owners is None or owners[i] == rank]
-    computed = dict(zip(mine, _outcomes([(layers[i], summaries[i], firsts[i]) for i in mine])))
+    computed = dict(zip(mine, _outcomes([(layers[i], summaries[i], firsts[i], nonfinite[i]) for i in mine])))
     for src in ([None] if owners is None else range(dist.get_world_size(group))):
         idx = [i for i in range(len(layers)) if src is None or owners[i] == src]
         if not idx:

@@ -31,6 +31,8 @@ __all__ = [
     "symmetrize",
     "all_finite",
     "batch_moments",
+    "batch_sums",
+    "unshifted_accurate",
     "stats_samples",
     "summarize_block",
     "scatter_about",
@@ -95,13 +97,17 @@ def all_finite(*tensors: Tensor) -> bool:
     """``True`` when every element of every tensor is finite.
 
     Fast path: a finite sum implies finite elements (NaN and Inf propagate
-    through a sum); only a sum that overflows although its terms are finite
-    falls back to the elementwise check. One pass over memory in the common case.
+    through a sum), so the sums of all the tensors are added and checked once
+    (``2 k + 2`` small ops and one host synchronisation for ``k`` tensors); only
+    a sum that overflows although its terms are finite falls back to the
+    elementwise check. One pass over memory in the common case.
     """
+    total = None
     for t in tensors:
-        if not bool(torch.isfinite(t.sum())) and not bool(torch.isfinite(t).all()):
-            return False
-    return True
+        total = t.sum() if total is None else total + t.sum()
+    if total is None or bool(total * 0 == 0):  # x * 0 is NaN exactly for NaN and +-Inf
+        return True
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def _as_rows(x: Tensor) -> Optional[Tensor]:
@@ -165,6 +171,43 @@ def _unshifted_moments(x: Tensor, shift: Tensor) -> Optional[Tuple[Tensor, Tenso
     if not bool(ok.all()) and bool(torch.isfinite(s2).all()):
         return None
     return (s - n * k).to(x.dtype), s2.to(x.dtype)
+
+
+def batch_sums(x: Tensor, shift: Optional[Tensor] = None, groups: int = 1) -> Tuple[Tensor, Tensor]:
+    """A batch's sums about ``shift``: ``s1 = sum (x - shift)`` ``(M,)`` and ``s2 = sum (x - shift)(x - shift)^T``.
+
+    The layers' hot path (one call per training forward that gathers statistics): a subtraction (none when
+    ``shift`` is ``None``: sums about 0), one product and two reductions, in ``x``'s dtype, no check and no host
+    synchronisation. ``x`` is ``(B, M)`` or ``(B, M, *spatial)`` (features on dim 1); ``shift`` is shaped to
+    broadcast against it (``(1, M, 1, ...)``). ``groups > 1``: the diagonal blocks ``(G, k, k)`` of ``s2`` only.
+
+    About 0 the product's rounding scales with ``sum x_m^2`` instead of ``sum (x_m - mean_m)^2``: a layer sums
+    unshifted only when its statistics allow it (:func:`unshifted_accurate`).
+    """
+    xs = x if shift is None else x - shift
+    m = x.shape[1]
+    rows = _as_rows(xs)
+    if groups == 1:
+        if rows is not None:  # (P, M): 2-D input or channels_last
+            return rows.sum(0), rows.t() @ rows
+        b = xs.flatten(2)  # (B, M, H*W): a view for contiguous NC... inputs; also valid for an empty batch
+        return b.sum((0, 2)), torch.bmm(b, b.transpose(1, 2)).sum(0)
+    k = m // groups
+    if rows is not None:
+        r = rows.reshape(-1, groups, k).transpose(0, 1)  # (G, P, k)
+        return rows.sum(0), torch.matmul(r.transpose(1, 2), r)
+    b = xs.reshape(xs.shape[0], groups, k, -1)  # (B, G, k, P)
+    return b.sum((0, 3)).reshape(m), torch.matmul(b, b.transpose(-1, -2)).sum(0)
+
+
+def unshifted_accurate(block: "BlockSummary", max_mean2_var: float) -> bool:
+    """Whether ``block``'s statistics allow summing the next block about 0: ``mean^2 <= max_mean2_var * var`` for
+    every feature (then :func:`batch_sums` without a shift loses at most ``log2(1 + max_mean2_var)`` bits to the
+    cancellation). From the count, mean and power alone (every rank has them after the fold's first collective,
+    so every rank decides alike). One host synchronisation, once per block."""
+    # mean^2 <= r var  <=>  (1 + r) n mean^2 <= r power  (var = power / n - mean^2); False for NaN
+    lhs = block.mean.square() * ((1.0 + max_mean2_var) * block.count)
+    return bool((lhs <= max_mean2_var * block.power).all())
 
 
 def batch_moments(x: Tensor, shift: Tensor, groups: int = 1) -> Tuple[Tensor, Tensor]:
@@ -666,11 +709,15 @@ def transform_weight_grad(grad: Tensor, q: Tensor) -> Tensor:
     if grad.dim() == 2:
         return grad @ q
     s, m = grad.shape[:2]
+    if grad[0, 0].numel() == 1 and grad.is_contiguous():  # a 1x1 kernel: one (S x M) @ (M x M) product
+        return (grad.view(s, m) @ q).view(grad.shape)
     # One (M x M) @ (M x S*K) product on the input-feature axis moved first (a copy of the small weight
     # gradient), instead of S batched (M x M) @ (M x K) products: 5x faster for a 64 x 64 x 3 x 3 kernel.
-    g = grad.transpose(0, 1).reshape(m, -1)
-    out = (q.t() @ g).reshape((m, s) + tuple(grad.shape[2:])).transpose(0, 1)
-    return torch.empty_like(grad).copy_(out)  # the gradient's own layout (contiguous or channels_last)
+    g = grad.transpose(0, 1).contiguous().view(m, -1)
+    out = (q.t() @ g).view((m, s) + tuple(grad.shape[2:])).transpose(0, 1)
+    if grad.is_contiguous():
+        return out.contiguous()
+    return torch.empty_like(grad).copy_(out)  # the gradient's own layout (channels_last)
 
 
 # --------------------------------------------------------------------------

@@ -41,7 +41,8 @@ from torch import Tensor
 
 from . import functional as F_w
 from .config import EVDConfig, RecursiveConfig, WhiteningConfig
-from .fold import (FAILED, FOLDED, SKIP_MESSAGES, SKIPPED_EMPTY, SKIPPED_MOMENTS, FoldCoordinator, FoldOutcome,
+from .fold import (FAILED, FOLDED, SKIP_MESSAGES, SKIPPED_EMPTY, SKIPPED_MOMENTS, SKIPPED_NONFINITE, FoldCoordinator,
+                   FoldOutcome,
                    _fold_all, _no_autocast, fold_layers)
 from .functional import BlockSummary, stats_samples
 from .rules import NOT_COMPUTED, Fold, RuleResult, TransformRule, rule_for
@@ -68,9 +69,14 @@ def recomputing() -> bool:
 #: Layout tag of the packed extra state (:meth:`WhiteningStatistics.get_extra_state`); version 1 was a dict.
 _EXTRA_LAYOUT = 2
 #: The scalar head of the packed extra state, in order; then ``shift (M)``, ``s1 (M)``, ``s2`` (block shape).
-_EXTRA_HEAD = ("layout", "acc_batches", "has_shift", "eig_failures", "skipped_folds", "nonfinite_batches",
-               "clamped_steps", "acc_count", "acc_nonfinite")
-_COUNTERS = ("eig_failures", "skipped_folds", "nonfinite_batches", "clamped_steps")
+_EXTRA_HEAD = ("layout", "acc_batches", "has_shift", "eig_failures", "skipped_folds", "nonfinite_blocks",
+               "clamped_steps", "acc_count", "stats_unshifted")
+_COUNTERS = ("eig_failures", "skipped_folds", "nonfinite_blocks", "clamped_steps")
+
+#: A layer sums a block's products unshifted (no activation-sized subtraction per batch) when its previous block
+#: had ``mean^2 <= UNSHIFTED_MAX_MEAN2_VAR * var`` for every feature: the product then loses at most
+#: ``log2(1 + UNSHIFTED_MAX_MEAN2_VAR)`` = 2 bits to the cancellation (``functional.batch_sums``).
+UNSHIFTED_MAX_MEAN2_VAR = 3.0
 
 
 class WhiteningStatistics:
@@ -86,7 +92,7 @@ class WhiteningStatistics:
     the next fold), its fields as attributes (``layer.alpha``, ...; assigning
     one replaces the config, validated), :attr:`rule`, :attr:`method`,
     :attr:`batches_in_block`, :attr:`frozen`, :attr:`process_group`, the
-    counters ``eig_failures``, ``skipped_folds``, ``nonfinite_batches`` and
+    counters ``eig_failures``, ``skipped_folds``, ``nonfinite_blocks`` and
     ``clamped_steps``.
     """
 
@@ -135,7 +141,8 @@ class WhiteningStatistics:
         # Counters, readable attributes (also saved in extra state).
         self.eig_failures = 0
         self.skipped_folds = 0
-        self.nonfinite_batches = 0
+        self.nonfinite_blocks = 0
+        self._stats_unshifted = False
         self.clamped_steps = 0
         self._warned: set = set()
         self._fold_coordinator: Optional[FoldCoordinator] = None
@@ -164,8 +171,8 @@ class WhiteningStatistics:
     def __getstate__(self) -> Dict[str, Any]:
         # The buffers of the last forward and the weight of a fold under way are transient: not pickled or copied.
         state = dict(self.__dict__)
-        state.pop("_in_force", None)
-        state.pop("_fold_weight", None)
+        for transient in ("_in_force", "_fold_weight", "_mean_taps"):
+            state.pop(transient, None)
         return state
 
     def __prepare_scriptable__(self) -> Any:
@@ -194,6 +201,13 @@ class WhiteningStatistics:
     def batches_in_block(self) -> int:
         """Training forwards accumulated in the current (partial) block, ``0 <= n < block_size``."""
         return self._acc_batches
+
+    @property
+    def nonfinite_batches(self) -> int:
+        """Deprecated: :attr:`nonfinite_blocks` (a non-finite batch now drops its whole block)."""
+        warnings.warn("nonfinite_batches is deprecated: a batch with non-finite values now drops its whole block, "
+                      "counted in nonfinite_blocks", DeprecationWarning, stacklevel=2)
+        return self.nonfinite_blocks
 
     def freeze(self, frozen: bool = True) -> "WhiteningStatistics":
         """Stop (or, with ``False``, resume) updating the statistics; returns the layer.
@@ -237,27 +251,34 @@ class WhiteningStatistics:
         dev = self.running_mean.device
         m = self.num_features
         self._acc_batches = 0
-        self._acc_count = torch.zeros((), dtype=torch.float64, device=dev)
+        self._acc_count = 0.0  # rows (samples x positions) gathered: known from shapes, no device op
         self._acc_shift: Optional[Tensor] = None
+        self._acc_shift_x: Optional[Tensor] = None  # the shift as the batches subtract it (None: unshifted)
         self._acc_s1 = torch.zeros(m, dtype=torch.float64, device=dev)
         s2 = getattr(self, "_acc_s2", None)
         if s2 is not None and s2.device == dev and tuple(s2.shape) == self._block_shape:
             s2.zero_()  # in place: no fresh 8 M^2-byte allocation (and its page faults) at every fold
         else:
             self._acc_s2 = torch.zeros(self._block_shape, dtype=torch.float64, device=dev)
-        self._acc_nonfinite = torch.zeros((), dtype=torch.long, device=dev)
         self._fold_pending = False
 
-    def _accumulate(self, x: Tensor) -> None:
-        """Add one batch (``x`` with features on dim 1) to the block's shifted sums.
+    def _gathers_now(self) -> bool:
+        """Whether this training forward gathers statistics: the first of every ``stats_every`` of the block."""
+        return self._acc_batches % self.config.stats_every == 0
 
-        No host synchronisation: a batch with non-finite values is masked out
-        on the device and counted; it is reported at the fold.
+    def _accumulate(self, x: Tensor) -> None:
+        """Add one batch (``x`` with features on dim 1) to the block's sums.
+
+        The hot path: the batch's sums about the block's shift (one product, one sum; a subtraction unless the
+        layer sums unshifted) added to float64 accumulators. No host synchronisation, no per-batch checks: a
+        non-finite batch makes its block's sums non-finite, and the fold drops that block (counted).
         """
         if self.frozen:
             return
         if self._fold_pending:  # a requested fold whose coordinator never ran
             self._fold_now()
+        if not self._gathers_now():
+            return
         x = x.detach()
         if x.dtype not in (torch.float32, torch.float64):
             x = x.float()
@@ -268,33 +289,38 @@ class WhiteningStatistics:
             self._reset_accumulators_to(x.device)
         with _no_autocast(x.device):  # under autocast, products would run (and overflow) in fp16/bf16
             if self._acc_shift is None:
-                # The mean in force; for the very first block, this batch's mean (0 where it is not finite,
-                # so that one bad batch cannot poison the block's other batches). Chosen on the device:
-                # no host synchronisation, no graph break under torch.compile.
-                if x.numel() > 0:
-                    dims = [0] + list(range(2, x.dim()))
-                    first = torch.nan_to_num(x.mean(dims).to(torch.float64), nan=0.0, posinf=0.0, neginf=0.0)
-                else:
-                    first = torch.zeros_like(self._acc_s1)
-                in_force = self.running_mean.detach().to(device=x.device, dtype=torch.float64)
-                self._acc_shift = torch.where(self.num_blocks.to(x.device) > 0, in_force, first)
-            n = x.numel() // self.num_features
-            if self.groups == 1:
-                s1, s2 = F_w.batch_moments(x, self._acc_shift)
-            else:  # the diagonal blocks only
-                s1, s2 = F_w.grouped_batch_moments(x, self._acc_shift, self.groups)
-            finite = torch.isfinite(s2).all() & torch.isfinite(s1).all()
-            zero = torch.zeros((), dtype=torch.float64, device=x.device)
-            self._acc_s1 += torch.where(finite, s1.to(torch.float64), zero)
-            self._acc_s2 += torch.where(finite, s2.to(torch.float64), zero)
-            self._acc_count += torch.where(finite, torch.full_like(zero, float(n)), zero)
-            self._acc_nonfinite += (~finite).long()
+                self._start_block(x)
+            elif self._acc_shift_x is None and not self._stats_unshifted:  # a block resumed from a checkpoint
+                self._acc_shift_x = self._acc_shift.to(x.dtype).view((1, -1) + (1,) * (x.dim() - 2))
+            s1, s2 = F_w.batch_sums(x, self._acc_shift_x, self.groups)
+            self._acc_s1.add_(s1)  # float64 accumulators: one mixed-dtype add each
+            self._acc_s2.add_(s2)
+            self._acc_count += x.numel() // self.num_features
+
+    def _start_block(self, x: Tensor) -> None:
+        """Choose the block's shift at its first gathered batch (once per block): zero when the layer sums
+        unshifted, else the mean in force, or for the very first block this batch's mean (0 where it is not
+        finite, so that one bad batch cannot poison the block's other batches). Chosen on the device: no host
+        synchronisation, no graph break under torch.compile."""
+        m = self.num_features
+        if self._stats_unshifted:
+            self._acc_shift = torch.zeros(m, dtype=torch.float64, device=x.device)
+            self._acc_shift_x = None
+            return
+        if x.numel() > 0:
+            dims = [0] + list(range(2, x.dim()))
+            first = torch.nan_to_num(x.mean(dims).to(torch.float64), nan=0.0, posinf=0.0, neginf=0.0)
+        else:
+            first = torch.zeros(m, dtype=torch.float64, device=x.device)
+        in_force = self.running_mean.detach().to(device=x.device, dtype=torch.float64)
+        self._acc_shift = torch.where(self.num_blocks.to(x.device) > 0, in_force, first)
+        self._acc_shift_x = self._acc_shift.to(x.dtype).view((1, m) + (1,) * (x.dim() - 2))
 
     def _reset_accumulators_to(self, device) -> None:
-        for name in ("_acc_count", "_acc_s1", "_acc_s2", "_acc_nonfinite"):
-            setattr(self, name, getattr(self, name).to(device))
-        if self._acc_shift is not None:
-            self._acc_shift = self._acc_shift.to(device)
+        for name in ("_acc_s1", "_acc_s2", "_acc_shift", "_acc_shift_x"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, value.to(device))
 
     def _end_batch(self) -> None:
         """Count one training forward; fold (or ask the coordinator to) at the block's end."""
@@ -323,7 +349,13 @@ class WhiteningStatistics:
     def _block_sums(self) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
         """This rank's block: ``(count, shift, s1, s2)``, the shifted sums (float64)."""
         shift = self._acc_shift if self._acc_shift is not None else torch.zeros_like(self._acc_s1)
-        return self._acc_count, shift, self._acc_s1, self._acc_s2
+        count = torch.tensor(self._acc_count, dtype=torch.float64, device=self._acc_s1.device)
+        return count, shift, self._acc_s1, self._acc_s2
+
+    def _block_nonfinite(self) -> Tensor:
+        """``1.0`` when this rank's block sums are not finite (a batch with non-finite values, or products that
+        overflow the input's precision), else ``0.0``: float64, on the device (checked once per block)."""
+        return ((self._acc_s1.sum() + self._acc_s2.sum()) * 0 != 0).to(torch.float64)  # x * 0: NaN for NaN, Inf
 
     def _block_summary(self) -> BlockSummary:
         return F_w.summarize_block(*self._block_sums())
@@ -340,22 +372,26 @@ class WhiteningStatistics:
 
     def _fold(self, block: BlockSummary) -> None:
         """Fold this layer alone on ``block`` (already summed over ranks): every step here, nothing sent."""
-        _fold_all([self], [block], [int(self._acc_nonfinite)])
+        _fold_all([self], [block], [int(self._block_nonfinite())])
 
     def _fold_begin(self, nonfinite: int) -> bool:
-        """Count the block's ``nonfinite`` batches (summed over ranks), reset the accumulators; whether this is
-        the first block. Read the block's sums before."""
+        """Count the ranks whose block had non-finite sums (``nonfinite``), reset the accumulators; whether this
+        is the first block. Read the block's sums before."""
         if nonfinite:
-            self.nonfinite_batches += nonfinite
-            self._warn_once("nonfinite", f"{nonfinite} batch(es) with non-finite activations (or second moments "
-                                         "that overflow the input's precision) were left out of the statistics")
+            self.nonfinite_blocks += nonfinite
+            self._warn_once("nonfinite", "a block with non-finite activations (or second moments that overflow "
+                                         "the input's precision) was dropped: its fold was skipped and the "
+                                         "transform kept")
         self._reset_accumulators()
         return int(self.num_blocks) == 0
 
     @torch.no_grad()
-    def _fold_start(self, block: BlockSummary, first: bool) -> Union[Fold, int]:
-        """The new moments from ``block`` (the global block), or the status of a skipped fold."""
-        if float(block.count) <= 0 or not F_w.all_finite(*block):
+    def _fold_start(self, block: BlockSummary, first: bool, nonfinite: Optional[int] = None) -> Union[Fold, int]:
+        """The new moments from ``block`` (the global block), or the status of a skipped fold. ``nonfinite``: the
+        ranks whose block sums were not finite, when the caller counted them (else ``block`` is checked)."""
+        if nonfinite or (nonfinite is None and not F_w.all_finite(*block)):
+            return SKIPPED_NONFINITE  # a batch with non-finite values, on this rank or another: dropped whole
+        if float(block.count) <= 0:
             return SKIPPED_EMPTY
         mu, cov, block_cov = F_w.fold_moments(self.running_mean, self.running_cov, block, self.config.alpha, first,
                                               return_block_cov=True)
@@ -394,7 +430,8 @@ class WhiteningStatistics:
         compensation. ``outcome.buffers`` are taken as they are (fresh tensors, :meth:`_stored`)."""
         if outcome.status in SKIP_MESSAGES:
             self.skipped_folds += 1
-            self._warn_once("skip", SKIP_MESSAGES[outcome.status])
+            if SKIP_MESSAGES[outcome.status]:
+                self._warn_once("skip", SKIP_MESSAGES[outcome.status])
             return
         if outcome.status == FAILED:
             self.eig_failures += 1
@@ -402,6 +439,7 @@ class WhiteningStatistics:
         self.clamped_steps += int(outcome.clamped)
         for name, value in outcome.buffers.items():
             setattr(self, name, value)
+        self._stats_unshifted = F_w.unshifted_accurate(block, UNSHIFTED_MAX_MEAN2_VAR)
         mu = F_w.fold_mean(self.running_mean, block, self.config.alpha, first)
         self._on_mean_change(self.running_mean.to(torch.float64), mu)
         self._replace_buffer("running_mean", mu)
@@ -446,7 +484,8 @@ class WhiteningStatistics:
             for name, value in self.rule.initial_buffers(self.num_features, fk, groups=self.groups).items():
                 getattr(self, name).copy_(value)
             self.num_blocks.zero_()
-        self.eig_failures = self.skipped_folds = self.nonfinite_batches = self.clamped_steps = 0
+        self.eig_failures = self.skipped_folds = self.nonfinite_blocks = self.clamped_steps = 0
+        self._stats_unshifted = False
         self._reset_accumulators()
 
     def whitened_covariance(self) -> Tensor:
@@ -474,10 +513,10 @@ class WhiteningStatistics:
         """
         f64 = {"dtype": torch.float64, "device": self._acc_s1.device}
         head = torch.tensor([_EXTRA_LAYOUT, self._acc_batches, self._acc_shift is not None]
-                            + [getattr(self, name) for name in _COUNTERS], **f64)
+                            + [getattr(self, name) for name in _COUNTERS] + [self._acc_count, self._stats_unshifted],
+                            **f64)
         shift = self._acc_shift if self._acc_shift is not None else torch.zeros_like(self._acc_s1)
-        return torch.cat([head, self._acc_count.view(1), self._acc_nonfinite.to(**f64).view(1), shift, self._acc_s1,
-                          self._acc_s2.reshape(-1)])
+        return torch.cat([head, shift, self._acc_s1, self._acc_s2.reshape(-1)])
 
     def set_extra_state(self, state: Union[Tensor, Dict[str, Any]]) -> None:
         if isinstance(state, dict):  # version 1 checkpoints
@@ -486,12 +525,13 @@ class WhiteningStatistics:
             state = self._unpack_extra_state(state)
         dev = self.running_mean.device
         self._acc_batches = int(state["acc_batches"])
-        self._acc_count = state["acc_count"].to(dev, torch.float64).clone()
+        self._acc_count = float(state["acc_count"])
+        self._stats_unshifted = bool(state.get("stats_unshifted", False))
         shift = state["acc_shift"]
         self._acc_shift = None if shift is None else shift.to(dev, torch.float64).clone()
+        self._acc_shift_x = None  # set from the shift at the next gathered batch (its dtype and rank)
         self._acc_s1 = state["acc_s1"].to(dev, torch.float64).clone()
         self._acc_s2 = state["acc_s2"].to(dev, torch.float64).clone()
-        self._acc_nonfinite = state["acc_nonfinite"].to(dev, torch.long).clone()
         for name in _COUNTERS:
             setattr(self, name, int(state.get(name, 0)))
         self._fold_pending = False
@@ -512,8 +552,7 @@ class WhiteningStatistics:
         head = dict(zip(_EXTRA_HEAD, packed[: len(_EXTRA_HEAD)].tolist()))
         shift, s1, s2 = torch.split(packed[len(_EXTRA_HEAD):], [m, m, math.prod(block)])
         out: Dict[str, Any] = {name: head[name] for name in _COUNTERS}
-        out.update(acc_batches=head["acc_batches"], acc_count=packed[_EXTRA_HEAD.index("acc_count")],
-                   acc_nonfinite=packed[_EXTRA_HEAD.index("acc_nonfinite")],
+        out.update(acc_batches=head["acc_batches"], acc_count=head["acc_count"], stats_unshifted=head["stats_unshifted"],
                    acc_shift=shift if head["has_shift"] else None, acc_s1=s1, acc_s2=s2.view(block))
         return out
 
@@ -524,6 +563,9 @@ class WhiteningStatistics:
                 f"({_shape_words(tuple(state['acc_s2'].shape))}), but this layer needs {self._block_shape} "
                 f"({_shape_words(self._block_shape)})"
             )
+        state = dict(state)
+        state["nonfinite_blocks"] = state.get("nonfinite_batches", 0)  # version 1 counted batches
+        state["acc_count"] = float(state["acc_count"])
         return state
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):

@@ -1,0 +1,38 @@
+"""The hot path's op counts, pinned (``benchmarks/hot_path.py``; figures in ``benchmarks/RESULTS.md``).
+
+Non-view ATen ops per training step of a converted CIFAR ResNet-20 (defaults, whole blocks, folds included),
+counted with a ``TorchDispatchMode``: a deterministic count, not a timing. A change that adds ops to every
+forward, backward or fold shows here. The pins are the counts measured when they were set plus a margin of
+about 10 %; lower them when the path gets cheaper.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+hot_path = pytest.importorskip("hot_path")
+
+#: variant -> most extra non-view ATen ops per whitening layer and training step (ResNet-20, block_size 10)
+PINS = {"grad": 21.0, "recursive": 28.0, "direct": 22.0, "grad:every5": 17.0}
+
+
+@pytest.fixture(scope="module")
+def counts():
+    rows, _, _ = hot_path.count_table(["resnet20"], ["plain"] + list(PINS))
+    return {r["variant"]: r for r in rows}
+
+
+@pytest.mark.parametrize("variant", sorted(PINS))
+def test_extra_ops_per_layer_stay_pinned(counts, variant):
+    assert counts[variant]["layers"] == 18
+    assert counts[variant]["extra_per_layer"] <= PINS[variant], counts[variant]["extra_per_layer"]
+
+
+def test_no_host_synchronisation_outside_the_folds(counts):
+    """On CUDA a ``_local_scalar_dense`` (``.item()``, ``bool(tensor)``) stalls the host: none per training step
+    outside the folds (the folds, once per block, synchronise)."""
+    assert all(r["syncs_per_step"] == 0 for r in counts.values()), {k: r["syncs_per_step"] for k, r in counts.items()}
+    assert counts["grad"]["fold_syncs_per_step"] > 0  # the counter sees them where they are
