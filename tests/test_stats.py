@@ -189,3 +189,25 @@ def test_fold_now_and_num_blocks_counts_only_real_folds():
     with pytest.warns(RuntimeWarning, match="no samples"):
         layer.fold()  # empty block: skipped, counted
     assert int(layer.num_blocks) == 1 and layer.skipped_folds == 1
+
+
+@pytest.mark.parametrize("cls", [wl.GradWhitenConv2d, wl.RecursiveWhitenConv2d])
+def test_stats_every_gathers_the_first_of_every_k_forwards_and_folds_after_block_size(cls):
+    """stats_every=2, block_size=4: the block's statistics are those of forwards 0 and 2 alone, exactly as a layer
+    with block_size=2 fed only those batches; forwards 1 and 3 gather nothing but still count toward the block."""
+    torch.manual_seed(0)
+    make = lambda **kw: cls(3, 4, 3, padding=1, bias=False, **kw)  # noqa: E731
+    scheduled, dense = make(block_size=4, stats_every=2), make(block_size=2)
+    dense.load_state_dict(scheduled.state_dict())
+    xs = [torch.randn(4, 3, 6, 6) * torch.tensor([1.0, 3.0, 0.3]).view(1, 3, 1, 1) + i for i in range(8)]
+    for i, x in enumerate(xs):
+        scheduled(x)
+        if i % 2 == 0:
+            dense(x)
+        if i in (1, 2):
+            assert scheduled.batches_in_block == i + 1 and int(scheduled.num_blocks) == 0
+    assert int(scheduled.num_blocks) == int(dense.num_blocks) == 2
+    for name in ("running_mean", "running_cov", "whitening_matrix", "grad_transform", "bias_correction"):
+        assert torch.equal(getattr(scheduled, name), getattr(dense, name)), name
+    with pytest.raises(ValueError, match=r"stats_every must be an integer >= 1, but got stats_every=0"):
+        make(stats_every=0)
