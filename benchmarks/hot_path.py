@@ -151,11 +151,12 @@ def count_table(models: List[str], names: List[str]) -> Tuple[List[Dict[str, obj
     return rows, table, md_table(["model", "variant", "largest extra op groups per layer and step"], groups)
 
 
-def timing_table(depths: List[int], names: List[str], rounds: int, warmup: int) -> Tuple[Dict[str, object], str]:
+def timing_table(depths: List[int], names: List[str], rounds: int, warmup: int, batch: int = 128
+                 ) -> Tuple[Dict[str, object], str]:
     out, table_rows = {}, []
     for depth in depths:
         base = build_base(depth, 10)
-        batches = random_batches(4, 32, 32, 10)
+        batches = random_batches(4, batch, 32, 10)
         variants = {}
         for name in names:
             method, kw = VARIANTS[name]
@@ -187,6 +188,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, object]:
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)}")
     p.add_argument("--timing-depths", default="20,110", help="CIFAR ResNet depths timed ('' for none)")
     p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--batch", type=int, default=128, help="batch of the timed steps (32x32 inputs)")
     args = p.parse_args(argv)
     setup(args.threads, args.seed, args.clock)
     names = [n for n in args.variants.split(",") if n]
@@ -196,13 +198,14 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, object]:
     depths = [] if args.tiny else [int(d) for d in args.timing_depths.split(",") if d]
     machine = machine_description()
     rows, counts_md, groups_md = count_table(models, names)
-    timings, timing_md = ({}, "") if not depths else timing_table(depths, names, args.rounds, warmup=2)
+    timings, timing_md = ({}, "") if not depths else timing_table(depths, names, args.rounds, warmup=2,
+                                                                  batch=args.batch)
     md = "\n\n".join(x for x in [
         f"Command: `{command_line()}`; {machine['cpu']}; torch {machine['torch']}; commit {machine['commit']}; "
         f"load before/after {machine['loadavg']} / {loadavg()}",
         "Non-view ATen ops per SGD training step (whole blocks of 10 steps, folds included):", counts_md,
-        groups_md, (f"Step time vs plain (interleaved, {args.rounds} rounds, {args.threads} threads, "
-                    f"{args.clock} clock):\n\n{timing_md}") if timing_md else ""] if x)
+        groups_md, (f"Step time vs plain (batch {args.batch}, 32x32, interleaved, {args.rounds} rounds, "
+                    f"{args.threads} threads, {args.clock} clock):\n\n{timing_md}") if timing_md else ""] if x)
     print(md)
     payload = {"machine": machine, "counts": rows, "timings": timings, "markdown": md}
     write_json(args.json, payload)
