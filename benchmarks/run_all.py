@@ -33,6 +33,7 @@ SCRIPTS = [
     ("Choice of block_size", "block_size.py"),
     ("Training-step time and memory (ResNet-20 / ResNet-110)", "step_time.py"),
     ("Where the grad overhead goes (ResNet-20)", "ablation.py"),
+    ("The hot path: ops per step and per layer, host syncs (ResNet-20 / ResNet-50 layout)", "hot_path.py"),
 ]
 
 

@@ -114,6 +114,12 @@ STAGES = {
     "stats-val": lambda: [(f"stats-val-{ds}-f{f:g}", ["--methods", "baseline,grad,recursive" if f == 1 else "grad,recursive",
                                                       "--dataset", ds, "--stats-fraction", f"{f:g}", *VAL])
                           for ds in ("mnist5k", "digits") for f in (1.0, 0.25)],
+    # Statistics on a schedule (issue 22): every training forward against stats_every=2 (the first forward of
+    # each of the default run's 2-forward blocks: half the batches), both embedded datasets, validation split;
+    # paired by seed across the two runs of a dataset.
+    "every-val": lambda: [(f"every-val-{ds}-e{k}", ["--methods", "baseline,grad,recursive" if k == 1 else "grad,recursive",
+                                                    "--dataset", ds, "--stats-every", str(k), *VAL])
+                          for ds in ("mnist5k", "digits") for k in (1, 2)],
     # mnist5k, the default run's setting (lr 0.1), with the two fastest peers on digits at their digits-validated
     # rates; 3 seeds (the default run's), for lack of time at this machine's load.
     "mnist-peers": lambda: [("mnist-peers", ["--methods", "baseline,grad,recursive,muon,soap", "--dataset", "mnist5k",
