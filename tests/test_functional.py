@@ -176,3 +176,41 @@ def test_transform_weight_grad_per_tap(s, m, kernel):
     else:
         ref = g @ q
     torch.testing.assert_close(out, ref)
+
+
+# ----------------------------------------------------------------- the hot path's batch sums
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 4), st.sampled_from([1, 2, 3, 6]), st.sampled_from(["2d", "nchw", "channels_last"]),
+       st.booleans(), st.integers(0, 10_000))
+def test_batch_sums_are_the_sums_about_the_shift(batch, groups, layout, shifted, seed):
+    """s1 = sum (x - k), s2 = sum (x - k)(x - k)^T (its diagonal blocks for groups > 1), against float64."""
+    g = torch.Generator().manual_seed(seed)
+    m = 6
+    x = torch.randn(batch, m, 3, 4, generator=g) * 2 + 3 if layout != "2d" else torch.randn(batch, m, generator=g) + 3
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    k = torch.randn(m, generator=g) + 3
+    shift = k.view((1, m) + (1,) * (x.dim() - 2)) if shifted else None
+    s1, s2 = F.batch_sums(x, shift, groups)
+    xd = x.double()
+    if shifted:
+        xd = xd - k.double().view((1, m) + (1,) * (x.dim() - 2))
+    rows = xd.transpose(0, 1).reshape(m, -1)
+    want2 = rows @ rows.t()
+    if groups > 1:
+        c = m // groups
+        want2 = torch.stack([want2[i * c:(i + 1) * c, i * c:(i + 1) * c] for i in range(groups)])
+    assert s1.dtype == s2.dtype == x.dtype and s2.shape == want2.shape
+    torch.testing.assert_close(s1.double(), rows.sum(1), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(s2.double(), want2, rtol=1e-5, atol=1e-3)
+
+
+def test_unshifted_accurate_is_mean_squared_against_variance():
+    def block(mean, var, n=100.0):
+        mean = torch.tensor(mean, dtype=torch.float64)
+        return F.BlockSummary(torch.tensor(n, dtype=torch.float64), mean, None,
+                              n * (torch.tensor(var, dtype=torch.float64) + mean.square()))
+    assert F.unshifted_accurate(block([1.0, 0.5], [1.0, 1.0]), 3.0)
+    assert F.unshifted_accurate(block([1.7], [1.0]), 3.0)  # 2.89 <= 3
+    assert not F.unshifted_accurate(block([1.8], [1.0]), 3.0)  # 3.24 > 3
+    assert not F.unshifted_accurate(block([float("nan")], [1.0]), 3.0)

@@ -487,3 +487,12 @@ def test_grouped_statistics_are_summed_across_ranks(strategy):
         if isinstance(value, torch.Tensor):
             assert torch.equal(r0[key], r1[key]), key
             torch.testing.assert_close(r0[key], value, rtol=1e-4, atol=1e-5)
+
+
+def test_grouped_layer_takes_an_empty_batch():
+    """An empty batch (a rank with no samples left) in training mode: no statistics, no error (it raised in
+    the grouped statistics' reshape before issue 22)."""
+    layer = wl.GradWhitenConv2d(4, 4, 3, padding=1, groups=2, block_size=2)
+    assert layer(torch.randn(0, 4, 5, 5)).shape == (0, 4, 5, 5)
+    layer(torch.randn(3, 4, 5, 5) + 1)
+    assert int(layer.num_blocks) == 1 and torch.isfinite(layer.whitening_matrix).all()

@@ -3,11 +3,10 @@
 Guarantees checked here:
 * a failed EVD (raises, or returns NaN) is retried in float64, then the previous
   transform is kept, a warning names the layer once, ``eig_failures`` counts;
-* a batch with NaN/Inf activations is left out of the block (the block folds
-  exactly as if the batch had not been there), ``nonfinite_batches`` counts and
-  a warning names the layer; a block with no finite sample is not folded
-  (``skipped_folds``); nothing non-finite reaches ``T``, ``Q_s``, ``mu`` or the
-  weights;
+* a batch with NaN/Inf activations drops its whole block (the layer ends exactly
+  where a layer that never saw that block ends), ``nonfinite_blocks`` and
+  ``skipped_folds`` count and a warning names the layer; nothing non-finite
+  reaches ``T``, ``Q_s``, ``mu`` or the weights;
 * in float32, a batch whose second moments overflow float32 (values around
   1e20 with a spread to match: squares above 3.4e38) counts as non-finite; a
   float64 layer folds it;

@@ -196,7 +196,7 @@ def batch_sums(x: Tensor, shift: Optional[Tensor] = None, groups: int = 1) -> Tu
     if rows is not None:
         r = rows.reshape(-1, groups, k).transpose(0, 1)  # (G, P, k)
         return rows.sum(0), torch.matmul(r.transpose(1, 2), r)
-    b = xs.reshape(xs.shape[0], groups, k, -1)  # (B, G, k, P)
+    b = xs.reshape(xs.shape[0], groups, k, math.prod(xs.shape[2:]))  # (B, G, k, P); also for an empty batch
     return b.sum((0, 3)).reshape(m), torch.matmul(b, b.transpose(-1, -2)).sum(0)
 
 
