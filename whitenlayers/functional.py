@@ -241,14 +241,7 @@ def batch_moments(x: Tensor, shift: Tensor, groups: int = 1) -> Tuple[Tensor, Te
         res = _unshifted_moments(x, shift)
         if res is not None:
             return res
-    xs = x - shift.to(x.dtype).view((1, m) + (1,) * (x.dim() - 2))
-    rows = _as_rows(xs)
-    if rows is not None:
-        return rows.sum(0), rows.t() @ rows
-    b = xs.flatten(2)  # (B, M, H*W): a view for contiguous NC... inputs; also valid for an empty batch
-    s1 = b.sum((0, 2))
-    s2 = torch.bmm(b, b.transpose(1, 2)).sum(0)
-    return s1, s2
+    return batch_sums(x, shift.to(x.dtype).view((1, m) + (1,) * (x.dim() - 2)))
 
 
 def summarize_block(count: Tensor, shift: Tensor, s1: Tensor, s2: Tensor) -> BlockSummary:
@@ -793,19 +786,12 @@ def grouped_batch_moments(x: Tensor, shift: Tensor, groups: int) -> Tuple[Tensor
     ``torch.var_mean`` and 84 ms for the depthwise convolution's forward).
     """
     m = x.shape[1]
-    k = m // groups
     if (x.device.type == "cpu" and x.dim() > 2 and x.numel() >= _CPU_UNSHIFTED_MIN_ELEMENTS
             and _as_rows(x) is None and not (torch.is_grad_enabled() and x.requires_grad)):
         res = _grouped_unshifted_moments(x, shift, groups)
         if res is not None:
             return res
-    xs = x - shift.to(x.dtype).view((1, m) + (1,) * (x.dim() - 2))
-    rows = _as_rows(xs)
-    if rows is not None:  # (P, M): 2-D input or channels_last
-        r = rows.reshape(-1, groups, k).transpose(0, 1)  # (G, P, k)
-        return rows.sum(0), torch.matmul(r.transpose(1, 2), r)
-    b = xs.reshape(xs.shape[0], groups, k, -1)  # (B, G, k, P)
-    return b.sum((0, 3)).reshape(m), torch.matmul(b, b.transpose(-1, -2)).sum(0)
+    return batch_sums(x, shift.to(x.dtype).view((1, m) + (1,) * (x.dim() - 2)), groups)
 
 
 def grouped_whitening_gains(eigenvalues: Tensor, *, eps: float, gmax: float, gains: str = "practical") -> Tensor:
