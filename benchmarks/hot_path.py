@@ -7,7 +7,8 @@ eager mode the op count, not the arithmetic, sets the step time. This script cou
 optimizer step and the folds), after one warm-up block, and reports per model and variant:
 
 * ops per training step, and the extra ops per whitening layer: ``(variant - plain) / layers``;
-* ``_local_scalar_dense`` calls (the op behind ``.item()`` / ``bool(tensor)``: a host synchronisation on CUDA)
+* host synchronisations: ``_local_scalar_dense`` calls (the op behind ``.item()`` / ``bool(tensor)``) and
+  ``Tensor.tolist()`` calls (a device-to-host copy on CUDA, no ATen op on the CPU, so counted by a patch)
   per step, inside and outside the folds (the CPU-only accuracy check of the unshifted product is one; on CUDA
   that path is never taken);
 * the largest op groups per whitening layer (what a regression shows first);
@@ -69,6 +70,26 @@ class OpCounter(TorchDispatchMode):
             self.counts[self.phase][func.__name__] += 1
         return func(*args, **(kwargs or {}))
 
+    def __enter__(self):
+        real = self._real_tolist = torch.Tensor.tolist
+
+        def tolist(t, *args, **kwargs):
+            self.counts[self.phase][TOLIST] += 1
+            return real(t, *args, **kwargs)
+
+        torch.Tensor.tolist = tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._real_tolist
+        return super().__exit__(*exc)
+
+
+#: The counter's name for ``Tensor.tolist()`` calls (host synchronisations without an ATen op on the CPU).
+TOLIST = "Tensor.tolist (host sync)"
+#: What counts as a host synchronisation.
+SYNCS = ("_local_scalar_dense.default", TOLIST)
+
 
 def _folding(counter: OpCounter):
     """Patch the fold entry point so that its ops are counted apart; returns the undo function."""
@@ -121,8 +142,8 @@ def count_variant(model: str, name: str, blocks: int = 1, block_size: int = 10) 
     finally:
         undo()
     steps = blocks * block_size
-    total = {k: sum(c.values()) / steps for k, c in counter.counts.items()}
-    syncs = {k: c["_local_scalar_dense.default"] / steps for k, c in counter.counts.items()}
+    total = {k: sum(v for name, v in c.items() if name != TOLIST) / steps for k, c in counter.counts.items()}
+    syncs = {k: sum(c[name] for name in SYNCS) / steps for k, c in counter.counts.items()}
     return {"model": model, "variant": name, "layers": layers, "steps": steps,
             "ops_per_step": total["step"] + total["fold"], "fold_ops_per_step": total["fold"],
             "syncs_per_step": syncs["step"], "fold_syncs_per_step": syncs["fold"],

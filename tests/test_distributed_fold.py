@@ -85,15 +85,23 @@ def _rank_run(rank: int, world: int, strategy: str, fail_rank: int, alone: bool 
     wl_fold.dist = counter
     calls = collections.Counter()  # (method, layer) -> calls on this rank
     patched = {}
-    for name in ("_transform", "_fold_start", "_fold_outcome", "_fold_finish"):
-        real = getattr(WhiteningStatistics, name)
+    real_finish = WhiteningStatistics._fold_finish
 
-        def counting(self, *a, _real=real, _name=name):
-            calls[_name, self.layer_name] += 1
-            return _real(self, *a)
+    def finishing(self, *a):
+        calls["_fold_finish", self.layer_name] += 1
+        return real_finish(self, *a)
+
+    WhiteningStatistics._fold_finish = finishing
+    for name in ("_outcomes", "_transforms"):  # module functions taking a stack of layers first
+        real = getattr(wl_fold, name)
+
+        def counting(stack, *a, _real=real, _name=name):
+            for layer in stack:
+                calls[_name, layer.layer_name] += 1
+            return _real(stack, *a)
 
         patched[name] = real
-        setattr(WhiteningStatistics, name, counting)
+        setattr(wl_fold, name, counting)
     real_eigh = torch.linalg.eigh
     states, collectives = [], []
     try:
@@ -109,8 +117,9 @@ def _rank_run(rank: int, world: int, strategy: str, fail_rank: int, alone: bool 
             torch.linalg.eigh = real_eigh
             states.append(snapshot(layers))
     finally:
+        WhiteningStatistics._fold_finish = real_finish
         for name, real in patched.items():
-            setattr(WhiteningStatistics, name, real)
+            setattr(wl_fold, name, real)
         torch.linalg.eigh = real_eigh
         wl_fold.dist = torch.distributed
     return {"states": states, "calls": dict(calls), "collectives": collectives}
@@ -172,7 +181,7 @@ def test_owner_fold_is_bit_identical_across_ranks_and_folds_each_layer_on_its_ow
     # skipped fold: its moments only); every rank wrote every fold
     for i in range(len(layers)):
         done = FOLDS - (i == EMPTY_LAYER or i in NAN_LAYERS)
-        for name, n in (("_fold_start", FOLDS), ("_transform", done), ("_fold_outcome", done)):
+        for name, n in (("_outcomes", FOLDS), ("_transforms", done)):
             counts = [runs[r]["calls"].get((name, f"l{i}"), 0) for r in range(world)]
             assert counts == [n if r == owners[i] else 0 for r in range(world)], (name, i, counts)
         assert all(runs[r]["calls"][("_fold_finish", f"l{i}")] == FOLDS for r in range(world))
@@ -192,7 +201,7 @@ def test_replicated_fold_computes_every_transform_on_every_rank():
     runs = run_distributed(_rank_run, "replicated", -1, world_size=2)
     ref = reference()
     for r in range(2):
-        assert all(runs[r]["calls"]["_transform", f"l{i}"] == FOLDS - (i == EMPTY_LAYER or i in NAN_LAYERS) for i in range(7))
+        assert all(runs[r]["calls"]["_transforms", f"l{i}"] == FOLDS - (i == EMPTY_LAYER or i in NAN_LAYERS) for i in range(7))
         assert all(calls == ["all_reduce", "all_reduce"] for calls in runs[r]["collectives"])
     for fold in range(FOLDS):
         for i in range(7):

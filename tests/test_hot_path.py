@@ -3,7 +3,7 @@
 Non-view ATen ops per training step of a converted CIFAR ResNet-20 (defaults, whole blocks, folds included),
 counted with a ``TorchDispatchMode``: a deterministic count, not a timing. A change that adds ops to every
 forward, backward or fold shows here. The pins are the counts measured when they were set plus a margin of
-about 10 %; lower them when the path gets cheaper.
+about 10 % (grad: the goal of 12, 3 % above the count); lower them when the path gets cheaper.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 hot_path = pytest.importorskip("hot_path")
 
 #: variant -> most extra non-view ATen ops per whitening layer and training step (ResNet-20, block_size 10)
-PINS = {"grad": 21.0, "recursive": 28.0, "direct": 22.0, "grad:every5": 17.0}
+PINS = {"grad": 12.0, "recursive": 13.6, "direct": 16.5, "grad:every5": 8.5}
 
 
 @pytest.fixture(scope="module")

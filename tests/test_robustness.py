@@ -236,13 +236,13 @@ def test_failed_recursive_step_keeps_transform(monkeypatch, cls):
     layer(prep(xs[0]))
     layer(prep(xs[1]))
     good = state(layer)
-    real = F.recursive_step
+    real = F.recursive_step_blocks
 
     def nan_step(*a, **k):
-        step = real(*a, **k)
-        return step._replace(transform=step.transform * float("nan"))
+        step, over = real(*a, **k)
+        return step._replace(transform=step.transform * float("nan")), over
 
-    monkeypatch.setattr(F, "recursive_step", nan_step)
+    monkeypatch.setattr(F, "recursive_step_blocks", nan_step)
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
         layer(prep(xs[2]))

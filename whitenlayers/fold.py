@@ -18,7 +18,7 @@ together after the model's forward. Both are plumbing: users reach them through
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Hashable, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,7 @@ from torch import Tensor
 
 from . import functional as F_w
 from .functional import BlockSummary
-from .rules import Fold, RuleResult
+from .rules import NOT_COMPUTED, Fold, RuleResult
 
 if TYPE_CHECKING:  # pragma: no cover
     from .stats import WhiteningStatistics
@@ -123,8 +123,7 @@ def fold_layers(layers: Iterable["WhiteningStatistics"], *, strategy: str = "aut
             # summary, moments, new transform: several M x M matrices per layer) are held for that batch only,
             # not for every layer of the model at once (ConvNeXt-B / DenseNet-161 with targets="all": gigabytes).
             for chunk in _fold_chunks(layers):
-                _fold_all(chunk, [layer._block_summary() for layer in chunk],
-                          [int(layer._block_nonfinite()) for layer in chunk])
+                _fold_all(chunk, *_local_summaries(chunk))
             return
         owners = _owners(layers, world, strategy)
         summaries, nonfinite = _global_summaries(layers, owners, group)
@@ -137,29 +136,36 @@ FOLD_CHUNK_ELEMENTS = 1 << 25
 
 def _fold_chunks(layers: Sequence["WhiteningStatistics"],
                  max_elements: Optional[int] = None) -> List[List["WhiteningStatistics"]]:
-    """The layers in batches that :func:`_fold_all` folds together: those with one rule batch key (one batched
-    transform call), in order of first appearance, split where their summed ``groups * M^2`` would pass
-    ``max_elements`` (default :data:`FOLD_CHUNK_ELEMENTS`); a layer whose rule does not batch is a batch of its
-    own."""
+    """The layers in batches that :func:`_fold_all` folds together, their moments as stacked tensors (one set of
+    operations per batch, not per layer) and their transforms in one batched rule call where the rule batches
+    (:meth:`~whitenlayers.rules.TransformRule.batch_key`): layers with one :func:`_stack_key`, in order of first
+    appearance, split where their summed ``groups * M^2`` would pass ``max_elements`` (default
+    :data:`FOLD_CHUNK_ELEMENTS`)."""
     if max_elements is None:
         max_elements = FOLD_CHUNK_ELEMENTS
-    by_key: Dict[Any, List[List["WhiteningStatistics"]]] = {}
+    by_key: Dict[Any, List["WhiteningStatistics"]] = {}
     order: List[List["WhiteningStatistics"]] = []
     sizes: Dict[int, int] = {}
     for layer in layers:
-        key = layer._rule_batch_key()
+        key = _stack_key(layer)
         n = layer.num_features * (layer.num_features // layer.groups)
-        chunks = by_key.setdefault(key, []) if key is not None else None
-        if chunks and sizes[id(chunks[-1])] + n <= max_elements:
-            chunks[-1].append(layer)
-            sizes[id(chunks[-1])] += n
+        chunk = by_key.get(key)
+        if chunk is not None and sizes[id(chunk)] + n <= max_elements:
+            chunk.append(layer)
+            sizes[id(chunk)] += n
             continue
-        chunk = [layer]
+        chunk = by_key[key] = [layer]
         sizes[id(chunk)] = n
         order.append(chunk)
-        if chunks is not None:
-            chunks.append(chunk)
     return order
+
+
+def _stack_key(layer: "WhiteningStatistics") -> Hashable:
+    """Layers with equal keys fold as one stack: same block shape, dtype, device, buffers and config (so the same
+    rule batch key, ``alpha`` and ``beta``)."""
+    mean = layer.running_mean
+    return (layer._block_shape, mean.dtype, mean.device, type(layer.rule), layer.config,
+            hasattr(layer, "grad_transform"))
 
 
 def assign_owners(costs: Sequence[float], world_size: int) -> List[int]:
@@ -241,39 +247,127 @@ def _global_summaries(layers: Sequence["WhiteningStatistics"], owners: Optional[
     return summaries, nonfinite
 
 
-def _compute(items: Sequence[tuple]) -> List[Optional[RuleResult]]:
-    """The transforms of ``(layer, fold)`` pairs; those with equal rule batch keys in one batched call."""
-    results: List[Optional[RuleResult]] = [None] * len(items)
-    groups: Dict[Any, List[int]] = {}
-    for i, (layer, fold) in enumerate(items):
-        key = layer._rule_batch_key() if len(items) > 1 else None
-        if key is None:
-            results[i] = layer._transform(fold)
+def _local_summaries(layers: Sequence["WhiteningStatistics"]) -> Tuple[List[BlockSummary], List[int]]:
+    """This process's block of each layer (layers of one :func:`_stack_key`) and whether its sums are non-finite:
+    the summaries computed stacked (one set of operations for all the layers), one host synchronisation."""
+    f64 = torch.float64
+    dev = layers[0]._acc_s1.device
+    count = torch.tensor([layer._acc_count for layer in layers], dtype=f64, device=dev)
+    shift = torch.stack([layer._acc_shift if layer._acc_shift is not None else torch.zeros_like(layer._acc_s1)
+                         for layer in layers])
+    s1 = torch.stack([layer._acc_s1 for layer in layers])
+    s2 = torch.stack([layer._acc_s2 for layer in layers])
+    block = F_w.summarize_block(count, shift, s1, s2)
+    nonfinite = (s1.sum(-1) + s2.flatten(1).sum(-1)) * 0 != 0  # x * 0: NaN for NaN and Inf
+    return _unstack(block, len(layers)), [int(bad) for bad in nonfinite.tolist()]
+
+
+def _unstack(block: BlockSummary, n: int) -> List[BlockSummary]:
+    return [BlockSummary(*(t[i] for t in block)) for i in range(n)]
+
+
+def _stack(blocks: Sequence[BlockSummary]) -> BlockSummary:
+    return BlockSummary(*(torch.stack(ts) for ts in zip(*blocks)))
+
+
+def _own(t: Tensor) -> Tensor:
+    """A tensor of its own (a slice of a stack would keep the whole stack alive, and checkpoint it)."""
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _begin(layers: Sequence["WhiteningStatistics"], nonfinite: Sequence[int]) -> List[bool]:
+    """Every rank, before anything is written: count the non-finite blocks, clear the accumulators (one
+    multi-tensor op), and whether each layer folds its first block (one host synchronisation)."""
+    firsts = [int(n) == 0 for n in torch.stack([layer.num_blocks for layer in layers]).tolist()]
+    zero: List[Tensor] = []
+    for layer, bad in zip(layers, nonfinite):
+        zero += layer._begin_fold(bad)
+    if zero:
+        torch._foreach_zero_(zero)
+    return firsts
+
+
+def _new_means(layers: Sequence["WhiteningStatistics"], blocks: Sequence[BlockSummary], firsts: Sequence[bool]
+               ) -> Tuple[Tensor, Tensor, List[bool]]:
+    """Every rank, layers of one stack key: the new means ``mu(i)`` (float64, stacked), their change
+    ``mu(i) - mu(i-1)`` and whether each layer may sum its next block unshifted (one host synchronisation)."""
+    block = BlockSummary(torch.stack([b.count for b in blocks]), torch.stack([b.mean for b in blocks]), None,
+                         torch.stack([b.power for b in blocks]))
+    prev = torch.stack([layer.running_mean for layer in layers]).to(torch.float64)
+    mu = F_w.fold_mean(prev, block, layers[0].config.alpha, list(firsts))
+    unshifted = F_w.unshifted_accurate_each(block, UNSHIFTED_MAX_MEAN2_VAR).tolist()
+    return mu, mu - prev, unshifted
+
+
+#: A layer sums a block's products unshifted (no activation-sized subtraction per batch) when its previous block
+#: had ``mean^2 <= UNSHIFTED_MAX_MEAN2_VAR * var`` for every feature: the product then loses at most
+#: ``log2(1 + UNSHIFTED_MAX_MEAN2_VAR)`` = 2 bits to the cancellation (``functional.batch_sums``).
+UNSHIFTED_MAX_MEAN2_VAR = 3.0
+
+
+def _outcomes(layers: Sequence["WhiteningStatistics"], blocks: Sequence[BlockSummary], firsts: Sequence[bool],
+              nonfinite: Sequence[int], mus: Tensor) -> List[FoldOutcome]:
+    """The outcomes of layers of one stack key (on the rank that folds them): their moments stacked, the
+    transforms in one batched rule call where the rule batches, ``Q_s`` smoothed stacked. Changes nothing."""
+    lead = layers[0]
+    config, rule = lead.config, lead.rule
+    block = _stack(blocks)
+    cov_prev = torch.stack([layer.running_cov for layer in layers])
+    block_cov = F_w.block_covariance(block, mus)
+    cov = F_w.recursive_average(cov_prev, block_cov, config.alpha, list(firsts))
+    finite = (mus.sum(-1) + cov.flatten(1).sum(-1)) * 0 == 0
+    flags = torch.stack([finite, block.count > 0]).tolist()
+    status: List[Optional[int]] = []
+    for k, bad in enumerate(nonfinite):
+        if bad:
+            status.append(SKIPPED_NONFINITE)  # a batch with non-finite values, on this rank or another: dropped
+        elif not flags[1][k]:
+            status.append(SKIPPED_EMPTY)
+        elif not flags[0][k]:
+            status.append(SKIPPED_MOMENTS)
         else:
-            groups.setdefault(key, []).append(i)
-    for idx in groups.values():
-        if len(idx) == 1:
-            layer, fold = items[idx[0]]
-            results[idx[0]] = layer._transform(fold)
-            continue
-        first = items[idx[0]][0]
-        batched = first.rule.compute_batched([items[i][1] for i in idx], first.running_mean.dtype)
-        for i, pre in zip(idx, batched):
-            layer, fold = items[i]
-            results[i] = layer._transform(fold, pre)
-    return results
-
-
-def _outcomes(items: Sequence[tuple]) -> List[FoldOutcome]:
-    """The outcomes of ``(layer, global block, first, non-finite ranks)`` items: moments, transforms (batched),
-    ``Q_s``."""
-    starts = [layer._fold_start(block, first, bad) for layer, block, first, bad in items]
-    todo = [k for k, start in enumerate(starts) if isinstance(start, Fold)]
-    results = _compute([(items[k][0], starts[k]) for k in todo])
-    out = [FoldOutcome(start) if not isinstance(start, Fold) else None for start in starts]
+            status.append(None)
+    todo = [k for k, st in enumerate(status) if st is None]
+    stacked = Fold(block, mus, cov, block_cov, list(firsts))
+    if len(todo) < len(layers):
+        stacked = Fold(BlockSummary(*(t[todo] for t in block)), mus[todo], cov[todo], block_cov[todo],
+                       [firsts[k] for k in todo])
+    results = _transforms([layers[k] for k in todo], stacked)
+    stored_dtype = lead.running_cov.dtype
+    cov_stored = cov.to(stored_dtype)
+    out = [FoldOutcome(st) for st in status]
+    done = [(k, r) for k, r in zip(todo, results) if r is not None]
+    qs: Optional[Tensor] = None
+    if done and hasattr(lead, "grad_transform"):
+        gram = torch.stack([r.gram for _, r in done]).to(rule.gram_dtype(stored_dtype))
+        prev = torch.stack([layers[k].grad_transform for k, _ in done])
+        qs = F_w.smooth_grad_transform(prev, gram, config.beta).to(lead.grad_transform.dtype)
     for k, result in zip(todo, results):
-        out[k] = items[k][0]._fold_outcome(starts[k], result)
+        new = {"running_cov": _own(cov_stored[k])}
+        if result is not None:
+            new["whitening_matrix"] = layers[k]._stored("whitening_matrix", result.transform)
+            new.update({name: layers[k]._stored(name, value) for name, value in result.buffers.items()})
+        out[k] = FoldOutcome(FAILED if result is None else FOLDED, result is not None and bool(result.clamped), new)
+    for j, (k, _) in enumerate(done):
+        if qs is not None:
+            out[k].buffers["grad_transform"] = _own(qs[j])
     return out
+
+
+def _transforms(layers: Sequence["WhiteningStatistics"], stacked: Fold) -> List[Optional[RuleResult]]:
+    """The rule's new transform of each layer (``None``: it failed), layers of one stack key with their folds
+    ``stacked``: one batched rule call when the rule batches them, else one call per layer."""
+    if not layers:
+        return []
+    lead = layers[0]
+    states = [dict(layer.named_buffers(recurse=False)) for layer in layers]
+    if len(layers) > 1 and lead._rule_batch_key() is not None:
+        pre = lead.rule.compute_batched(stacked, states, lead.running_mean.dtype)
+    else:
+        pre = [NOT_COMPUTED] * len(layers)
+    folds = [Fold(BlockSummary(*(t[i] for t in stacked.block)), stacked.mean[i], stacked.cov[i],
+                  stacked.block_cov[i], stacked.first[i]) for i in range(len(layers))]
+    return [lead.rule.update(fold, state, p) for fold, state, p in zip(folds, states, pre)]
 
 
 def _broadcast_outcomes(layers: Sequence["WhiteningStatistics"], outcomes: Sequence[Optional[FoldOutcome]],
@@ -344,24 +438,46 @@ def _fold_all(layers: Sequence["WhiteningStatistics"], summaries: Sequence[Block
     """Fold each layer from its global block: on every rank (``owners`` is ``None``) or on its owner rank,
     which then broadcasts the outcome (see :func:`fold_layers`); every rank writes every outcome.
 
-    Layers whose rules give equal :meth:`~whitenlayers.rules.TransformRule.batch_key` share one
-    :meth:`~whitenlayers.rules.TransformRule.compute_batched` call (EVD: one batched ``eigh`` per width,
-    dtype, device, ``eps``, ``gmax``, ``gains``; same results as one call per layer to float tolerance, with
-    the same per-layer fallbacks and failure counts).
+    Layers of one :func:`_stack_key` fold as one stack: their moments in one set of tensor operations, their
+    transforms in one :meth:`~whitenlayers.rules.TransformRule.compute_batched` call where the rule batches
+    (EVD: one batched ``eigh`` per width, dtype, device, ``eps``, ``gmax``, ``gains``; same results as one call
+    per layer to float tolerance, with the same per-layer fallbacks and failure counts). The moments are the same
+    to the last bit stacked or alone (elementwise operations only).
     """
-    firsts = [layer._fold_begin(bad) for layer, bad in zip(layers, nonfinite)]
+    index = {id(layer): i for i, layer in enumerate(layers)}
+    chunks = [[index[id(layer)] for layer in chunk] for chunk in _fold_chunks(layers)]
+    firsts: List[bool] = [False] * len(layers)
+    means: List[Tensor] = [torch.empty(0)] * len(layers)
+    deltas: List[Tensor] = [torch.empty(0)] * len(layers)
+    unshifted: List[bool] = [False] * len(layers)
+    for idx in chunks:
+        firsts_c = _begin([layers[i] for i in idx], [nonfinite[i] for i in idx])
+        mu, delta, flags = _new_means([layers[i] for i in idx], [summaries[i] for i in idx], firsts_c)
+        for j, i in enumerate(idx):
+            firsts[i], means[i], deltas[i], unshifted[i] = firsts_c[j], mu[j], delta[j], flags[j]
     rank = 0 if owners is None else dist.get_rank(group)
-    mine = [i for i in range(len(layers)) if owners is None or owners[i] == rank]
-    computed = dict(zip(mine, _outcomes([(layers[i], summaries[i], firsts[i], nonfinite[i]) for i in mine])))
+    computed: Dict[int, FoldOutcome] = {}
+    for idx in chunks:
+        mine = [i for i in idx if owners is None or owners[i] == rank]
+        if mine:
+            outcomes = _outcomes([layers[i] for i in mine], [summaries[i] for i in mine], [firsts[i] for i in mine],
+                                 [nonfinite[i] for i in mine], torch.stack([means[i] for i in mine]))
+            computed.update(zip(mine, outcomes))
+    stored_means = {}
+    for idx in chunks:  # the new means as the buffers store them: one conversion per stack
+        stored = torch.stack([means[i] for i in idx]).to(layers[idx[0]].running_mean.dtype)
+        stored_means.update({i: stored[j] for j, i in enumerate(idx)})
     for src in ([None] if owners is None else range(dist.get_world_size(group))):
         idx = [i for i in range(len(layers)) if src is None or owners[i] == src]
         if not idx:
             continue
-        outcomes = [computed.get(i) for i in idx]
+        outs = [computed.get(i) for i in idx]
         if src is not None:
-            outcomes = _broadcast_outcomes([layers[i] for i in idx], outcomes, src, group)
-        for i, outcome in zip(idx, outcomes):
-            layers[i]._fold_finish(summaries[i], firsts[i], outcome)
+            outs = _broadcast_outcomes([layers[i] for i in idx], outs, src, group)
+        counted = [layers[i].num_blocks for i, outcome in zip(idx, outs)
+                   if layers[i]._fold_finish(outcome, stored_means[i], deltas[i], unshifted[i])]
+        if counted:
+            torch._foreach_add_(counted, 1)
 
 
 class FoldCoordinator:

@@ -21,7 +21,7 @@ Conventions
 from __future__ import annotations
 
 import math
-from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -33,6 +33,7 @@ __all__ = [
     "batch_moments",
     "batch_sums",
     "unshifted_accurate",
+    "unshifted_accurate_each",
     "stats_samples",
     "summarize_block",
     "scatter_about",
@@ -51,6 +52,7 @@ __all__ = [
     "principal_subspace",
     "RecursiveStep",
     "recursive_step",
+    "recursive_step_blocks",
     "whitened_covariance",
     "whitened_covariance_update",
     "smooth_grad_transform",
@@ -204,10 +206,17 @@ def unshifted_accurate(block: "BlockSummary", max_mean2_var: float) -> bool:
     """Whether ``block``'s statistics allow summing the next block about 0: ``mean^2 <= max_mean2_var * var`` for
     every feature (then :func:`batch_sums` without a shift loses at most ``log2(1 + max_mean2_var)`` bits to the
     cancellation). From the count, mean and power alone (every rank has them after the fold's first collective,
-    so every rank decides alike). One host synchronisation, once per block."""
+    so every rank decides alike). One host synchronisation, once per block; :func:`unshifted_accurate_each` for
+    stacked layers."""
+    return bool(unshifted_accurate_each(block, max_mean2_var).all())
+
+
+def unshifted_accurate_each(block: "BlockSummary", max_mean2_var: float) -> Tensor:
+    """:func:`unshifted_accurate` of stacked blocks (a leading layer dimension): one flag per layer, on the
+    device (no host synchronisation)."""
     # mean^2 <= r var  <=>  (1 + r) n mean^2 <= r power  (var = power / n - mean^2); False for NaN
-    lhs = block.mean.square() * ((1.0 + max_mean2_var) * block.count)
-    return bool((lhs <= max_mean2_var * block.power).all())
+    lhs = block.mean.square() * ((1.0 + max_mean2_var) * _per_layer(block.count, block.mean))
+    return (lhs <= max_mean2_var * block.power).all(-1)
 
 
 def batch_moments(x: Tensor, shift: Tensor, groups: int = 1) -> Tuple[Tensor, Tensor]:
@@ -244,16 +253,46 @@ def batch_moments(x: Tensor, shift: Tensor, groups: int = 1) -> Tuple[Tensor, Te
     return batch_sums(x, shift.to(x.dtype).view((1, m) + (1,) * (x.dim() - 2)))
 
 
+def _per_layer(t: Tensor, like: Tensor) -> Tensor:
+    """``t`` (one value per stacked layer, shape ``(L,)``, or a scalar) shaped to broadcast against ``like``
+    (``(L, ...)``, or unstacked)."""
+    return t.reshape(tuple(t.shape) + (1,) * (like.dim() - t.dim()))
+
+
+def _outer(a: Tensor, b: Tensor, like: Tensor) -> Tensor:
+    """``outer(a, b)`` as ``like`` holds matrices: ``(..., M, M)``, or the diagonal blocks ``(..., G, k, k)`` of a
+    grouped one. Elementwise products: entry ``(i, j)`` is ``a_i b_j`` whatever the stacking, so a stack of layers
+    and each layer alone round alike."""
+    a, b = a.reshape(like.shape[:-1]), b.reshape(like.shape[:-1])
+    return a.unsqueeze(-1) * b.unsqueeze(-2)
+
+
+def _first_or(first: Union[bool, Sequence[bool]], new: Tensor, recursed: Callable[[], Tensor]) -> Tensor:
+    """``new`` where ``first`` (no recursion: the first block), else ``recursed()``; ``first`` is one flag or one per
+    stacked layer."""
+    if isinstance(first, bool):
+        return new if first else recursed()
+    if all(first):
+        return new
+    out = recursed()
+    if not any(first):
+        return out
+    mask = torch.tensor(list(first), dtype=torch.bool, device=new.device)
+    return torch.where(_per_layer(mask, new), new, out)
+
+
 def summarize_block(count: Tensor, shift: Tensor, s1: Tensor, s2: Tensor) -> BlockSummary:
     """Turn shifted sums into a :class:`BlockSummary` (mean and centred scatter).
 
     The scatter about the block's own mean (:func:`scatter_about`) is exact
     algebra; it is accurate because ``s1`` is small when ``shift`` is close to
     the block mean. A grouped ``s2`` ``(G, k, k)`` gives a grouped ``scatter``.
+    Stacked blocks (a leading layer dimension ``L`` on every argument, ``count``
+    ``(L,)``) give stacked summaries, each equal to its block's alone.
     """
     n = count.to(torch.float64)
     shift = shift.to(torch.float64)
-    mean = shift + s1.to(torch.float64) / torch.clamp(n, min=1.0)
+    mean = shift + s1.to(torch.float64) / _per_layer(torch.clamp(n, min=1.0), s1)
     scatter = scatter_about(count, shift, s1, s2, mean)
     return BlockSummary(n, mean, symmetrize(scatter), block_power(count, shift, s1, s2))
 
@@ -262,7 +301,8 @@ def block_power(count: Tensor, shift: Tensor, s1: Tensor, s2: Tensor) -> Tensor:
     """``sum x**2`` per feature from the shifted sums (see :func:`scatter_about`). float64."""
     n, shift, s1 = count.to(torch.float64), shift.to(torch.float64), s1.to(torch.float64)
     # sum x^2 = sum (x - K)^2 + 2 K s1 + n K^2
-    return torch.diagonal(s2, dim1=-2, dim2=-1).reshape(-1).to(torch.float64) + 2.0 * shift * s1 + n * shift * shift
+    diag = torch.diagonal(s2, dim1=-2, dim2=-1).reshape(shift.shape).to(torch.float64)
+    return diag + 2.0 * shift * s1 + _per_layer(n, shift) * shift * shift
 
 
 def scatter_about(count: Tensor, shift: Tensor, s1: Tensor, s2: Tensor, center: Tensor, *,
@@ -271,30 +311,29 @@ def scatter_about(count: Tensor, shift: Tensor, s1: Tensor, s2: Tensor, center: 
 
     From the shifted sums ``s1 = sum (x - shift)``, ``s2 = sum (x - shift)(x - shift)^T``
     over ``count`` samples: with ``e = center - shift`` and ``u = s1 - count e / 2``,
-    ``scatter = s2 - u e^T - e u^T``, one rank-2 update of ``s2`` (symmetric up to
-    rounding: :func:`symmetrize` it). A grouped ``s2`` ``(G, k, k)`` gives the grouped
-    scatter. ``inplace``: written into ``s2`` (float64), which is returned. Under
-    ``torch.distributed`` the ranks' scatters about the *global* mean sum to the global
-    batch's.
+    ``scatter = s2 - (u e^T + e u^T)`` (symmetric up to the rounding of ``s2``:
+    :func:`symmetrize` it). A grouped ``s2`` ``(G, k, k)`` gives the grouped
+    scatter; stacked layers (a leading dimension ``L``, ``count`` ``(L,)``) give
+    stacked scatters. ``inplace``: written into ``s2`` (float64), which is
+    returned. Under ``torch.distributed`` the ranks' scatters about the *global*
+    mean sum to the global batch's.
     """
-    n = count.to(torch.float64)
+    n = _per_layer(count.to(torch.float64), s1)
     e = center.to(torch.float64) - shift.to(torch.float64)
     u = s1.to(torch.float64) - (0.5 * n) * e
-    a, b = torch.stack([u, e], -1), torch.stack([e, u])  # u e^T + e u^T = a @ b
-    if s2.dim() == 3:  # grouped: (G, k, k) blocks
-        g, k = s2.shape[0], s2.shape[1]
-        a, b = a.view(g, k, 2), b.view(2, g, k).transpose(0, 1)
-        mul = torch.Tensor.baddbmm_ if inplace else torch.baddbmm
-    else:
-        mul = torch.Tensor.addmm_ if inplace else torch.addmm
-    return mul(s2 if inplace else s2.to(torch.float64), a, b, alpha=-1)
+    ue = _outer(u, e, s2)
+    both = ue + ue.mT  # u e^T + e u^T, symmetric to the last bit
+    if inplace:
+        return s2.sub_(both)
+    return s2.to(torch.float64) - both
 
 
-def fold_mean(mean_prev: Tensor, block: BlockSummary, alpha: float, first: bool) -> Tensor:
-    """Eq. ``vmuxi``: ``mu(i) = alpha mu(i-1) + (1 - alpha) mean_block``; eq. ``vmuxnz`` when ``first``."""
-    if first:
-        return block.mean.to(torch.float64)
-    return alpha * mean_prev.to(torch.float64) + (1.0 - alpha) * block.mean.to(torch.float64)
+def fold_mean(mean_prev: Tensor, block: BlockSummary, alpha: float, first: Union[bool, Sequence[bool]]) -> Tensor:
+    """Eq. ``vmuxi``: ``mu(i) = alpha mu(i-1) + (1 - alpha) mean_block``; eq. ``vmuxnz`` when ``first``.
+
+    Stacked layers: ``first`` one flag per layer."""
+    mean = block.mean.to(torch.float64)
+    return _first_or(first, mean, lambda: alpha * mean_prev.to(torch.float64) + (1.0 - alpha) * mean)
 
 
 def block_covariance(block: BlockSummary, mu: Tensor) -> Tensor:
@@ -303,21 +342,20 @@ def block_covariance(block: BlockSummary, mu: Tensor) -> Tensor:
     From the block's own centred scatter by the parallel-axis identity
     ``sum (x - mu)(x - mu)^T = scatter + n (mean - mu)(mean - mu)^T``. float64.
     Symmetric to the last bit when ``scatter`` is (as :func:`summarize_block` makes it):
-    every operation here treats entries ``(i, j)`` and ``(j, i)`` alike.
+    every operation here treats entries ``(i, j)`` and ``(j, i)`` alike. Stacked layers alike.
     """
-    n = torch.clamp(block.count.to(torch.float64), min=1.0)
+    scatter = block.scatter.to(torch.float64)
+    n = _per_layer(torch.clamp(block.count.to(torch.float64), min=1.0), scatter)
     d = block.mean.to(torch.float64) - mu.to(torch.float64)
-    if block.scatter.dim() == 3:  # grouped
-        return block.scatter.to(torch.float64) / n + block_outer(d, d, block.scatter.shape[0])
-    return torch.addr(block.scatter.to(torch.float64) / n, d, d)
+    return scatter / n + _outer(d, d, scatter)
 
 
-def recursive_average(prev: Tensor, new: Tensor, alpha: float, first: bool) -> Tensor:
-    """``alpha prev + (1 - alpha) new``, or ``new`` for the first block (no recursion). float64."""
+def recursive_average(prev: Tensor, new: Tensor, alpha: float, first: Union[bool, Sequence[bool]]) -> Tensor:
+    """``alpha prev + (1 - alpha) new``, or ``new`` for the first block (no recursion). float64.
+
+    Stacked layers: ``first`` one flag per layer."""
     new = new.to(torch.float64)
-    if first:
-        return new
-    return alpha * prev.to(torch.float64) + (1.0 - alpha) * new
+    return _first_or(first, new, lambda: alpha * prev.to(torch.float64) + (1.0 - alpha) * new)
 
 
 def fold_moments(
@@ -325,7 +363,7 @@ def fold_moments(
     cov_prev: Tensor,
     block: BlockSummary,
     alpha: float,
-    first: bool,
+    first: Union[bool, Sequence[bool]],
     *,
     return_block_cov: bool = False,
 ) -> Union[Tuple[Tensor, Tensor], Tuple[Tensor, Tensor, Tensor]]:
@@ -338,6 +376,10 @@ def fold_moments(
     Symmetric to the last bit when ``cov_prev`` and the block's scatter are.
     With ``return_block_cov`` also returns the block's covariance about ``mu(i)``
     (the new term of eq. ``vPhixi``), which the recursive rule needs.
+
+    Stacked layers (a leading dimension ``L`` on every tensor, ``first`` one
+    flag per layer): the fold of many layers of one shape at once, each equal to
+    its own fold to the last bit (elementwise operations only).
     """
     mu = fold_mean(mean_prev, block, alpha, first)
     block_cov = block_covariance(block, mu)
@@ -640,7 +682,7 @@ def whitened_covariance(t: Tensor, cov: Tensor) -> Tensor:
 
 
 def whitened_covariance_update(
-    phi_y_prev: Tensor, t_prev: Tensor, block_cov: Tensor, alpha: float, first: bool
+    phi_y_prev: Tensor, t_prev: Tensor, block_cov: Tensor, alpha: float, first: Union[bool, Sequence[bool]]
 ) -> Tensor:
     """``Phi_y(i)``: eq. ``vPhixi`` applied to the whitened features ``y = T(i-1) x`` of block ``i``.
 
@@ -649,11 +691,10 @@ def whitened_covariance_update(
     ``vPhixi``); ``T(i-1) C_block T(i-1)^T`` alone for the first block.
     Two ``M x M x M`` products: the recursive rule's only ``O(M^3)`` cost,
     paid once per block, never per batch. In ``t_prev``'s dtype; symmetric.
+    Stacked layers (a leading dimension): ``first`` one flag per layer.
     """
     new = whitened_covariance(t_prev, block_cov.to(t_prev.dtype))
-    if not first:
-        new = new.mul_(1.0 - alpha).add_(phi_y_prev.to(t_prev.dtype), alpha=alpha)
-    return symmetrize(new)
+    return symmetrize(_first_or(first, new, lambda: new * (1.0 - alpha) + alpha * phi_y_prev.to(t_prev.dtype)))
 
 
 def smooth_grad_transform(qs_prev: Tensor, q: Tensor, beta: float) -> Tensor:
@@ -676,7 +717,7 @@ def weight_mean_product(weight: Tensor, mean: Tensor) -> Tensor:
     than ``mean`` has) is read group by group: the ``S/G`` outputs of group
     ``g`` see its ``M/G`` features of ``mean``.
     """
-    w = weight.reshape(weight.shape[0], weight.shape[1], -1).sum(-1)
+    w = weight if weight.dim() == 2 else weight.reshape(weight.shape[0], weight.shape[1], -1).sum(-1)
     if w.shape[1] != mean.shape[0]:  # grouped convolution
         s, k = w.shape
         g = mean.shape[0] // k
@@ -687,6 +728,12 @@ def weight_mean_product(weight: Tensor, mean: Tensor) -> Tensor:
 # --------------------------------------------------------------------------
 # Gradient transform
 # --------------------------------------------------------------------------
+#: On a CPU a kernel's weight gradient is transformed by one batched product up to this many input features, by
+#: one transposed product above (2-core Xeon, 3x3 kernels, min of 3 rounds: batched/transposed 0.63x at 16, 0.57x
+#: at 32, 0.85x at 64, 1.18x at 128, 1.44x at 256 features). On a GPU always the batched product (one kernel).
+_CPU_BMM_MAX_FEATURES = 64
+
+
 def transform_weight_grad(grad: Tensor, q: Tensor) -> Tensor:
     """Right-multiply a weight gradient by ``Q`` on the input-feature axis (dim 1).
 
@@ -704,8 +751,13 @@ def transform_weight_grad(grad: Tensor, q: Tensor) -> Tensor:
     s, m = grad.shape[:2]
     if grad[0, 0].numel() == 1 and grad.is_contiguous():  # a 1x1 kernel: one (S x M) @ (M x M) product
         return (grad.view(s, m) @ q).view(grad.shape)
-    # One (M x M) @ (M x S*K) product on the input-feature axis moved first (a copy of the small weight
-    # gradient), instead of S batched (M x M) @ (M x K) products: 5x faster for a 64 x 64 x 3 x 3 kernel.
+    if grad.is_contiguous() and (grad.device.type != "cpu" or m <= _CPU_BMM_MAX_FEATURES):
+        # One batched product, Q^T @ grad[s] for each output feature s (Q^T broadcast, not copied): one kernel,
+        # the result in the gradient's own layout.
+        return torch.bmm(q.t().expand(s, m, m), grad.view(s, m, -1)).view(grad.shape)
+    # One (M x M) @ (M x S*K) product on the input-feature axis moved first (a copy of the small weight gradient),
+    # written back in the gradient's layout: three ops, but on a CPU faster than the batched product for wide
+    # layers.
     g = grad.transpose(0, 1).contiguous().view(m, -1)
     out = (q.t() @ g).view((m, s) + tuple(grad.shape[2:])).transpose(0, 1)
     if grad.is_contiguous():
@@ -962,10 +1014,33 @@ def recursive_step_grouped(
     group; ``clamped`` is ``True`` when any group's gain was clamped.
     ``O(G k^2) = O(M k)`` work in a few batched operations, no Python loop.
     """
+    step, over = recursive_step_blocks(t_prev, q_prev, phi_y, mean_power, gamma=gamma, delta=delta, eps=eps,
+                                       c_rel=c_rel, c_abs=c_abs)
+    return step._replace(clamped=bool(over.any()))
+
+
+def recursive_step_blocks(
+    t_prev: Tensor,
+    q_prev: Tensor,
+    phi_y: Tensor,
+    mean_power: Tensor,
+    *,
+    gamma: float,
+    delta: float,
+    eps: float,
+    c_rel: float,
+    c_abs: float,
+) -> Tuple[RecursiveStep, Tensor]:
+    """:func:`recursive_step` of each matrix of ``(B, k, k)`` stacks (the blocks of grouped layers, or whole
+    layers stacked), with ``mean_power`` one value for all or one per matrix ``(B,)``; no host synchronisation.
+
+    Returns the step (its ``clamped`` is ``False``: not read here) and which matrices' gains were clamped
+    ``(B,)``, a bool tensor.
+    """
     v = principal_subspace_grouped(phi_y, c_rel=c_rel, c_abs=c_abs)  # (G, k)
     lam_e = (v * (phi_y @ v.unsqueeze(-1)).squeeze(-1)).sum(-1)  # (G,)
     g = delta * mean_power / torch.clamp(lam_e, min=eps)
-    clamped = bool((g > 1.0).any())
+    over = g > 1.0
     g = torch.clamp(g, max=1.0)
     a = (torch.sqrt(g) - 1.0).view(-1, 1, 1)
     t_vec = (t_prev.transpose(-1, -2) @ v.unsqueeze(-1)).squeeze(-1)  # (G, k)
@@ -977,7 +1052,7 @@ def recursive_step_grouped(
     q_new = (gamma * gamma * q_prev + gamma * (1.0 - gamma) * (t_prev + t_prev.transpose(-1, -2))
              + tt * (c1 * tt + c2 * vv).transpose(-1, -2) + c2 * (vv * tt.transpose(-1, -2))
              + (1.0 - gamma) ** 2 * eye)
-    return RecursiveStep(t_new, symmetrize(q_new), v, lam_e, g, clamped)
+    return RecursiveStep(t_new, symmetrize(q_new), v, lam_e, g, False), over
 
 
 def grouped_normalized_rank(cov: Tensor) -> Tensor:

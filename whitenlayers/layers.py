@@ -420,20 +420,23 @@ class _GradWhitenMixin(WhiteningStatistics):
         # The fold at the end of the model's forward compensates with the weight of this forward: under a sharded
         # wrapper (FSDP) the full weight exists only now. Its taps summed, float64: all the fold needs.
         w = self.weight.detach()
-        self._fold_weight = w.to(torch.float64).reshape(w.shape[0], w.shape[1], -1).sum(-1)
+        if w.dim() == 2:
+            self._fold_weight = w.to(torch.float64)
+        else:  # one reduction, accumulated and returned in float64
+            self._fold_weight = w.sum(tuple(range(2, w.dim())), dtype=torch.float64)
 
     def _full_weight(self) -> Tensor:
         w = self.weight.detach()
         return w.full_tensor() if hasattr(w, "full_tensor") else w  # a DTensor (FSDP2) outside the forward
 
     @torch.no_grad()
-    def _on_mean_change(self, old: Tensor, new: Tensor) -> None:
+    def _on_mean_change(self, delta: Tensor) -> None:
         # ERRATA 8 (docs/PAPER.md): c(i) = c(i-) + sum W (mu(i) - mu(i-1)) keeps z unchanged. A new tensor, never
         # written in place: a forward still to be recomputed (activation checkpointing) holds the old one.
         w, self._fold_weight = self._fold_weight, None
         if w is None:
             w = self._full_weight().to(torch.float64)
-        comp = F_w.weight_mean_product(w, new - old)
+        comp = F_w.weight_mean_product(w, delta)
         self.bias_correction = self.bias_correction + comp.to(self.bias_correction.dtype)
 
     def extra_repr(self) -> str:

@@ -94,7 +94,10 @@ class TransformRule:
         """Layers with equal keys may share :meth:`compute_batched`; ``None``: fold this layer alone."""
         return None
 
-    def compute_batched(self, folds: Sequence[Fold], state_dtype: torch.dtype) -> List[Any]:
+    def compute_batched(self, fold: Fold, states: Sequence[Dict[str, Tensor]], state_dtype: torch.dtype) -> List[Any]:
+        """The precomputed part of :meth:`update` for stacked layers, one item per layer: ``fold`` holds their
+        folds stacked (a leading layer dimension on every tensor, ``first`` one flag per layer), ``states`` their
+        buffers."""
         raise NotImplementedError
 
     def update(self, fold: Fold, state: Dict[str, Tensor], precomputed: Any = NOT_COMPUTED) -> Optional[RuleResult]:
@@ -132,13 +135,12 @@ class EVDRule(TransformRule):
             return ("evd-grouped", num_features // groups, self.work_dtype(state_dtype), device, c.eps, c.gmax, c.gains)
         return ("evd", num_features, self.work_dtype(state_dtype), device, c.eps, c.gmax, c.gains)
 
-    def compute_batched(self, folds: Sequence[Fold], state_dtype: torch.dtype) -> List[Any]:
+    def compute_batched(self, fold: Fold, states: Sequence[Dict[str, Tensor]], state_dtype: torch.dtype) -> List[Any]:
         work = self.work_dtype(state_dtype)
         c = self.config
-        if folds[0].cov.dim() == 3:
-            return F_w.evd_transform_grouped_batched([f.cov.to(work) for f in folds], eps=c.eps, gmax=c.gmax,
-                                                     gains=c.gains)
-        covs = torch.stack([f.cov.to(work) for f in folds])
+        covs = fold.cov.to(work)
+        if covs.dim() == 4:  # grouped layers: (L, G, k, k)
+            return F_w.evd_transform_grouped_batched(list(covs), eps=c.eps, gmax=c.gmax, gains=c.gains)
         return F_w.evd_transform_batched(covs, eps=c.eps, gmax=c.gmax, gains=c.gains)
 
     def update(self, fold: Fold, state: Dict[str, Tensor], precomputed: Any = NOT_COMPUTED) -> Optional[RuleResult]:
@@ -151,8 +153,8 @@ class EVDRule(TransformRule):
         if res is None:
             return None
         t, q = res
-        # Q_s is smoothed in float64 (its buffer keeps the layer's statistics dtype).
-        return RuleResult(t, q.to(torch.float64), {})
+        # Q_s is smoothed in float64 (gram_dtype; its buffer keeps the layer's statistics dtype).
+        return RuleResult(t, q, {})
 
 
 class RecursiveRule(TransformRule):
@@ -169,31 +171,53 @@ class RecursiveRule(TransformRule):
             "whitening_gram": F_w.block_identity(m, groups, **factory_kwargs),  # unsmoothed Q = T^T T
         }
 
-    def update(self, fold: Fold, state: Dict[str, Tensor], precomputed: Any = NOT_COMPUTED) -> Optional[RuleResult]:
+    def batch_key(self, num_features: int, state_dtype: torch.dtype, device: torch.device,
+                  groups: int = 1) -> Optional[Hashable]:
+        # O(M^2) state per layer: layers of one shape always batch (the config is compared by the caller's stacks)
+        return ("recursive", num_features, groups, self.work_dtype(state_dtype), device)
+
+    def compute_batched(self, fold: Fold, states: Sequence[Dict[str, Tensor]],
+                        state_dtype: torch.dtype) -> List[Optional[RuleResult]]:
         c = self.config
         # Working precision float32 (float64 for float64 layers): the recursion is contractive (gamma < 1),
         # so its round-off stays at the working precision instead of accumulating.
-        wd = self.work_dtype(state["whitening_matrix"].dtype)
-        t_prev = state["whitening_matrix"].to(wd)
-        phi_y = F_w.whitened_covariance_update(state["running_cov_whitened"], t_prev, fold.block_cov, c.alpha, fold.first)
-        n = torch.clamp(fold.block.count, min=1.0)
-        power = F_w.recursive_average(state["running_power"], fold.block.power / n, c.alpha, fold.first)
-        step_fn = F_w.recursive_step_grouped if t_prev.dim() == 3 else F_w.recursive_step
-        step = step_fn(
-            t_prev,
-            state["whitening_gram"].to(wd),
-            phi_y,
-            power.mean().to(wd),
+        wd = self.work_dtype(state_dtype)
+        first = list(fold.first)
+        t_prev = torch.stack([s["whitening_matrix"] for s in states]).to(wd)
+        phi_y = F_w.whitened_covariance_update(torch.stack([s["running_cov_whitened"] for s in states]), t_prev,
+                                               fold.block_cov, c.alpha, first)
+        power_prev = torch.stack([s["running_power"] for s in states])
+        n = torch.clamp(fold.block.count, min=1.0).unsqueeze(-1)
+        power = F_w.recursive_average(power_prev, fold.block.power / n, c.alpha, first)
+        mean_power = power.mean(-1).to(wd)
+        k = t_prev.shape[-1]
+        groups = t_prev.shape[1] if t_prev.dim() == 4 else 1
+        if groups > 1:  # each group of a layer: the layer's mean power (as for an ungrouped layer)
+            mean_power = mean_power.repeat_interleave(groups)
+        step, over = F_w.recursive_step_blocks(
+            t_prev.reshape(-1, k, k),
+            torch.stack([s["whitening_gram"] for s in states]).to(wd).reshape(-1, k, k),
+            phi_y.reshape(-1, k, k),
+            mean_power,
             gamma=c.gamma,
             delta=c.delta,
             eps=c.eps,
             c_rel=c.c_rel,
             c_abs=c.c_abs,
         )
-        if not F_w.all_finite(step.transform, step.gram):
-            return None
-        buffers = {"running_cov_whitened": phi_y, "running_power": power, "whitening_gram": step.gram}
-        return RuleResult(step.transform, step.gram, buffers, step.clamped)
+        t_new, gram = step.transform.reshape(t_prev.shape), step.gram.reshape(t_prev.shape)
+        finite = (t_new.flatten(1).sum(-1) + gram.flatten(1).sum(-1)) * 0 == 0
+        flags = torch.stack([finite, over.view(len(states), groups).any(-1)]).tolist()
+        return [RuleResult(t_new[i], gram[i], {"running_cov_whitened": phi_y[i], "running_power": power[i],
+                                               "whitening_gram": gram[i]}, bool(flags[1][i]))
+                if flags[0][i] else None for i in range(len(states))]
+
+    def update(self, fold: Fold, state: Dict[str, Tensor], precomputed: Any = NOT_COMPUTED) -> Optional[RuleResult]:
+        if precomputed is NOT_COMPUTED:  # one layer: a stack of one
+            stacked = Fold(F_w.BlockSummary(*(t.unsqueeze(0) for t in fold.block)), fold.mean.unsqueeze(0),
+                           fold.cov.unsqueeze(0), fold.block_cov.unsqueeze(0), [fold.first])
+            precomputed = self.compute_batched(stacked, [state], state["whitening_matrix"].dtype)[0]
+        return precomputed
 
 
 _RULES: Dict[str, Type[TransformRule]] = {r.name: r for r in (EVDRule, RecursiveRule)}

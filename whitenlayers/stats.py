@@ -41,11 +41,10 @@ from torch import Tensor
 
 from . import functional as F_w
 from .config import EVDConfig, RecursiveConfig, WhiteningConfig
-from .fold import (FAILED, FOLDED, SKIP_MESSAGES, SKIPPED_EMPTY, SKIPPED_MOMENTS, SKIPPED_NONFINITE, FoldCoordinator,
-                   FoldOutcome,
-                   _fold_all, _no_autocast, fold_layers)
+from .fold import (FAILED, SKIP_MESSAGES, UNSHIFTED_MAX_MEAN2_VAR, FoldCoordinator, FoldOutcome, _fold_all,
+                   _no_autocast, fold_layers)
 from .functional import BlockSummary, stats_samples
-from .rules import NOT_COMPUTED, Fold, RuleResult, TransformRule, rule_for
+from .rules import TransformRule, rule_for
 
 __all__ = ["WhiteningStatistics", "recomputing"]
 
@@ -73,10 +72,6 @@ _EXTRA_HEAD = ("layout", "acc_batches", "has_shift", "eig_failures", "skipped_fo
                "clamped_steps", "acc_count", "stats_unshifted")
 _COUNTERS = ("eig_failures", "skipped_folds", "nonfinite_blocks", "clamped_steps")
 
-#: A layer sums a block's products unshifted (no activation-sized subtraction per batch) when its previous block
-#: had ``mean^2 <= UNSHIFTED_MAX_MEAN2_VAR * var`` for every feature: the product then loses at most
-#: ``log2(1 + UNSHIFTED_MAX_MEAN2_VAR)`` = 2 bits to the cancellation (``functional.batch_sums``).
-UNSHIFTED_MAX_MEAN2_VAR = 3.0
 
 
 class WhiteningStatistics:
@@ -248,19 +243,30 @@ class WhiteningStatistics:
 
     # ------------------------------------------------------------ accumulators
     def _reset_accumulators(self) -> None:
+        zero = self._clear_block()
+        if zero:
+            torch._foreach_zero_(zero)
+
+    def _clear_block(self) -> List[Tensor]:
+        """Start an empty block; returns the accumulators the caller must zero (in place: no fresh allocation,
+        and its page faults, at every fold; the fold zeroes those of many layers in one multi-tensor op)."""
         dev = self.running_mean.device
-        m = self.num_features
         self._acc_batches = 0
         self._acc_count = 0.0  # rows (samples x positions) gathered: known from shapes, no device op
         self._acc_shift: Optional[Tensor] = None
         self._acc_shift_x: Optional[Tensor] = None  # the shift as the batches subtract it (None: unshifted)
-        self._acc_s1 = torch.zeros(m, dtype=torch.float64, device=dev)
-        s2 = getattr(self, "_acc_s2", None)
+        self._fold_pending = False
+        zero = []
+        s1, s2 = getattr(self, "_acc_s1", None), getattr(self, "_acc_s2", None)
+        if s1 is not None and s1.device == dev and s1.shape == (self.num_features,):
+            zero.append(s1)
+        else:
+            self._acc_s1 = torch.zeros(self.num_features, dtype=torch.float64, device=dev)
         if s2 is not None and s2.device == dev and tuple(s2.shape) == self._block_shape:
-            s2.zero_()  # in place: no fresh 8 M^2-byte allocation (and its page faults) at every fold
+            zero.append(s2)
         else:
             self._acc_s2 = torch.zeros(self._block_shape, dtype=torch.float64, device=dev)
-        self._fold_pending = False
+        return zero
 
     def _gathers_now(self) -> bool:
         """Whether this training forward gathers statistics: the first of every ``stats_every`` of the block."""
@@ -361,9 +367,9 @@ class WhiteningStatistics:
         return F_w.summarize_block(*self._block_sums())
 
     # -------------------------------------------------------------------- fold
-    # A fold in four steps (:func:`~whitenlayers.fold.fold_layers` runs them for many layers and ranks):
-    # _fold_begin (every rank), _fold_start and _fold_outcome (the layer's owner rank: the moments, the rule's
-    # transform, Q_s), _fold_finish (every rank: writes the owner's outcome, counters, bias compensation).
+    # :mod:`whitenlayers.fold` computes a fold for stacks of layers (moments, transforms, Q_s) from the layers'
+    # blocks and buffers; the layer's part: _begin_fold (every rank: counters, an empty block) and _fold_finish
+    # (every rank: writes the outcome, counters, bias compensation).
     def _rule_batch_key(self) -> Optional[Hashable]:
         if self.groups != 1:
             return self.rule.batch_key(self.num_features, self.running_mean.dtype, self.running_mean.device,
@@ -374,48 +380,15 @@ class WhiteningStatistics:
         """Fold this layer alone on ``block`` (already summed over ranks): every step here, nothing sent."""
         _fold_all([self], [block], [int(self._block_nonfinite())])
 
-    def _fold_begin(self, nonfinite: int) -> bool:
-        """Count the ranks whose block had non-finite sums (``nonfinite``), reset the accumulators; whether this
-        is the first block. Read the block's sums before."""
+    def _begin_fold(self, nonfinite: int) -> List[Tensor]:
+        """Count the ranks whose block had non-finite sums (``nonfinite``) and start an empty block; returns the
+        accumulators to zero. Read the block's sums before."""
         if nonfinite:
             self.nonfinite_blocks += nonfinite
             self._warn_once("nonfinite", "a block with non-finite activations (or second moments that overflow "
                                          "the input's precision) was dropped: its fold was skipped and the "
                                          "transform kept")
-        self._reset_accumulators()
-        return int(self.num_blocks) == 0
-
-    @torch.no_grad()
-    def _fold_start(self, block: BlockSummary, first: bool, nonfinite: Optional[int] = None) -> Union[Fold, int]:
-        """The new moments from ``block`` (the global block), or the status of a skipped fold. ``nonfinite``: the
-        ranks whose block sums were not finite, when the caller counted them (else ``block`` is checked)."""
-        if nonfinite or (nonfinite is None and not F_w.all_finite(*block)):
-            return SKIPPED_NONFINITE  # a batch with non-finite values, on this rank or another: dropped whole
-        if float(block.count) <= 0:
-            return SKIPPED_EMPTY
-        mu, cov, block_cov = F_w.fold_moments(self.running_mean, self.running_cov, block, self.config.alpha, first,
-                                              return_block_cov=True)
-        if not F_w.all_finite(mu, cov):
-            return SKIPPED_MOMENTS
-        return Fold(block, mu, cov, block_cov, first)
-
-    def _transform(self, fold: Fold, precomputed: Any = NOT_COMPUTED) -> Optional[RuleResult]:
-        """The rule's new transform for ``fold`` (``None``: it failed); changes nothing."""
-        state = {name: buf for name, buf in self.named_buffers(recurse=False)}
-        return self.rule.update(fold, state, precomputed)
-
-    @torch.no_grad()
-    def _fold_outcome(self, fold: Fold, result: Optional[RuleResult]) -> FoldOutcome:
-        """What the fold writes, as the buffers store it: ``running_cov`` and, unless the transform failed
-        (``result`` is ``None``), the transform, ``Q_s`` (smoothed) and the rule's buffers. Changes nothing."""
-        new = {"running_cov": fold.cov}
-        if result is not None:
-            new.update(result.buffers)
-            new["whitening_matrix"] = result.transform
-            if hasattr(self, "grad_transform"):
-                new["grad_transform"] = F_w.smooth_grad_transform(self.grad_transform, result.gram, self.config.beta)
-        stored = {name: self._stored(name, value) for name, value in new.items()}
-        return FoldOutcome(FAILED if result is None else FOLDED, result is not None and bool(result.clamped), stored)
+        return self._clear_block()
 
     def _outcome_layout(self) -> List[Tuple[str, Tuple[int, ...]]]:
         """``(name, shape)`` of the buffers a fold's outcome may hold (:meth:`_fold_outcome`), in a fixed order."""
@@ -424,26 +397,27 @@ class WhiteningStatistics:
         return [(name, tuple(getattr(self, name).shape)) for name in names]
 
     @torch.no_grad()
-    def _fold_finish(self, block: BlockSummary, first: bool, outcome: FoldOutcome) -> None:
+    def _fold_finish(self, outcome: FoldOutcome, mean: Tensor, delta: Tensor, unshifted: bool) -> bool:
         """Write a fold's ``outcome`` (a skipped fold, a failed transform: the previous one is kept, and
-        counted), the new mean from ``block``'s (the global block mean; its scatter is not used) and the bias
-        compensation. ``outcome.buffers`` are taken as they are (fresh tensors, :meth:`_stored`)."""
+        counted), the new mean ``mean`` (as stored; a slice of the fold's stack, copied here), the bias
+        compensation for the mean's change ``delta`` (float64) and whether the next block sums unshifted.
+        ``outcome.buffers`` are taken as they are (fresh tensors, :meth:`_stored`). Returns whether the block
+        counts (the caller adds it to ``num_blocks``, many layers in one op); ``False`` for a skipped fold."""
         if outcome.status in SKIP_MESSAGES:
             self.skipped_folds += 1
             if SKIP_MESSAGES[outcome.status]:
                 self._warn_once("skip", SKIP_MESSAGES[outcome.status])
-            return
+            return False
         if outcome.status == FAILED:
             self.eig_failures += 1
             self._warn_once("transform", self.rule.failure_message)
         self.clamped_steps += int(outcome.clamped)
         for name, value in outcome.buffers.items():
             setattr(self, name, value)
-        self._stats_unshifted = F_w.unshifted_accurate(block, UNSHIFTED_MAX_MEAN2_VAR)
-        mu = F_w.fold_mean(self.running_mean, block, self.config.alpha, first)
-        self._on_mean_change(self.running_mean.to(torch.float64), mu)
-        self._replace_buffer("running_mean", mu)
-        self.num_blocks += 1
+        self._stats_unshifted = unshifted
+        self._on_mean_change(delta)
+        self.running_mean = mean.clone(memory_format=torch.contiguous_format)
+        return True
 
     def _stored(self, name: str, value: Tensor) -> Tensor:
         """``value`` as buffer ``name`` stores it (its device and dtype), contiguous, a tensor of its own (never
@@ -462,8 +436,8 @@ class WhiteningStatistics:
         """
         setattr(self, name, self._stored(name, value))
 
-    def _on_mean_change(self, old: Tensor, new: Tensor) -> None:
-        """Hook for layers that must keep their function when the mean in force changes."""
+    def _on_mean_change(self, delta: Tensor) -> None:
+        """Hook for layers that must keep their function when the mean in force changes by ``delta`` (float64)."""
 
     # ------------------------------------------------------------- public API
     def fold(self) -> None:
@@ -474,7 +448,7 @@ class WhiteningStatistics:
         """Back to the initial state (``mu = 0``, ``T = Q_s = I``, no blocks); the layer's function is kept."""
         self._fold_weight = None
         with torch.no_grad():
-            self._on_mean_change(self.running_mean.to(torch.float64), torch.zeros_like(self.running_mean, dtype=torch.float64))
+            self._on_mean_change(-self.running_mean.to(torch.float64))
             self.running_mean.zero_()
             self.running_cov.zero_()
             self.whitening_matrix.copy_(F_w.block_identity(self.num_features, self.groups))
