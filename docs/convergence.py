@@ -120,6 +120,12 @@ STAGES = {
     "every-val": lambda: [(f"every-val-{ds}-e{k}", ["--methods", "baseline,grad,recursive" if k == 1 else "grad,recursive",
                                                     "--dataset", ds, "--stats-every", str(k), *VAL])
                           for ds in ("mnist5k", "digits") for k in (1, 2)],
+    # The library's default block (block_size=10, as convert_model) with statistics on every forward against
+    # stats_every=5 (2 of each block's 10 forwards gather), both embedded datasets, validation split; paired by
+    # seed across the two runs of a dataset. Whether a schedule can become the library default (issue 22).
+    "every10-val": lambda: [(f"every10-val-{ds}-e{k}", ["--methods", "grad,recursive", "--dataset", ds,
+                                                        "--block-size", "10", "--stats-every", str(k), *VAL])
+                            for ds in ("mnist5k", "digits") for k in (1, 5)],
     # mnist5k, the default run's setting (lr 0.1), with the two fastest peers on digits at their digits-validated
     # rates; 3 seeds (the default run's), for lack of time at this machine's load.
     "mnist-peers": lambda: [("mnist-peers", ["--methods", "baseline,grad,recursive,muon,soap", "--dataset", "mnist5k",
