@@ -35,12 +35,13 @@ def test_readme_opens_with_the_main_job_and_the_ci_test_command():
 
 
 def test_readme_runner_commands_parse():
-    """Every ``python -m whitenlayers.experiment ...`` line in the README names existing options."""
+    """Every ``python -m whitenlayers.experiment ...`` line in the README and the runner's page names existing
+    options."""
     import shlex
 
     from whitenlayers import experiment as ex
 
-    text = README.read_text().replace("\\\n", " ")
+    text = "\n".join(p.read_text() for p in (README, README.parent / "docs" / "runner.md")).replace("\\\n", " ")
     lines = [ln.split("#")[0] for ln in text.splitlines() if "-m whitenlayers.experiment" in ln and "`" not in ln]
     assert len(lines) >= 5
     for line in lines:
