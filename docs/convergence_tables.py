@@ -121,15 +121,17 @@ def test_table(name: str) -> str:
 
 
 #: The paired stages: stage -> (label of the reference run, label of the variant run).
-PAIRED = {"stats-val": ("full", "0.25"), "every-val": ("every forward", "stats_every=2")}
+PAIRED = {"stats-val": ("full", "0.25"), "every-val": ("every forward", "stats_every=2"),
+          "every10-val": ("every forward", "stats_every=5")}
 
 
 def stats_table(stage: str) -> str:
     """The reference run against the variant run (:data:`PAIRED`), paired by seed across the two runs of each
     dataset: full statistics against ``stats_fraction=0.25``, or every forward against ``stats_every=2``."""
     ref, var = PAIRED[stage]
+    against = "baseline" if "baseline" in STAGES[stage]()[0][1][1] else ref
     lines = [f"| dataset | method | {ref}: val acc (%) | {var}: val acc (%) | paired Δ final [95 % CI] | "
-             f"paired Δ at epoch 2 [95 % CI] | CPU s / epoch vs baseline: {ref} → {var} |", "|" + "---|" * 7]
+             f"paired Δ at epoch 2 [95 % CI] | CPU s / epoch vs {against}: {ref} → {var} |", "|" + "---|" * 7]
     cmds = []
     for full_name, sub_name in zip(*[iter([n for n, _ in STAGES[stage]()])] * 2):
         full, sub = _rows(full_name), _rows(sub_name)
@@ -138,11 +140,13 @@ def stats_table(stage: str) -> str:
         cmds += [_cmd(full_name), _cmd(sub_name)]
         dataset = json.load(open(os.path.join(RUNS, full_name, "config.json")))["dataset"]
         base = _by(full, "baseline")
-        cpu_base = np.mean([r["cpu_time"] for lst in base.values() for r in lst])
+        # without a baseline in the runs (every10-val): CPU time relative to the reference run's
+        cpu_base = np.mean([r["cpu_time"] for lst in base.values() for r in lst]) if base else None
         for m in ("grad", "recursive"):
             a, b = _by(full, m), _by(sub, m)
             seeds = sorted(set(a) & set(b))
-            cpu = [np.mean([r["cpu_time"] for lst in runs.values() for r in lst]) / cpu_base for runs in (a, b)]
+            cpu = [np.mean([r["cpu_time"] for lst in runs.values() for r in lst]) for runs in (a, b)]
+            cpu = [c / (cpu_base if cpu_base is not None else cpu[0]) for c in cpu]
             lines.append("| " + " | ".join([
                 dataset, METHOD_LABELS.get(m, m), _ms([a[s][-1]["test_acc"] for s in seeds]),
                 _ms([b[s][-1]["test_acc"] for s in seeds]),
