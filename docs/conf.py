@@ -33,6 +33,8 @@ myst_enable_extensions = ["dollarmath", "colon_fence"]
 myst_heading_anchors = 4
 
 autodoc_member_order = "bysource"
+# nn.Module's generic texts (forward, extra_repr) would repeat on every layer; our overrides carry their own
+autodoc_inherit_docstrings = False
 autodoc_typehints = "description"
 autodoc_default_options = {"show-inheritance": True}
 napoleon_google_docstring = True

@@ -7,7 +7,7 @@ uses exactly the transform that was in force during the forward).
 """
 from __future__ import annotations
 
-from typing import Any, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -69,7 +69,7 @@ class DirectWhitenFunction(torch.autograd.Function):
         return _feature_matmul(transform, x).sub_(offset)  # in place: the product is a fresh tensor
 
     @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> Tuple[Tensor, None, None]:
+    def backward(ctx: Any, grad_out: Tensor) -> Tuple[Optional[Tensor], None, None]:
         grad_in = None
         if ctx.needs_input_grad[0]:
             grad_in = _feature_matmul(ctx.transform.mT, grad_out)

@@ -40,7 +40,21 @@ from collections import OrderedDict
 import inspect
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    NamedTuple,
+    Optional,
+    Sequence,
+    Tuple,
+    Union,
+    cast,
+)
 
 import torch
 import torch.fx
@@ -64,6 +78,11 @@ from .layers import (
 from .config import EVDConfig, RecursiveConfig, WhiteningConfig, make_config
 from .fold import STRATEGIES, FoldCoordinator
 from .stats import WhiteningStatistics
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.nn.modules.conv import _ConvNd
+
+    from .layers import _GradWhitenMixin
 
 __all__ = [
     "DEFAULT_BLOCK_TYPES",
@@ -393,9 +412,11 @@ def _plan(
             else:
                 selected = True
         if selected and problem is None and cap is not None:
-            k = m.in_features if linear else m.in_channels // m.groups
+            k = (cast(nn.Linear, m).in_features if linear
+                 else cast("_ConvNd", m).in_channels // cast("_ConvNd", m).groups)
             if k > cap:
-                gb = 20 * k * k * (1 if linear else m.groups) / 1e9  # 3 float32 matrices and a float64 accumulator
+                # 3 float32 matrices and a float64 accumulator
+                gb = 20 * k * k * (1 if linear else cast("_ConvNd", m).groups) / 1e9
                 problem = (f"{k} input features per group exceed max_features={cap} (a {k} x {k} whitening state of "
                            f"about {gb:.1f} GB and an O(M^3) fold; pass a larger max_features to convert it)")
         if selected and problem is None and called is not None and id(m) not in called:
@@ -501,7 +522,7 @@ def conversion_report(
     return ConversionReport(method, [d for _, _, d in plan], dry_run=True)
 
 
-def whitening_layers(model: nn.Module) -> List[Tuple[str, nn.Module]]:
+def whitening_layers(model: nn.Module) -> List[Tuple[str, WhiteningStatistics]]:
     """The whitening layers of ``model`` (grad, recursive and :class:`~whitenlayers.DirectWhiten`) with qualified names.
 
     In the order of ``named_modules``. For ``method="direct"`` the names end
@@ -602,7 +623,7 @@ def _absorbing_batchnorm_ok(layer: nn.Module, bn: nn.Module) -> bool:
         features = layer.out_channels
     else:
         kinds = (nn.BatchNorm1d, nn.SyncBatchNorm)
-        features = layer.out_features
+        features = cast(nn.Linear, layer).out_features
     return (isinstance(bn, kinds) and isinstance(bn, _BatchNorm) and bn.num_features == features
             and not bn._forward_pre_hooks and not getattr(bn, "_forward_pre_hooks_with_kwargs", None))
 
@@ -766,7 +787,7 @@ def _make_layer(method: str, module: nn.Module, name: str, layer_kwargs: Dict[st
     else:
         plain = nn.Conv1d if isinstance(module, nn.Conv1d) else nn.Conv3d
         new = _CONVND_CLASSES[method][plain].from_conv(module, **layer_kwargs)
-    new.layer_name = name or None
+    cast(WhiteningStatistics, new).layer_name = name or None
     new.train(module.training)
     _share_hooks(module, new, _CALL_HOOKS + _STATE_HOOKS)
     return new
@@ -949,7 +970,7 @@ def convert_model(
     for name, module in selected:
         new_by_id[id(module)] = _make_layer(method, module, name, layer_kwargs)
     for key, (bn, parent) in absorbers.items():
-        new_by_id[key].absorb_centring(bn, parent=parent)
+        cast("_GradWhitenMixin", new_by_id[key]).absorb_centring(cast(_BatchNorm, bn), parent=parent)
     decisions = [d._replace(status="converted") if d.status == "to convert" else d for _, _, d in plan]
     result = ConversionReport(method, decisions)
     _warn_left_out(result, targets=targets, predicate=predicate, include_linear=include_linear,
@@ -1007,11 +1028,11 @@ def _warn_left_out(report: ConversionReport, *, targets: str, predicate, include
 # --------------------------------------------------------------------------
 # export_model
 # --------------------------------------------------------------------------
-def _plain_conv_class(conv: nn.Module) -> type:
+def _plain_conv_class(conv: "_ConvNd") -> type:
     return {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[len(conv.kernel_size)]
 
 
-def _zero_padding(conv: nn.Conv2d) -> bool:
+def _zero_padding(conv: "_ConvNd") -> bool:
     pad = getattr(conv, "_reversed_padding_repeated_twice", None)
     if pad is None:
         return conv.padding == "valid" or all(p == 0 for p in conv.padding)
@@ -1020,6 +1041,7 @@ def _zero_padding(conv: nn.Conv2d) -> bool:
 
 @torch.no_grad()
 def _export_direct(wrapper: DirectWhitened) -> nn.Module:
+    layer: Any  # a conv (any dimension) or linear layer: the code reads the attributes of its kind
     whiten, layer = wrapper.whiten, wrapper.layer
     t = whiten.whitening_matrix.to(torch.float64)
     mu = whiten.running_mean.to(torch.float64)
@@ -1034,7 +1056,7 @@ def _export_direct(wrapper: DirectWhitened) -> nn.Module:
         pre.weight.copy_(t.reshape((m, m // groups) + (1,) * len(layer.kernel_size)))
         pre.bias.copy_(-_transform_mean(t, mu))
         pre.weight.requires_grad_(w.requires_grad)
-        out: nn.Module = nn.Sequential(pre, layer)
+        out: Any = nn.Sequential(pre, layer)  # or (below) the plain conv or linear layer
     else:
         # layer(T (x - mu)) = layer(x; W T) - sum_k (W T)_k mu: exact for unpadded convs and linear layers.
         if t.dim() == 3:  # grouped: W_g T_g per group of output channels
@@ -1064,13 +1086,13 @@ def _export_direct(wrapper: DirectWhitened) -> nn.Module:
 
 
 @torch.no_grad()
-def _export_absorbed(layer: nn.Module) -> nn.Module:
+def _export_absorbed(layer: Any) -> nn.Module:  # a grad layer (conv of any dimension or linear)
     """A layer whose centring its BatchNorm absorbs: the plain layer with the original keys, ``s - d`` moved into
     the BatchNorm's ``running_mean`` (exact: the BatchNorm subtracts it; in training mode it removes any offset)."""
     w = layer.weight
     has_bias = layer.bias is not None
     if not isinstance(layer, nn.Linear):
-        out: nn.Module = _plain_conv_class(layer)(
+        out: Any = _plain_conv_class(layer)(  # the plain conv, or (below) linear layer
             layer.in_channels, layer.out_channels, layer.kernel_size, stride=layer.stride, padding=layer.padding,
             dilation=layer.dilation, groups=layer.groups, bias=has_bias, padding_mode=layer.padding_mode,
             device=w.device, dtype=w.dtype,
@@ -1179,7 +1201,7 @@ def _reset_to_identity(layer: WhiteningStatistics) -> None:
     """The state right after conversion: ``mu = 0``, ``T = Q_s = I``, no blocks, no bias compensation."""
     layer.reset_running_stats()  # keeps the function through bias_correction, zeroed next (a fold never writes a bias)
     if getattr(layer, "bias_correction", None) is not None:
-        layer.bias_correction.zero_()
+        cast("_GradWhitenMixin", layer).bias_correction.zero_()
     absorbed = getattr(layer, "_buffers", {}).get("absorbed_offset")
     if absorbed is not None:
         absorbed.zero_()  # the checkpoint's BatchNorm running mean is the plain model's: d = 0
@@ -1223,7 +1245,7 @@ def load_plain_state_dict(model: nn.Module, state_dict: Dict[str, Any], strict: 
     whitening_state = set()
     for name, layer in whitening_layers(model):
         prefix = f"{name}." if name else ""
-        for key in layer.state_dict().keys():
+        for key in cast(nn.Module, layer).state_dict().keys():
             if key not in ("weight", "bias", "bias_correction"):
                 whitening_state.add(prefix + key)
         if getattr(layer, "bias_correction", None) is not None:
@@ -1256,7 +1278,7 @@ def _not_original(model: nn.Module) -> Dict[str, str]:
     for name, module in model.named_modules():
         if isinstance(module, DirectWhitened):
             layer = module.layer
-            if not isinstance(layer, nn.Linear) and not _zero_padding(layer):
+            if not isinstance(layer, nn.Linear) and not _zero_padding(cast("_ConvNd", layer)):
                 out[name] = ("a padded direct conv: its zero border would have to be -T mu, so it exports as "
                              "Sequential(1x1 whitening conv, conv)")
         elif isinstance(module, GRAD_LAYER_TYPES) and module.bias is None:

@@ -53,7 +53,7 @@ import tarfile
 import tempfile
 import urllib.request
 from dataclasses import dataclass, field
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import IO, Any, Dict, Iterator, List, Optional, Sequence, Tuple, cast
 
 import numpy as np
 import torch
@@ -78,7 +78,7 @@ __all__ = [
 #: Seed of the fixed train/test split of ``mnist5k`` and ``digits`` (not a training seed).
 SPLIT_SEED = 0
 
-_CIFAR = {
+_CIFAR: Dict[str, Dict[str, Any]] = {
     "cifar10": dict(
         url="https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz",
         tarball="cifar-10-python.tar.gz",
@@ -199,8 +199,10 @@ class TensorLoader:
         n = len(self.data)
         if not self.shuffle:
             return torch.arange(self.rank, n, self.world)
-        sampler = DistributedSampler(range(n), num_replicas=self.world, rank=self.rank, shuffle=True, seed=self.seed,
-                                     drop_last=True)
+        # torch's stubs want a Dataset; the sampler only takes len() of it.
+        sampler: DistributedSampler[int] = DistributedSampler(
+            range(n), num_replicas=self.world, rank=self.rank, shuffle=True, seed=self.seed,  # type: ignore[arg-type]
+            drop_last=True)
         sampler.set_epoch(self.epoch)
         return torch.tensor(list(iter(sampler)), dtype=torch.long)
 
@@ -225,13 +227,13 @@ class DataBundle:
 
     name: str
     label: str  # human-readable, for titles
-    train: object  # TensorData or a torch Dataset
-    test: object
+    train: Any  # TensorData or a torch Dataset
+    test: Any
     num_classes: int
     in_channels: int
     image_size: Tuple[int, int]
     default_augment: str = "none"
-    diag: object = None  # torch Dataset of training images with test-time transforms (non-tensor data)
+    diag: Any = None  # torch Dataset of training images with test-time transforms (non-tensor data)
     notes: List[str] = field(default_factory=list)
 
     @property
@@ -281,7 +283,8 @@ class ImageLoader:
         self.rank = rank
         self.epoch = 0
         if shuffle:
-            self.sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True)
+            self.sampler: Optional[DistributedSampler] = DistributedSampler(dataset, num_replicas=world, rank=rank,
+                                                                            shuffle=True, seed=seed, drop_last=True)
             ds = dataset
         else:
             self.sampler = None
@@ -463,7 +466,9 @@ def _read_cifar(name: str, source: str) -> Tuple[TensorData, TensorData]:
             for member in tar.getmembers():
                 base = os.path.basename(member.name)
                 if member.isfile() and base in spec["train"] + spec["test"] and os.path.basename(os.path.dirname(member.name)) == spec["folder"]:
-                    parts[base] = unpickle_cifar(io.BytesIO(tar.extractfile(member).read()), f"{source}: member {member.name}")
+                    # a file member: extractfile gives its file object, not None
+                    parts[base] = unpickle_cifar(io.BytesIO(cast(IO[bytes], tar.extractfile(member)).read()),
+                                                 f"{source}: member {member.name}")
         missing = [f for f in spec["train"] + spec["test"] if f not in parts]
         if missing:
             raise RuntimeError(f"{source} is not a {name} python archive: missing {spec['folder']}/{missing}")

@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple, cast
 
 import torch
 from torch import Tensor, nn
@@ -168,6 +168,7 @@ class _Moments:
         if self.count == 0 or self.s1 is None:
             return None
         count = torch.tensor(float(self.count), dtype=torch.float64, device=self.s1.device)
+        assert self.shift is not None and self.s2 is not None  # set with s1 (_add)
         block = F_w.summarize_block(count, self.shift, self.s1, self.s2)
         return block.scatter / block.count
 
@@ -237,7 +238,8 @@ def collect_diagnostics(
     try:
         for name, module, _ in targets:
             is_conv = isinstance(module, nn.modules.conv._ConvNd)
-            acc = _Moments(is_conv, module.groups if is_conv else 1, len(module.kernel_size) if is_conv else 0)
+            conv = cast(nn.modules.conv._ConvNd, module)  # read only when is_conv
+            acc = _Moments(is_conv, conv.groups if is_conv else 1, len(conv.kernel_size) if is_conv else 0)
             moments[name] = acc
             handles.append(module.register_forward_pre_hook(acc))
         model.eval()
@@ -258,7 +260,7 @@ def collect_diagnostics(
     for name, module, kind in targets:
         cov = moments[name].covariance()
         if cov is not None and kind == "grad":
-            t = module.whitening_matrix.to(device=cov.device, dtype=torch.float64)
+            t = cast(WhiteningStatistics, module).whitening_matrix.to(device=cov.device, dtype=torch.float64)
             cov = F_w.symmetrize(F_w.whitened_covariance(t, cov))
         covs[name] = cov
         kinds[name] = kind

@@ -18,7 +18,20 @@ together after the model's forward. Both are plumbing: users reach them through
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any, Dict, Hashable, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Dict,
+    Hashable,
+    Iterable,
+    List,
+    NamedTuple,
+    Optional,
+    Sequence,
+    Tuple,
+    Union,
+    cast,
+)
 
 import torch
 import torch.distributed as dist
@@ -29,6 +42,9 @@ from .functional import BlockSummary
 from .rules import NOT_COMPUTED, Fold, RuleResult
 
 if TYPE_CHECKING:  # pragma: no cover
+    from torch.utils.hooks import RemovableHandle
+
+    from .config import EVDConfig, RecursiveConfig
     from .stats import WhiteningStatistics
 
 __all__ = ["FoldCoordinator", "fold_layers", "assign_owners", "STRATEGIES"]
@@ -81,7 +97,7 @@ OWNER_MIN_COST = 1e6
 
 @torch.compiler.disable  # the fold (once per block, host logic, EVD) stays out of compiled graphs
 def fold_layers(layers: Iterable["WhiteningStatistics"], *, strategy: str = "auto",
-                _coordinator: "FoldCoordinator" = None) -> None:
+                _coordinator: Optional["FoldCoordinator"] = None) -> None:
     """Fold the current block of each layer, statistics summed across ranks when distributed.
 
     All ranks must call this with the same layers in the same order (they do
@@ -220,7 +236,8 @@ def _global_summaries(layers: Sequence["WhiteningStatistics"], owners: Optional[
         m = layer.num_features
         n = flat[pos]
         mean = flat[pos + 1 : pos + 1 + m] / torch.clamp(n, min=1.0)
-        summaries.append(BlockSummary(n, mean, None, flat[pos + 1 + m : pos + 1 + 2 * m]))
+        # no scatter yet (phase 2 fills it in where the layer is folded)
+        summaries.append(BlockSummary(n, mean, None, flat[pos + 1 + m : pos + 1 + 2 * m]))  # type: ignore[arg-type]
         bounds.append(pos + 1 + 2 * m)
         pos += 2 + 2 * m
     nonfinite = [int(v) for v in flat[torch.tensor(bounds, device=flat.device)].tolist()]
@@ -229,11 +246,11 @@ def _global_summaries(layers: Sequence["WhiteningStatistics"], owners: Optional[
         flat2 = torch.cat([x.reshape(-1) for x in scatters])
         dist.all_reduce(flat2, group=group)
         scatters = list(torch.split(flat2, [x.numel() for x in scatters]))
-        mine = range(len(layers))
+        mine: Sequence[int] = range(len(layers))
     else:
         rank = dist.get_rank(group)
         mine = [i for i, owner in enumerate(owners) if owner == rank]
-        works = []
+        works: list = []
         for owner in sorted(set(owners)):
             idx = [i for i in range(len(layers)) if owners[i] == owner]
             sent = _coalesced([scatters[i] for i in idx], works,
@@ -291,8 +308,8 @@ def _new_means(layers: Sequence["WhiteningStatistics"], blocks: Sequence[BlockSu
                ) -> Tuple[Tensor, Tensor, List[bool]]:
     """Every rank, layers of one stack key: the new means ``mu(i)`` (float64, stacked), their change
     ``mu(i) - mu(i-1)`` and whether each layer may sum its next block unshifted (one host synchronisation)."""
-    block = BlockSummary(torch.stack([b.count for b in blocks]), torch.stack([b.mean for b in blocks]), None,
-                         torch.stack([b.power for b in blocks]))
+    block = BlockSummary(torch.stack([b.count for b in blocks]), torch.stack([b.mean for b in blocks]),
+                         None, torch.stack([b.power for b in blocks]))  # type: ignore[arg-type]  # scatter unused
     prev = torch.stack([layer.running_mean for layer in layers]).to(torch.float64)
     mu = F_w.fold_mean(prev, block, layers[0].config.alpha, list(firsts))
     unshifted = F_w.unshifted_accurate_each(block, UNSHIFTED_MAX_MEAN2_VAR).tolist()
@@ -335,13 +352,14 @@ def _outcomes(layers: Sequence["WhiteningStatistics"], blocks: Sequence[BlockSum
     results = _transforms([layers[k] for k in todo], stacked)
     stored_dtype = lead.running_cov.dtype
     cov_stored = cov.to(stored_dtype)
-    out = [FoldOutcome(st) for st in status]
+    out = [FoldOutcome(cast(int, st)) for st in status]  # st None: a placeholder, replaced below
     done = [(k, r) for k, r in zip(todo, results) if r is not None]
     qs: Optional[Tensor] = None
     if done and hasattr(lead, "grad_transform"):
         gram = torch.stack([r.gram for _, r in done]).to(rule.gram_dtype(stored_dtype))
         prev = torch.stack([layers[k].grad_transform for k, _ in done])
-        qs = F_w.smooth_grad_transform(prev, gram, config.beta).to(lead.grad_transform.dtype)
+        beta = cast("Union[EVDConfig, RecursiveConfig]", config).beta  # the configs of layers with a Q_s
+        qs = F_w.smooth_grad_transform(prev, gram, beta).to(lead.grad_transform.dtype)
     for k, result in zip(todo, results):
         new = {"running_cov": _own(cov_stored[k])}
         if result is not None:
@@ -366,7 +384,7 @@ def _transforms(layers: Sequence["WhiteningStatistics"], stacked: Fold) -> List[
     else:
         pre = [NOT_COMPUTED] * len(layers)
     folds = [Fold(BlockSummary(*(t[i] for t in stacked.block)), stacked.mean[i], stacked.cov[i],
-                  stacked.block_cov[i], stacked.first[i]) for i in range(len(layers))]
+                  stacked.block_cov[i], cast(List[bool], stacked.first)[i]) for i in range(len(layers))]
     return [lead.rule.update(fold, state, p) for fold, state, p in zip(folds, states, pre)]
 
 
@@ -378,15 +396,16 @@ def _broadcast_outcomes(layers: Sequence["WhiteningStatistics"], outcomes: Seque
     layer's current one."""
     mine = dist.get_rank(group) == src
     dev = layers[0].running_mean.device
-    if mine:
-        heads = torch.tensor([[float(o.status), float(o.clamped)] for o in outcomes], device=dev)
+    if mine:  # src computed every outcome (other ranks: None)
+        heads = torch.tensor([[float(o.status), float(o.clamped)] for o in cast("Sequence[FoldOutcome]", outcomes)],
+                             device=dev)
     else:
         heads = torch.empty(len(layers), 2, device=dev)
     tensors, names = [heads], []
     for layer, outcome in zip(layers, outcomes):
         for name, shape in layer._outcome_layout():
             current = getattr(layer, name)
-            tensors.append(outcome.buffers.get(name, current) if mine else
+            tensors.append(cast(FoldOutcome, outcome).buffers.get(name, current) if mine else
                            torch.empty(shape, dtype=current.dtype, device=current.device))
             names.append(name)
     works: list = []
@@ -394,7 +413,7 @@ def _broadcast_outcomes(layers: Sequence["WhiteningStatistics"], outcomes: Seque
     for work in works:
         work.wait()
     if mine:
-        return list(outcomes)
+        return list(cast("Sequence[FoldOutcome]", outcomes))
     out, pos = [], 1
     for layer, (status, clamped) in zip(layers, tensors[0].tolist()):
         n = len(layer._outcome_layout())
@@ -468,14 +487,15 @@ def _fold_all(layers: Sequence["WhiteningStatistics"], summaries: Sequence[Block
         stored = torch.stack([means[i] for i in idx]).to(layers[idx[0]].running_mean.dtype)
         stored_means.update({i: stored[j] for j, i in enumerate(idx)})
     for src in ([None] if owners is None else range(dist.get_world_size(group))):
-        idx = [i for i in range(len(layers)) if src is None or owners[i] == src]
+        idx = [i for i in range(len(layers)) if src is None or cast("Sequence[int]", owners)[i] == src]
         if not idx:
             continue
-        outs = [computed.get(i) for i in idx]
+        outs: Sequence[Optional[FoldOutcome]] = [computed.get(i) for i in idx]
         if src is not None:
             outs = _broadcast_outcomes([layers[i] for i in idx], outs, src, group)
         counted = [layers[i].num_blocks for i, outcome in zip(idx, outs)
-                   if layers[i]._fold_finish(outcome, stored_means[i], deltas[i], unshifted[i])]
+                   # every outcome computed here (replicated) or received from src
+                   if layers[i]._fold_finish(cast(FoldOutcome, outcome), stored_means[i], deltas[i], unshifted[i])]
         if counted:
             torch._foreach_add_(counted, 1)
 
@@ -507,7 +527,7 @@ class FoldCoordinator:
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, but got strategy={strategy!r}")
         self.pending: List["WhiteningStatistics"] = []
-        self.handle = None
+        self.handle: Optional[RemovableHandle] = None
         self.strategy = strategy
         self.layers = []
         self.checked = False

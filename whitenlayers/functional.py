@@ -84,7 +84,7 @@ class BlockSummary(NamedTuple):
     ``(M, M)`` and the uncentred power ``power = sum x**2`` ``(M,)``. All float64.
     """
 
-    count: Tensor
+    count: Tensor  # type: ignore[assignment]  # the field shadows tuple.count (a public name)
     mean: Tensor
     scatter: Tensor
     power: Tensor
@@ -554,6 +554,7 @@ def evd_transform_batched(
         if lam is None:
             retry = idx
         else:
+            assert vec is not None  # set with lam
             ok = (torch.isfinite(lam).all(-1) & torch.isfinite(vec).flatten(1).all(1)).tolist()
             good = [j for j, o in enumerate(ok) if o]
             retry = [idx[j] for j, o in enumerate(ok) if not o]
@@ -959,6 +960,7 @@ def evd_transform_grouped_batched(
         g = covs[i].shape[0]
         res = None
         if lam is not None:
+            assert vec is not None  # set with lam
             li, vi = lam[pos:pos + g].flip(-1), vec[pos:pos + g].flip(-1)
             if all_finite(li, vi):
                 t, q = _zca_grouped(li, vi, eps, gmax, gains)

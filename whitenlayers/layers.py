@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, Dict, Optional, Tuple, Type, Union
+from typing import TYPE_CHECKING, Any, Dict, Literal, Optional, Tuple, Type, Union, cast
 
 import torch
 from torch import Tensor, nn
@@ -67,6 +67,9 @@ from . import functional as F_w
 from .autograd import direct_whiten, grad_transformed
 from .config import EVDConfig, RecursiveConfig, WhiteningConfig, make_config
 from .stats import WhiteningStatistics, _is_compiling
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.nn.modules.conv import _ConvNd
 
 __all__ = [
     "DirectWhiten",
@@ -206,6 +209,9 @@ class _GradWhitenMixin(WhiteningStatistics):
     #: The config class of the layer's rule (EVD for the grad layers, recursive for the recursive ones).
     _CONFIG: Type[WhiteningConfig] = EVDConfig
     _FORWARD_BUFFERS = ("running_mean", "grad_transform", "bias_correction")
+
+    if TYPE_CHECKING:  # pragma: no cover
+        bias_correction: Tensor  # the buffer :meth:`_init_grad_whitening` registers
 
     def _init_grad_whitening(self, num_features: int, out_features: int, config: Optional[WhiteningConfig],
                              whitening: Dict[str, Any], process_group: Any, device, dtype, groups: int = 1) -> None:
@@ -483,6 +489,13 @@ class GradWhitenConv2d(_GradWhitenMixin, nn.Conv2d):
         torch.Size([4, 16, 10, 10])
     """
 
+    if TYPE_CHECKING:  # pragma: no cover
+        # nn.Conv2d stores pairs (its annotations are those of every dimension).
+        kernel_size: Tuple[int, int]
+        stride: Tuple[int, int]
+        padding: Union[str, Tuple[int, int]]
+        dilation: Tuple[int, int]
+
     @_with_whitening_signature(EVDConfig)
     def __init__(
         self,
@@ -565,13 +578,15 @@ class GradWhitenConv2d(_GradWhitenMixin, nn.Conv2d):
         )
         with torch.no_grad():
             conv.weight.copy_(self.weight)
+            assert conv.bias is not None  # bias=True
             conv.bias.copy_(self._layer_bias(self.weight))
         conv.weight.requires_grad_(self.weight.requires_grad)
         conv.train(self.training)
         return conv
 
 
-class GradWhitenLinear(_GradWhitenMixin, nn.Linear):
+# nn.Linear's stubs declare ``bias: Parameter``, though it is None for bias=False (as _GradWhitenMixin declares).
+class GradWhitenLinear(_GradWhitenMixin, nn.Linear):  # type: ignore[misc]
     """Drop-in ``nn.Linear`` with gradient-based feature whitening (paper section 3).
 
     ``z = (x - mu) W^T + b`` computed as ``x W^T + (b - W mu)``; the weight
@@ -718,10 +733,24 @@ class _GradWhitenConvNd(_GradWhitenMixin):
 
     _PLAIN: Type[nn.Module] = nn.Conv1d
 
+    if TYPE_CHECKING:  # pragma: no cover
+        # Provided by the plain conv class (``_PLAIN``) a subclass combines this mixin with.
+        in_channels: int
+        out_channels: int
+        kernel_size: Tuple[int, ...]
+        stride: Tuple[int, ...]
+        padding: Union[str, Tuple[int, ...]]
+        dilation: Tuple[int, ...]
+        padding_mode: Literal["zeros", "reflect", "replicate", "circular"]
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None: ...
+
+        def _conv_forward(self, input: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor: ...
+
     def _init_convnd(self, in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
                      padding_mode, device, dtype, config, process_group, whitening) -> None:
-        self._PLAIN.__init__(self, in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
-                             padding_mode, device, dtype)
+        self._PLAIN.__init__(cast(nn.Module, self), in_channels, out_channels, kernel_size, stride, padding, dilation,
+                             groups, bias, padding_mode, device, dtype)
         self._init_grad_whitening(in_channels, out_channels, config, whitening, process_group, device, dtype,
                                   groups=groups)
 
@@ -759,20 +788,21 @@ class _GradWhitenConvNd(_GradWhitenMixin):
             dilation=conv.dilation, groups=conv.groups, bias=conv.bias is not None, padding_mode=conv.padding_mode,
             device=conv.weight.device, dtype=conv.weight.dtype, **kwargs,
         )
-        new.weight = conv.weight
-        new.bias = conv.bias
+        new.weight = cast(Tensor, conv.weight)
+        new.bias = cast("Optional[Tensor]", conv.bias)
         new.train(conv.training)
         return new
 
     def to_conv(self) -> nn.Module:
         """A plain conv of the same dimension with identical outputs (``mu`` folded into the bias); new Parameters."""
-        conv = self._PLAIN(
+        conv = cast("_ConvNd", self._PLAIN(
             self.in_channels, self.out_channels, self.kernel_size, stride=self.stride, padding=self.padding,
             dilation=self.dilation, groups=self.groups, bias=True, padding_mode=self.padding_mode,
             device=self.weight.device, dtype=self.weight.dtype,
-        )
+        ))
         with torch.no_grad():
             conv.weight.copy_(self.weight)
+            assert conv.bias is not None  # bias=True
             conv.bias.copy_(self._layer_bias(self.weight))
         conv.weight.requires_grad_(self.weight.requires_grad)
         conv.train(self.training)

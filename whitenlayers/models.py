@@ -33,7 +33,7 @@ Example:
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -519,7 +519,7 @@ class _HFResNetModel(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x = self.embedder(x)
-        for stage in self.encoder.stages:
+        for stage in cast(nn.ModuleList, self.encoder.stages):
             x = stage(x)
         return self.pooler(x)
 

@@ -21,7 +21,7 @@ group, vectorised over the groups.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Hashable, List, NamedTuple, Optional, Sequence, Type
+from typing import Any, Dict, Hashable, List, NamedTuple, Optional, Sequence, Type, Union, cast
 
 import torch
 from torch import Tensor
@@ -43,7 +43,7 @@ class Fold(NamedTuple):
     mean: Tensor  # mu(i), float64
     cov: Tensor  # Phi_x(i), float64
     block_cov: Tensor  # the block's covariance about mu(i): the new term of eq. vPhixi, float64
-    first: bool  # block 0: no recursion
+    first: Union[bool, List[bool]]  # block 0: no recursion (a stacked fold: one flag per layer)
 
 
 class RuleResult(NamedTuple):
@@ -113,6 +113,7 @@ class EVDRule(TransformRule):
 
     name = "evd"
     config_class = EVDConfig
+    config: EVDConfig
     failure_message = "eigendecomposition failed (also in float64); the previous transform is kept"
 
     def gram_dtype(self, state_dtype: torch.dtype) -> torch.dtype:
@@ -162,6 +163,7 @@ class RecursiveRule(TransformRule):
 
     name = "recursive"
     config_class = RecursiveConfig
+    config: RecursiveConfig
     failure_message = "non-finite recursive step; the previous transform is kept"
 
     def initial_buffers(self, m: int, factory_kwargs: Dict[str, Any], groups: int = 1) -> Dict[str, Tensor]:
@@ -182,7 +184,7 @@ class RecursiveRule(TransformRule):
         # Working precision float32 (float64 for float64 layers): the recursion is contractive (gamma < 1),
         # so its round-off stays at the working precision instead of accumulating.
         wd = self.work_dtype(state_dtype)
-        first = list(fold.first)
+        first = list(cast(List[bool], fold.first))  # stacked: one flag per layer
         t_prev = torch.stack([s["whitening_matrix"] for s in states]).to(wd)
         phi_y = F_w.whitened_covariance_update(torch.stack([s["running_cov_whitened"] for s in states]), t_prev,
                                                fold.block_cov, c.alpha, first)
@@ -215,7 +217,7 @@ class RecursiveRule(TransformRule):
     def update(self, fold: Fold, state: Dict[str, Tensor], precomputed: Any = NOT_COMPUTED) -> Optional[RuleResult]:
         if precomputed is NOT_COMPUTED:  # one layer: a stack of one
             stacked = Fold(F_w.BlockSummary(*(t.unsqueeze(0) for t in fold.block)), fold.mean.unsqueeze(0),
-                           fold.cov.unsqueeze(0), fold.block_cov.unsqueeze(0), [fold.first])
+                           fold.cov.unsqueeze(0), fold.block_cov.unsqueeze(0), [cast(bool, fold.first)])
             precomputed = self.compute_batched(stacked, [state], state["whitening_matrix"].dtype)[0]
         return precomputed
 

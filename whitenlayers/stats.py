@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Dict, Hashable, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Hashable, Iterator, List, Optional, Tuple, Union, cast
 
 import torch
 from torch import Tensor
@@ -45,6 +45,9 @@ from .fold import (FAILED, SKIP_MESSAGES, UNSHIFTED_MAX_MEAN2_VAR, FoldCoordinat
                    _no_autocast, fold_layers)
 from .functional import BlockSummary, stats_samples
 from .rules import TransformRule, rule_for
+
+if TYPE_CHECKING:  # pragma: no cover
+    from typing_extensions import Self
 
 __all__ = ["WhiteningStatistics", "recomputing"]
 
@@ -99,6 +102,27 @@ class WhiteningStatistics:
     #: The buffers a forward reads; a recomputed forward reads those of the original one (:meth:`_forward_state`).
     _FORWARD_BUFFERS: Tuple[str, ...] = ("running_mean",)
     _in_force: Optional[Dict[str, Tensor]] = None
+
+    if TYPE_CHECKING:  # for type checkers only: nothing here exists at runtime
+        # The buffers :meth:`_init_whitening` registers (``grad_transform``: grad layers only).
+        running_mean: Tensor
+        running_cov: Tensor
+        whitening_matrix: Tensor
+        grad_transform: Tensor
+        num_blocks: Tensor
+
+        # Provided by the ``nn.Module`` every layer class combines this mixin with.
+        training: bool
+        _buffers: Dict[str, Any]  # Module's: Dict[str, Optional[Tensor]]; a whitening layer registers no None buffer
+
+        def register_buffer(self, name: str, tensor: Optional[Tensor], persistent: bool = True) -> None: ...
+
+        def named_buffers(self, prefix: str = "", recurse: bool = True,
+                          remove_duplicate: bool = True) -> Iterator[Tuple[str, Tensor]]: ...
+
+        def extra_repr(self) -> str: ...
+
+        def train(self, mode: bool = True) -> Self: ...
 
     def _init_whitening(
         self,
@@ -406,7 +430,7 @@ class WhiteningStatistics:
         if outcome.status in SKIP_MESSAGES:
             self.skipped_folds += 1
             if SKIP_MESSAGES[outcome.status]:
-                self._warn_once("skip", SKIP_MESSAGES[outcome.status])
+                self._warn_once("skip", cast(str, SKIP_MESSAGES[outcome.status]))
             return False
         if outcome.status == FAILED:
             self.eig_failures += 1
@@ -485,7 +509,7 @@ class WhiteningStatistics:
         tensors only (EMA helpers, safetensors and exporters iterate over it as tensors); a fresh one at each
         call, owned by nobody.
         """
-        f64 = {"dtype": torch.float64, "device": self._acc_s1.device}
+        f64: Dict[str, Any] = {"dtype": torch.float64, "device": self._acc_s1.device}
         head = torch.tensor([_EXTRA_LAYOUT, self._acc_batches, self._acc_shift is not None]
                             + [getattr(self, name) for name in _COUNTERS] + [self._acc_count, self._stats_unshifted],
                             **f64)

@@ -26,7 +26,10 @@ def checkpoint_path(out: str, method: str, seed: int) -> str:
 
 
 def rng_state() -> Dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "numpy": numpy_rng_to_plain(np.random.get_state()), "python": random.getstate()}
+    # numpy's stubs type a plain get_state() by its legacy=False overload (a dict); it returns the legacy tuple.
+    state = {"torch": torch.get_rng_state(),
+             "numpy": numpy_rng_to_plain(np.random.get_state()),  # type: ignore[arg-type]
+             "python": random.getstate()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state

@@ -27,7 +27,7 @@ import importlib.util
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Type
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Type, cast
 
 from torch import nn
 
@@ -59,7 +59,7 @@ __all__ = [
 # ==========================================================================
 def _convert(name: str) -> Callable[[nn.Module, Mapping[str, Any]], nn.Module]:
     def apply(model: nn.Module, kwargs: Mapping[str, Any]) -> nn.Module:
-        return convert_model(model, method=name, **kwargs)
+        return cast(nn.Module, convert_model(model, method=name, **kwargs))  # no report=True in kwargs
 
     return apply
 
@@ -383,7 +383,7 @@ class RunConfig:
             raise ValueError(f"--val-fraction must be in [0, 1), but got {self.val_fraction}")
         if self.norm != "bn" and model_spec(self.model)[0] != "cifar":
             raise ValueError("--norm none needs a CIFAR ResNet (--model resnetD)")
-        unknown = sorted(set(self.whitening) - set(WHITEN_FIELDS))
+        unknown = sorted(set(cast(Dict[str, Any], self.whitening)) - set(WHITEN_FIELDS))  # set in __post_init__
         if unknown:
             raise ValueError(f"unknown whitening option(s) {unknown}; the methods take {', '.join(WHITEN_FIELDS)}")
         for method, per in self.layer_kw.items():
@@ -398,7 +398,7 @@ class RunConfig:
         for name in _configurable():
             method = METHOD_REGISTRY[name]
             try:
-                method.config(**layer_kwargs(self, name))
+                cast(Type[WhiteningConfig], method.config)(**layer_kwargs(self, name))  # _configurable: not None
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"{name} layers: {exc}") from None
 
@@ -408,7 +408,7 @@ class RunConfig:
         record: Dict[str, Any] = {}
         for f in dataclasses.fields(self):
             if f.name == "whitening":
-                record.update({k: self.whitening.get(k) for k in WHITEN_FIELDS})
+                record.update({k: cast(Dict[str, Any], self.whitening).get(k) for k in WHITEN_FIELDS})
             else:
                 record[f.name] = getattr(self, f.name)
         return json.loads(json.dumps(record))
@@ -434,7 +434,7 @@ def _configurable() -> List[str]:
 def layer_kwargs(cfg: RunConfig, method: str) -> Dict[str, Any]:
     """The whitening keyword arguments ``method``'s layers get: the run-wide values they take, then ``--layer-kw``."""
     names = METHOD_REGISTRY[method].option_names
-    kw = {k: v for k, v in cfg.whitening.items() if k in names and v is not None}
+    kw = {k: v for k, v in cast(Dict[str, Any], cfg.whitening).items() if k in names and v is not None}
     kw.update(cfg.layer_kw.get(method, {}))
     return kw
 
@@ -486,8 +486,8 @@ _FINGERPRINT_KEYS = ("dataset", "test_fraction", "train_subset", "test_subset", 
                      "warmup_epochs", "layer_kw", "diag_batches", "sync_bn", "amp", "channels_last", "compile",
                      "val_fraction", "norm", "optimizer", "method_lr")
 #: Keys left out of the fingerprint at these values, so runs checkpointed before the option existed still resume.
-_UNSET = {"amp": "none", "channels_last": False, "compile": False, "val_fraction": 0.0, "norm": "bn",
-          "optimizer": "sgd", "method_lr": {}, **{k: None for k in WHITEN_FIELDS}}
+_UNSET: Dict[str, Any] = {"amp": "none", "channels_last": False, "compile": False, "val_fraction": 0.0, "norm": "bn",
+                          "optimizer": "sgd", "method_lr": {}, **{k: None for k in WHITEN_FIELDS}}
 
 
 def fingerprint(record: Mapping[str, Any]) -> Dict[str, Any]:
@@ -563,7 +563,7 @@ def build_parser() -> argparse.ArgumentParser:
         kw = dict(f.metadata["cli"])
         helptext = f.metadata["help"].format(**fill) if "{" in f.metadata["help"] else f.metadata["help"]
         if f.metadata["show_default"]:
-            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            default = cast(Callable[[], Any], f.default_factory)() if f.default is dataclasses.MISSING else f.default
             helptext += f" (default {','.join(default) if isinstance(default, list) else default})"
         kw["type"] = _CLI_TYPES[kw["type"]] if "type" in kw else None
         if kw["type"] is None:

@@ -15,7 +15,7 @@ import os
 import random
 import sys
 import time
-from typing import Any, ContextManager, Dict, List, Optional, Sequence, Tuple
+from typing import Any, ContextManager, Dict, List, Optional, Sequence, Tuple, cast
 
 import numpy as np
 import torch
@@ -74,8 +74,8 @@ def remove_batchnorm(model: nn.Module) -> nn.Module:
             b.conv1.weight.mul_(len(blocks) ** -0.5)
             b.conv2.weight.zero_()
         if isinstance(getattr(model, "fc", None), nn.Linear):
-            model.fc.weight.zero_()
-            model.fc.bias.zero_()
+            cast(nn.Linear, model.fc).weight.zero_()
+            cast(nn.Linear, model.fc).bias.zero_()
     return model
 
 
@@ -83,7 +83,8 @@ def build_model(cfg: RunConfig, num_classes: int, in_channels: int) -> nn.Module
     kind, depth = model_spec(cfg.model)
     if kind == "torchvision":
         return models.resnet50(num_classes=num_classes, in_channels=in_channels)
-    model = models.cifar_resnet(depth=depth, num_classes=num_classes, in_channels=in_channels, width=int(cfg.width))
+    model = models.cifar_resnet(depth=depth, num_classes=num_classes, in_channels=in_channels,
+                                width=int(cast(int, cfg.width)))  # resolved in RunConfig.__post_init__
     if cfg.norm == "none":
         remove_batchnorm(model)
     return model
@@ -114,7 +115,7 @@ def lr_at(cfg: RunConfig, epoch: int) -> float:
     if epoch < warm:
         return base * (epoch + 1) / (warm + 1)
     if cfg.schedule == "step":
-        return base * float(cfg.lr_gamma) ** sum(1 for m in cfg.milestones if epoch >= m)
+        return base * float(cfg.lr_gamma) ** sum(1 for m in cast(List[int], cfg.milestones) if epoch >= m)
     if cfg.schedule == "cosine":
         e = int(cfg.epochs)
         t = (epoch - warm) / max(1, e - warm)
@@ -338,7 +339,7 @@ class Run:
                  show_progress: bool = False) -> None:
         self.cfg, self.method, self.seed, self.ctx = cfg, method, seed, ctx
         self.epochs = int(cfg.epochs)
-        self.path = checkpoint.checkpoint_path(cfg.out, method, seed)
+        self.path = checkpoint.checkpoint_path(cast(str, cfg.out), method, seed)  # resolved in __post_init__
         self.fingerprint = fingerprint(cfg.to_record())
         torch.manual_seed(seed)
         np.random.seed(seed % 2**32)
@@ -348,7 +349,7 @@ class Run:
         if ctx.distributed and cfg.sync_bn:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         if cfg.channels_last:
-            model = model.to(memory_format=torch.channels_last)
+            model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # torch's stubs lack it
         self.model = model
         self.precision = Precision(cfg.amp, cfg.channels_last, ctx.device)
         self.opt = make_optimizer(cfg, method, model)
@@ -409,8 +410,10 @@ class Run:
         self.train_loader.set_epoch(epoch)
         bar = None
         if self.show:
-            bar = tqdm(total=len(self.train_loader), desc=f"{self.method:>9s} s{self.seed} ep {epoch + 1}/{self.epochs}",
-                       file=sys.stderr, leave=False, mininterval=0.1, dynamic_ncols=True)
+            # tqdm is None only without tqdm installed, when progress_enabled() shows no bar
+            bar = cast(Any, tqdm)(total=len(self.train_loader),
+                                  desc=f"{self.method:>9s} s{self.seed} ep {epoch + 1}/{self.epochs}",
+                                  file=sys.stderr, leave=False, mininterval=0.1, dynamic_ncols=True)
         ctx.synchronize()
         t0, c0 = time.perf_counter(), time.process_time()
         loss_sum, correct, seen = train_epoch(self.net, self.opt, self.train_loader, ctx, self.precision, bar,
@@ -444,7 +447,7 @@ class Run:
     def finish(self) -> None:
         """Distributed: write this rank's whitening fingerprint (ranks must agree)."""
         if self.ctx.distributed:
-            rank_dir = os.path.join(self.cfg.out, "ranks")
+            rank_dir = os.path.join(cast(str, self.cfg.out), "ranks")
             os.makedirs(rank_dir, exist_ok=True)
             info = dict(method=self.method, seed=self.seed, rank=self.ctx.rank, world=self.ctx.world,
                         epochs=self.epoch, **whitening_fingerprint(self.model))
@@ -475,7 +478,8 @@ def run(cfg: RunConfig, ctx: Context, argv: Sequence[str] = ()) -> Dict[str, Any
                                 ("channels_last", cfg.channels_last)) if on]
     ctx.log(f"whitenlayers experiment: {bundle.label} ({len(bundle.train)} train / {len(bundle.test)} test), "
             f"{model_name}, "
-            f"methods {','.join(cfg.methods)}, seeds {','.join(map(str, cfg.seeds))}, {cfg.epochs} epochs, "
+            f"methods {','.join(cfg.methods)}, seeds {','.join(map(str, cast(List[int], cfg.seeds)))}, "
+            f"{cfg.epochs} epochs, "
             f"batch {cfg.batch_size} on {ctx.world} process(es), device {ctx.device}, {ctx.threads} thread(s)/process"
             + "".join(f", {s}" for s in switches))
     if getattr(ctx, "note", ""):
@@ -483,14 +487,14 @@ def run(cfg: RunConfig, ctx: Context, argv: Sequence[str] = ()) -> Dict[str, Any
     for note in bundle.notes:
         ctx.log(f"  {note}")
     ctx.log(f"  output: {cfg.out}")
-    metrics_path = os.path.join(cfg.out, "metrics.csv")
+    metrics_path = os.path.join(cast(str, cfg.out), "metrics.csv")  # RunConfig.__post_init__ resolved out, seeds
     done: List[Dict[str, Any]] = []
 
     def flush(current: List[Dict[str, Any]]) -> None:
         if ctx.is_main:
             write_metrics(done + current, metrics_path)
 
-    for seed in cfg.seeds:
+    for seed in cast(List[int], cfg.seeds):
         if cfg.order == "interleaved":
             # Epoch e of every method, then epoch e + 1: the methods share the machine's load alike.
             runs = [Run(cfg, bundle, method, seed, ctx, show) for method in cfg.methods]
@@ -520,14 +524,14 @@ def run(cfg: RunConfig, ctx: Context, argv: Sequence[str] = ()) -> Dict[str, Any
         tta = time_to_accuracy(done, cfg.methods, cfg.time_levels)
         table += "\n\n" + format_time_to_accuracy(tta, cfg.time_levels) + "\n\n" + load_note(done, ctx.threads)
         wall = time.perf_counter() - t_start
-        fig_path: Optional[str] = os.path.join(cfg.out, "figure.png")
+        fig_path: Optional[str] = os.path.join(cast(str, cfg.out), "figure.png")
         name = title(cfg, bundle.label)
         try:
-            plot_metrics(done, fig_path, name, cfg.methods)
+            plot_metrics(done, cast(str, fig_path), name, cfg.methods)
         except ImportError as exc:
             fig_path = None
             print(f"warning: no figure ({exc})", file=sys.stderr)
-        with open(os.path.join(cfg.out, "summary.md"), "w") as f:
+        with open(os.path.join(cast(str, cfg.out), "summary.md"), "w") as f:
             f.write(summary_text(name, table, target, wall))
         print("\n" + table, flush=True)
         print(f"\ntotal wall time {wall:.1f} s; outputs in {cfg.out}: metrics.csv, config.json, summary.md"

@@ -33,7 +33,7 @@ classifier; AdamW, as Muon's authors prescribe, on the rest).
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Set, Tuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +48,7 @@ PEERS_EXTRA = "pip install 'whitenlayers[peers]'  (pytorch-optimizer)"
 
 def block_convs(model: nn.Module) -> List[nn.Conv2d]:
     """Every Conv2d inside a BasicBlock/Bottleneck (the targets of ``convert_model``)."""
-    out = []
+    out: List[nn.Conv2d] = []
     for m in model.modules():
         if type(m).__name__ in ("BasicBlock", "Bottleneck"):
             out.extend(c for c in m.modules() if isinstance(c, nn.Conv2d))
@@ -60,6 +60,10 @@ def block_convs(model: nn.Module) -> List[nn.Conv2d]:
 # --------------------------------------------------------------------------
 class IterNorm(nn.Module):
     """IterNorm (Huang et al. 2019): Newton-Schulz ZCA whitening of the channels, autograd backward."""
+
+    if TYPE_CHECKING:  # pragma: no cover
+        running_mean: Tensor  # buffers
+        running_wm: Tensor
 
     def __init__(self, num_features: int, iterations: int = 5, eps: float = 1e-5, momentum: float = 0.1):
         super().__init__()
@@ -104,7 +108,8 @@ def insert_iternorm(model: nn.Module) -> nn.Module:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if id(child) in targets:
-                setattr(parent, name, _Wrapped(IterNorm(child.in_channels).to(child.weight.device), child))
+                conv = cast(nn.Conv2d, child)  # a block conv
+                setattr(parent, name, _Wrapped(IterNorm(conv.in_channels).to(conv.weight.device), child))
     return model
 
 
@@ -145,11 +150,12 @@ class KroneckerPreconditioner:
         if not (module.training and torch.is_grad_enabled() and self._stat_step()):
             return
         x = inputs[0].detach()
-        a = F.unfold(x, module.kernel_size, module.dilation, module.padding, module.stride)  # (B, M k^2, L)
+        padding = cast(Tuple[int, ...], module.padding)  # numeric (a string padding is not supported here)
+        a = F.unfold(x, module.kernel_size, module.dilation, padding, module.stride)  # (B, M k^2, L)
         n = a.shape[0] * a.shape[2]
         self._ema(self.a, module, torch.bmm(a, a.transpose(1, 2)).sum(0) / n)
 
-    def _save_g(self, module: nn.Conv2d, grad_input, grad_output) -> None:
+    def _save_g(self, module: nn.Module, grad_input, grad_output) -> None:
         if not self._stat_step():
             return
         g = grad_output[0].detach()
@@ -203,6 +209,7 @@ class KroneckerPreconditioner:
             new[c] = v
         nu = min(1.0, math.sqrt(self.kl_clip / vg_sum)) if (self.use_g and vg_sum > 0) else 1.0
         for c, v in new.items():
+            assert c.weight.grad is not None  # new holds the convs with a gradient
             c.weight.grad.copy_(v.view_as(c.weight.grad)).mul_(nu)
 
     def state_tensors(self) -> List[Tensor]:
@@ -253,7 +260,7 @@ def library_optimizer(name: str, model: nn.Module, lr: float, weight_decay: floa
     elif name == "soap":
         opt = po.SOAP(model.parameters(), lr=lr, weight_decay=weight_decay, **opts)
     elif name == "muon":
-        stem_head = set()
+        stem_head: Set[int] = set()
         for mod in (getattr(model, "conv1", None), getattr(model, "fc", None)):
             if mod is not None:
                 stem_head.update(id(p) for p in mod.parameters())

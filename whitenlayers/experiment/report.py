@@ -15,7 +15,7 @@ import os
 import platform
 import shlex
 import subprocess
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, cast
 
 import numpy as np
 import torch
@@ -61,7 +61,7 @@ def write_metrics(rows: Iterable[Dict[str, Any]], path: str) -> None:
 
 def read_metrics(path: str) -> List[Dict[str, Any]]:
     """Rows of a ``metrics.csv`` with numbers parsed."""
-    out = []
+    out: List[Dict[str, Any]] = []
     with open(path, newline="") as f:
         for r in csv.DictReader(f):
             row: Dict[str, Any] = dict(r)
@@ -124,6 +124,7 @@ def summarize(rows: Sequence[Dict[str, Any]], methods: Optional[Sequence[str]] =
             hit = [r["epoch"] for r in lst if r["test_acc"] >= target_acc]
             reach.append(hit[0] if hit else float("nan"))
         times = [float(np.mean([r["epoch_time"] for r in lst])) for lst in seeds.values()]
+        s: Dict[str, Any]
         s = dict(method=m, seeds=len(seeds), epochs=max(len(lst) for lst in seeds.values()),
                  final_acc=_mean_std(final), best_acc=_mean_std(best),
                  epochs_to_target=_mean_std([v for v in reach if math.isfinite(v)]),
@@ -143,18 +144,21 @@ def format_summary(summary: Sequence[Dict[str, Any]], target: float) -> str:
     head = ["method", "final acc (%)", "best acc (%)", f"epochs to {target:.1f}%", "kappa (last)", "rho (last)",
             "epoch time (s)", "time vs baseline"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    # The ignores below: mypy spreads a starred Any (a (mean, std) pair here) over every parameter of _fmt.
     for s in summary:
         n = s["seeds"]
         if s["reached"] == 0:
             reach = "not reached"
         else:
-            reach = _fmt(*s["epochs_to_target"], n, 1)
+            reach = _fmt(*s["epochs_to_target"], n, 1)  # type: ignore[call-arg]
             if s["reached"] < n:
                 reach += f" ({s['reached']}/{n} seeds)"
         ratio = f"{s['time_ratio']:.2f}x" if math.isfinite(s["time_ratio"]) else "n/a"
         lines.append("| " + " | ".join([
-            METHOD_LABELS.get(s["method"], s["method"]), _fmt(*s["final_acc"], n), _fmt(*s["best_acc"], n), reach,
-            _fmt(*s["kappa"], n, 3), _fmt(*s["rho"], n, 3), _fmt(*s["epoch_time"], n, 1), ratio]) + " |")
+            METHOD_LABELS.get(s["method"], s["method"]),
+            _fmt(*s["final_acc"], n), _fmt(*s["best_acc"], n), reach,  # type: ignore[call-arg]
+            _fmt(*s["kappa"], n, 3), _fmt(*s["rho"], n, 3), _fmt(*s["epoch_time"], n, 1),  # type: ignore[call-arg]
+            ratio]) + " |")
     return "\n".join(lines)
 
 
@@ -448,10 +452,11 @@ def title(cfg: RunConfig, data_label: str) -> str:
     """The figure's and summary's title."""
     kind, depth = model_spec(cfg.model)
     model = "ResNet-50 (torchvision)" if kind == "torchvision" else f"CIFAR ResNet-{depth}"
-    if kind == "cifar" and int(cfg.width) != 16:
+    if kind == "cifar" and int(cast(int, cfg.width)) != 16:  # width and seeds: resolved in __post_init__
         model += f" (width {cfg.width})"
-    nseeds = len(cfg.seeds)
-    seeds = f"{nseeds} seeds, mean ± std" if nseeds > 1 else f"seed {cfg.seeds[0]}, band ± s.e. over layers"
+    nseeds = len(cast(List[int], cfg.seeds))
+    seeds = (f"{nseeds} seeds, mean ± std" if nseeds > 1
+             else f"seed {cast(List[int], cfg.seeds)[0]}, band ± s.e. over layers")
     return (f"{data_label}, {model}: {int(cfg.epochs)} epochs, batch {cfg.batch_size}, "
             f"lr {cfg.lr:g} ({cfg.schedule})  [{seeds}]")
 
@@ -510,7 +515,7 @@ def git_state() -> Optional[str]:
 
 def prepare_out(cfg: RunConfig, ctx: Context, argv: Sequence[str]) -> None:
     """Rank 0: check a resumed run's configuration, or clear an earlier run; write ``config.json``."""
-    out = cfg.out
+    out = cast(str, cfg.out)  # resolved in RunConfig.__post_init__
     cfg_path = os.path.join(out, "config.json")
     record = cfg.to_record()
     if ctx.is_main:
