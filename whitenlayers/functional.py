@@ -232,7 +232,7 @@ def batch_moments(x: Tensor, shift: Tensor, groups: int = 1) -> Tuple[Tensor, Te
     copy of the activation); a channels-last input is read as ``(B*H*W, M)``.
 
     On the CPU a large ``(B, M, *spatial)`` input first tries the unshifted
-    product (:func:`_unshifted_moments`): no shifted copy of the activation
+    product (``_unshifted_moments``): no shifted copy of the activation
     (on a CPU that copy, a fresh activation-sized allocation, costs as much as
     the product itself), and the shift applied to the ``M x M`` result; it is
     accepted when the cancellation costs at most 3 bits (``mean^2 <= 7 var``
@@ -667,7 +667,8 @@ def recursive_step(
     t_new.diagonal().add_(1.0 - gamma)
     c1 = gamma * gamma * a_f * (a_f + 2.0)
     c2 = gamma * (1.0 - gamma) * a_f
-    q_new = q_prev.mul(gamma * gamma).add_(t_prev, alpha=gamma * (1.0 - gamma)).add_(t_prev.t(), alpha=gamma * (1.0 - gamma))
+    mix = gamma * (1.0 - gamma)
+    q_new = q_prev.mul(gamma * gamma).add_(t_prev, alpha=mix).add_(t_prev.t(), alpha=mix)
     q_new.addr_(t_vec, c1 * t_vec + c2 * v).addr_(v, t_vec, alpha=c2)
     q_new.diagonal().add_((1.0 - gamma) ** 2)
     return RecursiveStep(t_new, symmetrize(q_new), v, lam_e, g, clamped)
@@ -742,7 +743,7 @@ def transform_weight_grad(grad: Tensor, q: Tensor) -> Tensor:
     ``S x M`` matrix per kernel tap): ``out[s, j, k] = sum_i grad[s, i, k] Q[i, j]``.
     A grouped ``Q`` ``(G, k, k)`` goes with a grouped convolution's gradient
     ``(S, k, *kernel)``: the ``S/G`` output channels of group ``g`` are
-    right-multiplied by ``Q_g`` (:func:`_grouped_weight_grad`).
+    right-multiplied by ``Q_g`` (``_grouped_weight_grad``).
     """
     if q.dim() == 3:
         return _grouped_weight_grad(grad, q)

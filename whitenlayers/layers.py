@@ -98,7 +98,8 @@ def _with_whitening_signature(config_class: Type[WhiteningConfig], exclude: tupl
         params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
         for f in dataclasses.fields(config_class):
             if f.name not in exclude:
-                params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type))
+                params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
+                                                annotation=f.type))
         init.__signature__ = sig.replace(parameters=params)
         return init
 
@@ -336,7 +337,8 @@ class _GradWhitenMixin(WhiteningStatistics):
         if batchnorm is not None:
             if not isinstance(batchnorm, _BatchNorm):
                 raise TypeError(
-                    f"{self._describe()}: absorb_centring expects a BatchNorm module, but got {type(batchnorm).__name__}"
+                    f"{self._describe()}: absorb_centring expects a BatchNorm module, but got "
+                    f"{type(batchnorm).__name__}"
                 )
             out_features = self.weight.shape[0]
             if batchnorm.num_features != out_features:
@@ -399,7 +401,8 @@ class _GradWhitenMixin(WhiteningStatistics):
             w = w.to(d.dtype)
         d.lerp_(self._offset(w, state["running_mean"], state["bias_correction"]), factor)  # s = c - W mu
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
         key = prefix + "absorbed_offset"
         if self._centring_ref is not None and key not in state_dict:
             # A checkpoint of the centred layer: its BatchNorm's running mean is the centred one, i.e. d = 0.
@@ -650,7 +653,8 @@ class GradWhitenLinear(_GradWhitenMixin, nn.Linear):  # type: ignore[misc]
 
     def to_linear(self) -> nn.Linear:
         """A plain ``nn.Linear`` with identical outputs (``mu`` folded into the bias); new Parameters."""
-        lin = nn.Linear(self.in_features, self.out_features, bias=True, device=self.weight.device, dtype=self.weight.dtype)
+        lin = nn.Linear(self.in_features, self.out_features, bias=True, device=self.weight.device,
+                        dtype=self.weight.dtype)
         with torch.no_grad():
             lin.weight.copy_(self.weight)
             lin.bias.copy_(self._layer_bias(self.weight))
@@ -850,7 +854,8 @@ class GradWhitenConv1d(_GradWhitenConvNd, nn.Conv1d):
 
 
 class GradWhitenConv3d(_GradWhitenConvNd, nn.Conv3d):
-    """Drop-in ``nn.Conv3d`` with gradient-based feature whitening: :class:`GradWhitenConv2d` for ``(B, C, D, H, W)``."""
+    """Drop-in ``nn.Conv3d`` with gradient-based feature whitening: :class:`GradWhitenConv2d` for
+    ``(B, C, D, H, W)``."""
 
     _PLAIN = nn.Conv3d
 

@@ -487,7 +487,8 @@ class ResNetBasicLayer(nn.Module):
     def __init__(self, cin: int, cout: int, stride: int = 1) -> None:
         super().__init__()
         self.shortcut = ResNetShortCut(cin, cout, stride) if (cin != cout or stride != 1) else nn.Identity()
-        self.layer = nn.Sequential(ResNetConvLayer(cin, cout, 3, stride), ResNetConvLayer(cout, cout, 3, activation=False))
+        self.layer = nn.Sequential(ResNetConvLayer(cin, cout, 3, stride),
+                                   ResNetConvLayer(cout, cout, 3, activation=False))
         self.activation = nn.ReLU()
 
     def forward(self, x: Tensor) -> Tensor:

@@ -9,7 +9,7 @@ class here and its config class, not editing branches elsewhere.
 
 * :class:`EVDRule` (paper section 3): ZCA ``T = V diag(g)^(1/2) V^T`` from an
   eigendecomposition of ``Phi_x``, ``Q = T^T T``. Layers folding together
-  share one batched ``eigh`` per width (:meth:`EVDRule.batch_key`).
+  share one batched ``eigh`` per width (``EVDRule.batch_key``).
 * :class:`RecursiveRule` (paper section 4): ``Phi_y`` tracked on the whitened
   features, then one ``O(M^2)`` rank-one power reduction plus leakage.
 
@@ -65,7 +65,8 @@ class TransformRule:
 
     def __init__(self, config: WhiteningConfig) -> None:
         if type(config) is not self.config_class:
-            raise TypeError(f"{type(self).__name__} expects a {self.config_class.__name__}, but got {type(config).__name__}")
+            raise TypeError(f"{type(self).__name__} expects a {self.config_class.__name__}, "
+                            f"but got {type(config).__name__}")
         self.config = config
 
     def __repr__(self) -> str:

@@ -41,8 +41,15 @@ from torch import Tensor
 
 from . import functional as F_w
 from .config import EVDConfig, RecursiveConfig, WhiteningConfig
-from .fold import (FAILED, SKIP_MESSAGES, UNSHIFTED_MAX_MEAN2_VAR, FoldCoordinator, FoldOutcome, _fold_all,
-                   _no_autocast, fold_layers)
+from .fold import (
+    FAILED,
+    SKIP_MESSAGES,
+    FoldCoordinator,
+    FoldOutcome,
+    _fold_all,
+    _no_autocast,
+    fold_layers,
+)
 from .functional import BlockSummary, stats_samples
 from .rules import TransformRule, rule_for
 
@@ -80,16 +87,16 @@ _COUNTERS = ("eig_failures", "skipped_folds", "nonfinite_blocks", "clamped_steps
 class WhiteningStatistics:
     """Mixin: the block statistics, buffers and fold of one whitening layer; the rule computes the transform.
 
-    Subclasses call :meth:`_init_whitening` after their ``nn.Module`` base
-    ``__init__``, call :meth:`_accumulate` with the layer input in training
-    mode and :meth:`_end_batch` after computing the output, and may override
-    :meth:`_on_mean_change` (bias compensation).
+    Subclasses call ``_init_whitening`` after their ``nn.Module`` base
+    ``__init__``, call ``_accumulate`` with the layer input in training
+    mode and ``_end_batch`` after computing the output, and may override
+    ``_on_mean_change`` (bias compensation).
 
     Public state besides the buffers: :attr:`config` (the frozen
     hyper-parameters; assigning a new config of the same class takes effect at
     the next fold), its fields as attributes (``layer.alpha``, ...; assigning
-    one replaces the config, validated), :attr:`rule`, :attr:`method`,
-    :attr:`batches_in_block`, :attr:`frozen`, :attr:`process_group`, the
+    one replaces the config, validated), ``rule``, :attr:`method`,
+    :attr:`batches_in_block`, :attr:`frozen`, ``process_group``, the
     counters ``eig_failures``, ``skipped_folds``, ``nonfinite_blocks`` and
     ``clamped_steps``.
     """
@@ -104,7 +111,7 @@ class WhiteningStatistics:
     _in_force: Optional[Dict[str, Tensor]] = None
 
     if TYPE_CHECKING:  # for type checkers only: nothing here exists at runtime
-        # The buffers :meth:`_init_whitening` registers (``grad_transform``: grad layers only).
+        # The buffers ``_init_whitening`` registers (``grad_transform``: grad layers only).
         running_mean: Tensor
         running_cov: Tensor
         whitening_matrix: Tensor
@@ -213,7 +220,7 @@ class WhiteningStatistics:
 
     @property
     def method(self) -> str:
-        """The transform rule's name: ``"evd"`` or ``"recursive"``."""
+        """The transform rule's name, ``"evd"`` or ``"recursive"``."""
         return self.rule.name
 
     @property
@@ -223,7 +230,7 @@ class WhiteningStatistics:
 
     @property
     def nonfinite_batches(self) -> int:
-        """Deprecated: :attr:`nonfinite_blocks` (a non-finite batch now drops its whole block)."""
+        """Deprecated alias of ``nonfinite_blocks`` (a non-finite batch now drops its whole block)."""
         warnings.warn("nonfinite_batches is deprecated: a batch with non-finite values now drops its whole block, "
                       "counted in nonfinite_blocks", DeprecationWarning, stacklevel=2)
         return self.nonfinite_blocks
@@ -504,7 +511,7 @@ class WhiteningStatistics:
     def get_extra_state(self) -> Tensor:
         """The partial block and the counters as one float64 tensor, so a mid-block checkpoint resumes bit-for-bit.
 
-        Layout: the scalars :data:`_EXTRA_HEAD` (a layout tag first), then the block's shift (``M``), first sums
+        Layout: the scalars ``_EXTRA_HEAD`` (a layout tag first), then the block's shift (``M``), first sums
         (``M``) and second sums (the block shape, flattened). A tensor, not a dict, so the state dict holds
         tensors only (EMA helpers, safetensors and exporters iterate over it as tensors); a fresh one at each
         call, owned by nobody.
@@ -550,8 +557,9 @@ class WhiteningStatistics:
         head = dict(zip(_EXTRA_HEAD, packed[: len(_EXTRA_HEAD)].tolist()))
         shift, s1, s2 = torch.split(packed[len(_EXTRA_HEAD):], [m, m, math.prod(block)])
         out: Dict[str, Any] = {name: head[name] for name in _COUNTERS}
-        out.update(acc_batches=head["acc_batches"], acc_count=head["acc_count"], stats_unshifted=head["stats_unshifted"],
-                   acc_shift=shift if head["has_shift"] else None, acc_s1=s1, acc_s2=s2.view(block))
+        out.update(acc_batches=head["acc_batches"], acc_count=head["acc_count"],
+                   stats_unshifted=head["stats_unshifted"], acc_shift=shift if head["has_shift"] else None,
+                   acc_s1=s1, acc_s2=s2.view(block))
         return out
 
     def _unpack_dict_extra_state(self, state: Dict[str, Any]) -> Dict[str, Any]:
@@ -566,7 +574,8 @@ class WhiteningStatistics:
         state["acc_count"] = float(state["acc_count"])
         return state
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
         version = local_metadata.get("version", None)
         key = prefix + "_extra_state"
         if (version is None or version < 1) and key not in state_dict:
@@ -590,7 +599,8 @@ class WhiteningStatistics:
                 f"but this layer needs {self._block_shape} ({_shape_words(self._block_shape)})"
             )
             return
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
 
 def _shape_words(shape: tuple) -> str:

@@ -72,7 +72,16 @@ from .config import (
 )
 from .context import Context
 from .engine import Run, run
-from .report import CSV_FIELDS, TIME_FIELDS, format_summary, plot_metrics, read_metrics, replot, summarize, write_metrics
+from .report import (
+    CSV_FIELDS,
+    TIME_FIELDS,
+    format_summary,
+    plot_metrics,
+    read_metrics,
+    replot,
+    summarize,
+    write_metrics,
+)
 
 __all__ = [
     "main",

@@ -215,7 +215,8 @@ class RunConfig:
              "and table show mean and spread (default: 0,1,2 for mnist5k, digits and synthetic data, 0 otherwise and "
              "in the presets)")
     order: str = _opt(
-        "interleaved", "interleaved (default): epoch e of every method, then epoch e+1, so the methods' epoch times are "
+        "interleaved",
+        "interleaved (default): epoch e of every method, then epoch e+1, so the methods' epoch times are "
         "measured under the same machine load (all models are held in memory); sequential: one method after the "
         "other. The metrics are identical either way", cli={"choices": ("interleaved", "sequential")})
     out: Optional[str] = _opt(help="output folder (default runs/<dataset>-<model>, with -quick for --quick)")
@@ -227,7 +228,8 @@ class RunConfig:
                                "takes cuda:LOCAL_RANK)")
     threads: Optional[int] = _opt(
         help="CPU threads per process (default: the available cores divided by the processes per machine)", cli=_INT)
-    progress: str = _opt("auto", "progress bar on stderr (tqdm; default auto: only when stderr is a terminal, on rank 0)",
+    progress: str = _opt("auto",
+                         "progress bar on stderr (tqdm; default auto: only when stderr is a terminal, on rank 0)",
                          cli={"choices": ("auto", "always", "never")})
     target_acc: Optional[float] = _opt(
         help="test accuracy (percent) for the 'epochs to target' column (default: 99%% of the lowest best accuracy "
@@ -342,7 +344,8 @@ class RunConfig:
             e = int(self.epochs)
             self.milestones = sorted({e // 2, (3 * e) // 4}) if e >= 4 else []
         if self.out is None:
-            self.out = os.path.join("runs", f"{_safe(self.dataset)}-{_safe(self.model)}" + ("-quick" if self.quick else ""))
+            suffix = "-quick" if self.quick else ""
+            self.out = os.path.join("runs", f"{_safe(self.dataset)}-{_safe(self.model)}" + suffix)
         self.methods, self.seeds, self.milestones = list(self.methods), list(self.seeds), list(self.milestones)
         self.time_levels = [float(v) for v in self.time_levels]
         self.method_lr = {str(k): float(v) for k, v in dict(self.method_lr).items()}
@@ -358,7 +361,8 @@ class RunConfig:
     def validate(self) -> None:
         """``ValueError`` naming the first option out of range (before any training)."""
         if self.preset == "paper-imagenet" and not str(self.dataset).startswith("imagefolder:"):
-            raise ValueError("--preset paper-imagenet needs --dataset imagefolder:PATH (ImageNet train/ and val/ folders)")
+            raise ValueError(
+                "--preset paper-imagenet needs --dataset imagefolder:PATH (ImageNet train/ and val/ folders)")
         bad = [m for m in self.methods if m not in METHOD_REGISTRY]
         if bad or not self.methods:
             raise ValueError(f"--methods: unknown {bad or self.methods!r}; choose from {', '.join(METHOD_REGISTRY)}")
@@ -423,7 +427,8 @@ class RunConfig:
 
 
 def auto_whitening(dataset: str, preset: Optional[str]) -> Dict[str, Any]:
-    """The run-wide whitening values when none are given: SMALL_DATA_WHITENING on the small datasets without a preset."""
+    """The run-wide whitening values when none are given: SMALL_DATA_WHITENING on the small datasets without a
+    preset."""
     return dict(SMALL_DATA_WHITENING) if dataset in SMALL_DATASETS and preset is None else {}
 
 

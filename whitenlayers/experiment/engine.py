@@ -1,4 +1,5 @@
-"""The training engine: models, loaders, the train and test loops, one resumable :class:`Run` per (method, seed), and :func:`run`.
+"""The training engine: models, loaders, the train and test loops, one resumable :class:`Run` per (method, seed),
+and :func:`run`.
 
 Every method of a seed starts from the same weights and sees the same data
 order; training draws nothing from the global random generators, so the
@@ -30,7 +31,19 @@ from ..diagnostics import collect_diagnostics
 from . import checkpoint
 from .config import METHOD_LABELS, METHOD_REGISTRY, RunConfig, fingerprint, layer_kwargs, model_spec
 from .context import Context
-from .report import format_epoch_line, format_summary, format_time_to_accuracy, load_note, time_to_accuracy, plot_metrics, prepare_out, summarize, summary_text, title, write_metrics
+from .report import (
+    format_epoch_line,
+    format_summary,
+    format_time_to_accuracy,
+    load_note,
+    plot_metrics,
+    prepare_out,
+    summarize,
+    summary_text,
+    time_to_accuracy,
+    title,
+    write_metrics,
+)
 
 try:  # optional: in the 'experiment' extra; without it there is no progress bar
     from tqdm import tqdm
@@ -38,7 +51,8 @@ except ImportError:  # pragma: no cover - depends on the environment
     tqdm = None
 
 __all__ = ["build_model", "lr_at", "make_loaders", "diagnostic_batches", "measure_diagnostics",
-           "whitening_fingerprint", "Precision", "make_optimizer", "remove_batchnorm", "train_epoch", "evaluate", "Run", "run"]
+           "whitening_fingerprint", "Precision", "make_optimizer", "remove_batchnorm", "train_epoch", "evaluate", "Run",
+           "run"]
 
 
 # ==========================================================================
@@ -361,7 +375,8 @@ class Run:
             self._resume()
         self.net = model  # what trains: DDP and/or compiled around the model
         if ctx.distributed:
-            self.net = DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+            device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+            self.net = DistributedDataParallel(model, device_ids=device_ids)
         if cfg.compile:
             self.net = torch.compile(self.net)
         self.train_loader, self.test_loader = make_loaders(cfg, bundle, seed, ctx)

@@ -165,7 +165,8 @@ class KroneckerPreconditioner:
         self._ema(self.g, module, torch.bmm(gf, gf.transpose(1, 2)).sum(0) / n)
 
     def update_inverses(self) -> None:
-        """Refresh the factors' inverses; a layer whose statistics are not finite (a diverged run) keeps its old ones."""
+        """Refresh the factors' inverses; a layer whose statistics are not finite (a diverged run) keeps its old
+        ones."""
         for c in self.convs:
             a = self.a[c]
             if not bool(torch.isfinite(a).all()) or (self.use_g and not bool(torch.isfinite(self.g[c]).all())):

@@ -213,11 +213,11 @@ def time_to_accuracy(rows: Sequence[Dict[str, Any]], methods: Optional[Sequence[
         seeds = groups[m]
         per_seed = {}
         for seed, lst in sorted(seeds.items()):
+            cpu = [r.get("cpu_time", float("nan")) for r in lst]
             rec: Dict[str, Any] = {"final": lst[-1]["test_acc"], "epochs_run": len(lst),
                                    "train_time": lst[-1].get("train_time", float("nan")),
                                    "epoch_time": float(np.mean([r["epoch_time"] for r in lst])),
-                                   "cpu_time": float(np.nanmean([r.get("cpu_time", float("nan")) for r in lst]))
-                                   if any(math.isfinite(r.get("cpu_time", float("nan"))) for r in lst) else float("nan")}
+                                   "cpu_time": float(np.nanmean(cpu)) if any(map(math.isfinite, cpu)) else float("nan")}
             if seed in targets:
                 ep, sec = _first_reach(lst, targets[seed])
                 cpu = [r.get("cpu_time", float("nan")) for r in lst]
@@ -257,7 +257,7 @@ def format_time_to_accuracy(tta: Sequence[Dict[str, Any]], levels: Sequence[floa
         recs = list(t["seeds"].values())
         n = len(recs)
 
-        def reached(key: str) -> str:
+        def reached(key: str, recs: List[Dict[str, Any]] = recs, n: int = n) -> str:
             k = sum(math.isfinite(r.get(key, float("nan"))) for r in recs)
             return "" if k == n else f" ({k}/{n})"
 
@@ -315,15 +315,17 @@ def load_note(rows: Sequence[Dict[str, Any]], threads: Optional[int] = None, cor
     if loads.mean() > cores:
         text += " The machine was oversubscribed (load above its cores): absolute times are inflated."
     if flags:
-        text += (" **Flag: the load changed notably during the run** (" + "; ".join(flags) + "). Methods trained interleaved epoch by "
-                 "epoch (--order interleaved, the default) still shared it alike; compare absolute times with care.")
+        text += (" **Flag: the load changed notably during the run** (" + "; ".join(flags) + "). Methods trained "
+                 "interleaved epoch by epoch (--order interleaved, the default) still shared it alike; compare "
+                 "absolute times with care.")
     return text
 
 
 # ==========================================================================
 # Figure
 # ==========================================================================
-def plot_metrics(rows: Sequence[Dict[str, Any]], path: str, title: str, methods: Optional[Sequence[str]] = None) -> None:
+def plot_metrics(rows: Sequence[Dict[str, Any]], path: str, title: str,
+                 methods: Optional[Sequence[str]] = None) -> None:
     """The paper's figure: test accuracy, kappa and rho against epoch, one line per method with a spread band.
 
     The band is +-1 standard deviation across seeds; with a single seed, kappa
@@ -334,14 +336,16 @@ def plot_metrics(rows: Sequence[Dict[str, Any]], path: str, title: str, methods:
     try:  # optional: in the 'experiment' extra
         import matplotlib
     except ImportError as exc:
-        raise ImportError("the figure needs matplotlib: pip install 'whitenlayers[experiment]' (or matplotlib)") from exc
+        raise ImportError(
+            "the figure needs matplotlib: pip install 'whitenlayers[experiment]' (or matplotlib)") from exc
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
     groups = _by_method(rows)
     methods = [m for m in (methods or METHODS) if m in groups] + [m for m in groups if m not in (methods or METHODS)]
     panels = [("test_acc", None, "test accuracy (%)", "Test accuracy"),
-              ("kappa_mean", "kappa_sem", r"normalised rank $\kappa = M_s / M$", r"Normalised rank $\kappa$ (higher: fuller rank)"),
+              ("kappa_mean", "kappa_sem", r"normalised rank $\kappa = M_s / M$",
+               r"Normalised rank $\kappa$ (higher: fuller rank)"),
               ("rho_mean", "rho_sem", r"whiteness $\rho$", r"Whiteness $\rho$ (1: uncorrelated)")]
     curves: Dict[str, Dict[str, Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]]] = {}
     for key, sem_key, _, _ in panels:
@@ -548,7 +552,8 @@ def prepare_out(cfg: RunConfig, ctx: Context, argv: Sequence[str]) -> None:
             git=git_state(),
             command=" ".join(["python -m whitenlayers.experiment"] + [shlex.quote(a) for a in argv]),
             world_size=ctx.world, device=str(ctx.device), threads=ctx.threads, torch=torch.__version__,
-            python=platform.python_version(), platform=platform.platform(), processor=platform.processor() or platform.machine(),
+            python=platform.python_version(), platform=platform.platform(),
+            processor=platform.processor() or platform.machine(),
             started=datetime.datetime.now().isoformat(timespec="seconds"),
         )
         with open(cfg_path, "w") as f:
