@@ -1,4 +1,4 @@
-"""Centring absorbed by a following BatchNorm (README, Conventions; issue 12, lever 1).
+"""Centring absorbed by a following BatchNorm (docs/conventions.md; issue 12, lever 1).
 
 A converted layer whose output feeds only a BatchNorm skips its centring offset
 while the BatchNorm normalises with batch statistics. These tests hold it to

@@ -1,6 +1,6 @@
 """The batched fold (one ``eigh`` per width for many EVD layers) equals folding each layer alone.
 
-Contract (README "Reproducibility"): a batched ``torch.linalg.eigh`` and one call per matrix are different
+Contract (docs/robustness.md, "What is bit-identical"): a batched ``torch.linalg.eigh`` and one call per matrix are different
 LAPACK code paths; libraries such as MKL pick kernels by CPU, batch shape and alignment, so they do not
 promise the same bits (measured: 1 ulp apart on an Intel Xeon, bit-equal on an AMD EPYC). The moments
 (``running_mean``, ``running_cov``) and everything derived from them alone (``bias_correction``, counters)

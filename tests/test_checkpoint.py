@@ -1,4 +1,4 @@
-"""Checkpoints, copies and pickles (issue 7; README "Robustness").
+"""Checkpoints, copies and pickles (issue 7; docs/robustness.md).
 
 * ``state_dict`` carries a version in its metadata and the partial block in
   ``_extra_state``; resuming from a checkpoint taken in the middle of a block

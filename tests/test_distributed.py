@@ -1,4 +1,4 @@
-"""Distributed correctness on 2 local gloo ranks (docs/PAPER.md "Conventions", README "Robustness", issue 7).
+"""Distributed correctness on 2 local gloo ranks (docs/PAPER.md "Conventions", docs/robustness.md, issue 7).
 
 Each rank gets a part of a global batch (parts of different sizes, an empty
 one included); the reference is one process that sees each whole global batch.

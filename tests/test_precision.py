@@ -1,4 +1,4 @@
-"""Mixed precision, GradScaler, torch.compile and determinism (issue 7; README "Robustness").
+"""Mixed precision, GradScaler, torch.compile and determinism (issue 7; docs/robustness.md).
 
 * Under ``torch.autocast`` the statistics, ``T`` and ``Q_s`` are computed and
   kept in float32: the same numbers as without autocast for the same layer
@@ -242,7 +242,7 @@ def test_compiled_resnet20_trains_like_eager(method):  # ~30 s each on 2 CPU cor
 
     model, n_breaks, n_graphs = compare_compiled_with_eager(make, steps=4, hw=16)
     assert len(whitening(model)) == 18
-    assert (n_breaks, n_graphs) == (0, 4)  # recorded in the README's Robustness section
+    assert (n_breaks, n_graphs) == (0, 4)  # recorded in docs/robustness.md
 
 
 # --------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""A converted model inside the training stacks people combine it with (README, "Works with").
+"""A converted model inside the training stacks people combine it with (docs/training.md, the "Works with" table).
 
 Each test is one row of that table: activation checkpointing (both kinds), gradient accumulation, EMA and
 weight averaging (``AveragedModel``, ``update_bn``, timm's ``ModelEmaV3``), state-dict consumers that expect

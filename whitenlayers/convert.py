@@ -912,8 +912,8 @@ def convert_model(
     ``T = Q_s = I``), so the converted model computes exactly the same
     function, in train and eval mode.
 
-    Centring absorbed by a BatchNorm (``grad`` / ``recursive``; README,
-    Conventions). With ``absorb_centring=True`` (the
+    Centring absorbed by a BatchNorm (``grad`` / ``recursive``; docs/conventions.md).
+    With ``absorb_centring=True`` (the
     default) every new layer whose output feeds a BatchNorm and nothing else
     (the rule of ``absorbing_batchnorms``: a ``torch.fx`` trace of the
     enclosing block's forward; in a ResNet every block conv, downsample convs

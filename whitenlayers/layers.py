@@ -39,7 +39,7 @@ The gradient transform then scales each output channel's weight gradient by
 its input channel's gain, which is what training on standardised inputs
 amounts to for a depthwise conv.
 
-Centring absorbed by a following BatchNorm (README, Conventions): after
+Centring absorbed by a following BatchNorm (docs/conventions.md): after
 ``layer.absorb_centring(bn)`` (which :func:`~whitenlayers.convert_model` calls
 where the output feeds a BatchNorm and nothing else) the layer skips the
 per-channel offset ``s = c - sum_k W_k mu`` whenever ``bn`` normalises with
@@ -291,7 +291,7 @@ class _GradWhitenMixin(WhiteningStatistics):
     def absorb_centring(self, batchnorm: Optional[_BatchNorm], parent: Optional[nn.Module] = None) -> None:
         """Let ``batchnorm``, which alone consumes this layer's output, absorb the centring; ``None`` undoes it.
 
-        README, Conventions, "Centring absorbed by a following BatchNorm". The layer computes
+        docs/conventions.md, "Centring absorbed by a following BatchNorm". The layer computes
         ``z = conv(x, W) + b`` (no centring offset ``s = c - sum_k W_k mu``)
         whenever ``batchnorm`` normalises with batch statistics (training
         mode, or no running statistics): the BatchNorm subtracts the batch
