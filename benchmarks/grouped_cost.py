@@ -16,7 +16,7 @@ jobs on a shared machine do not inflate; ``--clock wall`` for wall time.
   depthwise convolution's own forward.
 * **Training step** (forward, backward, SGD with momentum; default
   ``block_size=10``, folds amortised) of a MobileNetV2 inverted residual block
-  and of ``whitenlayers.models.mobilenet_like``, converted with
+  and of ``whitenlayers.testing.mobilenet_like``, converted with
   ``targets="all"``, as a ratio to the plain model; variants interleaved step
   by step, medians.
 
@@ -151,7 +151,7 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for name, build, shape in [
         ("inverted residual block, c=32, expand 6, (32, 32, 32, 32)", lambda: InvertedResidual(32), (32, 32, 32, 32)),
-        ("mobilenet_like(width=16), (32, 3, 64, 64)", lambda: wl.models.mobilenet_like(width=16), (32, 3, 64, 64)),
+        ("mobilenet_like(width=16), (32, 3, 64, 64)", lambda: wl.testing.mobilenet_like(width=16), (32, 3, 64, 64)),
     ]:
         ratios, plain = step_ratio(build, shape, args.repeats)
         print(f"| {name} | {1000 * plain:.1f} ms | {ratios['grad']:.2f}x | {ratios['recursive']:.2f}x | "

@@ -277,11 +277,11 @@ def self_test_models() -> Source:
     m = wl.models
     return [
         ("cifar_resnet20", lambda: m.resnet20(width=8), (4, 3, 16, 16)),
-        ("mobilenet_like", lambda: m.mobilenet_like(width=8), (4, 3, 32, 32)),
-        ("resnext_like (ResNeXt-50 layout)", lambda: m.resnext_like((3, 4, 6, 3), width=4), (4, 3, 32, 32)),
-        ("vit_like (nn.Linear attention)", lambda: m.vit_like(), (4, 3, 16, 16)),
-        ("vit_like (nn.MultiheadAttention)", lambda: m.vit_like(attention="mha"), (4, 3, 16, 16)),
-        ("hf_resnet_like (HF ResNet-50 layout)", lambda: m.hf_resnet_like((3, 4, 6, 3)), (4, 3, 32, 32)),
+        ("mobilenet_like", lambda: wl.testing.mobilenet_like(width=8), (4, 3, 32, 32)),
+        ("resnext_like (ResNeXt-50 layout)", lambda: wl.testing.resnext_like((3, 4, 6, 3), width=4), (4, 3, 32, 32)),
+        ("vit_like (nn.Linear attention)", lambda: wl.testing.vit_like(), (4, 3, 16, 16)),
+        ("vit_like (nn.MultiheadAttention)", lambda: wl.testing.vit_like(attention="mha"), (4, 3, 16, 16)),
+        ("hf_resnet_like (HF ResNet-50 layout)", lambda: wl.testing.hf_resnet_like((3, 4, 6, 3)), (4, 3, 32, 32)),
     ]
 
 

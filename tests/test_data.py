@@ -1,4 +1,4 @@
-"""Tests of the runner's datasets and loaders (whitenlayers.data).
+"""Tests of the runner's datasets and loaders (whitenlayers.experiment.data).
 
 Covered: the stratified split, the mnist5k bundle, the rank-sharded in-memory
 loader, augmentation, the CIFAR archive reader, the ImageFolder-style loader
@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from whitenlayers.data import (
+from whitenlayers.experiment.data import (
     DataBundle,
     ImageLoader,
     TensorData,

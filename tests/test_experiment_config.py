@@ -18,7 +18,7 @@ import pytest
 from whitenlayers import experiment as ex
 from whitenlayers.config import EVDConfig, RecursiveConfig
 from whitenlayers.convert import whitening_layers
-from whitenlayers.data import load_synthetic
+from whitenlayers.experiment.data import load_synthetic
 from whitenlayers.experiment.config import METHOD_REGISTRY, RunConfig, fingerprint
 from whitenlayers.experiment.engine import Run
 

@@ -1,7 +1,7 @@
 """Model families beyond ResNet (issue 14): targets, the conversion report, messages, converting again.
 
 CI has no torchvision, timm or transformers: the models are the stand-ins of
-:mod:`whitenlayers.models` with the real ones' structure and class names
+:mod:`whitenlayers.testing` with the real ones' structure and class names
 (MobileNetV2's inverted residual blocks, ResNeXt's grouped bottlenecks, a ViT
 with ``nn.Linear`` attention or ``nn.MultiheadAttention``, Hugging Face's
 ``ResNetBottleNeckLayer``). ``docs/coverage.py`` runs the same checks on every
@@ -19,7 +19,7 @@ import torch.nn.functional as Fn
 from torch import nn
 
 import whitenlayers as wl
-from whitenlayers import models
+from whitenlayers import models, testing
 
 METHODS = ["grad", "recursive", "direct"]
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,11 +35,11 @@ def _single_thread():
 
 FAMILIES = {
     # name: (builder, input size, converted with default targets, converted with targets="all", grouped (all))
-    "mobilenet": (lambda: models.mobilenet_like(width=4), 32, 0, 15, 5),
-    "resnext": (lambda: models.resnext_like(width=4), 32, 16, 16, 4),
-    "vit": (lambda: models.vit_like(), 16, 0, 8, 0),
-    "vit-mha": (lambda: models.vit_like(attention="mha"), 16, 0, 4, 0),
-    "hf-resnet": (lambda: models.hf_resnet_like((1, 1, 1, 1)), 32, 16, 16, 0),
+    "mobilenet": (lambda: testing.mobilenet_like(width=4), 32, 0, 15, 5),
+    "resnext": (lambda: testing.resnext_like(width=4), 32, 16, 16, 4),
+    "vit": (lambda: testing.vit_like(), 16, 0, 8, 0),
+    "vit-mha": (lambda: testing.vit_like(attention="mha"), 16, 0, 4, 0),
+    "hf-resnet": (lambda: testing.hf_resnet_like((1, 1, 1, 1)), 32, 16, 16, 0),
 }
 
 
@@ -89,7 +89,7 @@ def test_family_converts_keeps_function_trains_and_exports_exactly(family, metho
 
 
 def test_resnext50_standin_converts_all_52_block_convs_by_default():
-    model = models.resnext_like((3, 4, 6, 3), width=4, groups=4, width_per_group=2)
+    model = testing.resnext_like((3, 4, 6, 3), width=4, groups=4, width_per_group=2)
     wl.convert_model(model)
     layers = wl.whitening_layers(model)
     assert len(layers) == 52
@@ -99,17 +99,17 @@ def test_resnext50_standin_converts_all_52_block_convs_by_default():
 
 
 def test_hugging_face_resnet50_standin_converts_52_by_default():
-    model = models.hf_resnet_like((3, 4, 6, 3))
+    model = testing.hf_resnet_like((3, 4, 6, 3))
     names = [n for n, _ in wl.whitening_layers(wl.convert_model(model))]
     assert len(names) == 52
     assert sum(n.endswith("shortcut.convolution") for n in names) == 4
     assert "resnet.embedder.embedder.convolution" not in names  # the stem
-    basic = wl.convert_model(models.hf_resnet_like((2, 2, 2, 2), layer_type="basic"))
+    basic = wl.convert_model(testing.hf_resnet_like((2, 2, 2, 2), layer_type="basic"))
     assert len(wl.whitening_layers(basic)) == 16 + 3  # ResNetBasicLayer blocks: ResNet-18's layout
 
 
 def test_include_stem_and_classifier():
-    model = models.mobilenet_like(width=4)
+    model = testing.mobilenet_like(width=4)
     stem, head = "features.0.0", "classifier.1"
     rep = wl.conversion_report(model, targets="all")
     assert stem not in rep.converted and head not in rep.converted
@@ -118,12 +118,12 @@ def test_include_stem_and_classifier():
     assert stem in rep.converted and head in rep.converted and len(rep.converted) == 17
     rep = wl.conversion_report(models.resnet20(), include_stem=True, include_classifier=True)  # blocks + both
     assert len(rep.converted) == 20 and {"conv1", "fc"} <= set(rep.converted)
-    rep = wl.conversion_report(models.vit_like(), targets="all", include_linear=False)
+    rep = wl.conversion_report(testing.vit_like(), targets="all", include_linear=False)
     assert rep.converted == [] and "include_linear=False" in rep.skipped["blocks.0.mlp.0"]
 
 
 def test_report_lists_every_layer_with_a_reason():
-    model = models.vit_like(attention="mha")
+    model = testing.vit_like(attention="mha")
     with pytest.warns(UserWarning, match=r"left out 2 layer\(s\).*'blocks\.0\.attn\.attn' \(nn\.MultiheadAttention"):
         _, rep = wl.convert_model(model, targets="all", report=True)
     names = [d.name for d in rep.decisions]
@@ -156,7 +156,7 @@ def test_no_word_is_missing_when_nothing_is_converted():
     assert [n for n, _ in wl.whitening_layers(model)] == ["1.dw"]
 
     with pytest.warns(UserWarning) as rec:
-        wl.convert_model(models.mobilenet_like(width=4), predicate=lambda n, m: False)
+        wl.convert_model(testing.mobilenet_like(width=4), predicate=lambda n, m: False)
     msg = str(rec[0].message)
     assert "the predicate selected none of the 16 layer(s)" in msg and "pass block_types or a predicate" not in msg
 
@@ -260,7 +260,7 @@ def test_layers_used_without_being_called_are_found():
         for _ in range(12):
             model(torch.randn(5, 4)).sum().backward()
     # the probe forward changes nothing: training flags and BatchNorm statistics are kept
-    net = models.mobilenet_like(width=4).train()
+    net = testing.mobilenet_like(width=4).train()
     before = copy.deepcopy(net.state_dict())
     rep = wl.conversion_report(net, targets="all", example_input=torch.randn(2, 3, 16, 16))
     assert net.training and all(torch.equal(v, net.state_dict()[k]) for k, v in before.items())
@@ -340,7 +340,7 @@ def test_absorbed_centring_of_grouped_and_conv1d_layers_trains_like_centred(meth
 
     def make(absorb):
         torch.manual_seed(0)
-        model = nn.ModuleDict({"cnn": models.mobilenet_like(width=4), "seq": Audio()}).double()
+        model = nn.ModuleDict({"cnn": testing.mobilenet_like(width=4), "seq": Audio()}).double()
         wl.convert_model(model["cnn"], method, targets="all", block_size=2, absorb_centring=absorb)
         wl.convert_model(model["seq"], method, predicate=lambda n, m: True, block_size=2, absorb_centring=absorb)
         return model

@@ -424,7 +424,7 @@ def test_grouped_diagnostics_plain_and_converted_line_up():
 
     def make():
         torch.manual_seed(0)
-        return wl.models.mobilenet_like(width=4)
+        return wl.testing.mobilenet_like(width=4)
 
     data = [torch.randn(4, 3, 16, 16) for _ in range(2)]
     plain = wl.collect_diagnostics(make(), data, targets="all")

@@ -31,10 +31,10 @@ import numpy as np
 import pytest
 import torch
 
-from whitenlayers import _safe_io, data
+from whitenlayers.experiment import _safe_io, data
 from whitenlayers import experiment as ex
-from whitenlayers._safe_io import UnsafeFileError
-from whitenlayers.data import load_dataset
+from whitenlayers.experiment._safe_io import UnsafeFileError
+from whitenlayers.experiment.data import load_dataset
 
 
 class Touch:

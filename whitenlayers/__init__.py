@@ -6,7 +6,7 @@ Drop-in layers that whiten the inputs of convolutions, either directly
 Markovich-Golan, Battash and Bleiweiss, "Feature Whitening via Gradient
 Transformation for Improved Convergence".
 """
-from . import config, functional, models
+from . import config, functional, models, testing
 from .config import EVDConfig, RecursiveConfig
 from .convert import (
     ConversionReport,
@@ -63,4 +63,5 @@ __all__ = [
     "collect_diagnostics",
     "layer_diagnostics",
     "models",
+    "testing",
 ]

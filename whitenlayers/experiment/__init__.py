@@ -52,7 +52,7 @@ loaders, train and test loops, :class:`Run`, :func:`run`),
 :mod:`~whitenlayers.experiment.checkpoint`,
 :mod:`~whitenlayers.experiment.report` (CSV, summary, figure) and
 :mod:`~whitenlayers.experiment.cli` (:func:`main`). The data loaders are in
-:mod:`whitenlayers.data`.
+:mod:`whitenlayers.experiment.data`.
 """
 from .cli import main
 from .config import (

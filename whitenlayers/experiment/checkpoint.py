@@ -15,7 +15,7 @@ from typing import Any, Dict, Optional
 import numpy as np
 import torch
 
-from .._safe_io import load_checkpoint, numpy_rng_from_plain, numpy_rng_to_plain, save_checkpoint
+from ._safe_io import load_checkpoint, numpy_rng_from_plain, numpy_rng_to_plain, save_checkpoint
 from .context import Context
 
 __all__ = ["checkpoint_path", "rng_state", "set_rng_state"]

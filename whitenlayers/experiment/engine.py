@@ -26,11 +26,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .. import models
 from ..convert import whitening_layers
-from ..data import DataBundle, ImageLoader, TensorLoader, load_dataset
 from ..diagnostics import collect_diagnostics
 from . import checkpoint
 from .config import METHOD_LABELS, METHOD_REGISTRY, RunConfig, fingerprint, layer_kwargs, model_spec
 from .context import Context
+from .data import DataBundle, ImageLoader, TensorLoader, load_dataset
 from .report import (
     format_epoch_line,
     format_summary,

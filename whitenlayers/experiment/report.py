@@ -20,9 +20,9 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, cast
 import numpy as np
 import torch
 
-from ..data import DATASET_LABELS
 from .config import METHOD_COLORS, METHOD_LABELS, METHODS, RunConfig, fingerprint, model_spec
 from .context import Context
+from .data import DATASET_LABELS
 
 __all__ = ["CSV_FIELDS", "TIME_FIELDS", "write_metrics", "read_metrics", "summarize", "format_summary",
            "time_to_accuracy", "format_time_to_accuracy", "load_note",

@@ -1,6 +1,6 @@
 """Reading files that may come from elsewhere without running code from them.
 
-Used by :mod:`whitenlayers.data` (CIFAR archives) and the experiment runner
+Used by :mod:`whitenlayers.experiment.data` (CIFAR archives) and the experiment runner
 (checkpoints). Nothing here is part of the public API.
 
 * :func:`unpickle_cifar` reads one CIFAR python batch with a restricted
