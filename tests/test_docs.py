@@ -63,10 +63,10 @@ def test_every_equation_of_the_paper_has_a_row():
 def test_function_index_names_existing_code():
     text = PAPER.read_text()
     index = text[text.index("## Function index"):]
-    rows = re.findall(r"^\| (`.*?) \| \[`(\w+)\.py`\]", index, flags=re.M)
+    rows = re.findall(r"^\| (`.*?) \| \[`([\w/]+)\.py`\]", index, flags=re.M)
     assert len(rows) >= 20
     for names, module in rows:
-        mod = importlib.import_module(f"whitenlayers.{module}")
+        mod = importlib.import_module("whitenlayers." + module.replace("/__init__", "").replace("/", "."))
         for name in re.findall(r"`(\w+)`", names):
             assert hasattr(mod, name), (module, name)
 

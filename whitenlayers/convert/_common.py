@@ -1,0 +1,109 @@
+"""What the conversion modules share: block names, layer classes by method, hook names, the direct wrapper."""
+from __future__ import annotations
+
+from typing import (
+    TYPE_CHECKING,
+    Callable,
+    Iterable,
+    List,
+    Sequence,
+    Tuple,
+    Union,
+)
+
+from torch import Tensor, nn
+
+from ..fold import FoldCoordinator
+from ..layers import (
+    DirectWhiten,
+    GradWhitenConv1d,
+    GradWhitenConv2d,
+    GradWhitenConv3d,
+    GradWhitenLinear,
+    RecursiveWhitenConv1d,
+    RecursiveWhitenConv2d,
+    RecursiveWhitenConv3d,
+    RecursiveWhitenLinear,
+)
+from ..stats import WhiteningStatistics
+
+if TYPE_CHECKING:  # pragma: no cover
+    pass
+
+#: Class names of the residual blocks whose convolutions are converted by default: ``BasicBlock`` and
+#: ``Bottleneck`` (torchvision's, timm's and most CIFAR ResNets'), and Hugging Face transformers' ResNet blocks
+#: ``ResNetBasicLayer`` and ``ResNetBottleNeckLayer``. A module is a block when its class or a base class has one
+#: of these names.
+DEFAULT_BLOCK_TYPES: Tuple[str, ...] = ("BasicBlock", "Bottleneck", "ResNetBasicLayer", "ResNetBottleNeckLayer")
+
+Predicate = Callable[[str, nn.Module], bool]
+BlockTypes = Union[str, type, Sequence[Union[str, type]]]
+
+_METHODS = ("grad", "recursive", "direct")
+_GRAD_CLASSES = {
+    "grad": (GradWhitenConv2d, GradWhitenLinear),
+    "recursive": (RecursiveWhitenConv2d, RecursiveWhitenLinear),
+}
+_CONVND_CLASSES = {
+    "grad": {nn.Conv1d: GradWhitenConv1d, nn.Conv3d: GradWhitenConv3d},
+    "recursive": {nn.Conv1d: RecursiveWhitenConv1d, nn.Conv3d: RecursiveWhitenConv3d},
+}
+# Hook dictionaries of nn.Module that fire when the module is called.
+_CALL_HOOKS = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_is_full_backward_hook",
+)
+_STATE_HOOKS = ("_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+                "_load_state_dict_post_hooks")
+
+
+class DirectWhitened(nn.Module):
+    """``layer(whiten(x))``: a :class:`~whitenlayers.DirectWhiten` in front of a conv or linear layer.
+
+    What ``convert_model(..., method="direct")`` puts in place of a target.
+    ``layer`` is the original module object (same Parameters, same
+    state-dict hooks); the forward/backward hooks that were registered on it
+    are moved to this wrapper, so they see the same input and output as
+    before the conversion.
+    """
+
+    def __init__(self, whiten: DirectWhiten, layer: nn.Module) -> None:
+        super().__init__()
+        self.whiten = whiten
+        self.layer = layer
+
+    def forward(self, x: Tensor) -> Tensor:
+        if isinstance(self.layer, nn.Linear) and x.dim() != 2:
+            # A linear layer acts on the last dim: whiten the (N, C) rows of x (statistics over all leading dims).
+            return self.layer(self.whiten(x.reshape(-1, x.shape[-1])).reshape(x.shape))
+        return self.layer(self.whiten(x))
+
+
+def _is_whitening(m: nn.Module) -> bool:
+    return isinstance(m, (WhiteningStatistics, DirectWhitened))
+
+
+def _share_hooks(src: nn.Module, dst: nn.Module, names: Iterable[str], move: bool = False) -> None:
+    """Give ``dst`` the very hook dictionaries of ``src`` (existing handles keep working)."""
+    for attr in names:
+        if hasattr(src, attr):
+            d = getattr(src, attr)
+            setattr(dst, attr, d)
+            if move:
+                setattr(src, attr, type(d)() if isinstance(d, dict) else None)
+
+
+def _coordinators(module: nn.Module) -> List[Tuple[int, FoldCoordinator]]:
+    return [(k, h) for k, h in module._forward_hooks.items() if isinstance(h, FoldCoordinator)]
+
+
+def _remove_coordinators(module: nn.Module) -> None:
+    for key, _ in _coordinators(module):
+        for attr in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
+            getattr(module, attr, {}).pop(key, None)

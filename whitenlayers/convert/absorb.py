@@ -1,0 +1,121 @@
+"""Which BatchNorm absorbs a layer's centring: a ``torch.fx`` trace of the enclosing block."""
+from __future__ import annotations
+
+import warnings
+from typing import (
+    TYPE_CHECKING,
+    Dict,
+    Optional,
+    Sequence,
+    Tuple,
+    cast,
+)
+
+import torch
+import torch.fx
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ._common import _is_whitening
+
+if TYPE_CHECKING:  # pragma: no cover
+    pass
+
+# --------------------------------------------------------------------------
+# Centring absorbed by a following BatchNorm: which targets feed only a BatchNorm
+# --------------------------------------------------------------------------
+class _DataflowTracer(torch.fx.Tracer):
+    """torch.fx tracer that keeps the targets (and whitening layers) as leaves, so their calls show as nodes."""
+
+    def __init__(self, leaves: set) -> None:
+        super().__init__()
+        self._leaves = leaves
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return id(m) in self._leaves or _is_whitening(m) or super().is_leaf_module(m, module_qualified_name)
+
+
+def _absorbing_batchnorm_ok(layer: nn.Module, bn: nn.Module) -> bool:
+    if isinstance(layer, nn.modules.conv._ConvNd):
+        batchnorm = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}[len(layer.kernel_size)]
+        kinds: Tuple[type, ...] = (batchnorm, nn.SyncBatchNorm)
+        features = layer.out_channels
+    else:
+        kinds = (nn.BatchNorm1d, nn.SyncBatchNorm)
+        features = cast(nn.Linear, layer).out_features
+    return (isinstance(bn, kinds) and isinstance(bn, _BatchNorm) and bn.num_features == features
+            and not bn._forward_pre_hooks and not getattr(bn, "_forward_pre_hooks_with_kwargs", None))
+
+
+def absorbing_batchnorms(
+    model: nn.Module, targets: Sequence[Tuple[str, nn.Module]]
+) -> Dict[int, Tuple[nn.Module, nn.Module]]:
+    """For each target whose output feeds one BatchNorm and nothing else: ``id(target) -> (BatchNorm, its parent)``.
+
+    The rule (conservative; anything else is left centred): the dataflow of
+    the forward of the target's parent module is traced with ``torch.fx``
+    (the targets kept as leaf modules; if the parent returns the target's
+    output unchanged, the grandparent's forward is traced, and so on). The
+    target must be called exactly once there, and its output's only user must
+    be one call of a ``BatchNorm2d`` (``BatchNorm1d`` for a linear target) or
+    ``SyncBatchNorm`` module with as many features, taking that output as its
+    only argument and called once in that forward. The target and the
+    BatchNorm must each sit at one place in the model, the target must have
+    no forward hooks (they could change its output) and the BatchNorm no
+    forward pre-hooks; a BatchNorm absorbs at most one target. A forward that
+    ``torch.fx`` cannot trace (data-dependent control flow) absorbs nothing.
+    Whether the BatchNorm is in training mode is checked at every forward by
+    the layer itself, not here.
+    """
+    places: Dict[int, int] = {}
+    for _, m in model.named_modules(remove_duplicate=False):
+        places[id(m)] = places.get(id(m), 0) + 1
+    leaves = {id(m) for _, m in targets}
+    graphs: Dict[str, Optional[torch.fx.Graph]] = {}
+
+    def graph_of(path: str) -> Optional[torch.fx.Graph]:
+        if path not in graphs:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    graphs[path] = _DataflowTracer(leaves).trace(model.get_submodule(path))
+            except Exception:  # untraceable forward: nothing absorbed there
+                graphs[path] = None
+        return graphs[path]
+
+    found: Dict[int, Tuple[nn.Module, nn.Module]] = {}
+    claims: Dict[int, int] = {}
+    for name, layer in targets:
+        if not name or places.get(id(layer), 0) != 1 or layer._forward_hooks:
+            continue
+        if getattr(layer, "_forward_hooks_with_kwargs", None) or getattr(layer, "_forward_hooks_always_called", None):
+            continue
+        parts = name.split(".")
+        for depth in range(len(parts) - 1, -1, -1):
+            anc, rel = ".".join(parts[:depth]), ".".join(parts[depth:])
+            graph = graph_of(anc)
+            if graph is None:
+                break
+            calls = [n for n in graph.nodes if n.op == "call_module" and n.target == rel]
+            if not calls:
+                continue  # called from further up, or not at all
+            if len(calls) > 1:
+                break
+            node = calls[0]
+            users = list(node.users)
+            if len(users) != 1:
+                break
+            user = users[0]
+            if user.op == "output" and user.args == (node,):
+                continue  # returned unchanged: its consumer is in the caller's forward
+            if user.op != "call_module" or user.args != (node,) or user.kwargs:
+                break
+            if sum(1 for n in graph.nodes if n.op == "call_module" and n.target == user.target) != 1:
+                break
+            path = f"{anc}.{user.target}" if anc else str(user.target)
+            bn = model.get_submodule(path)
+            if places.get(id(bn), 0) == 1 and _absorbing_batchnorm_ok(layer, bn):
+                found[id(layer)] = (bn, model.get_submodule(path.rpartition(".")[0]))
+                claims[id(bn)] = claims.get(id(bn), 0) + 1
+            break
+    return {k: v for k, v in found.items() if claims[id(v[0])] == 1}

@@ -1,0 +1,336 @@
+"""Taking the whitening out again: :func:`export_model`, plain checkpoints in and out."""
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Dict,
+    List,
+    NamedTuple,
+    Optional,
+    cast,
+)
+
+import torch
+import torch.fx
+from torch import nn
+
+from .. import functional as F_w
+from ..autograd import _transform_mean
+from ..layers import (
+    GRAD_LAYER_TYPES,
+    GradWhitenLinear,
+)
+from ..stats import WhiteningStatistics
+from ._common import _CALL_HOOKS, _STATE_HOOKS, DirectWhitened, _is_whitening, _remove_coordinators, _share_hooks
+from .targets import whitening_layers
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.nn.modules.conv import _ConvNd
+
+    from ..layers import _GradWhitenMixin
+
+# --------------------------------------------------------------------------
+# export_model
+# --------------------------------------------------------------------------
+def _plain_conv_class(conv: "_ConvNd") -> type:
+    return {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[len(conv.kernel_size)]
+
+
+def _zero_padding(conv: "_ConvNd") -> bool:
+    pad = getattr(conv, "_reversed_padding_repeated_twice", None)
+    if pad is None:
+        return conv.padding == "valid" or all(p == 0 for p in conv.padding)
+    return all(p == 0 for p in pad)
+
+
+@torch.no_grad()
+def _export_direct(wrapper: DirectWhitened) -> nn.Module:
+    layer: Any  # a conv (any dimension) or linear layer: the code reads the attributes of its kind
+    whiten, layer = wrapper.whiten, wrapper.layer
+    t = whiten.whitening_matrix.to(torch.float64)
+    mu = whiten.running_mean.to(torch.float64)
+    w = layer.weight
+    b64 = layer.bias.to(torch.float64) if layer.bias is not None else None
+    conv = not isinstance(layer, nn.Linear)
+    if conv and not _zero_padding(layer):
+        # conv(pad(T (x - mu))) != conv(pad(x)) with any constant bias at the border: keep a 1x1 whitening conv
+        # (grouped like T: one k x k block per group).
+        m, groups = whiten.num_features, whiten.groups
+        pre = _plain_conv_class(layer)(m, m, 1, groups=groups, bias=True, device=w.device, dtype=w.dtype)
+        pre.weight.copy_(t.reshape((m, m // groups) + (1,) * len(layer.kernel_size)))
+        pre.bias.copy_(-_transform_mean(t, mu))
+        pre.weight.requires_grad_(w.requires_grad)
+        out: Any = nn.Sequential(pre, layer)  # or (below) the plain conv or linear layer
+    else:
+        # layer(T (x - mu)) = layer(x; W T) - sum_k (W T)_k mu: exact for unpadded convs and linear layers.
+        if t.dim() == 3:  # grouped: W_g T_g per group of output channels
+            g = t.shape[0]
+            w64 = w.to(torch.float64)
+            wt = torch.einsum("gsi...,gij->gsj...", w64.reshape((g, w.shape[0] // g) + tuple(w.shape[1:])), t)
+            wt = wt.reshape(w.shape)
+            offset = F_w.weight_mean_product(wt, mu)
+        else:
+            wt = torch.einsum("oi...,ij->oj...", w.to(torch.float64), t)
+            offset = wt.reshape(wt.shape[0], wt.shape[1], -1).sum(-1) @ mu
+        bias = (b64 if b64 is not None else torch.zeros_like(offset)) - offset
+        if conv:
+            out = _plain_conv_class(layer)(
+                layer.in_channels, layer.out_channels, layer.kernel_size, stride=layer.stride,
+                padding=layer.padding, dilation=layer.dilation, groups=layer.groups, bias=True,
+                padding_mode=layer.padding_mode, device=w.device, dtype=w.dtype)
+        else:
+            out = nn.Linear(layer.in_features, layer.out_features, bias=True, device=w.device, dtype=w.dtype)
+        out.weight.copy_(wt)
+        out.bias.copy_(bias)
+        out.weight.requires_grad_(w.requires_grad)
+        _share_hooks(layer, out, _STATE_HOOKS)
+    _share_hooks(wrapper, out, _CALL_HOOKS)
+    out.train(wrapper.training)
+    return out
+
+
+@torch.no_grad()
+def _export_absorbed(layer: Any) -> nn.Module:  # a grad layer (conv of any dimension or linear)
+    """A layer whose centring its BatchNorm absorbs: the plain layer with the original keys, ``s - d`` moved into
+    the BatchNorm's ``running_mean`` (exact: the BatchNorm subtracts it; in training mode it removes any offset)."""
+    w = layer.weight
+    has_bias = layer.bias is not None
+    if not isinstance(layer, nn.Linear):
+        out: Any = _plain_conv_class(layer)(  # the plain conv, or (below) linear layer
+            layer.in_channels, layer.out_channels, layer.kernel_size, stride=layer.stride, padding=layer.padding,
+            dilation=layer.dilation, groups=layer.groups, bias=has_bias, padding_mode=layer.padding_mode,
+            device=w.device, dtype=w.dtype,
+        )
+    else:
+        out = nn.Linear(layer.in_features, layer.out_features, bias=has_bias, device=w.device, dtype=w.dtype)
+    out.weight.copy_(w)
+    out.weight.requires_grad_(w.requires_grad)
+    if has_bias:
+        out.bias.copy_(layer.bias)
+        out.bias.requires_grad_(layer.bias.requires_grad)
+    bn = layer._absorbing_bn()
+    if bn.running_mean is not None:
+        shift = layer._skipped_offset(w.detach().to(torch.float64)) - layer.absorbed_offset.to(torch.float64)
+        bn.running_mean.copy_((bn.running_mean.to(torch.float64) - shift).to(bn.running_mean.dtype))
+    out.train(layer.training)
+    return out
+
+
+def _export_one(module: nn.Module) -> Optional[nn.Module]:
+    if isinstance(module, DirectWhitened):
+        return _export_direct(module)
+    if isinstance(module, GRAD_LAYER_TYPES):
+        if module.centring == "absorbed" and module._absorbing_bn() is not None:
+            out = _export_absorbed(module)
+        elif isinstance(module, GradWhitenLinear):
+            out = module.to_linear()
+        else:
+            out = module.to_conv()
+        _share_hooks(module, out, _CALL_HOOKS + _STATE_HOOKS)
+        return out
+    return None
+
+
+def export_model(model: nn.Module) -> nn.Module:
+    """Fold the whitening out of ``model``, in place; returns the plain model.
+
+    * Every grad / recursive layer that centres its input becomes a plain
+      ``nn.Conv2d`` / ``nn.Linear`` (:meth:`~whitenlayers.GradWhitenConv2d.to_conv`):
+      same weight, the running mean folded into the bias. Outputs are
+      identical; the layer always has a bias afterwards (``bias - sum_k W_k mu``,
+      plus the bias compensation of a bias-free layer).
+    * A grad / recursive layer whose centring a following BatchNorm absorbs
+      (``layer.centring == "absorbed"``, the default of :func:`convert_model`
+      where the output feeds only a BatchNorm) becomes the plain layer with
+      the original's bias setting (bias-free stays bias-free), and its offset
+      (``s - d``, see :meth:`~whitenlayers.GradWhitenConv2d.absorb_centring`)
+      is subtracted from that BatchNorm's ``running_mean`` (computed in
+      float64): exact in eval mode, and in training mode the BatchNorm
+      removes any offset anyway. The export then has the state-dict keys of
+      the original architecture.
+    * Every ``direct`` wrapper :class:`DirectWhitened` becomes, when exact,
+      one plain layer with weight ``W T`` and bias ``b - sum_k (W T)_k mu``:
+      always for ``nn.Linear``, and for an ``nn.Conv2d`` without padding
+      (1x1 downsample convs). A padded conv cannot absorb ``T`` and ``mu``
+      (its zero border would have to be ``-T mu``), so it becomes
+      ``nn.Sequential(Conv2d(C, C, 1) with weight T and bias -T mu, conv)``:
+      exact, plain PyTorch, but with the extra 1x1 conv the direct method
+      costs anyway. State-dict keys there are ``name.0.*`` and ``name.1.*``.
+    * A bare :class:`~whitenlayers.DirectWhiten` not created by
+      :func:`convert_model` is left alone.
+
+    The new modules have new Parameters (an optimizer must be rebuilt), the
+    original training flag and the call hooks of the replaced module. The
+    :class:`~whitenlayers.fold.FoldCoordinator` hooks are removed. A partial block
+    and the whitening state are dropped: the export computes what the
+    converted model computes in eval mode now. A whitening layer passed as
+    ``model`` is returned exported.
+    """
+    out = _export_one(model)
+    if out is not None:
+        return out
+    done: Dict[int, nn.Module] = {}
+    for parent in list(model.modules()):
+        if _is_whitening(parent):
+            continue
+        for child_name, child in list(parent._modules.items()):
+            if child is None:
+                continue
+            if id(child) not in done:
+                new = _export_one(child)
+                if new is None:
+                    continue
+                done[id(child)] = new
+            setattr(parent, child_name, done[id(child)])
+    for m in model.modules():
+        _remove_coordinators(m)
+    return model
+
+
+# --------------------------------------------------------------------------
+# Checkpoints
+# --------------------------------------------------------------------------
+class _LoadResult(NamedTuple):
+    missing_keys: List[str]
+    unexpected_keys: List[str]
+
+
+def _positions(model: nn.Module) -> Dict[str, nn.Module]:
+    """Qualified name -> grad/recursive layer or DirectWhitened wrapper."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, GRAD_LAYER_TYPES + (DirectWhitened,))}
+
+
+@torch.no_grad()
+def _reset_to_identity(layer: WhiteningStatistics) -> None:
+    """The state right after conversion: ``mu = 0``, ``T = Q_s = I``, no blocks, no bias compensation."""
+    layer.reset_running_stats()  # keeps the function through bias_correction, zeroed next (a fold never writes a bias)
+    if getattr(layer, "bias_correction", None) is not None:
+        cast("_GradWhitenMixin", layer).bias_correction.zero_()
+    absorbed = getattr(layer, "_buffers", {}).get("absorbed_offset")
+    if absorbed is not None:
+        absorbed.zero_()  # the checkpoint's BatchNorm running mean is the plain model's: d = 0
+
+
+def load_plain_state_dict(model: nn.Module, state_dict: Dict[str, Any], strict: bool = True) -> _LoadResult:
+    """Load a checkpoint of the *unconverted* architecture into a converted ``model``.
+
+    Keys are translated (``name.weight`` -> ``name.layer.weight`` for a
+    ``direct`` wrapper; for a bias-free grad/recursive layer an incoming
+    ``name.bias``, as written by :func:`plain_state_dict`, goes to its
+    ``bias_correction``), every whitening layer is reset to the identity state
+    of a fresh conversion (``mu = 0``, ``T = Q_s = I``, no blocks, no partial
+    block), and the parameters and other buffers are loaded. The converted
+    model then computes exactly what the plain model with that checkpoint
+    computes. With ``strict`` a key of the checkpoint that has no place, or a
+    key of the model that the checkpoint lacks (the whitening state aside),
+    raises ``RuntimeError`` before anything is changed. Returns
+    ``(missing_keys, unexpected_keys)`` like ``load_state_dict``.
+
+    Example:
+        >>> import torch, whitenlayers as wl
+        >>> plain = wl.models.resnet20()
+        >>> model = wl.convert_model(wl.models.resnet20(), method="direct")
+        >>> wl.load_plain_state_dict(model, plain.state_dict())
+        _LoadResult(missing_keys=[], unexpected_keys=[])
+    """
+    positions = _positions(model)
+    translated: Dict[str, Any] = {}
+    key_map: Dict[str, str] = {}
+    for key, value in state_dict.items():
+        new_key = key
+        head, _, leaf = key.rpartition(".")
+        pos = positions.get(head)
+        if isinstance(pos, DirectWhitened):
+            new_key = f"{head}.layer.{leaf}"
+        elif pos is not None and leaf == "bias" and pos.bias is None:
+            new_key = f"{head}.bias_correction"
+        translated[new_key] = value
+        key_map[key] = new_key
+    whitening_state = set()
+    for name, layer in whitening_layers(model):
+        prefix = f"{name}." if name else ""
+        for key in cast(nn.Module, layer).state_dict().keys():
+            if key not in ("weight", "bias", "bias_correction"):
+                whitening_state.add(prefix + key)
+        if getattr(layer, "bias_correction", None) is not None:
+            whitening_state.add(prefix + "bias_correction")  # zero when the checkpoint has no bias
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        translated = OrderedDict(translated)
+        translated._metadata = OrderedDict(  # type: ignore[attr-defined]
+            (f"{k}.layer" if isinstance(positions.get(k), DirectWhitened) else k, v) for k, v in metadata.items()
+        )
+    model_keys = set(model.state_dict().keys())
+    missing = sorted(k for k in model_keys - set(translated) if k not in whitening_state)
+    unexpected = sorted(k for k, new_key in key_map.items() if new_key not in model_keys)
+    if strict and (missing or unexpected):
+        raise RuntimeError(
+            "load_plain_state_dict: checkpoint does not match the model: "
+            f"missing keys {missing}, unexpected keys {unexpected}"
+        )
+    for _, layer in whitening_layers(model):
+        _reset_to_identity(layer)
+    for key in [k for k in translated if k not in model_keys]:
+        del translated[key]
+    model.load_state_dict(translated, strict=False)
+    return _LoadResult(missing, unexpected)
+
+
+def _not_original(model: nn.Module) -> Dict[str, str]:
+    """Qualified name -> why the original architecture cannot hold that converted layer's current function."""
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, DirectWhitened):
+            layer = module.layer
+            if not isinstance(layer, nn.Linear) and not _zero_padding(cast("_ConvNd", layer)):
+                out[name] = ("a padded direct conv: its zero border would have to be -T mu, so it exports as "
+                             "Sequential(1x1 whitening conv, conv)")
+        elif isinstance(module, GRAD_LAYER_TYPES) and module.bias is None:
+            if not (module.centring == "absorbed" and module._absorbing_bn() is not None):
+                out[name] = "a bias-free layer that centres its input: the centring needs a bias the original lacks"
+    return out
+
+
+def plain_state_dict(model: nn.Module, strict: bool = True) -> Dict[str, Any]:
+    """The converted ``model``'s current function as a checkpoint of the original architecture (no whitening state).
+
+    It is ``export_model(copy.deepcopy(model)).state_dict()`` (see
+    :func:`export_model`). With ``strict`` (default) its keys are exactly
+    those of the unconverted architecture: it loads with ``strict=True`` into
+    a fresh unconverted model, which then computes what the converted model
+    computes in eval mode. That holds for every grad / recursive layer whose
+    centring a BatchNorm absorbs (the default of :func:`convert_model` in
+    every ResNet; the offsets move into the BatchNorms' ``running_mean``),
+    every layer with a bias, and every unpadded ``direct`` layer (linear, 1x1
+    convs). Two kinds of layer have no exact form in the original
+    architecture, and with ``strict`` a ``ValueError`` names them:
+
+    * a padded ``direct`` conv (``conv(pad(T (x - mu)))``: the zero border
+      would have to be ``-T mu``); :func:`export_model` turns it into
+      ``nn.Sequential(1x1 whitening conv, conv)``, keys ``name.0.*`` and
+      ``name.1.*``;
+    * a bias-free grad / recursive layer that centres its input (converted
+      with ``absorb_centring=False``, or not followed by a BatchNorm): its
+      export needs a ``bias`` (the running mean folded in).
+
+    ``strict=False`` returns the export's state dict as it is, those extra
+    keys included; :func:`load_plain_state_dict` loads it back into a
+    converted model, and :func:`export_model` gives the matching module.
+    """
+    if strict:
+        bad = _not_original(model)
+        if bad:
+            reasons: Dict[str, List[str]] = {}
+            for name, why in bad.items():
+                reasons.setdefault(why, []).append(repr(name))
+            listing = "; ".join(f"{', '.join(names[:6])}{f' and {len(names) - 6} more' if len(names) > 6 else ''}: "
+                                f"{why}" for why, names in reasons.items())
+            raise ValueError(
+                f"plain_state_dict: the original architecture cannot hold the function of {len(bad)} converted "
+                f"layer(s): {listing}. Use wl.export_model(copy.deepcopy(model)) for a plain model with that extra "
+                "structure, or plain_state_dict(model, strict=False) for its checkpoint (load it back with "
+                "wl.load_plain_state_dict)")
+    return export_model(copy.deepcopy(model)).state_dict()

@@ -1,0 +1,388 @@
+"""Model surgery: :func:`convert_model` replaces the target layers with whitening layers, in place."""
+from __future__ import annotations
+
+import warnings
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Dict,
+    Optional,
+    Tuple,
+    Union,
+    cast,
+)
+
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ..config import WhiteningConfig, make_config
+from ..fold import STRATEGIES, FoldCoordinator
+from ..layers import (
+    GRAD_LAYER_TYPES,
+    DirectWhiten,
+)
+from ..stats import WhiteningStatistics
+from ._common import (
+    _CALL_HOOKS,
+    _CONVND_CLASSES,
+    _GRAD_CLASSES,
+    _METHODS,
+    _STATE_HOOKS,
+    BlockTypes,
+    DirectWhitened,
+    Predicate,
+    _coordinators,
+    _is_whitening,
+    _share_hooks,
+)
+from .absorb import absorbing_batchnorms
+from .targets import _LAYER_WORDS, ConversionReport, _plan, whitening_layers
+
+if TYPE_CHECKING:  # pragma: no cover
+
+    from ..layers import _GradWhitenMixin
+
+# --------------------------------------------------------------------------
+# Hooks and the fold coordinator
+# --------------------------------------------------------------------------
+def _install_coordinator(model: nn.Module, strategy: str = "auto") -> Optional[FoldCoordinator]:
+    layers = [m for _, m in whitening_layers(model)]
+    if not layers:
+        return None
+    existing = _coordinators(model)
+    if existing:
+        coord = existing[0][1]
+        coord.strategy = strategy
+    else:
+        coord = FoldCoordinator(strategy)
+        coord.handle = model.register_forward_hook(coord)
+    for layer in layers:
+        layer._fold_coordinator = coord
+    coord.layers = layers
+    coord.checked = False  # the first fold checks that every layer is called (FoldCoordinator)
+    return coord
+
+
+
+
+# --------------------------------------------------------------------------
+# convert_model
+# --------------------------------------------------------------------------
+#: Layer keywords that are not whitening hyper-parameters.
+_LAYER_OPTIONS = ("config", "process_group")
+
+
+def _check_layer_kwargs(method: str, layer_kwargs: Dict[str, Any]) -> None:
+    """``TypeError`` for a keyword the method's layers do not take (names from the config dataclasses)."""
+    owner = f"convert_model(method={method!r})"
+    whitening = {k: v for k, v in layer_kwargs.items() if k not in _LAYER_OPTIONS}
+    if method == "direct":
+        cls, exclude = DirectWhiten._CONFIG_CLASS, DirectWhiten._unused_fields
+    else:
+        cls, exclude = _GRAD_CLASSES[method][0]._CONFIG, ()
+    cls.check_names(owner, whitening, exclude=exclude)
+    config = layer_kwargs.get("config")
+    if config is not None and type(config) is not cls:
+        raise TypeError(f"{owner} expects config to be a {cls.__name__}, but got {type(config).__name__}")
+
+
+def _requested_config(method: str, layer_kwargs: Dict[str, Any]) -> WhiteningConfig:
+    """The config the new layers of this call get (validated: ``ValueError`` naming a bad value)."""
+    owner = f"convert_model(method={method!r})"
+    whitening = {k: v for k, v in layer_kwargs.items() if k not in _LAYER_OPTIONS}
+    if method == "direct":
+        return make_config(DirectWhiten._CONFIG_CLASS, owner, layer_kwargs.get("config"), whitening,
+                           exclude=DirectWhiten._unused_fields)
+    return make_config(_GRAD_CLASSES[method][0]._CONFIG, owner, layer_kwargs.get("config"), whitening)
+
+
+def _check_existing(model: nn.Module, method: str, layer_kwargs: Dict[str, Any]) -> None:
+    """``ValueError`` when ``model`` holds whitening layers of another method or with other hyper-parameters.
+
+    Converting again with the same method and arguments converts the targets
+    that are still plain (e.g. after a partial conversion) and leaves the
+    whitening layers as they are; anything else would silently mix layers.
+    """
+    config = _requested_config(method, layer_kwargs)
+    group = layer_kwargs.get("process_group")
+    for name, m in model.named_modules():
+        if isinstance(m, DirectWhitened):
+            have, layer = "direct", m.whiten
+        elif isinstance(m, GRAD_LAYER_TYPES):
+            have, layer = ("recursive" if m.method == "recursive" else "grad"), m
+        else:
+            continue
+        where = f"'{name}'" if name else "the model"
+        if have != method:
+            raise ValueError(
+                f"convert_model: the model is already converted with method={have!r} ({where} is a "
+                f"{type(m).__name__}), so method={method!r} cannot be applied on top of it. Convert the plain model "
+                "instead, or fold the whitening out first with export_model(model) and convert that."
+            )
+        if layer.config != config or layer.process_group is not group:
+            what = ("another process_group" if layer.config == config else
+                    f"{layer.config!r}, and this call asks for {config!r}")
+            raise ValueError(
+                f"convert_model: {where} was converted with {what}; converting again would leave it as it is. "
+                "To change the hyper-parameters of converted layers, assign layer.config = "
+                "layer.config.replace(...) for each layer of wl.whitening_layers(model) (it takes effect at the "
+                "next fold), or convert the plain model with the new arguments."
+            )
+
+
+def _make_layer(method: str, module: nn.Module, name: str, layer_kwargs: Dict[str, Any]) -> nn.Module:
+    if method == "direct":
+        weight = module.weight
+        linear = isinstance(module, nn.Linear)
+        num = module.in_features if linear else module.in_channels
+        groups = 1 if linear else module.groups
+        whiten = DirectWhiten(num, device=weight.device, dtype=weight.dtype, groups=groups, **layer_kwargs)
+        whiten.layer_name = f"{name}.whiten" if name else "whiten"
+        new: nn.Module = DirectWhitened(whiten, module)
+        new.train(module.training)
+        _share_hooks(module, new, _CALL_HOOKS, move=True)
+        return new
+    conv_cls, lin_cls = _GRAD_CLASSES[method]
+    if isinstance(module, nn.Linear):
+        new = lin_cls.from_linear(module, **layer_kwargs)
+    elif isinstance(module, nn.Conv2d):
+        new = conv_cls.from_conv(module, **layer_kwargs)
+    else:
+        plain = nn.Conv1d if isinstance(module, nn.Conv1d) else nn.Conv3d
+        new = _CONVND_CLASSES[method][plain].from_conv(module, **layer_kwargs)
+    cast(WhiteningStatistics, new).layer_name = name or None
+    new.train(module.training)
+    _share_hooks(module, new, _CALL_HOOKS + _STATE_HOOKS)
+    return new
+
+
+def convert_model(
+    model: nn.Module,
+    method: str = "grad",
+    *,
+    targets: str = "blocks",
+    predicate: Optional[Predicate] = None,
+    block_types: Optional[BlockTypes] = None,
+    include_linear: Optional[bool] = None,
+    include_stem: bool = False,
+    include_classifier: bool = False,
+    max_features: Optional[int] = None,
+    example_input: Any = None,
+    report: bool = False,
+    fold_strategy: str = "auto",
+    absorb_centring: bool = True,
+    **layer_kwargs: Any,
+) -> Union[nn.Module, Tuple[nn.Module, "ConversionReport"]]:
+    """Replace the target layers of ``model`` by whitening layers, in place; returns ``model``.
+
+    Methods:
+
+    * ``"grad"``: each target ``nn.Conv2d`` / ``nn.Linear`` becomes a
+      :class:`~whitenlayers.GradWhitenConv2d` / :class:`~whitenlayers.GradWhitenLinear`
+      (EVD transform, paper section 3); ``nn.Conv1d`` / ``nn.Conv3d`` become
+      :class:`~whitenlayers.GradWhitenConv1d` / :class:`~whitenlayers.GradWhitenConv3d`;
+    * ``"recursive"``: :class:`~whitenlayers.RecursiveWhitenConv2d` /
+      :class:`~whitenlayers.RecursiveWhitenLinear` (and ``...Conv1d`` / ``...Conv3d``; paper section 4);
+    * ``"direct"``: the target is wrapped as ``DirectWhitened(DirectWhiten(C, groups=G), target)``,
+      i.e. the whitening ``y = T (x - mu)`` runs before the unchanged layer
+      (features on dim 1 for a conv, on the last dim for an ``nn.Linear``).
+
+    Grouped and depthwise convolutions are converted like the others, with
+    whitening per group (block-diagonal ``T`` and ``Q_s``; see
+    :mod:`whitenlayers.layers`).
+
+    ``layer_kwargs`` go to every new whitening layer: the whitening
+    hyper-parameters (``block_size``, ``alpha``, ``beta``, ...: the fields of
+    :class:`~whitenlayers.EVDConfig` for ``grad``/``direct``, of
+    :class:`~whitenlayers.RecursiveConfig` for ``recursive``), or a whole
+    ``config=`` (with keywords applied on top), and ``process_group=`` (the
+    group whose ranks sum their statistics at a fold; default: the world). An
+    argument the method's layers do not take raises ``TypeError`` before
+    anything is changed (``DirectWhiten`` has no ``beta``).
+
+    Targets. ``targets="blocks"`` (the default, the paper's placement): every
+    convolution (``nn.Conv1d`` / ``nn.Conv2d`` / ``nn.Conv3d``, grouped and
+    depthwise included) inside a residual block, including the block's
+    downsample / shortcut conv, and nothing else (not the stem, not the
+    classifier): 108 layers for CIFAR ResNet-110, 52 for ResNet-50 and for
+    ResNeXt-50. A module is a residual block when its class, or one of its
+    base classes, has one of the names in ``DEFAULT_BLOCK_TYPES``:
+    ``BasicBlock`` and ``Bottleneck`` (torchvision, timm and most CIFAR
+    ResNets, so a user's own ResNet converts too) and Hugging Face's
+    ``ResNetBasicLayer`` and ``ResNetBottleNeckLayer``; ``block_types``
+    replaces those names (classes or class names).
+    ``targets="all"``: every convolution and ``nn.Linear`` of the model that a
+    whitening layer can replace, except the stem (the model's first conv /
+    linear layer in module order) and the classifier (the last one), which
+    ``include_stem=True`` / ``include_classifier=True`` add (they add them
+    with ``targets="blocks"`` too), and layers with more than
+    ``max_features`` input features per group (default 8192 for ``"all"``,
+    e.g. VGG's first classifier layer with 25088; no limit for ``"blocks"``
+    unless given), whose ``M x M`` whitening state and ``O(M^3)`` fold would
+    not be practical. ``include_linear`` says whether
+    ``nn.Linear`` layers are targets: by default no for ``"blocks"`` and yes
+    for ``"all"``; ``include_linear=True`` with ``"blocks"`` adds every plain
+    ``nn.Linear`` (the classifier included).
+    ``predicate(qualified_name, module) -> bool`` overrides the rule: it is
+    asked about every convolution (and, with ``include_linear``, every
+    ``nn.Linear``) that can be converted, subclasses included, and decides
+    alone (combining it with ``block_types``, ``targets="all"``,
+    ``include_stem`` or ``include_classifier`` is a ``ValueError``).
+    Without a predicate only plain ``nn.Conv1d/2d/3d`` / ``nn.Linear`` are
+    targeted, not subclasses (a subclass may override ``forward``, e.g. weight
+    standardisation, which the whitening layer would silently drop).
+    Never converted: transposed convolutions, uninitialised lazy modules, and
+    the projections of ``nn.MultiheadAttention`` (it applies them itself,
+    without calling them as modules). A model may also use other layers'
+    weights without calling them (torchvision's Swin attention passes
+    ``qkv.weight`` to a function): such a layer, once converted, never sees
+    its input and cannot whiten. Pass ``example_input`` (a tensor, a tuple of
+    positional arguments or a dict of keyword arguments) to run one eval-mode
+    forward first: targets it does not call are then left out (and reported),
+    and the stem and the classifier are the first and last layers *called*;
+    without it, the first fold warns about every converted layer that saw no
+    input.
+
+    What is left out is always said. ``convert_model(..., report=True)``
+    returns ``(model, report)``, a :class:`ConversionReport` listing every
+    conv / linear layer (and ``nn.MultiheadAttention``) with what was done and
+    why (:func:`conversion_report` gives the same without converting). A
+    ``UserWarning`` names every layer the rule selected but that cannot be
+    converted, and says when nothing was converted, and why.
+
+    Converting again. A module that is already a whitening layer, or a
+    wrapper from an earlier ``direct`` conversion, is left alone, so a second
+    call with the same method and hyper-parameters converts only what is
+    still plain (e.g. other targets) and never double-wraps. A second call
+    with another method, other hyper-parameters or another
+    ``process_group`` raises ``ValueError`` before changing anything. A
+    module object that appears at several places is converted once and the
+    new layer is put at each place.
+
+    What is kept. The new layers share the original Parameter objects (an
+    optimizer built before the conversion keeps working), so device, dtype and
+    ``requires_grad`` carry over; the training flag is kept; hooks are kept:
+    for ``grad``/``recursive`` the new layer takes over the original module's
+    hook dictionaries (forward, forward-pre, backward and state-dict hooks;
+    existing handles still remove them); for ``direct`` the call hooks move to
+    the wrapper (so they see the same input and output as before) and the
+    state-dict hooks stay on the wrapped layer. Each new whitening layer's
+    ``layer_name`` is its qualified name (used in its error messages). At
+    conversion time the whitening state is the identity (``mu = 0``,
+    ``T = Q_s = I``), so the converted model computes exactly the same
+    function, in train and eval mode.
+
+    Centring absorbed by a BatchNorm (``grad`` / ``recursive``; docs/conventions.md).
+    With ``absorb_centring=True`` (the
+    default) every new layer whose output feeds a BatchNorm and nothing else
+    (the rule of ``absorbing_batchnorms``: a ``torch.fx`` trace of the
+    enclosing block's forward; in a ResNet every block conv, downsample convs
+    included) gets ``layer.absorb_centring(bn)``: while that BatchNorm uses
+    batch statistics the layer skips its centring offset, which the BatchNorm
+    removes anyway (training unchanged up to rounding, one pass over the
+    output and one backward reduction less per layer); eval mode and
+    :func:`export_model` stay exact, and the export keeps the original keys
+    (bias-free convs stay bias-free). ``layer.centring`` says which layers
+    absorb. ``absorb_centring=False`` keeps every layer centring its input.
+    Ignored for ``direct``.
+
+    Folding. One :class:`~whitenlayers.fold.FoldCoordinator` is registered as a
+    forward hook on ``model`` and given to every whitening layer: all layers
+    whose block ends during a forward fold together after the model's forward
+    (one set of collectives per block for the whole model under ``torch.distributed``).
+    Converting a model that already has a coordinator reuses it.
+    ``fold_strategy`` says how the transforms are computed under
+    ``torch.distributed``: ``"replicated"`` (every rank computes every layer),
+    ``"owner"`` (each layer folded on one rank, its new buffers sent to all) or ``"auto"``
+    (owner when the layers' summed ``M^3`` is large; see
+    :func:`whitenlayers.fold.fold_layers`). Convert
+    before wrapping the model in ``DistributedDataParallel`` (buffers added
+    after DDP's construction would not be synchronised); passing a DDP module
+    raises ``ValueError``.
+
+    The root. A bare conv / ``nn.Linear`` passed as ``model`` is converted
+    only if ``predicate("", model)`` selects it, or with ``include_stem`` /
+    ``include_classifier`` (it is both; the default rule never converts it:
+    it is inside no block); the new layer is returned, and it folds on its own
+    (no coordinator). Check the result with :func:`whitening_layers`.
+
+    Example:
+        >>> import whitenlayers as wl
+        >>> model = wl.convert_model(wl.models.resnet20(), method="grad", block_size=5)
+        >>> len(wl.whitening_layers(model))
+        18
+        >>> type(model.layer1[0].conv1).__name__, model.layer1[0].conv1.layer_name
+        ('GradWhitenConv2d', 'layer1.0.conv1')
+    """
+    if method not in _METHODS:
+        raise ValueError(f"method must be one of {_METHODS}, but got method={method!r}")
+    if fold_strategy not in STRATEGIES:
+        raise ValueError(f"fold_strategy must be one of {STRATEGIES}, but got fold_strategy={fold_strategy!r}")
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        raise ValueError("convert_model: convert the model before wrapping it in DistributedDataParallel")
+    _check_layer_kwargs(method, layer_kwargs)
+    _check_existing(model, method, layer_kwargs)
+    plan = _plan(model, targets=targets, predicate=predicate, block_types=block_types, include_linear=include_linear,
+                 include_stem=include_stem, include_classifier=include_classifier, example_input=example_input,
+                 max_features=max_features)
+
+    selected = [(name, module) for name, module, decision in plan if decision.status == "to convert"]
+    absorbers = absorbing_batchnorms(model, selected) if (absorb_centring and method != "direct") else {}
+    # Build every new layer first, so an error leaves the model untouched.
+    new_by_id: Dict[int, nn.Module] = {}
+    for name, module in selected:
+        new_by_id[id(module)] = _make_layer(method, module, name, layer_kwargs)
+    for key, (bn, parent) in absorbers.items():
+        cast("_GradWhitenMixin", new_by_id[key]).absorb_centring(cast(_BatchNorm, bn), parent=parent)
+    decisions = [d._replace(status="converted") if d.status == "to convert" else d for _, _, d in plan]
+    result = ConversionReport(method, decisions)
+    _warn_left_out(result, targets=targets, predicate=predicate, include_linear=include_linear,
+                   model_has_whitening=bool(whitening_layers(model)))
+    if id(model) in new_by_id:  # a bare layer passed as the model
+        new_root = new_by_id[id(model)]
+        return (new_root, result) if report else new_root
+    if new_by_id:
+        for parent in list(model.modules()):
+            for child_name, child in list(parent._modules.items()):
+                if child is not None and id(child) in new_by_id and not _is_whitening(parent):
+                    setattr(parent, child_name, new_by_id[id(child)])
+    _install_coordinator(model, fold_strategy)
+    return (model, result) if report else model
+
+
+def _warn_left_out(report: ConversionReport, *, targets: str, predicate, include_linear: Optional[bool],
+                   model_has_whitening: bool) -> None:
+    """The warnings of :func:`convert_model`: selected layers that cannot be converted; nothing converted."""
+    def listing(items: Dict[str, str], limit: int = 6) -> str:
+        parts = [f"'{n or '<root>'}' ({r})" for n, r in list(items.items())[:limit]]
+        more = len(items) - limit
+        return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
+
+    unsupported = report.unsupported
+    if unsupported:
+        warnings.warn(
+            f"convert_model left out {len(unsupported)} layer(s) that the target rule selected but that cannot be "
+            f"converted: {listing(unsupported)} (convert_model(..., report=True) lists every layer)",
+            UserWarning, stacklevel=3,
+        )
+    if report.converted or model_has_whitening:
+        return
+    decisions = report.decisions
+    if not decisions:
+        msg = f"the model has no {_LAYER_WORDS} layer"
+    elif predicate is not None:
+        considered = [d for d in decisions if d.reason == "not selected by the predicate"]
+        msg = f"the predicate selected none of the {len(considered)} layer(s) it was asked about"
+        others = {d.name: d.reason for d in decisions if d.reason != "not selected by the predicate"}
+        if others:
+            msg += f"; not asked about: {listing(others)}"
+    else:
+        counts: Dict[str, int] = {}
+        for d in decisions:
+            counts[d.reason] = counts.get(d.reason, 0) + 1
+        reasons = "; ".join(f"{n} x {r}" for r, n in counts.items())
+        msg = f"{len(decisions)} conv/linear layer(s) found, none converted: {reasons}"
+        if targets == "blocks":
+            msg += (". Pass targets='all' to convert every conv and linear layer, block_types=... to name your "
+                    "residual block classes, or a predicate")
+    warnings.warn(f"convert_model found no layer to convert: {msg}", UserWarning, stacklevel=3)

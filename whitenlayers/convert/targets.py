@@ -1,0 +1,433 @@
+"""Which layers convert: target selection, the conversion report, listing and freezing the whitening layers."""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    Dict,
+    Iterator,
+    List,
+    NamedTuple,
+    Optional,
+    Sequence,
+    Tuple,
+    cast,
+)
+
+import torch
+import torch.fx
+from torch import nn
+
+from ..stats import WhiteningStatistics
+from ._common import _METHODS, DEFAULT_BLOCK_TYPES, BlockTypes, DirectWhitened, Predicate, _is_whitening
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.nn.modules.conv import _ConvNd
+
+# --------------------------------------------------------------------------
+# Target selection
+# --------------------------------------------------------------------------
+def _block_matcher(block_types: Optional[BlockTypes]) -> Callable[[nn.Module], bool]:
+    if block_types is None:
+        block_types = DEFAULT_BLOCK_TYPES
+    if isinstance(block_types, (str, type)):
+        block_types = (block_types,)
+    names, classes = set(), []
+    for b in block_types:
+        if isinstance(b, str):
+            names.add(b)
+        elif isinstance(b, type):
+            classes.append(b)
+        else:
+            raise TypeError(f"block_types must hold classes or class names, but got {b!r}")
+    classes_t = tuple(classes)
+
+    def is_block(m: nn.Module) -> bool:
+        if classes_t and isinstance(m, classes_t):
+            return True
+        return any(c.__name__ in names for c in type(m).__mro__)
+
+    return is_block
+
+
+def _walk(model: nn.Module, visit: Callable[[nn.Module, str, nn.Module, str, bool], bool], is_block) -> None:
+    """Depth-first over ``named_children``; ``visit(parent, child_name, child, qualified, in_block)``.
+
+    ``visit`` returns True to stop descending into ``child``. Whitening layers
+    and :class:`DirectWhitened` wrappers are visited but never descended into.
+    Each module object is visited once even when it appears at several places.
+    """
+    seen = set()
+
+    def rec(module: nn.Module, prefix: str, in_block: bool) -> None:
+        for name, child in module._modules.items():
+            if child is None:
+                continue
+            qualified = prefix + name
+            stop = visit(module, name, child, qualified, in_block)
+            if stop or _is_whitening(child) or id(child) in seen:
+                continue
+            seen.add(id(child))
+            rec(child, qualified + ".", in_block or is_block(child))
+
+    rec(model, "", is_block(model))
+
+
+_TARGETS = ("blocks", "all")
+#: ``targets="all"`` leaves out layers with more input features per group than this (``max_features``).
+ALL_MAX_FEATURES = 8192
+_PLAIN_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
+_LAYER_WORDS = "nn.Conv1d / nn.Conv2d / nn.Conv3d or nn.Linear"
+
+
+def _is_layer(m: nn.Module) -> bool:
+    """A convolution or linear layer of any kind (what the conversion report lists)."""
+    return isinstance(m, (nn.modules.conv._ConvNd, nn.Linear))
+
+
+def _base_name(m: nn.Module) -> str:
+    for base in _PLAIN_LAYERS:
+        if isinstance(m, base):
+            return f"nn.{base.__name__}"
+    return type(m).__name__
+
+
+def _unsupported(m: nn.Module, allow_subclass: bool) -> Optional[str]:
+    """Why no whitening layer can take ``m``'s place (``None``: one can)."""
+    if isinstance(m, nn.modules.conv._ConvTransposeNd):
+        return f"{type(m).__name__}: transposed convolutions are not supported"
+    lazy = getattr(nn.modules.lazy, "LazyModuleMixin", None)
+    if lazy is not None and isinstance(m, lazy) and m.has_uninitialized_params():
+        return f"{type(m).__name__}: an uninitialised lazy module (run one forward before converting)"
+    if not isinstance(m, _PLAIN_LAYERS):
+        return f"{type(m).__name__}: not an {_LAYER_WORDS}"
+    if type(m) not in _PLAIN_LAYERS and not allow_subclass:
+        return (f"{type(m).__name__}: a subclass of {_base_name(m)}, whose forward may differ (e.g. weight "
+                "standardisation) and would be dropped; a predicate can select it")
+    if not m.weight.is_floating_point():
+        return f"{type(m).__name__}: weight of dtype {m.weight.dtype}, not floating point"
+    return None
+
+
+class LayerDecision(NamedTuple):
+    """One conv / linear layer (or ``nn.MultiheadAttention``) of a model and what :func:`~whitenlayers.convert_model`
+    does with it.
+
+    ``status`` is ``"converted"`` (``"to convert"`` in a dry run), ``"whitening"``
+    (already a whitening layer, left as it is) or ``"skipped"``; ``reason``
+    says why for a skipped layer. ``unsupported`` is ``True`` when the layer
+    was selected by the target rule but cannot be converted (these are
+    warned about), ``False`` when it was not selected.
+    """
+
+    name: str
+    layer_type: str
+    status: str
+    reason: str = ""
+    unsupported: bool = False
+
+
+@dataclass
+class ConversionReport:
+    """What :func:`convert_model` converted and what it left out, and why (see :func:`conversion_report`).
+
+    ``decisions`` lists every convolution, linear layer and
+    ``nn.MultiheadAttention`` of the model, in module order. ``str(report)``
+    is a readable table.
+    """
+
+    method: str
+    decisions: List[LayerDecision]
+    dry_run: bool = False
+
+    @property
+    def converted(self) -> List[str]:
+        """Qualified names of the layers converted (to be converted, in a dry run)."""
+        return [d.name for d in self.decisions if d.status in ("converted", "to convert")]
+
+    @property
+    def skipped(self) -> Dict[str, str]:
+        """Qualified name -> reason, for every layer left out."""
+        return {d.name: d.reason for d in self.decisions if d.status == "skipped"}
+
+    @property
+    def unsupported(self) -> Dict[str, str]:
+        """The skipped layers that the target rule selected but that cannot be converted."""
+        return {d.name: d.reason for d in self.decisions if d.status == "skipped" and d.unsupported}
+
+    @property
+    def existing(self) -> List[str]:
+        """Layers that were whitening layers already."""
+        return [d.name for d in self.decisions if d.status == "whitening"]
+
+    def __str__(self) -> str:
+        head = (f"convert_model(method={self.method!r}){' (dry run)' if self.dry_run else ''}: "
+                f"{len(self.converted)} {'to convert' if self.dry_run else 'converted'}, {len(self.skipped)} left out, "
+                f"{len(self.existing)} already whitening")
+        width = max([len(d.name or "<root>") for d in self.decisions] + [4])
+        lines = [head] + [
+            f"  {d.name or '<root>':<{width}}  {d.layer_type:<18} {d.status}{': ' + d.reason if d.reason else ''}"
+            for d in self.decisions
+        ]
+        return "\n".join(lines)
+
+
+def _check_target_args(targets: str, predicate, block_types, include_stem: bool, include_classifier: bool) -> None:
+    if targets not in _TARGETS:
+        raise ValueError(f"targets must be one of {_TARGETS}, but got targets={targets!r}")
+    if predicate is not None and block_types is not None:
+        raise ValueError("pass either predicate or block_types, not both (the predicate decides alone)")
+    if predicate is not None and (targets != "blocks" or include_stem or include_classifier):
+        raise ValueError("a predicate decides alone: do not combine it with targets='all', include_stem or "
+                         "include_classifier")
+    if targets == "all" and block_types is not None:
+        raise ValueError("block_types only applies to targets='blocks'")
+
+
+def _plan(
+    model: nn.Module,
+    *,
+    targets: str = "blocks",
+    predicate: Optional[Predicate] = None,
+    block_types: Optional[BlockTypes] = None,
+    include_linear: Optional[bool] = None,
+    include_stem: bool = False,
+    include_classifier: bool = False,
+    max_features: Optional[int] = None,
+    example_input: Any = None,
+) -> List[Tuple[str, nn.Module, LayerDecision]]:
+    """The decision for every conv / linear layer (and ``nn.MultiheadAttention``) of ``model``, in module order."""
+    _check_target_args(targets, predicate, block_types, include_stem, include_classifier)
+    if max_features is not None and (not isinstance(max_features, int) or max_features < 1):
+        raise ValueError(f"max_features must be a positive integer or None, but got max_features={max_features!r}")
+    cap = max_features if max_features is not None else (ALL_MAX_FEATURES if targets == "all" else None)
+    if include_linear is None:
+        include_linear = targets == "all"
+    is_block = _block_matcher(block_types)
+    entries: List[Tuple[str, nn.Module, bool]] = []
+    if _is_layer(model) or _is_whitening(model):
+        entries.append(("", model, is_block(model)))
+    else:
+        seen = set()
+
+        def visit(parent, name, child, qualified, in_block):
+            if id(child) in seen:
+                return True
+            if isinstance(child, nn.MultiheadAttention) or _is_layer(child) or _is_whitening(child):
+                seen.add(id(child))
+                entries.append((qualified, child, in_block))
+                return True
+            return False
+
+        _walk(model, visit, is_block)
+    layers = [m for _, m, _ in entries if _is_layer(m) or isinstance(m, DirectWhitened)]
+    called: Optional[Dict[int, int]] = None
+    if example_input is not None:
+        called = _call_order(model, [m for _, m, _ in entries], example_input)
+        layers = sorted((m for m in layers if id(m) in called), key=lambda m: called[id(m)])
+    stem = id(layers[0]) if layers else None
+    classifier = id(layers[-1]) if layers else None
+    block_words = f"class or base class named {', '.join(map(repr, _block_names(block_types)))}"
+    out = []
+    for name, m, in_block in entries:
+        kind = type(m).__name__
+        if _is_whitening(m):
+            out.append((name, m, LayerDecision(name, kind, "whitening", "already a whitening layer")))
+            continue
+        if isinstance(m, nn.MultiheadAttention):
+            reason = ("nn.MultiheadAttention: its input and output projections are applied inside "
+                      "F.multi_head_attention_forward, not called as modules, so no whitening layer can take "
+                      "their place")
+            in_scope = predicate is None and (targets == "all" or in_block)
+            out.append((name, m, LayerDecision(name, kind, "skipped", reason, in_scope)))
+            continue
+        linear = isinstance(m, nn.Linear)
+        problem = _unsupported(m, allow_subclass=predicate is not None)
+        role = ""
+        if id(m) == stem:
+            role = "the stem (the model's first conv/linear layer; " + (
+                "include_stem=True converts it)" if problem is None else f"and {problem})")
+        elif id(m) == classifier:
+            role = "the classifier (the model's last conv/linear layer; " + (
+                "include_classifier=True converts it)" if problem is None else f"and {problem})")
+        why = ""
+        if predicate is not None:
+            if linear and not include_linear:
+                selected = False
+                why = "nn.Linear: a predicate is asked about Linear layers only with include_linear=True"
+            elif problem is not None:
+                selected = False  # the predicate is not asked about layers that cannot be converted
+                why = problem
+            else:
+                selected = bool(predicate(name, m))
+                why = "not selected by the predicate"
+        elif targets == "blocks":
+            if id(m) == stem and include_stem or id(m) == classifier and include_classifier:
+                selected = True
+            elif linear:
+                selected = include_linear
+                why = role or ("nn.Linear: include_linear=True (or targets='all') converts Linear layers"
+                               if problem is None else problem)
+            else:
+                selected = in_block
+                why = role or f"not inside a residual block ({block_words}); " + (
+                    "targets='all' converts it" if problem is None else problem)
+        else:  # all
+            if role and not (id(m) == stem and include_stem or id(m) == classifier and include_classifier):
+                selected, why = False, role
+            elif linear and not include_linear:
+                selected, why = False, "nn.Linear, and include_linear=False"
+            else:
+                selected = True
+        if selected and problem is None and cap is not None:
+            k = (cast(nn.Linear, m).in_features if linear
+                 else cast("_ConvNd", m).in_channels // cast("_ConvNd", m).groups)
+            if k > cap:
+                # 3 float32 matrices and a float64 accumulator
+                gb = 20 * k * k * (1 if linear else cast("_ConvNd", m).groups) / 1e9
+                problem = (f"{k} input features per group exceed max_features={cap} (a {k} x {k} whitening state of "
+                           f"about {gb:.1f} GB and an O(M^3) fold; pass a larger max_features to convert it)")
+        if selected and problem is None and called is not None and id(m) not in called:
+            problem = ("not called as a module by the model's forward of example_input (the model uses its weight "
+                       "directly, e.g. torchvision's Swin attention, or the branch did not run in eval mode)")
+        if selected and problem is not None:
+            out.append((name, m, LayerDecision(name, kind, "skipped", problem, True)))
+        elif selected:
+            out.append((name, m, LayerDecision(name, kind, "to convert")))
+        else:
+            out.append((name, m, LayerDecision(name, kind, "skipped", why, False)))
+    return out
+
+
+@torch.no_grad()
+def _call_order(model: nn.Module, modules: Sequence[nn.Module], example_input: Any) -> Dict[int, int]:
+    """``id(module) -> position`` in the order ``modules`` are first called by an eval-mode forward of
+    ``example_input``.
+
+    The model's training flags are restored afterwards; in eval mode nothing
+    is updated (BatchNorm statistics, whitening blocks).
+    """
+    order: Dict[int, int] = {}
+
+    def hook(module, args):
+        order.setdefault(id(module), len(order))
+
+    handles = [m.register_forward_pre_hook(hook) for m in modules]
+    flags = [(m, m.training) for m in model.modules()]
+    try:
+        model.eval()
+        if isinstance(example_input, tuple):
+            model(*example_input)
+        elif isinstance(example_input, dict):
+            model(**example_input)
+        else:
+            model(example_input)
+    finally:
+        for h in handles:
+            h.remove()
+        for m, flag in flags:
+            m.training = flag
+    return order
+
+
+def _block_names(block_types: Optional[BlockTypes]) -> List[str]:
+    if block_types is None:
+        block_types = DEFAULT_BLOCK_TYPES
+    if isinstance(block_types, (str, type)):
+        block_types = (block_types,)
+    return [b if isinstance(b, str) else getattr(b, "__name__", repr(b)) for b in block_types]
+
+
+def target_layers(
+    model: nn.Module,
+    *,
+    targets: str = "blocks",
+    predicate: Optional[Predicate] = None,
+    block_types: Optional[BlockTypes] = None,
+    include_linear: Optional[bool] = None,
+    include_stem: bool = False,
+    include_classifier: bool = False,
+    max_features: Optional[int] = None,
+    example_input: Any = None,
+) -> List[Tuple[str, nn.Module]]:
+    """The plain layers :func:`convert_model` would replace, with their qualified names.
+
+    See :func:`convert_model` for the rules and :func:`conversion_report` for
+    what is left out and why. Whitening layers already in the model are not
+    listed (they would be left alone).
+    """
+    plan = _plan(model, targets=targets, predicate=predicate, block_types=block_types, include_linear=include_linear,
+                 include_stem=include_stem, include_classifier=include_classifier, example_input=example_input,
+                 max_features=max_features)
+    return [(name, m) for name, m, d in plan if d.status == "to convert"]
+
+
+def conversion_report(
+    model: nn.Module,
+    method: str = "grad",
+    *,
+    targets: str = "blocks",
+    predicate: Optional[Predicate] = None,
+    block_types: Optional[BlockTypes] = None,
+    include_linear: Optional[bool] = None,
+    include_stem: bool = False,
+    include_classifier: bool = False,
+    max_features: Optional[int] = None,
+    example_input: Any = None,
+) -> ConversionReport:
+    """What :func:`convert_model` with these arguments would convert and leave out, and why; changes nothing.
+
+    Example:
+        >>> import whitenlayers as wl
+        >>> report = wl.conversion_report(wl.models.resnet20())
+        >>> len(report.converted), report.skipped["conv1"][:8], report.skipped["fc"][:14]
+        (18, 'the stem', 'the classifier')
+    """
+    if method not in _METHODS:
+        raise ValueError(f"method must be one of {_METHODS}, but got method={method!r}")
+    plan = _plan(model, targets=targets, predicate=predicate, block_types=block_types, include_linear=include_linear,
+                 include_stem=include_stem, include_classifier=include_classifier, example_input=example_input,
+                 max_features=max_features)
+    return ConversionReport(method, [d for _, _, d in plan], dry_run=True)
+
+
+def whitening_layers(model: nn.Module) -> List[Tuple[str, WhiteningStatistics]]:
+    """The whitening layers of ``model`` (grad, recursive and :class:`~whitenlayers.DirectWhiten`) with qualified names.
+
+    In the order of ``named_modules``. For ``method="direct"`` the names end
+    in ``.whiten``.
+    """
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, WhiteningStatistics)]
+
+
+@contextlib.contextmanager
+def frozen(model: nn.Module) -> Iterator[nn.Module]:
+    """Inside the ``with`` block, ``model``'s whitening layers gather and fold nothing; they still whiten.
+
+    For passes in training mode that are not training steps, such as
+    :func:`torch.optim.swa_utils.update_bn`, which re-estimates the
+    BatchNorm statistics of an averaged model: the BatchNorms update, the
+    whitening state (``mu``, ``T``, ``Q_s``, the partial block, the counters)
+    stays as it is. Each layer's own :meth:`~whitenlayers.WhiteningStatistics.freeze`
+    setting is restored on exit.
+
+    Example:
+        >>> import torch, whitenlayers as wl
+        >>> model = wl.convert_model(wl.models.resnet20(), method="grad", block_size=1)
+        >>> with wl.frozen(model):
+        ...     _ = model(torch.randn(2, 3, 8, 8))
+        >>> int(wl.whitening_layers(model)[0][1].num_blocks)
+        0
+    """
+    layers = [m for _, m in whitening_layers(model)]
+    before = [m.frozen for m in layers]
+    for m in layers:
+        m.freeze()
+    try:
+        yield model
+    finally:
+        for m, was in zip(layers, before):
+            m.freeze(was)
