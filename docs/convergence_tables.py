@@ -8,10 +8,10 @@ import shutil
 from typing import Dict, List, Sequence
 
 import numpy as np
-
 from convergence import OUT, RUNS, STAGES, _chosen, _rows  # noqa: E402
+
 from whitenlayers.experiment.config import METHOD_LABELS, RunConfig
-from whitenlayers.experiment.report import _t_interval, format_time_to_accuracy, load_note, time_to_accuracy
+from whitenlayers.experiment.report import format_time_to_accuracy, load_note, t_interval, time_to_accuracy
 
 
 def _by(rows, method):
@@ -30,7 +30,7 @@ def _ms(vals: Sequence[float], d: int = 2) -> str:
 
 
 def _ci(vals: Sequence[float], d: int = 2) -> str:
-    m, lo, hi = _t_interval(vals)
+    m, lo, hi = t_interval(vals)
     if not math.isfinite(m):
         return "—"
     return f"{m:+.{d}f} [{lo:+.{d}f}, {hi:+.{d}f}]" if math.isfinite(lo) else f"{m:+.{d}f}"

@@ -53,7 +53,7 @@ def test_time_to_accuracy_table_text():
     lines = {line.split("|")[1].strip(): line for line in text.splitlines()[2:]}
     assert "2.5" in lines["baseline"].split("|")[5]  # mean of 3 s and 2 s
     assert "not reached (0/1)" in lines["recursive"]
-    assert "1.17x" in lines["EVD (grad)"]  # mean of the paired ratios 4/3 and 1
+    assert "1.15x" in lines["EVD (grad)"]  # geometric mean of the paired ratios 4/3 and 1: sqrt(4/3)
     assert "s to 88%" in text
 
 
@@ -80,3 +80,21 @@ def test_load_flag():
     assert "Flag" in report.load_note(moved, 1, cores=2) and "0.50-4.00" in report.load_note(moved, 1, cores=2)
     starved = [_row("baseline", 0, e, 50, 2.0, cpu=c) for e, c in ((1, 2.0), (2, 2.0), (3, 0.8))]
     assert "CPU/wall" in report.load_note(starved, 1, cores=2)
+
+
+def test_ratio_intervals_are_geometric_and_stay_positive():
+    """A paired time ratio's interval is the t-interval of the logs: positive, symmetric in a/b vs b/a."""
+    text = report._mean_ci([0.6, 1.5, 1.1], 2, "x", geometric=True)
+    mean, lo, hi = report.geometric_t_interval([0.6, 1.5, 1.1])
+    assert text == f"{mean:.2f}x [{lo:.2f}, {hi:.2f}]" and lo > 0
+    inv = report.geometric_t_interval([1 / 0.6, 1 / 1.5, 1 / 1.1])
+    assert abs(inv[0] * mean - 1) < 1e-12 and abs(inv[1] * hi - 1) < 1e-12
+    assert report.t_interval([0.6, 1.5, 1.1])[1] < lo  # the arithmetic interval reaches lower
+
+
+def test_intervals_leaving_the_possible_range_are_clipped_and_marked():
+    text = report._mean_ci([2.0, 6.0, 6.0], 1, lower=1.0, upper=6.0)  # epochs to target in a 6-epoch run
+    mean, lo, hi = report.t_interval([2.0, 6.0, 6.0])
+    assert lo < 1.0 and hi > 6.0
+    assert text == f"{mean:.1f} [1.0, 6.0]{report.CLIPPED}"
+    assert report.CLIPPED not in report._mean_ci([4.0, 5.0, 4.5], 1, lower=1.0, upper=6.0)

@@ -175,8 +175,13 @@ def _first_reach(lst: Sequence[Dict[str, Any]], level: float) -> Tuple[float, fl
     return float("nan"), float("nan")
 
 
-def _t_interval(values: Sequence[float]) -> Tuple[float, float, float]:
-    """Mean and the 95 % Student-t interval ``(mean, low, high)`` of the values (nan with fewer than two)."""
+def t_interval(values: Sequence[float]) -> Tuple[float, float, float]:
+    """Mean and the 95 % Student-t interval ``(mean, low, high)`` of the finite values (nan with fewer than two).
+
+    Example:
+        >>> [round(v, 3) for v in t_interval([1.0, 2.0, 3.0])]
+        [2.0, -0.484, 4.484]
+    """
     a = np.asarray([v for v in values if math.isfinite(v)], dtype=float)
     if a.size == 0:
         return float("nan"), float("nan"), float("nan")
@@ -184,6 +189,25 @@ def _t_interval(values: Sequence[float]) -> Tuple[float, float, float]:
         return float(a[0]), float("nan"), float("nan")
     half = T95[min(a.size - 1, len(T95)) - 1] * a.std(ddof=1) / math.sqrt(a.size)
     return float(a.mean()), float(a.mean() - half), float(a.mean() + half)
+
+
+_t_interval = t_interval  # the name the study scripts of earlier versions imported
+
+
+def geometric_t_interval(values: Sequence[float]) -> Tuple[float, float, float]:
+    """Geometric mean and 95 % interval of positive ratios: :func:`t_interval` of their logarithms, mapped back.
+
+    A ratio's interval then stays positive and is symmetric in ``a/b`` against ``b/a`` (an arithmetic interval
+    of ratios 0.5x and 2.0x would reach below zero). Non-positive and non-finite values are left out.
+
+    Example:
+        >>> [round(v, 3) for v in geometric_t_interval([0.9, 1.1, 1.0, 1.2])]
+        [1.044, 0.857, 1.271]
+    """
+    logs = [math.log(v) for v in values if math.isfinite(v) and v > 0]
+    mean, lo, hi = t_interval(logs)
+    return math.exp(mean) if math.isfinite(mean) else mean, math.exp(lo) if math.isfinite(lo) else lo, \
+        math.exp(hi) if math.isfinite(hi) else hi
 
 
 #: Two-sided 95 % Student-t quantiles for 1..30 degrees of freedom (30 and beyond: 2.042, ~normal).
@@ -235,14 +259,24 @@ def time_to_accuracy(rows: Sequence[Dict[str, Any]], methods: Optional[Sequence[
     return out
 
 
-def _mean_ci(values: Sequence[float], digits: int = 2, suffix: str = "") -> str:
+#: Marks an interval clipped to the possible range (explained under the table).
+CLIPPED = "†"
+
+
+def _mean_ci(values: Sequence[float], digits: int = 2, suffix: str = "", *, lower: Optional[float] = None,
+             upper: Optional[float] = None, geometric: bool = False) -> str:
+    """``mean [low, high]``: the 95 % t-interval (``geometric``: of the logs, for ratios), clipped to
+    ``[lower, upper]`` (the possible range) and then marked with :data:`CLIPPED`."""
     vals = [v for v in values if math.isfinite(v)]
     if not vals:
         return "—"
-    mean, lo, hi = _t_interval(vals)
+    mean, lo, hi = (geometric_t_interval if geometric else t_interval)(vals)
     text = f"{mean:.{digits}f}{suffix}"
     if math.isfinite(lo):
-        text += f" [{lo:.{digits}f}, {hi:.{digits}f}]"
+        clipped = (lower is not None and lo < lower) or (upper is not None and hi > upper)
+        lo = max(lo, lower) if lower is not None else lo
+        hi = min(hi, upper) if upper is not None else hi
+        text += f" [{lo:.{digits}f}, {hi:.{digits}f}]" + (CLIPPED if clipped else "")
     return text
 
 
@@ -265,12 +299,13 @@ def format_time_to_accuracy(tta: Sequence[Dict[str, Any]], levels: Sequence[floa
         cells = [METHOD_LABELS.get(t["method"], t["method"]), _fmt(*_mean_std([r["final"] for r in recs]), n)]
         if has_target:
             cells += [_fmt(*_mean_std([r["target"] for r in recs]), n),
-                      (_mean_ci([r["epoch"] for r in recs], 1) + reached("epoch")) if any(
+                      (_mean_ci([r["epoch"] for r in recs], 1, lower=1.0,
+                                upper=float(max(r["epochs_run"] for r in recs))) + reached("epoch")) if any(
                           math.isfinite(r["epoch"]) for r in recs) else f"not reached (0/{n})",
-                      (_mean_ci([r["seconds"] for r in recs], 1) + reached("seconds")) if any(
+                      (_mean_ci([r["seconds"] for r in recs], 1, lower=0.0) + reached("seconds")) if any(
                           math.isfinite(r["seconds"]) for r in recs) else "—",
-                      _mean_ci([r["ratio"] for r in recs], 2, "x"),
-                      _mean_ci([r.get("cpu_ratio", float("nan")) for r in recs], 2, "x")]
+                      _mean_ci([r["ratio"] for r in recs], 2, "x", geometric=True),
+                      _mean_ci([r.get("cpu_ratio", float("nan")) for r in recs], 2, "x", geometric=True)]
         else:
             cells += ["—"] * 5
         for lv in levels:
@@ -400,7 +435,8 @@ def plot_metrics(rows: Sequence[Dict[str, Any]], path: str, title: str,
         ins.xaxis.get_major_locator().set_params(integer=True)
         ins.tick_params(labelsize=8)
         ins.grid(True, alpha=0.3)
-        ins.set_title(f"zoom: epochs {first}-{n_ep}", fontsize=8)
+        ins.set_title(f"zoom: epochs {first}-{n_ep}; shaded: ±1 s.d. over seeds, overlapping bands are noise",
+                      fontsize=7)
         ax.indicate_inset_zoom(ins, edgecolor="0.5")
     # Second row: against training wall-clock time (the interleaved epochs' cumulative training seconds, mean over
     # seeds), where a user's decision is made; the baseline's final accuracy as a dashed line.
@@ -422,7 +458,10 @@ def plot_metrics(rows: Sequence[Dict[str, Any]], path: str, title: str,
         if key == "test_acc":
             if base_final is not None:
                 ax.axhline(base_final, color="0.3", ls="--", lw=1, label="baseline final")
-            lo = np.nanpercentile([r["test_acc"] for r in rows], 10)
+                ax.text(0.99, base_final, "baseline final accuracy", transform=ax.get_yaxis_transform(), ha="right",
+                        va="bottom", fontsize=8, color="0.3")
+            lo = min(float(np.nanmin(line.get_ydata())) for line in ax.get_lines()
+                     if len(line.get_xdata()) > 1)  # every plotted point, the first epoch's included
             ax.set_ylim(max(0.0, lo - 2), min(100.0, max(r["test_acc"] for r in rows) + 1))
         else:
             ax.set_yscale("log")
@@ -474,8 +513,10 @@ def summary_text(title: str, table: str, target: float, wall: Optional[float]) -
             f"at the last epoch, mean over layers. Time to accuracy (second table): per seed, the first epoch at "
             f"which test accuracy reaches that seed's baseline final accuracy (or a fixed level) and the cumulative "
             f"training seconds to the end of that epoch (evaluation not counted); mean over seeds with a 95 % "
-            f"t-interval in brackets, (k/n) when only k of n seeds reach it. 'time vs baseline' is the paired "
-            f"ratio of seconds to target on the same seed; 'CPU time vs baseline' the same with the process's CPU "
+            f"t-interval in brackets, (k/n) when only k of n seeds reach it; {CLIPPED} marks an interval clipped to "
+            f"the possible range (epochs from the first to the last run, seconds from 0). 'time vs baseline' is the "
+            f"paired ratio of seconds to target on the same seed, its geometric mean with the interval of the logs "
+            f"(a ratio's interval stays positive); 'CPU time vs baseline' the same with the process's CPU "
             f"seconds, which a busy machine inflates less than wall-clock seconds.")
     if wall is not None:
         text += f" Total wall time {wall:.0f} s."
