@@ -460,8 +460,10 @@ def plot_metrics(rows: Sequence[Dict[str, Any]], path: str, title: str,
                 ax.axhline(base_final, color="0.3", ls="--", lw=1, label="baseline final")
                 ax.text(0.99, base_final, "baseline final accuracy", transform=ax.get_yaxis_transform(), ha="right",
                         va="bottom", fontsize=8, color="0.3")
-            lo = min(float(np.nanmin(line.get_ydata())) for line in ax.get_lines()
-                     if len(line.get_xdata()) > 1)  # every plotted point, the first epoch's included
+            # below every plotted point, the first epoch's included (a run of one epoch: one point per line)
+            ys = [float(np.nanmin(y)) for y in (np.asarray(line.get_ydata(), float) for line in ax.get_lines())
+                  if y.size and np.isfinite(y).any()]
+            lo = min(ys) if ys else float(np.nanmin([r["test_acc"] for r in rows]))
             ax.set_ylim(max(0.0, lo - 2), min(100.0, max(r["test_acc"] for r in rows) + 1))
         else:
             ax.set_yscale("log")
