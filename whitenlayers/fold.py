@@ -274,8 +274,8 @@ def _local_summaries(layers: Sequence["WhiteningStatistics"]) -> Tuple[List[Bloc
     s1 = torch.stack([layer._acc_s1 for layer in layers])
     s2 = torch.stack([layer._acc_s2 for layer in layers])
     block = F_w.summarize_block(count, shift, s1, s2)
-    nonfinite = (s1.sum(-1) + s2.flatten(1).sum(-1)) * 0 != 0  # x * 0: NaN for NaN and Inf
-    return _unstack(block, len(layers)), [int(bad) for bad in nonfinite.tolist()]
+    finite = F_w.finite_each(s1, s2)
+    return _unstack(block, len(layers)), [int(not ok) for ok in finite.tolist()]
 
 
 def _unstack(block: BlockSummary, n: int) -> List[BlockSummary]:
@@ -331,7 +331,7 @@ def _outcomes(layers: Sequence["WhiteningStatistics"], blocks: Sequence[BlockSum
     cov_prev = torch.stack([layer.running_cov for layer in layers])
     block_cov = F_w.block_covariance(block, mus)
     cov = F_w.recursive_average(cov_prev, block_cov, config.alpha, list(firsts))
-    finite = (mus.sum(-1) + cov.flatten(1).sum(-1)) * 0 == 0
+    finite = F_w.finite_each(mus, cov)
     flags = torch.stack([finite, block.count > 0]).tolist()
     status: List[Optional[int]] = []
     for k, bad in enumerate(nonfinite):
@@ -365,8 +365,8 @@ def _outcomes(layers: Sequence["WhiteningStatistics"], blocks: Sequence[BlockSum
             new["whitening_matrix"] = layers[k]._stored("whitening_matrix", result.transform)
             new.update({name: layers[k]._stored(name, value) for name, value in result.buffers.items()})
         out[k] = FoldOutcome(FAILED if result is None else FOLDED, result is not None and bool(result.clamped), new)
-    for j, (k, _) in enumerate(done):
-        if qs is not None:
+    if qs is not None:
+        for j, (k, _) in enumerate(done):
             out[k].buffers["grad_transform"] = _own(qs[j])
     return out
 
@@ -464,27 +464,23 @@ def _fold_all(layers: Sequence["WhiteningStatistics"], summaries: Sequence[Block
     """
     index = {id(layer): i for i, layer in enumerate(layers)}
     chunks = [[index[id(layer)] for layer in chunk] for chunk in _fold_chunks(layers)]
-    firsts: List[bool] = [False] * len(layers)
-    means: List[Tensor] = [torch.empty(0)] * len(layers)
+    stored_means: List[Tensor] = [torch.empty(0)] * len(layers)  # the new means as the buffers store them
     deltas: List[Tensor] = [torch.empty(0)] * len(layers)
     unshifted: List[bool] = [False] * len(layers)
-    for idx in chunks:
-        firsts_c = _begin([layers[i] for i in idx], [nonfinite[i] for i in idx])
-        mu, delta, flags = _new_means([layers[i] for i in idx], [summaries[i] for i in idx], firsts_c)
-        for j, i in enumerate(idx):
-            firsts[i], means[i], deltas[i], unshifted[i] = firsts_c[j], mu[j], delta[j], flags[j]
     rank = 0 if owners is None else dist.get_rank(group)
     computed: Dict[int, FoldOutcome] = {}
     for idx in chunks:
-        mine = [i for i in idx if owners is None or owners[i] == rank]
+        firsts_c = _begin([layers[i] for i in idx], [nonfinite[i] for i in idx])
+        mu, delta, flags = _new_means([layers[i] for i in idx], [summaries[i] for i in idx], firsts_c)
+        stored = mu.to(layers[idx[0]].running_mean.dtype)  # one conversion per stack
+        for j, i in enumerate(idx):
+            stored_means[i], deltas[i], unshifted[i] = stored[j], delta[j], flags[j]
+        mine = [j for j, i in enumerate(idx) if owners is None or owners[i] == rank]
         if mine:
-            outcomes = _outcomes([layers[i] for i in mine], [summaries[i] for i in mine], [firsts[i] for i in mine],
-                                 [nonfinite[i] for i in mine], torch.stack([means[i] for i in mine]))
-            computed.update(zip(mine, outcomes))
-    stored_means = {}
-    for idx in chunks:  # the new means as the buffers store them: one conversion per stack
-        stored = torch.stack([means[i] for i in idx]).to(layers[idx[0]].running_mean.dtype)
-        stored_means.update({i: stored[j] for j, i in enumerate(idx)})
+            outcomes = _outcomes([layers[idx[j]] for j in mine], [summaries[idx[j]] for j in mine],
+                                 [firsts_c[j] for j in mine], [nonfinite[idx[j]] for j in mine],
+                                 mu if len(mine) == len(idx) else mu[mine])
+            computed.update(zip([idx[j] for j in mine], outcomes))
     for src in ([None] if owners is None else range(dist.get_world_size(group))):
         idx = [i for i in range(len(layers)) if src is None or cast("Sequence[int]", owners)[i] == src]
         if not idx:

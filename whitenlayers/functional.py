@@ -34,6 +34,7 @@ __all__ = [
     "batch_sums",
     "unshifted_accurate",
     "unshifted_accurate_each",
+    "finite_each",
     "stats_samples",
     "summarize_block",
     "scatter_about",
@@ -110,6 +111,16 @@ def all_finite(*tensors: Tensor) -> bool:
     if total is None or bool(total * 0 == 0):  # x * 0 is NaN exactly for NaN and +-Inf
         return True
     return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def finite_each(*stacks: Tensor) -> Tensor:
+    """:func:`all_finite` per stacked layer (a leading dimension ``L`` on every tensor), as a bool tensor ``(L,)``
+    on the device: the sum of each layer's elements, NaN or Inf exactly when one is (or when the sum overflows,
+    which counts as not finite). No host synchronisation."""
+    total = stacks[0].flatten(1).sum(-1)
+    for t in stacks[1:]:
+        total = total + t.flatten(1).sum(-1)
+    return total * 0 == 0  # x * 0 is NaN exactly for NaN and +-Inf
 
 
 def _as_rows(x: Tensor) -> Optional[Tensor]:

@@ -209,7 +209,7 @@ class RecursiveRule(TransformRule):
             c_abs=c.c_abs,
         )
         t_new, gram = step.transform.reshape(t_prev.shape), step.gram.reshape(t_prev.shape)
-        finite = (t_new.flatten(1).sum(-1) + gram.flatten(1).sum(-1)) * 0 == 0
+        finite = F_w.finite_each(t_new, gram)
         flags = torch.stack([finite, over.view(len(states), groups).any(-1)]).tolist()
         return [RuleResult(t_new[i], gram[i], {"running_cov_whitened": phi_y[i], "running_power": power[i],
                                                "whitening_gram": gram[i]}, bool(flags[1][i]))

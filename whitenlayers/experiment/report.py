@@ -205,9 +205,8 @@ def geometric_t_interval(values: Sequence[float]) -> Tuple[float, float, float]:
         [1.044, 0.857, 1.271]
     """
     logs = [math.log(v) for v in values if math.isfinite(v) and v > 0]
-    mean, lo, hi = t_interval(logs)
-    return math.exp(mean) if math.isfinite(mean) else mean, math.exp(lo) if math.isfinite(lo) else lo, \
-        math.exp(hi) if math.isfinite(hi) else hi
+    mean, lo, hi = (math.exp(v) if math.isfinite(v) else v for v in t_interval(logs))
+    return mean, lo, hi
 
 
 #: Two-sided 95 % Student-t quantiles for 1..30 degrees of freedom (30 and beyond: 2.042, ~normal).
