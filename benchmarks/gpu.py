@@ -10,7 +10,10 @@ On CUDA:
 4. training-step time and peak-memory ratios vs the plain model, interleaved: ResNet-50 (the torchvision
    layout, ``_resnet50.py``; 224x224, batch 64, channels_last, bf16 autocast) and CIFAR ResNet-110
    (batch 128, fp32); grad, recursive, direct;
-5. one fold of each model (all its whitening layers), EVD and recursive.
+5. one fold of each model (all its whitening layers), EVD and recursive;
+6. CUDA kernels launched per training step (``torch.profiler``), plain vs each method on CIFAR ResNet-20,
+   averaged over one whole block (its fold included) and over the steps that do not fold: the GPU form of
+   ``hot_path.py``'s op count.
 
 It prints a Markdown table with the device name, torch and CUDA versions, for benchmarks/RESULTS.md.
 Without CUDA it runs the same checks on the CPU in a ``--tiny`` configuration (CI: the script cannot
@@ -169,11 +172,57 @@ def fold_time(model: nn.Module, device) -> float:
     return time.perf_counter() - t0
 
 
+def kernel_counts(device: torch.device, tiny: bool) -> List[List[object]]:
+    """CUDA kernels (memsets and copies included) per training step of CIFAR ResNet-20, batch 128."""
+    if device.type != "cuda":
+        return []
+    from torch.profiler import ProfilerActivity, profile
+
+    block = 10
+    base = wl.models.cifar_resnet(20)
+    variants = {"plain": copy.deepcopy(base)}
+    for method in ("grad", "recursive", "direct"):
+        variants[method] = wl.convert_model(copy.deepcopy(base), method=method, block_size=block)
+    variants["grad:every5"] = wl.convert_model(copy.deepcopy(base), method="grad", block_size=block, stats_every=5)
+    x = torch.randn(128, 3, 32, 32, device=device)
+    y = torch.randint(0, 10, (128,), device=device)
+    rows: List[List[object]] = []
+    plain = {}
+    for k, model in variants.items():
+        model.to(device).train()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        n_layers = len(list(wl.whitening_layers(model)))
+
+        def step():
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+
+        for _ in range(block):  # one whole block: the first fold is behind us
+            step()
+        torch.cuda.synchronize()
+        per_step = []
+        for _ in range(block):
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                step()
+                torch.cuda.synchronize()
+            per_step.append(sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA))
+        whole = statistics.mean(per_step)
+        quiet = statistics.median(per_step)  # the steps without a fold (9 of 10)
+        if k == "plain":
+            plain = {"whole": whole, "quiet": quiet}
+        extra = (lambda a, b: (a - b) / n_layers if n_layers else float("nan"))
+        rows.append([k, n_layers, whole, quiet, extra(whole, plain["whole"]), extra(quiet, plain["quiet"])])
+    return rows
+
+
 def step_table(name: str, base: nn.Module, make_batch: Callable, device, rounds: int, autocast_dtype,
                memory_format=None) -> List[List[object]]:
     variants = {"plain": copy.deepcopy(base)}
     for method in ("grad", "recursive", "direct"):
         variants[method] = wl.convert_model(copy.deepcopy(base), method=method)
+    variants["grad:every5"] = wl.convert_model(copy.deepcopy(base), method="grad", stats_every=5)
     for m in variants.values():
         m.to(device)
         if memory_format is not None:
@@ -185,7 +234,7 @@ def step_table(name: str, base: nn.Module, make_batch: Callable, device, rounds:
     rows = []
     for k, v in times.items():
         folds = {}
-        if k in ("grad", "recursive"):
+        if k in ("grad", "recursive", "grad:every5"):
             folds[k] = fold_time(variants[k], device)
         mem = peak_memory(variants[k], make_batch, device, autocast_dtype)
         rows.append([name, k, 1e3 * statistics.mean(v), statistics.mean(v) / base_mean,
@@ -240,12 +289,20 @@ def main(argv=None) -> Dict[str, object]:
     rows += step_table("CIFAR ResNet-" + ("8 (tiny)" if tiny else "110, batch 128, fp32"),
                        wl.models.cifar_resnet(8 if tiny else 110, num_classes=100), batch110, device, rounds, None)
     table = md_table(["model", "variant", "mean step ms", "step vs plain", "peak memory vs plain", "one fold ms"], rows, nd=3)
-    text = "\n".join([
-        f"Device: {header['device']}; torch {header['torch']}; CUDA {header['cuda']}", "",
-        md_table(["check", "result"], checks), "", table,
-    ])
+    parts = [f"Device: {header['device']}; torch {header['torch']}; CUDA {header['cuda']}", "",
+             md_table(["check", "result"], checks), "", table]
+    try:
+        kernels = kernel_counts(device, tiny)
+    except Exception as exc:  # the profiler is optional: keep the checks and timings above
+        print(f"kernel count failed: {exc!r}")
+        kernels = []
+    if kernels:
+        parts += ["", md_table(["CIFAR ResNet-20, batch 128, block 10", "whitening layers", "kernels/step (block mean)",
+                                "kernels/step (median: no fold)", "extra per layer (block mean)",
+                                "extra per layer (no fold)"], kernels, nd=1)]
+    text = "\n".join(parts)
     print(text)
-    out = {**header, "checks": checks, "rows": rows, "markdown": text}
+    out = {**header, "checks": checks, "rows": rows, "kernels": kernels, "markdown": text}
     write_json(args.json, out)
     if failed:
         raise SystemExit("gpu.py: a correctness check failed (see the table above)")

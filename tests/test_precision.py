@@ -99,6 +99,30 @@ def test_autocast_training_of_converted_model_keeps_float32_state():
         assert layer.weight.dtype == layer.weight.grad.dtype == torch.float32
 
 
+def test_absorbed_offset_tracking_runs_outside_autocast(monkeypatch):
+    # CUDA's autocast runs addmv in bf16, and d.lerp_(s) then failed on a bf16 s (found by benchmarks/gpu.py on
+    # an H200). CPU autocast leaves addmv alone, so check the contract directly: the tracked offset's product is
+    # computed with autocast off, in BatchNorm's float32.
+    torch.manual_seed(0)
+    model = wl.convert_model(wl.models.cifar_resnet(8, width=8), method="grad", block_size=2)
+    assert any(m.centring == "absorbed" for _, m in whitening(model))
+    seen = []
+    addmv = torch.addmv
+
+    def spy(*args, **kwargs):
+        seen.append(torch.is_autocast_enabled("cpu"))
+        return addmv(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "addmv", spy)
+    x, y = batch(0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        Fn.cross_entropy(model(x), y).backward()
+    assert seen and not any(seen)
+    for name, layer in whitening(model):
+        if layer.centring == "absorbed":
+            assert layer.absorbed_offset.dtype == torch.float32 and torch.isfinite(layer.absorbed_offset).all(), name
+
+
 # --------------------------------------------------------------------------
 # GradScaler
 # --------------------------------------------------------------------------

@@ -506,11 +506,13 @@ def _fsdp_worker(rank, world, flavour):
             with FSDP.state_dict_type(wrapped, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False)):
                 sd = wrapped.state_dict()
         else:
+            from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
             reshard = flavour == "fsdp2"
+            mesh = init_device_mesh("cpu", (world,))  # without a mesh, fully_shard moves the model to CUDA if any
             for layer in [m for _, m in wl.whitening_layers(model)]:
-                fully_shard(layer, reshard_after_forward=reshard)
-            fully_shard(model, reshard_after_forward=reshard)
+                fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+            fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
             fsdp_train(model, rank, world)
             sd = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
         out[bias] = {k: v.detach().clone() for k, v in sd.items() if not k.endswith("_extra_state")}

@@ -399,7 +399,12 @@ class _GradWhitenMixin(WhiteningStatistics):
         w = weight.detach()
         if w.dtype != d.dtype:
             w = w.to(d.dtype)
-        d.lerp_(self._offset(w, state["running_mean"], state["bias_correction"]), factor)  # s = c - W mu
+        if _autocast_enabled(d.device.type):  # CUDA's autocast would run addmv in bf16/fp16: keep BatchNorm's dtype
+            with torch.autocast(device_type=d.device.type, enabled=False):
+                s = self._offset(w, state["running_mean"], state["bias_correction"])
+        else:
+            s = self._offset(w, state["running_mean"], state["bias_correction"])
+        d.lerp_(s, factor)  # d <- (1 - f) d + f s, s = c - W mu
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
