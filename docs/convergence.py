@@ -22,7 +22,7 @@ import math
 import os
 import subprocess
 import sys
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -133,6 +133,46 @@ STAGES = {
     # mnist5k, the default run's setting (lr 0.1 and the library authors' rates, untuned), every method.
     "mnist-default": lambda: [("mnist-default", ["--methods", ",".join(ALL), "--dataset", "mnist5k"])],
 }
+
+
+# Fashion-MNIST, budgeted (issue 25): the official 60,000 / 10,000 split, CIFAR ResNet-8 width 8 (one input
+# channel), batch 128, SGD momentum 0.9 (Muon and SOAP their own), the library's defaults (block_size 10,
+# statistics on every forward), no augmentation, and a linear decay of the learning rate to 0 at the end of each
+# budget (--schedule linear, per step). Budgets 1, 2 and 4 epochs. Learning rate per method on a validation
+# split (10 % of the training images, stratified) at the 2-epoch budget, seed 0, three trials for every method;
+# then every budget with the chosen rates on the test split, seeds 0-4, one run per (budget, seed), the six
+# methods interleaved epoch by epoch inside each run.
+FASHION = ("baseline", "grad", "recursive", "grad-patch", "muon", "soap")
+FASHION_GRID: Dict[str, Tuple[float, ...]] = {m: (0.1, 0.2, 0.4) for m in ("baseline", "grad", "recursive", "grad-patch")}
+FASHION_GRID.update(muon=(0.01, 0.02, 0.04), soap=(0.001, 0.003, 0.01))
+FASHION_BUDGETS = (1, 2, 4)
+FASHION_SEEDS = (0, 1, 2, 3, 4)
+FM = ["--dataset", "fashion-mnist", "--model", "resnet8", "--width", "8", "--schedule", "linear", "--diag-batches", "0"]
+
+
+def _fashion_val() -> List[Tuple[str, List[str]]]:
+    out = []
+    for i in range(3):
+        per = ",".join(f"{m}={FASHION_GRID[m][i]:g}" for m in FASHION)
+        out.append((f"fm-val-lr{i}", ["--methods", ",".join(FASHION), "--lr", f"{FASHION_GRID['baseline'][i]:g}",
+                                      "--method-lr", per, "--epochs", "2", "--val-fraction", "0.1", "--seeds", "0",
+                                      *FM]))
+    return out
+
+
+def _fashion_test() -> List[Tuple[str, Optional[List[str]]]]:
+    try:
+        lrs = _chosen("fm-val", FASHION)
+    except SystemExit:
+        return [("fm-test", None)]
+    per = ",".join(f"{m}={v:g}" for m, v in lrs.items())
+    return [(f"fm-b{b}-s{seed}", ["--methods", ",".join(FASHION), "--lr", f"{lrs['baseline']:g}", "--method-lr", per,
+                                  "--epochs", str(b), "--seeds", str(seed), *FM])
+            for seed in FASHION_SEEDS for b in sorted(FASHION_BUDGETS, reverse=True)]
+
+
+STAGES["fm-val"] = _fashion_val
+STAGES["fm-test"] = _fashion_test
 
 
 def _rows(name: str):

@@ -93,7 +93,7 @@ def test_whitening_flags_are_derived_from_the_config_dataclasses():
         assert "--" + name.replace("_", "-") in actions[name].option_strings
         assert f.metadata["help"].replace("%", "%%") in actions[name].help
     # the per-method defaults come from the dataclasses
-    assert "grad, direct 0.9; recursive 0.1" in actions["alpha"].help
+    assert "grad, direct, grad-patch 0.9; recursive 0.1" in actions["alpha"].help
     assert f"{RecursiveConfig.gamma:g}" in actions["gamma"].help
     assert "10" in actions["block_size"].help and "2 for mnist5k" in actions["block_size"].help
     # the methods' layer options: the config fields, less beta for direct
@@ -101,6 +101,7 @@ def test_whitening_flags_are_derived_from_the_config_dataclasses():
     assert METHOD_REGISTRY["grad"].option_names == runner(EVDConfig.field_names())
     assert METHOD_REGISTRY["recursive"].option_names == runner(RecursiveConfig.field_names())
     assert METHOD_REGISTRY["direct"].option_names == runner(EVDConfig.field_names(), "beta")
+    assert METHOD_REGISTRY["grad-patch"].option_names == runner(EVDConfig.field_names())
     assert METHOD_REGISTRY["baseline"].option_names == ()
 
 

@@ -66,6 +66,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from . import functional as F_w
 from .autograd import direct_whiten, grad_transformed
 from .config import EVDConfig, RecursiveConfig, WhiteningConfig, make_config
+from .patches import FEATURES, patch_padding, unfold_patches
 from .stats import WhiteningStatistics, _is_compiling
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -126,10 +127,12 @@ def _check_input(layer: WhiteningStatistics, x: Tensor, *, dim: int, ndims: tupl
         )
     if x.dim() not in ndims:
         raise ValueError(f"{layer._describe()}: expected {what}, but got input of shape {tuple(x.shape)}")
-    if x.shape[dim] != layer.num_features:
+    expected = getattr(layer, "in_channels", layer.num_features)  # a patch layer has C k^2 features of C channels
+    if x.shape[dim] != expected:
+        unit = "channels" if hasattr(layer, "in_channels") else "features"
         raise ValueError(
-            f"{layer._describe()}: expected {layer.num_features} input features on dim {dim % x.dim()}, "
-            f"but got {x.shape[dim]} (input shape {tuple(x.shape)})"
+            f"{layer._describe()}: expected {expected} input {unit} on dim {dim % x.dim()}, but got {x.shape[dim]} "
+            f"(input shape {tuple(x.shape)})"
         )
 
 
@@ -231,13 +234,21 @@ class _GradWhitenMixin(WhiteningStatistics):
         cached = self._mean_taps
         if cached is not None and cached[0] is mean and cached[1:3] == key[1:]:
             return cached[3]
-        taps = self.weight[0, 0].numel()
+        taps = 1 if self.features == "patches" else self.weight[0, 0].numel()  # a patch mean has one entry per tap
         value = mean.to(dtype) if taps == 1 else mean.to(dtype).repeat_interleave(taps)
         if not _is_compiling():
             self._mean_taps = key + (value,)
         return value
 
     _mean_taps: Optional[tuple] = None
+
+    #: ``"channels"`` (the paper: one feature per input channel) or ``"patches"`` (a 2-D conv only: the unfolded
+    #: ``C k^2`` input patch; :mod:`whitenlayers.patches`).
+    features: str = "channels"
+
+    def _weight_matrix(self, weight: Tensor) -> Tensor:
+        """The weight as the layer's features see it: ``(S, C k^2)`` for patch features, else unchanged."""
+        return weight.flatten(1) if self.features == "patches" else weight
 
     def _offset(self, weight: Tensor, mean: Tensor, comp: Tensor) -> Tensor:
         """``s = c - sum_k W_k mu`` (one ``addmv`` for a dense layer), in ``weight``'s dtype."""
@@ -427,13 +438,16 @@ class _GradWhitenMixin(WhiteningStatistics):
         if torch.is_grad_enabled() and w.requires_grad:
             # The backward uses the Q_s in force now, even if a fold follows: a fold replaces the buffer, it never
             # writes into it.
-            w = grad_transformed(w, state["grad_transform"])
+            if self.features == "patches":  # Q acts on the flattened C k^2 axis
+                w = grad_transformed(w.flatten(1), state["grad_transform"]).view_as(w)
+            else:
+                w = grad_transformed(w, state["grad_transform"])
         return w
 
     def _capture_fold_inputs(self) -> None:
         # The fold at the end of the model's forward compensates with the weight of this forward: under a sharded
         # wrapper (FSDP) the full weight exists only now. Its taps summed, float64: all the fold needs.
-        w = self.weight.detach()
+        w = self._weight_matrix(self.weight.detach())
         if w.dim() == 2:
             self._fold_weight = w.to(torch.float64)
         else:  # one reduction, accumulated and returned in float64
@@ -449,12 +463,14 @@ class _GradWhitenMixin(WhiteningStatistics):
         # written in place: a forward still to be recomputed (activation checkpointing) holds the old one.
         w, self._fold_weight = self._fold_weight, None
         if w is None:
-            w = self._full_weight().to(torch.float64)
+            w = self._weight_matrix(self._full_weight()).to(torch.float64)
         comp = F_w.weight_mean_product(w, delta)
         self.bias_correction = self.bias_correction + comp.to(self.bias_correction.dtype)
 
     def extra_repr(self) -> str:
         rest = self._whitening_repr()
+        if self.features != "channels":
+            rest = (rest + ", " if rest else "") + f"features={self.features!r}"
         if self._centring_ref is not None:
             rest = (rest + ", " if rest else "") + "centring=absorbed"
         return super().extra_repr() + (f", {rest}" if rest else "")
@@ -521,23 +537,41 @@ class GradWhitenConv2d(_GradWhitenMixin, nn.Conv2d):
         *,
         config: Optional[EVDConfig] = None,
         process_group: Any = None,
+        features: str = "channels",
         **whitening: Any,
     ) -> None:
         self._init_conv(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode,
-                        device, dtype, config, process_group, whitening)
+                        device, dtype, config, process_group, whitening, features)
 
     def _init_conv(self, in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode,
-                   device, dtype, config, process_group, whitening) -> None:
+                   device, dtype, config, process_group, whitening, features="channels") -> None:
         nn.Conv2d.__init__(self, in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
                            padding_mode, device, dtype)
-        self._init_grad_whitening(in_channels, out_channels, config, whitening, process_group, device, dtype,
+        num_features = in_channels
+        if features not in FEATURES:
+            raise ValueError(f"{type(self).__name__}: features must be one of {FEATURES}, "
+                             f"but got features={features!r}")
+        if features == "patches":
+            if groups != 1 or padding_mode != "zeros":
+                raise ValueError(f"{type(self).__name__}: features='patches' needs groups=1 and padding_mode='zeros', "
+                                 f"but got groups={groups}, padding_mode={padding_mode!r}")
+            self._patch_padding = patch_padding(self.kernel_size, self.dilation, self.padding)
+            num_features = in_channels * self.kernel_size[0] * self.kernel_size[1]
+            self.features = features
+        self._init_grad_whitening(num_features, out_channels, config, whitening, process_group, device, dtype,
                                   groups=groups)
+
+    def _stats_input(self, x: Tensor) -> Tensor:
+        """The batch's features on dim 1: ``x`` itself, or its unfolded patches ``(B, C k^2, L)``."""
+        if self.features == "patches":
+            return unfold_patches(x, self.kernel_size, self.dilation, self._patch_padding, self.stride)
+        return x
 
     def forward(self, x: Tensor) -> Tensor:
         _check_input(self, x, dim=-3, ndims=(3, 4), what="an input of shape (B, C, H, W) or (C, H, W)")
         training, state = self._forward_state()
         if training:
-            self._accumulate(x if x.dim() == 4 else x.unsqueeze(0))
+            self._accumulate(self._stats_input(x if x.dim() == 4 else x.unsqueeze(0)))
         w = self._weight_for_forward(state)
         bn = self._batchnorm_absorbing_now()
         if bn is not None:
@@ -707,10 +741,11 @@ class RecursiveWhitenConv2d(GradWhitenConv2d):
         *,
         config: Optional[RecursiveConfig] = None,
         process_group: Any = None,
+        features: str = "channels",
         **whitening: Any,
     ) -> None:
         self._init_conv(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode,
-                        device, dtype, config, process_group, whitening)
+                        device, dtype, config, process_group, whitening, features)
 
 
 class RecursiveWhitenLinear(GradWhitenLinear):

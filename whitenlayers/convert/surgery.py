@@ -21,6 +21,7 @@ from ..layers import (
     GRAD_LAYER_TYPES,
     DirectWhiten,
 )
+from ..patches import PATCH_MAX_FEATURES
 from ..stats import WhiteningStatistics
 from ._common import (
     _CALL_HOOKS,
@@ -167,6 +168,7 @@ def convert_model(
     include_stem: bool = False,
     include_classifier: bool = False,
     max_features: Optional[int] = None,
+    stem_patches: bool = False,
     example_input: Any = None,
     report: bool = False,
     fold_strategy: str = "auto",
@@ -242,6 +244,14 @@ def convert_model(
     and the stem and the classifier are the first and last layers *called*;
     without it, the first fold warns about every converted layer that saw no
     input.
+
+    Patch whitening of the stem (an extension beyond the paper; :mod:`whitenlayers.patches`).
+    ``stem_patches=True`` (with ``include_stem=True``, method ``"grad"`` or
+    ``"recursive"``, a 2-D stem with ``groups=1`` and zero padding) makes the
+    stem whiten its unfolded ``C k^2`` input patches instead of its ``C``
+    channels (``features="patches"``). Its state is ``C k^2 x C k^2``: a stem
+    with more than ``max_features`` patch features (default
+    ``PATCH_MAX_FEATURES``, 1024) raises ``ValueError``.
 
     What is left out is always said. ``convert_model(..., report=True)``
     returns ``(model, report)``, a :class:`ConversionReport` listing every
@@ -327,11 +337,13 @@ def convert_model(
                  max_features=max_features)
 
     selected = [(name, module) for name, module, decision in plan if decision.status == "to convert"]
+    patch_stem = _patch_stem(plan, method, include_stem, max_features) if stem_patches else None
     absorbers = absorbing_batchnorms(model, selected) if (absorb_centring and method != "direct") else {}
     # Build every new layer first, so an error leaves the model untouched.
     new_by_id: Dict[int, nn.Module] = {}
     for name, module in selected:
-        new_by_id[id(module)] = _make_layer(method, module, name, layer_kwargs)
+        kwargs = dict(layer_kwargs, features="patches") if module is patch_stem else layer_kwargs
+        new_by_id[id(module)] = _make_layer(method, module, name, kwargs)
     for key, (bn, parent) in absorbers.items():
         cast("_GradWhitenMixin", new_by_id[key]).absorb_centring(cast(_BatchNorm, bn), parent=parent)
     decisions = [d._replace(status="converted") if d.status == "to convert" else d for _, _, d in plan]
@@ -348,6 +360,29 @@ def convert_model(
                     setattr(parent, child_name, new_by_id[id(child)])
     _install_coordinator(model, fold_strategy)
     return (model, result) if report else model
+
+
+def _patch_stem(plan, method: str, include_stem: bool, max_features: Optional[int]) -> Optional[nn.Module]:
+    """The stem that ``stem_patches=True`` converts with patch features (``ValueError`` when it cannot)."""
+    if not include_stem:
+        raise ValueError("convert_model: stem_patches=True needs include_stem=True (it changes how the stem whitens)")
+    if method == "direct":
+        raise ValueError("convert_model: stem_patches=True needs method 'grad' or 'recursive', not 'direct'")
+    stems = [(name, m, d) for name, m, d in plan if d.role == "stem"]
+    if not stems or stems[0][2].status != "to convert":
+        return None  # no stem, or one left out (the report says why)
+    name, stem, _ = stems[0]
+    where = f"stem '{name or '<root>'}'"
+    if type(stem) is not nn.Conv2d or stem.groups != 1 or stem.padding_mode != "zeros":
+        raise ValueError(f"convert_model: stem_patches=True needs a 2-D convolution with groups=1 and zero padding as "
+                         f"the stem, but the {where} is {stem!r}")
+    k = stem.in_channels * stem.kernel_size[0] * stem.kernel_size[1]
+    cap = max_features if max_features is not None else PATCH_MAX_FEATURES
+    if k > cap:
+        raise ValueError(f"convert_model: the {where} has {k} patch features (C k^2), more than max_features={cap}: "
+                         f"a {k} x {k} whitening state and product per output position; pass a larger max_features "
+                         "to convert it anyway")
+    return stem
 
 
 def _warn_left_out(report: ConversionReport, *, targets: str, predicate, include_linear: Optional[bool],

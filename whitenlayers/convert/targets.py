@@ -120,7 +120,8 @@ class LayerDecision(NamedTuple):
     (already a whitening layer, left as it is) or ``"skipped"``; ``reason``
     says why for a skipped layer. ``unsupported`` is ``True`` when the layer
     was selected by the target rule but cannot be converted (these are
-    warned about), ``False`` when it was not selected.
+    warned about), ``False`` when it was not selected. ``role`` is ``"stem"``
+    (the model's first conv / linear layer), ``"classifier"`` (its last) or ``""``.
     """
 
     name: str
@@ -128,6 +129,7 @@ class LayerDecision(NamedTuple):
     status: str
     reason: str = ""
     unsupported: bool = False
+    role: str = ""
 
 
 @dataclass
@@ -293,12 +295,13 @@ def _plan(
         if selected and problem is None and called is not None and id(m) not in called:
             problem = ("not called as a module by the model's forward of example_input (the model uses its weight "
                        "directly, e.g. torchvision's Swin attention, or the branch did not run in eval mode)")
+        position = "stem" if id(m) == stem else "classifier" if id(m) == classifier else ""
         if selected and problem is not None:
-            out.append((name, m, LayerDecision(name, kind, "skipped", problem, True)))
+            out.append((name, m, LayerDecision(name, kind, "skipped", problem, True, position)))
         elif selected:
-            out.append((name, m, LayerDecision(name, kind, "to convert")))
+            out.append((name, m, LayerDecision(name, kind, "to convert", role=position)))
         else:
-            out.append((name, m, LayerDecision(name, kind, "skipped", why, False)))
+            out.append((name, m, LayerDecision(name, kind, "skipped", why, False, position)))
     return out
 
 

@@ -128,6 +128,14 @@ register_method(Method("recursive", "recursive", "#d62728", RecursiveConfig, app
 register_method(Method("direct", "direct (EVD)", "#2ca02c", EVDConfig, exclude=("beta",), apply=_convert("direct")))
 
 
+def _grad_patch_stem(model: nn.Module, kwargs: Mapping[str, Any]) -> nn.Module:
+    # The blocks as "grad", and the stem whitening its unfolded C k^2 patches (an extension beyond the paper).
+    return cast(nn.Module, convert_model(model, method="grad", include_stem=True, stem_patches=True, **kwargs))
+
+
+register_method(Method("grad-patch", "EVD + patch stem", "#7f7f7f", EVDConfig, apply=_grad_patch_stem))
+
+
 # Peers: comparison methods, not whitening (see peers.py). Same initial weights and data order as the others.
 def _kronecker(use_g: bool) -> Callable[..., Any]:
     def make(model: nn.Module, lr: float) -> Any:
@@ -301,8 +309,9 @@ class RunConfig:
     momentum: float = _opt(0.9, "SGD momentum", _MODEL, cli=_FLOAT, show_default=True)
     nesterov: bool = _opt(False, "Nesterov momentum", _MODEL, cli=_FLAG)
     weight_decay: float = _opt(5e-4, "weight decay", _MODEL, cli=_FLOAT, show_default=True)
-    schedule: str = _opt("step", "learning-rate schedule per epoch", _MODEL,
-                         cli={"choices": ("step", "cosine", "constant")}, show_default=True)
+    schedule: str = _opt("step", "learning-rate schedule: step and cosine per epoch; linear decays per training "
+                         "step to 0 at the end of the last epoch (a budgeted run's schedule); constant", _MODEL,
+                         cli={"choices": ("step", "cosine", "linear", "constant")}, show_default=True)
     milestones: Optional[List[int]] = _opt(
         help="step schedule: comma-separated epochs at which lr is multiplied by --lr-gamma (default: at 50%% and "
              "75%% of the epochs, the paper's 100,150 of 200)", group=_MODEL)
@@ -497,7 +506,8 @@ _UNSET: Dict[str, Any] = {"amp": "none", "channels_last": False, "compile": Fals
 
 def fingerprint(record: Mapping[str, Any]) -> Dict[str, Any]:
     """The part of a flat configuration record (:meth:`RunConfig.to_record`) that a resumed run must share."""
-    keys = list(_FINGERPRINT_KEYS) + list(WHITEN_FIELDS) + (["epochs"] if record["schedule"] == "cosine" else [])
+    by_epochs = record["schedule"] in ("cosine", "linear")  # the schedule depends on the number of epochs
+    keys = list(_FINGERPRINT_KEYS) + list(WHITEN_FIELDS) + (["epochs"] if by_epochs else [])
     fp = {k: record.get(k, _UNSET.get(k)) for k in keys}
     return json.loads(json.dumps({k: v for k, v in fp.items() if not (k in _UNSET and v == _UNSET[k])}))
 

@@ -9,6 +9,7 @@ and a resumed run equals an uninterrupted one (timings aside).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import math
@@ -16,7 +17,7 @@ import os
 import random
 import sys
 import time
-from typing import Any, ContextManager, Dict, List, Optional, Sequence, Tuple, cast
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple, cast
 
 import numpy as np
 import torch
@@ -135,6 +136,17 @@ def lr_at(cfg: RunConfig, epoch: int) -> float:
         t = (epoch - warm) / max(1, e - warm)
         return base * 0.5 * (1.0 + math.cos(math.pi * t))
     return base
+
+
+def linear_factor(epoch: int, step: int, steps: int, epochs: int, warmup_epochs: int = 0) -> float:
+    """``--schedule linear``: the factor on the base rate at ``step`` (0-based) of ``epoch`` (0-based, ``steps`` per
+    epoch): after the warm-up epochs, ``1 - t`` with ``t`` the fraction of the decay's steps already taken, so the
+    first step of the decay runs at the base rate and the rate would reach 0 one step after the last.
+    """
+    if epoch < warmup_epochs:
+        return (epoch + 1) / (warmup_epochs + 1)
+    total = max(1, (epochs - warmup_epochs) * steps)
+    return max(0.0, 1.0 - ((epoch - warmup_epochs) * steps + step) / total)
 
 
 def make_loaders(cfg: RunConfig, bundle: DataBundle, seed: int, ctx: Context):
@@ -272,13 +284,24 @@ class Precision:
 
 
 def train_epoch(model: nn.Module, opt: torch.optim.Optimizer, loader, ctx: Context, precision: Precision,
-                bar=None, pre=None) -> Tuple[float, float, int]:
-    """One pass over ``loader``; returns this rank's summed loss, correct count and sample count."""
+                bar=None, pre=None, step_factor: Optional[Callable[[int], float]] = None,
+                method_lr: float = 0.0) -> Tuple[float, float, int]:
+    """One pass over ``loader``; returns this rank's summed loss, correct count and sample count.
+
+    ``step_factor(i)``: a per-step schedule (``--schedule linear``), the factor on each param group's ``base_lr``
+    (and on ``method_lr`` for a preconditioner) before step ``i``.
+    """
     model.train()
     loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
     correct = torch.zeros((), dtype=torch.long, device=ctx.device)
     seen = 0
-    for x, y in loader:
+    for i, (x, y) in enumerate(loader):
+        if step_factor is not None:
+            f = step_factor(i)
+            for group in opt.param_groups:
+                group["lr"] = group["base_lr"] * f
+            if pre is not None:
+                pre.lr = method_lr * f
         x = precision.inputs(x)
         y = y.to(ctx.device, non_blocking=True)
         with precision.autocast():
@@ -431,8 +454,13 @@ class Run:
                                   file=sys.stderr, leave=False, mininterval=0.1, dynamic_ncols=True)
         ctx.synchronize()
         t0, c0 = time.perf_counter(), time.process_time()
+        step_factor: Optional[Callable[[int], float]] = None
+        if cfg.schedule == "linear":
+            steps, epochs, warm = len(self.train_loader), int(cfg.epochs), int(cfg.warmup_epochs)
+            step_factor = functools.partial(lambda i, e: linear_factor(e, i, steps, epochs, warm), e=epoch)
+            lr = cfg.method_lr_for(self.method) * step_factor(0)
         loss_sum, correct, seen = train_epoch(self.net, self.opt, self.train_loader, ctx, self.precision, bar,
-                                              self.pre)
+                                              self.pre, step_factor, cfg.method_lr_for(self.method))
         ctx.synchronize()
         epoch_time = time.perf_counter() - t0
         cpu_time = time.process_time() - c0
