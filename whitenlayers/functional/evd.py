@@ -1,0 +1,255 @@
+"""The EVD transform (paper sections 2-3): robust eigendecomposition, gains, ZCA ``T`` and ``Q = T^T T``,
+dense, grouped and batched over layers. Part of :mod:`whitenlayers.functional`."""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from .moments import all_finite, symmetrize
+from .spectrum import effective_rank
+
+
+# --------------------------------------------------------------------------
+# EVD transform
+# --------------------------------------------------------------------------
+def robust_eigh(cov: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
+    """``eigh`` of a symmetrised ``cov`` with eigenvalues in decreasing order.
+
+    Returns ``None`` when ``cov`` is not finite or when the decomposition fails
+    or returns non-finite values in both the working precision (at least
+    float32) and float64. Never raises for numerical reasons.
+    """
+    if not all_finite(cov):
+        return None
+    work = cov.dtype if cov.dtype in (torch.float32, torch.float64) else torch.float32
+    for dtype in dict.fromkeys((work, torch.float64)):
+        try:
+            lam, vec = torch.linalg.eigh(symmetrize(cov.to(dtype)))
+        except RuntimeError:  # torch.linalg.LinAlgError is a RuntimeError
+            continue
+        if all_finite(lam, vec):
+            return lam.flip(-1), vec.flip(-1)
+    return None
+
+
+def whitening_gains(
+    eigenvalues: Tensor, *, eps: float, gmax: float, gains: str = "practical"
+) -> Tensor:
+    """Per-eigenvalue gains ``g`` (``T = V diag(g)^(1/2) V^T``) for decreasing ``eigenvalues``.
+
+    ``gains="practical"`` (ERRATA 5): ``g_m = min(mean(lambda) / max(lambda_m, eps), gmax)``
+    for the ``round(M_s)`` largest eigenvalues (``M_s`` per ERRATA 1, clamped to
+    ``[1, M]``) and ``1`` for the rest: the signal subspace is whitened to the
+    average input power, gains are capped, the noise subspace is left alone.
+
+    ``gains="zca"`` (eq. ``vg``): ``g_m = 1 / max(lambda_m, eps)``, no rank cut, no cap.
+
+    Works on a batch of spectra (last dim), each with its own rank; no host
+    synchronisation (``round`` is half-to-even, as Python's).
+    """
+    lam = torch.clamp(eigenvalues, min=0.0)
+    if gains == "zca":
+        return 1.0 / torch.clamp(lam, min=eps)
+    if gains != "practical":
+        raise ValueError(f"gains must be 'practical' or 'zca', but got gains={gains!r}")
+    m = lam.shape[-1]
+    ms = torch.clamp(torch.round(effective_rank(lam)), 1, m)
+    g = torch.clamp(lam.mean(-1, keepdim=True) / torch.clamp(lam, min=eps), max=gmax)
+    keep = torch.arange(m, device=lam.device) < ms.unsqueeze(-1)
+    return torch.where(keep, g, torch.ones_like(g))
+
+
+def _zca_from_eig(lam: Tensor, vec: Tensor, eps: float, gmax: float, gains: str) -> Tuple[Tensor, Tensor]:
+    """``T = V diag(g)^(1/2) V^T`` and ``Q = V diag(g) V^T`` from decreasing eigenpairs (batched on leading dims)."""
+    g = whitening_gains(lam, eps=eps, gmax=gmax, gains=gains).unsqueeze(-2)
+    vt = vec.transpose(-1, -2)
+    return symmetrize((vec * g.sqrt()) @ vt), symmetrize((vec * g) @ vt)
+
+
+def evd_transform(
+    cov: Tensor, *, eps: float, gmax: float, gains: str = "practical"
+) -> Optional[Tuple[Tensor, Tensor]]:
+    """ZCA whitening matrix ``T = V diag(g)^(1/2) V^T`` and ``Q = T^T T = V diag(g) V^T``.
+
+    Returns ``None`` when the eigendecomposition fails (see :func:`robust_eigh`);
+    the caller then keeps its previous transform. Results are in ``cov.dtype``.
+    """
+    dec = robust_eigh(cov)
+    if dec is None:
+        return None
+    t, q = _zca_from_eig(*dec, eps, gmax, gains)
+    if not all_finite(t, q):
+        return None
+    return t.to(cov.dtype), q.to(cov.dtype)
+
+
+def evd_transform_batched(
+    covs: Tensor, *, eps: float, gmax: float, gains: str = "practical"
+) -> List[Optional[Tuple[Tensor, Tensor]]]:
+    """:func:`evd_transform` of each matrix of a ``(k, M, M)`` stack, with one batched ``eigh``.
+
+    Same results as ``[evd_transform(c, ...) for c in covs]`` (the batched
+    kernels compute each matrix as the single-matrix ones do), at a fraction
+    of the per-call overhead when many small layers fold together (the fold of
+    a whole ResNet, ``benchmarks/fold_cost.py``). Robust per matrix: a
+    non-finite matrix gives ``None``; when the batched ``eigh`` raises, or
+    returns non-finite values for some matrices, those matrices go through
+    :func:`evd_transform` one by one (working precision, then float64).
+    """
+    k = covs.shape[0]
+    out: List[Optional[Tuple[Tensor, Tensor]]] = [None] * k
+    if k == 0:
+        return out
+    work = covs.dtype if covs.dtype in (torch.float32, torch.float64) else torch.float32
+    idx = [i for i, ok in enumerate(torch.isfinite(covs).flatten(1).all(1).tolist()) if ok]
+    retry: List[int] = []
+    if idx:
+        sub = covs[idx] if len(idx) < k else covs
+        try:
+            lam, vec = torch.linalg.eigh(symmetrize(sub.to(work)))
+        except RuntimeError:  # torch.linalg.LinAlgError is a RuntimeError
+            lam = vec = None
+        if lam is None:
+            retry = idx
+        else:
+            assert vec is not None  # set with lam
+            ok = (torch.isfinite(lam).all(-1) & torch.isfinite(vec).flatten(1).all(1)).tolist()
+            good = [j for j, o in enumerate(ok) if o]
+            retry = [idx[j] for j, o in enumerate(ok) if not o]
+            if good:
+                if len(good) < len(idx):
+                    lam, vec = lam[good], vec[good]
+                t, q = _zca_from_eig(lam.flip(-1), vec.flip(-1), eps, gmax, gains)
+                fin = (torch.isfinite(t).flatten(1).all(1) & torch.isfinite(q).flatten(1).all(1)).tolist()
+                for pos, (j, f) in enumerate(zip(good, fin)):
+                    if f:
+                        out[idx[j]] = (t[pos].to(covs.dtype), q[pos].to(covs.dtype))
+    for i in retry:
+        out[i] = evd_transform(covs[i], eps=eps, gmax=gmax, gains=gains)
+    return out
+
+
+def grouped_whitening_gains(eigenvalues: Tensor, *, eps: float, gmax: float, gains: str = "practical") -> Tensor:
+    """:func:`whitening_gains` of a block-diagonal matrix from its blocks' spectra ``(G, k)``.
+
+    The gains are those of the union of the spectra (the dense
+    block-diagonal matrix's spectrum): ``"practical"`` gains are normalised by
+    the mean eigenvalue over all ``M = G k`` eigenvalues, capped at ``gmax``,
+    and given to the ``round(M_s)`` largest eigenvalues of the whole layer
+    (``M_s`` the effective rank of the union); the others get 1. ``"zca"``:
+    ``1 / max(lambda, eps)``. For ``k = 1`` (depthwise) the eigenvalues are the
+    channel variances: ``g_c = min(mean_c' var_c' / var_c, gmax)`` for the
+    ``round(M_s)`` highest-variance channels, 1 for the rest.
+    """
+    lam = torch.clamp(eigenvalues, min=0.0)
+    if gains == "zca":
+        return 1.0 / torch.clamp(lam, min=eps)
+    if gains != "practical":
+        raise ValueError(f"gains must be 'practical' or 'zca', but got gains={gains!r}")
+    flat = lam.reshape(-1)
+    m = flat.shape[0]
+    ms = torch.clamp(torch.round(effective_rank(flat)), 1, m)
+    g = torch.clamp(flat.mean() / torch.clamp(flat, min=eps), max=gmax)
+    order = torch.argsort(flat, descending=True, stable=True)
+    position = torch.empty_like(order)
+    position[order] = torch.arange(m, device=flat.device)
+    keep = position < ms
+    return torch.where(keep, g, torch.ones_like(g)).view_as(lam)
+
+
+def _grouped_eigh(covs: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
+    """Batched ``eigh`` of ``(G, k, k)`` blocks, decreasing eigenvalues; failed blocks retried one by one
+    (:func:`robust_eigh`: working precision, then float64). ``None`` when some block fails for good."""
+    if not all_finite(covs):
+        return None
+    work = covs.dtype if covs.dtype in (torch.float32, torch.float64) else torch.float32
+    k = covs.shape[-1]
+    if k == 1:  # depthwise: the eigenvalue is the variance, the eigenvector 1
+        c = covs.to(work)
+        return c[:, :, 0], torch.ones_like(c)
+    try:
+        lam, vec = torch.linalg.eigh(symmetrize(covs.to(work)))
+        bad = (~(torch.isfinite(lam).all(-1) & torch.isfinite(vec).flatten(1).all(1))).nonzero().flatten().tolist()
+    except RuntimeError:  # torch.linalg.LinAlgError is a RuntimeError
+        lam = torch.empty(covs.shape[:2], dtype=work, device=covs.device)
+        vec = torch.empty(covs.shape, dtype=work, device=covs.device)
+        bad = list(range(covs.shape[0]))
+    lam, vec = lam.flip(-1), vec.flip(-1)
+    for i in bad:
+        dec = robust_eigh(covs[i])
+        if dec is None:
+            return None
+        lam[i], vec[i] = dec[0].to(work), dec[1].to(work)
+    return lam, vec
+
+
+def _zca_grouped(lam: Tensor, vec: Tensor, eps: float, gmax: float, gains: str) -> Tuple[Tensor, Tensor]:
+    """``T_g = V_g diag(g_g)^(1/2) V_g^T`` and ``Q_g = V_g diag(g_g) V_g^T`` per block, layer-wide gains."""
+    g = grouped_whitening_gains(lam, eps=eps, gmax=gmax, gains=gains)
+    if lam.shape[-1] == 1:
+        return g.sqrt().unsqueeze(-1), g.unsqueeze(-1)
+    gg = g.unsqueeze(-2)
+    vt = vec.transpose(-1, -2)
+    return symmetrize((vec * gg.sqrt()) @ vt), symmetrize((vec * gg) @ vt)
+
+
+def evd_transform_grouped(
+    covs: Tensor, *, eps: float, gmax: float, gains: str = "practical"
+) -> Optional[Tuple[Tensor, Tensor]]:
+    """:func:`evd_transform` of the block-diagonal matrix with blocks ``covs`` ``(G, k, k)``: ``T`` and ``Q`` as blocks.
+
+    Equal (to float tolerance) to the diagonal blocks of
+    ``evd_transform(block_diagonal(covs))``, from one batched ``eigh`` of the
+    ``k x k`` blocks (none at all for ``k = 1``). ``None`` when a block's
+    eigendecomposition fails in float64 too. Results in ``covs.dtype``.
+    """
+    dec = _grouped_eigh(covs)
+    if dec is None:
+        return None
+    t, q = _zca_grouped(*dec, eps, gmax, gains)
+    if not all_finite(t, q):
+        return None
+    return t.to(covs.dtype), q.to(covs.dtype)
+
+
+def evd_transform_grouped_batched(
+    covs: Sequence[Tensor], *, eps: float, gmax: float, gains: str = "practical"
+) -> List[Optional[Tuple[Tensor, Tensor]]]:
+    """:func:`evd_transform_grouped` of several layers whose blocks have one size, with one batched ``eigh``.
+
+    ``covs`` holds one ``(G_i, k, k)`` stack per layer (``k`` shared, ``G_i``
+    free). The gains are computed per layer (each layer's own mean eigenvalue
+    and rank). A layer with non-finite blocks gives ``None``; a layer whose
+    blocks the batched ``eigh`` got wrong goes through
+    :func:`evd_transform_grouped` alone.
+    """
+    out: List[Optional[Tuple[Tensor, Tensor]]] = [None] * len(covs)
+    if not covs:
+        return out
+    k = covs[0].shape[-1]
+    finite = [i for i, c in enumerate(covs) if all_finite(c)]
+    if k == 1 or len(finite) < 2:
+        return [evd_transform_grouped(c, eps=eps, gmax=gmax, gains=gains) if i in finite else None
+                for i, c in enumerate(covs)]
+    dtype = covs[finite[0]].dtype
+    work = dtype if dtype in (torch.float32, torch.float64) else torch.float32
+    try:
+        lam, vec = torch.linalg.eigh(symmetrize(torch.cat([covs[i].to(work) for i in finite])))
+    except RuntimeError:  # torch.linalg.LinAlgError is a RuntimeError
+        lam = vec = None
+    pos = 0
+    for i in finite:
+        g = covs[i].shape[0]
+        res = None
+        if lam is not None:
+            assert vec is not None  # set with lam
+            li, vi = lam[pos:pos + g].flip(-1), vec[pos:pos + g].flip(-1)
+            if all_finite(li, vi):
+                t, q = _zca_grouped(li, vi, eps, gmax, gains)
+                if all_finite(t, q):
+                    res = (t.to(covs[i].dtype), q.to(covs[i].dtype))
+        pos += g
+        out[i] = res if res is not None else evd_transform_grouped(covs[i], eps=eps, gmax=gmax, gains=gains)
+    return out

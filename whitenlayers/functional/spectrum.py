@@ -1,0 +1,100 @@
+"""Diagnostics of a covariance: normalised rank ``kappa`` and whiteness ``rho``, dense and grouped.
+Part of :mod:`whitenlayers.functional`."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .moments import symmetrize
+
+
+# --------------------------------------------------------------------------
+# Diagnostics: rank and whiteness
+# --------------------------------------------------------------------------
+def _normalized_spectrum(eigenvalues: Tensor) -> Tensor:
+    lam = torch.clamp(eigenvalues, min=0.0)
+    total = lam.sum(-1, keepdim=True)
+    return torch.where(total > 0, lam / torch.where(total > 0, total, torch.ones_like(total)), torch.zeros_like(lam))
+
+
+def effective_rank(eigenvalues: Tensor) -> Tensor:
+    """Effective rank ``M_s = exp(-sum lam_m log lam_m)`` of a spectrum (ERRATA 1).
+
+    ``lam_m = lambda_m / sum(lambda)`` after clamping negative eigenvalues at 0,
+    with ``0 log 0 := 0``. Equal eigenvalues give ``M``, a single non-zero one
+    gives 1. An all-zero spectrum gives 1 by convention (nothing to whiten).
+    Works on batches of spectra (last dim).
+
+    >>> float(effective_rank(torch.ones(8)))
+    8.0
+    >>> float(effective_rank(torch.tensor([3.0, 0.0, 0.0])))
+    1.0
+    """
+    p = _normalized_spectrum(eigenvalues.to(torch.float64))
+    plogp = torch.where(p > 0, p * torch.log(torch.where(p > 0, p, torch.ones_like(p))), torch.zeros_like(p))
+    ent = -plogp.sum(-1)
+    rank = torch.exp(ent)
+    allzero = p.sum(-1) == 0
+    return torch.where(allzero, torch.ones_like(rank), rank).to(eigenvalues.dtype)
+
+
+def normalized_rank(cov: Tensor) -> Tensor:
+    """``kappa = M_s / M`` of a covariance matrix (unrounded ``M_s``, ERRATA 1).
+
+    >>> round(float(normalized_rank(torch.eye(4))), 6)
+    1.0
+    """
+    lam = torch.linalg.eigvalsh(symmetrize(cov.to(torch.float64)))
+    return (effective_rank(lam) / cov.shape[-1]).to(cov.dtype)
+
+
+def whiteness(cov: Tensor) -> Tensor:
+    """Whiteness ``rho = M / sum_{m,m'} Phi[m,m']^2 / (Phi[m,m] Phi[m',m'])`` (ERRATA 2).
+
+    A diagonal covariance gives 1; fully correlated features give ``1/M``.
+    Zero-variance guard: a feature whose variance is not positive is
+    uncorrelated with everything and contributes only its own diagonal term
+    (1), i.e. it is treated as white; an all-zero covariance gives 1.
+
+    >>> float(whiteness(torch.diag(torch.tensor([1.0, 5.0, 2.0]))))
+    1.0
+    >>> round(float(whiteness(torch.ones(4, 4))), 6)
+    0.25
+    """
+    c = cov.to(torch.float64)
+    m = c.shape[-1]
+    d = torch.diagonal(c, dim1=-2, dim2=-1)
+    pos = d > 0
+    inv = torch.where(pos, 1.0 / torch.where(pos, d, torch.ones_like(d)), torch.zeros_like(d))
+    corr2 = c * c * inv.unsqueeze(-1) * inv.unsqueeze(-2)
+    eye = torch.eye(m, dtype=c.dtype, device=c.device)
+    corr2 = torch.where(eye.bool(), eye.expand_as(corr2), corr2)
+    return (m / corr2.sum((-1, -2))).to(cov.dtype)
+
+
+def grouped_normalized_rank(cov: Tensor) -> Tensor:
+    """``kappa`` of the block-diagonal covariance with blocks ``cov`` ``(G, k, k)``.
+
+    ``M_s / M`` of the union of the blocks' spectra (ERRATA 1), i.e. of what a
+    grouped layer's weights can see: for a depthwise layer, the effective rank
+    of the channel variances divided by the number of channels.
+    """
+    lam = torch.linalg.eigvalsh(symmetrize(cov.to(torch.float64)))
+    return (effective_rank(lam.reshape(-1)) / lam.numel()).to(cov.dtype)
+
+
+def grouped_whiteness(cov: Tensor) -> Tensor:
+    """``rho`` of the block-diagonal covariance with blocks ``cov`` ``(G, k, k)`` (ERRATA 2, same zero guard).
+
+    Only correlations within a group count (a grouped layer's weights never
+    combine channels of different groups); a depthwise layer's ``rho`` is 1.
+    """
+    c = cov.to(torch.float64)
+    m = c.shape[0] * c.shape[-1]
+    d = torch.diagonal(c, dim1=-2, dim2=-1)
+    pos = d > 0
+    inv = torch.where(pos, 1.0 / torch.where(pos, d, torch.ones_like(d)), torch.zeros_like(d))
+    corr2 = c * c * inv.unsqueeze(-1) * inv.unsqueeze(-2)
+    eye = torch.eye(c.shape[-1], dtype=c.dtype, device=c.device).bool()
+    corr2 = torch.where(eye, torch.ones_like(corr2), corr2)
+    return (m / corr2.sum()).to(cov.dtype)
