@@ -1,0 +1,343 @@
+"""What every grad / recursive layer shares (:class:`_GradWhitenMixin`: centring, bias compensation, the
+gradient transform, absorbed centring) and the input checks of all layers. Part of :mod:`whitenlayers.layers`."""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple, Type, Union
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from .. import functional as F_w
+from ..autograd import grad_transformed
+from ..config import EVDConfig, WhiteningConfig, make_config
+from ..stats import WhiteningStatistics, _is_compiling
+
+if TYPE_CHECKING:  # pragma: no cover
+    pass
+
+def _with_whitening_signature(config_class: Type[WhiteningConfig], exclude: tuple = ()):
+    """Show the config's fields as keyword-only arguments in ``help()`` / ``inspect.signature`` of ``__init__``.
+
+    The constructors take them as ``**whitening`` (one source of names and
+    defaults: the config dataclass); this only documents them.
+    """
+
+    def decorate(init):
+        sig = inspect.signature(init)
+        params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        for f in dataclasses.fields(config_class):
+            if f.name not in exclude:
+                params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
+                                                annotation=f.type))
+        init.__signature__ = sig.replace(parameters=params)
+        return init
+
+    return decorate
+
+
+def _autocast_enabled(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except TypeError:  # torch < 2.4 takes no device type
+        return torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
+
+
+def _check_input(layer: WhiteningStatistics, x: Tensor, *, dim: int, ndims: tuple, what: str) -> None:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{layer._describe()}: expected a Tensor input, but got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{layer._describe()}: expected a floating-point input, but got dtype={x.dtype}")
+    weight = getattr(layer, "weight", None)
+    if isinstance(weight, Tensor) and x.dtype != weight.dtype and not _autocast_enabled(x.device.type):
+        raise TypeError(
+            f"{layer._describe()}: expected an input of dtype {weight.dtype} (the dtype of the layer's weight), "
+            f"but got dtype={x.dtype}"
+        )
+    if x.dim() not in ndims:
+        raise ValueError(f"{layer._describe()}: expected {what}, but got input of shape {tuple(x.shape)}")
+    expected = getattr(layer, "in_channels", layer.num_features)  # a patch layer has C k^2 features of C channels
+    if x.shape[dim] != expected:
+        unit = "channels" if getattr(layer, "features", "channels") == "patches" else "features"
+        raise ValueError(
+            f"{layer._describe()}: expected {expected} input {unit} on dim {dim % x.dim()}, but got {x.shape[dim]} "
+            f"(input shape {tuple(x.shape)})"
+        )
+
+
+class _GradWhitenMixin(WhiteningStatistics):
+    """Shared by the grad/recursive conv and linear layers: centring, bias compensation, gradient transform."""
+
+    weight: Tensor
+    bias: Optional[Tensor]
+    # Where the BatchNorm that absorbs the centring is (absorb_centring): (None, bn) or (parent, child name), the
+    # latter looked up at every forward so that a replaced BatchNorm (convert_sync_batchnorm) is followed. A plain
+    # attribute: neither the BatchNorm nor the parent is a submodule of the layer.
+    _centring_ref: Optional[Tuple[Optional[nn.Module], Any]] = None
+
+    #: The config class of the layer's rule (EVD for the grad layers, recursive for the recursive ones).
+    _CONFIG: Type[WhiteningConfig] = EVDConfig
+    _FORWARD_BUFFERS = ("running_mean", "grad_transform", "bias_correction")
+
+    if TYPE_CHECKING:  # pragma: no cover
+        bias_correction: Tensor  # the buffer :meth:`_init_grad_whitening` registers
+
+    def _init_grad_whitening(self, num_features: int, out_features: int, config: Optional[WhiteningConfig],
+                             whitening: Dict[str, Any], process_group: Any, device, dtype, groups: int = 1) -> None:
+        cfg = make_config(self._CONFIG, type(self).__name__, config, whitening)
+        self._init_whitening(num_features, cfg, grad_transform=True, process_group=process_group, device=device,
+                             dtype=dtype, groups=groups)
+        # The compensation ``c`` of mean updates (ERRATA 8): a buffer, never written into a parameter (a sharded
+        # wrapper holds the full bias only during the forward, and autograd may hold it until the backward).
+        self.register_buffer("bias_correction", torch.zeros(out_features, device=device, dtype=self.running_mean.dtype))
+
+    def _mean_per_tap(self, mean: Tensor, dtype: torch.dtype) -> Tensor:
+        """``mu`` repeated for every kernel tap, in ``dtype``: ``W.reshape(S, -1) @ mu_k = sum_k W_k mu`` in one
+        product. Cached per mean tensor and version (a fold replaces the mean; an in-place write, e.g. DDP's
+        buffer broadcast or ``load_state_dict``, bumps its version), so once per block on the hot path."""
+        key = (mean, mean._version, dtype)
+        cached = self._mean_taps
+        if cached is not None and cached[0] is mean and cached[1:3] == key[1:]:
+            return cached[3]
+        taps = 1 if self.features == "patches" else self.weight[0, 0].numel()  # a patch mean has one entry per tap
+        value = mean.to(dtype) if taps == 1 else mean.to(dtype).repeat_interleave(taps)
+        if not _is_compiling():
+            self._mean_taps = key + (value,)
+        return value
+
+    _mean_taps: Optional[tuple] = None
+
+    #: ``"channels"`` (the paper: one feature per input channel) or ``"patches"`` (a 2-D conv only: the unfolded
+    #: ``C k^2`` input patch; :mod:`whitenlayers.patches`).
+    features: str = "channels"
+
+    def _weight_matrix(self, weight: Tensor) -> Tensor:
+        """The weight as the layer's features see it: ``(S, C k^2)`` for patch features, else unchanged."""
+        return weight.flatten(1) if self.features == "patches" else weight
+
+    def _offset(self, weight: Tensor, mean: Tensor, comp: Tensor) -> Tensor:
+        """``s = c - sum_k W_k mu`` (one ``addmv`` for a dense layer), in ``weight``'s dtype."""
+        if self.groups != 1:  # grouped conv: each group's outputs see its own channels of the mean
+            return comp.to(weight.dtype) - F_w.weight_mean_product(weight, mean)
+        w2, mean_k = weight.reshape(weight.shape[0], -1), self._mean_per_tap(mean, weight.dtype)
+        if torch.onnx.is_in_onnx_export():  # the TorchScript-based exporter has no addmv
+            return comp.to(weight.dtype) - w2 @ mean_k
+        return torch.addmv(comp.to(weight.dtype), w2, mean_k, alpha=-1)
+
+    def _effective_bias(self, weight: Tensor, state: Optional[Dict[str, Tensor]] = None) -> Tensor:
+        """``b + c - sum_k W_k mu``: the bias that makes the plain layer compute the centred one.
+
+        ``state``: the buffers of this forward (:meth:`_forward_state`), by default those in force. Nothing here
+        is written in place later (a fold replaces ``mu`` and ``c``), so the backward needs no copies.
+        """
+        state = self._buffers if state is None else state
+        shift = self._offset(weight, state["running_mean"], state["bias_correction"])
+        return shift if self.bias is None else self.bias + shift
+
+    def _layer_bias(self, weight: Tensor, state: Optional[Dict[str, Tensor]] = None) -> Tensor:
+        """The bias of the equivalent plain layer: :meth:`_effective_bias`, minus ``d`` when the centring is absorbed
+        (then the output is the centred layer's minus ``d``, what its BatchNorm's running mean expects)."""
+        bias = self._effective_bias(weight, state)
+        absorbed = self._buffers.get("absorbed_offset")
+        return bias if absorbed is None else bias - absorbed.to(bias.dtype)
+
+    # ------------------------------------------------ centring absorbed by a BatchNorm
+    @property
+    def centring(self) -> str:
+        """``"input"`` (the layer centres its input) or ``"absorbed"`` (by :attr:`centring_batchnorm`)."""
+        return "input" if self._centring_ref is None else "absorbed"
+
+    @property
+    def centring_batchnorm(self) -> Optional[nn.Module]:
+        """The module that absorbs this layer's centring (see :meth:`absorb_centring`), or ``None``.
+
+        With ``parent`` given to :meth:`absorb_centring`, whatever module is in that place now.
+        """
+        ref = self._centring_ref
+        if ref is None:
+            return None
+        parent, what = ref
+        return what if parent is None else parent._modules.get(what)
+
+    def _absorbing_bn(self) -> Optional[_BatchNorm]:
+        bn = self.centring_batchnorm
+        return bn if isinstance(bn, _BatchNorm) else None
+
+    @torch.no_grad()
+    def absorb_centring(self, batchnorm: Optional[_BatchNorm], parent: Optional[nn.Module] = None) -> None:
+        """Let ``batchnorm``, which alone consumes this layer's output, absorb the centring; ``None`` undoes it.
+
+        docs/conventions.md, "Centring absorbed by a following BatchNorm". The layer computes
+        ``z = conv(x, W) + b`` (no centring offset ``s = c - sum_k W_k mu``)
+        whenever ``batchnorm`` normalises with batch statistics (training
+        mode, or no running statistics): the BatchNorm subtracts the batch
+        mean, which removes ``s`` exactly, and its input gradient sums to zero
+        per channel, so ``s``'s weight-gradient term ``-(sum dz) mu^T`` is zero.
+        Training (weights, whitening state, BatchNorm output) is the centred
+        layer's up to rounding, without the pass over the output that adds
+        ``s`` and the backward reduction for it.
+
+        Running statistics stay exact: the BatchNorm's ``running_mean`` now
+        averages ``conv(x, W) + b``, i.e. the centred layer's running mean
+        minus ``d``, the running average of ``s`` with the BatchNorm's own
+        momentum (or cumulative average), which the layer keeps in the buffer
+        ``absorbed_offset`` (one ``S``-vector update per training forward).
+        Whenever the BatchNorm uses its running statistics (eval mode, or a
+        BatchNorm frozen in eval mode while the layer trains) the layer adds
+        ``s - d`` (with the centred layer's weight gradient), so the
+        BatchNorm's output is the centred layer's. :func:`export_model` moves
+        ``s - d`` into the BatchNorm's ``running_mean`` instead of a bias, so
+        the exported layer keeps the original's keys (a bias-free conv stays
+        bias-free).
+
+        Only call this when ``batchnorm`` is the *only* consumer of the
+        layer's output, called once per call of the layer (the BatchNorm's
+        ``num_features`` must equal the layer's output features; a linear
+        layer needs ``(B, in_features)`` inputs). ``parent``: the module that
+        holds ``batchnorm`` as a child (what :func:`convert_model` passes);
+        the layer then looks the BatchNorm up there at every forward, so
+        replacing it later (``nn.SyncBatchNorm.convert_sync_batchnorm``) keeps
+        the pairing. If what sits there is no longer a BatchNorm, or without
+        ``parent`` the BatchNorm is replaced, the layer adds ``s - d`` always:
+        exact for a replacement that keeps the running statistics and uses
+        them (a frozen BatchNorm), wrong for one that normalises with batch
+        statistics (keep ``parent`` for that). Switching on starts with
+        ``d = 0``; switching off adds ``d`` to the BatchNorm's
+        ``running_mean`` (or, with no BatchNorm there, subtracts it from the
+        bias or ``bias_correction``): both leave the model's function
+        unchanged. The references are plain attributes (not submodules): not
+        in this layer's ``state_dict``; ``copy.deepcopy`` / pickling of a whole
+        model keep the pairing (of the layer alone: with a copy of ``parent``).
+        """
+        name = None
+        if batchnorm is not None:
+            if not isinstance(batchnorm, _BatchNorm):
+                raise TypeError(
+                    f"{self._describe()}: absorb_centring expects a BatchNorm module, but got "
+                    f"{type(batchnorm).__name__}"
+                )
+            out_features = self.weight.shape[0]
+            if batchnorm.num_features != out_features:
+                raise ValueError(
+                    f"{self._describe()}: absorb_centring needs a BatchNorm over the layer's {out_features} output "
+                    f"features, but got num_features={batchnorm.num_features}"
+                )
+            if parent is not None:
+                names = [n for n, m in parent._modules.items() if m is batchnorm]
+                if len(names) != 1:
+                    raise ValueError(
+                        f"{self._describe()}: absorb_centring: parent must hold the BatchNorm as exactly one child, "
+                        f"but it holds it {len(names)} times"
+                    )
+                name = names[0]
+        if self._centring_ref is not None:
+            d = self._buffers.pop("absorbed_offset")
+            old = self._absorbing_bn()
+            if old is not None and old.running_mean is not None:
+                old.running_mean.add_(d.to(old.running_mean.dtype))
+            else:  # nothing to hand d to: keep the function through the bias compensation
+                self.bias_correction = self.bias_correction - d.to(self.bias_correction.dtype)
+            object.__setattr__(self, "_centring_ref", None)
+        if batchnorm is not None:
+            self.register_buffer(
+                "absorbed_offset",
+                torch.zeros(self.weight.shape[0], device=self.weight.device, dtype=self.running_mean.dtype),
+            )
+            object.__setattr__(self, "_centring_ref", (None, batchnorm) if parent is None else (parent, name))
+
+    def _batchnorm_absorbing_now(self) -> Optional[_BatchNorm]:
+        """The absorbing BatchNorm if it normalises this forward with batch statistics (it removes the offset)."""
+        if self._centring_ref is None:
+            return None
+        bn = self._absorbing_bn()
+        if bn is not None and (bn.training or (bn.running_mean is None and bn.running_var is None)):
+            return bn
+        return None
+
+    def _skipped_offset(self, weight: Tensor) -> Tensor:
+        """``s = c - sum_k W_k mu``: the offset the absorbed layer leaves out (its bias stays in the output)."""
+        return self._offset(weight, self.running_mean, self.bias_correction)
+
+    def _track_absorbed_offset(self, weight: Tensor, bn: _BatchNorm, state: Dict[str, Tensor]) -> None:
+        """``d <- (1 - f) d + f s`` with the BatchNorm's factor ``f``, when it updates its running mean now.
+
+        On the per-batch path: two small ops (``addmv``, ``lerp_``) on detached tensors, no ``no_grad`` context.
+        """
+        if not (bn.training and bn.track_running_stats and bn.running_mean is not None):
+            return
+        d = self._buffers["absorbed_offset"]
+        if bn.momentum is None:  # cumulative average: f = 1 / num_batches_tracked after the BatchNorm's increment
+            if bn.num_batches_tracked is None:
+                return
+            factor: Union[float, Tensor] = (bn.num_batches_tracked.to(device=d.device, dtype=d.dtype) + 1).reciprocal()
+        else:
+            factor = bn.momentum
+        w = weight.detach()
+        if w.dtype != d.dtype:
+            w = w.to(d.dtype)
+        if _autocast_enabled(d.device.type):  # CUDA's autocast would run addmv in bf16/fp16: keep BatchNorm's dtype
+            with torch.autocast(device_type=d.device.type, enabled=False):
+                s = self._offset(w, state["running_mean"], state["bias_correction"])
+        else:
+            s = self._offset(w, state["running_mean"], state["bias_correction"])
+        d.lerp_(s, factor)  # d <- (1 - f) d + f s, s = c - W mu
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        key = prefix + "absorbed_offset"
+        if self._centring_ref is not None and key not in state_dict:
+            # A checkpoint of the centred layer: its BatchNorm's running mean is the centred one, i.e. d = 0.
+            state_dict = dict(state_dict)
+            state_dict[key] = torch.zeros_like(self._buffers["absorbed_offset"])
+        key = prefix + "bias_correction"
+        version = local_metadata.get("version", None)
+        if self.bias is not None and key not in state_dict and (version is None or version < 2):
+            # Version 1 added a layer's bias compensation to its bias parameter: nothing to compensate apart.
+            state_dict = dict(state_dict)
+            state_dict[key] = torch.zeros_like(self.bias_correction)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+    def _weight_for_forward(self, state: Dict[str, Tensor]) -> Tensor:
+        w = self.weight
+        if torch.is_grad_enabled() and w.requires_grad:
+            # The backward uses the Q_s in force now, even if a fold follows: a fold replaces the buffer, it never
+            # writes into it.
+            if self.features == "patches":  # Q acts on the flattened C k^2 axis
+                w = grad_transformed(w.flatten(1), state["grad_transform"]).view_as(w)
+            else:
+                w = grad_transformed(w, state["grad_transform"])
+        return w
+
+    def _capture_fold_inputs(self) -> None:
+        # The fold at the end of the model's forward compensates with the weight of this forward: under a sharded
+        # wrapper (FSDP) the full weight exists only now. Its taps summed, float64: all the fold needs.
+        w = self._weight_matrix(self.weight.detach())
+        if w.dim() == 2:
+            self._fold_weight = w.to(torch.float64)
+        else:  # one reduction, accumulated and returned in float64
+            self._fold_weight = w.sum(tuple(range(2, w.dim())), dtype=torch.float64)
+
+    def _full_weight(self) -> Tensor:
+        w = self.weight.detach()
+        return w.full_tensor() if hasattr(w, "full_tensor") else w  # a DTensor (FSDP2) outside the forward
+
+    @torch.no_grad()
+    def _on_mean_change(self, delta: Tensor) -> None:
+        # ERRATA 8 (docs/PAPER.md): c(i) = c(i-) + sum W (mu(i) - mu(i-1)) keeps z unchanged. A new tensor, never
+        # written in place: a forward still to be recomputed (activation checkpointing) holds the old one.
+        w, self._fold_weight = self._fold_weight, None
+        if w is None:
+            w = self._weight_matrix(self._full_weight()).to(torch.float64)
+        comp = F_w.weight_mean_product(w, delta)
+        self.bias_correction = self.bias_correction + comp.to(self.bias_correction.dtype)
+
+    def extra_repr(self) -> str:
+        rest = self._whitening_repr()
+        if self.features != "channels":
+            rest = (rest + ", " if rest else "") + f"features={self.features!r}"
+        if self._centring_ref is not None:
+            rest = (rest + ", " if rest else "") + "centring=absorbed"
+        return super().extra_repr() + (f", {rest}" if rest else "")

@@ -1,0 +1,310 @@
+"""The 2-D convolution and linear grad / recursive layers (paper sections 3 and 4).
+Part of :mod:`whitenlayers.layers`."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+from torch.nn.common_types import _size_2_t
+
+from ..config import EVDConfig, RecursiveConfig
+from ..patches import FEATURES, patch_padding, unfold_patches
+
+if TYPE_CHECKING:  # pragma: no cover
+    pass
+
+from ._base import _check_input, _GradWhitenMixin, _with_whitening_signature
+
+
+class GradWhitenConv2d(_GradWhitenMixin, nn.Conv2d):
+    """Drop-in ``nn.Conv2d`` with gradient-based feature whitening (paper section 3).
+
+    Forward: ``z = conv(pad0(x) - mu, W) + b`` (centred after zero padding;
+    statistics are those of ``x`` before padding). Backward: the weight
+    gradient is right-multiplied by ``Q_s`` on the input-channel axis, per
+    kernel tap; the bias gradient is untouched. When a fold changes ``mu``
+    the bias (or, for ``bias=False``, the non-trainable ``bias_correction``
+    buffer) is compensated so the layer's function is unchanged.
+
+    Centring: ``layer.centring`` is ``"input"`` (the default: the layer
+    centres as above) or, after ``layer.absorb_centring(bn)``, ``"absorbed"``:
+    the output feeds the BatchNorm ``bn`` and nothing else, and the layer
+    skips the centring offset while ``bn`` normalises with batch statistics
+    (see :meth:`absorb_centring`; :func:`~whitenlayers.convert_model` does
+    this where it can tell). ``extra_repr`` shows ``centring=absorbed``.
+
+    ``groups=G`` whitens per group (block-diagonal ``T`` and ``Q_s`` stored as
+    ``(G, k, k)``; depthwise is a per-channel gain; see the module docstring).
+
+    Constructor arguments are those of ``nn.Conv2d``, plus the keyword-only
+    whitening arguments ``block_size``, ``alpha`` (0.9), ``beta`` (0.95),
+    ``eps`` (1e-5), ``gmax`` (10), ``gains`` (``"practical"`` or ``"zca"``) and
+    ``stats_fraction`` (1.0: all samples; a fraction uses that leading part of
+    each batch for the statistics).
+
+    Example:
+        >>> import torch, whitenlayers as wl
+        >>> conv = wl.GradWhitenConv2d(8, 16, 3, padding=1, bias=False, block_size=2)
+        >>> x = torch.randn(4, 8, 10, 10) + 3
+        >>> _ = conv(x); _ = conv(x)      # two training forwards: one block
+        >>> int(conv.num_blocks)
+        1
+        >>> conv.eval()(x).shape
+        torch.Size([4, 16, 10, 10])
+    """
+
+    if TYPE_CHECKING:  # pragma: no cover
+        # nn.Conv2d stores pairs (its annotations are those of every dimension).
+        kernel_size: Tuple[int, int]
+        stride: Tuple[int, int]
+        padding: Union[str, Tuple[int, int]]
+        dilation: Tuple[int, int]
+
+    @_with_whitening_signature(EVDConfig)
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: _size_2_t,
+        stride: _size_2_t = 1,
+        padding: Union[str, _size_2_t] = 0,
+        dilation: _size_2_t = 1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: str = "zeros",
+        device=None,
+        dtype=None,
+        *,
+        config: Optional[EVDConfig] = None,
+        process_group: Any = None,
+        features: str = "channels",
+        **whitening: Any,
+    ) -> None:
+        self._init_conv(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode,
+                        device, dtype, config, process_group, whitening, features)
+
+    def _init_conv(self, in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode,
+                   device, dtype, config, process_group, whitening, features="channels") -> None:
+        nn.Conv2d.__init__(self, in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+                           padding_mode, device, dtype)
+        num_features = in_channels
+        if features not in FEATURES:
+            raise ValueError(f"{type(self).__name__}: features must be one of {FEATURES}, "
+                             f"but got features={features!r}")
+        if features == "patches":
+            if groups != 1 or padding_mode != "zeros":
+                raise ValueError(f"{type(self).__name__}: features='patches' needs groups=1 and padding_mode='zeros', "
+                                 f"but got groups={groups}, padding_mode={padding_mode!r}")
+            self._patch_padding = patch_padding(self.kernel_size, self.dilation, self.padding)
+            num_features = in_channels * self.kernel_size[0] * self.kernel_size[1]
+            self.features = features
+        self._init_grad_whitening(num_features, out_channels, config, whitening, process_group, device, dtype,
+                                  groups=groups)
+
+    def _stats_input(self, x: Tensor) -> Tensor:
+        """The batch's features on dim 1: ``x`` itself, or its unfolded patches ``(B, C k^2, L)``."""
+        if self.features == "patches":
+            return unfold_patches(x, self.kernel_size, self.dilation, self._patch_padding, self.stride)
+        return x
+
+    def forward(self, x: Tensor) -> Tensor:
+        _check_input(self, x, dim=-3, ndims=(3, 4), what="an input of shape (B, C, H, W) or (C, H, W)")
+        training, state = self._forward_state()
+        if training:
+            self._accumulate(self._stats_input(x if x.dim() == 4 else x.unsqueeze(0)))
+        w = self._weight_for_forward(state)
+        bn = self._batchnorm_absorbing_now()
+        if bn is not None:
+            # Centring absorbed by the following BatchNorm (absorb_centring): no offset, no pass over the output.
+            self._track_absorbed_offset(w, bn, state)
+            out = self._conv_forward(x, w, self.bias)
+        elif self.bias is None and self.training and w.requires_grad and torch.is_grad_enabled():
+            # Training a bias-free conv (the ResNet case): the centring term -W mu is added to the convolution's
+            # fresh output in place instead of being passed to it as a bias: the CPU convolution backward
+            # computes a bias gradient several times slower than autograd's one reduction for this add
+            # (benchmarks/ablation.py, row "conv bias"). The two differ only by rounding; at conversion time
+            # the term is exactly 0.
+            out = self._conv_forward(x, w, None).add_(self._layer_bias(w, state).view(-1, 1, 1))
+        else:  # the plain conv's own bias path: bit-identical to export_model's plain conv
+            out = self._conv_forward(x, w, self._layer_bias(w, state))
+        if training:
+            self._end_batch()
+        return out
+
+    @classmethod
+    def from_conv(cls, conv: nn.Conv2d, **kwargs: Any) -> "GradWhitenConv2d":
+        """A whitening conv computing the same function as ``conv``, sharing its Parameter objects.
+
+        Weight and bias are the same ``nn.Parameter`` objects (an optimizer
+        built on ``conv`` keeps working), so device, dtype and
+        ``requires_grad`` carry over; so does the training flag.
+        """
+        if not isinstance(conv, nn.Conv2d):
+            raise TypeError(f"{cls.__name__}.from_conv expects an nn.Conv2d, but got {type(conv).__name__}")
+        new = cls(
+            conv.in_channels, conv.out_channels, conv.kernel_size, stride=conv.stride, padding=conv.padding,
+            dilation=conv.dilation, groups=conv.groups, bias=conv.bias is not None, padding_mode=conv.padding_mode,
+            device=conv.weight.device, dtype=conv.weight.dtype, **kwargs,
+        )
+        new.weight = conv.weight
+        new.bias = conv.bias
+        new.train(conv.training)
+        return new
+
+    def to_conv(self) -> nn.Conv2d:
+        """A plain ``nn.Conv2d`` with identical outputs (``mu`` folded into the bias); new Parameters."""
+        conv = nn.Conv2d(
+            self.in_channels, self.out_channels, self.kernel_size, stride=self.stride, padding=self.padding,
+            dilation=self.dilation, groups=self.groups, bias=True, padding_mode=self.padding_mode,
+            device=self.weight.device, dtype=self.weight.dtype,
+        )
+        with torch.no_grad():
+            conv.weight.copy_(self.weight)
+            assert conv.bias is not None  # bias=True
+            conv.bias.copy_(self._layer_bias(self.weight))
+        conv.weight.requires_grad_(self.weight.requires_grad)
+        conv.train(self.training)
+        return conv
+
+
+# nn.Linear's stubs declare ``bias: Parameter``, though it is None for bias=False (as _GradWhitenMixin declares).
+class GradWhitenLinear(_GradWhitenMixin, nn.Linear):  # type: ignore[misc]
+    """Drop-in ``nn.Linear`` with gradient-based feature whitening (paper section 3).
+
+    ``z = (x - mu) W^T + b`` computed as ``x W^T + (b - W mu)``; the weight
+    gradient is right-multiplied by ``Q_s``. Inputs ``(*, in_features)``;
+    statistics over all leading dimensions. Whitening keyword arguments as for
+    :class:`GradWhitenConv2d`; the centring can be absorbed by a following
+    ``BatchNorm1d`` (:meth:`absorb_centring`, ``(B, in_features)`` inputs).
+    """
+
+    @_with_whitening_signature(EVDConfig)
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+        *,
+        config: Optional[EVDConfig] = None,
+        process_group: Any = None,
+        **whitening: Any,
+    ) -> None:
+        self._init_linear(in_features, out_features, bias, device, dtype, config, process_group, whitening)
+
+    def _init_linear(self, in_features, out_features, bias, device, dtype, config, process_group, whitening) -> None:
+        nn.Linear.__init__(self, in_features, out_features, bias, device, dtype)
+        self._init_grad_whitening(in_features, out_features, config, whitening, process_group, device, dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        _check_input(self, x, dim=-1, ndims=tuple(range(1, 9)), what="an input of shape (*, in_features)")
+        bn = self._batchnorm_absorbing_now()  # centring absorbed by the following BatchNorm1d (absorb_centring)
+        if bn is not None and x.dim() != 2:
+            raise ValueError(
+                f"{self._describe()}: with its centring absorbed by a BatchNorm the layer needs an input of shape "
+                f"(B, in_features), but got input of shape {tuple(x.shape)}"
+            )
+        training, state = self._forward_state()
+        if training:
+            self._accumulate(x.reshape(-1, self.num_features))
+        w = self._weight_for_forward(state)
+        if bn is not None:
+            self._track_absorbed_offset(w, bn, state)
+            out = nn.functional.linear(x, w, self.bias)
+        else:
+            out = nn.functional.linear(x, w, self._layer_bias(w, state))
+        if training:
+            self._end_batch()
+        return out
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, **kwargs: Any) -> "GradWhitenLinear":
+        """A whitening linear layer computing the same function, sharing ``linear``'s Parameter objects."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"{cls.__name__}.from_linear expects an nn.Linear, but got {type(linear).__name__}")
+        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                  device=linear.weight.device, dtype=linear.weight.dtype, **kwargs)
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new.train(linear.training)
+        return new
+
+    def to_linear(self) -> nn.Linear:
+        """A plain ``nn.Linear`` with identical outputs (``mu`` folded into the bias); new Parameters."""
+        lin = nn.Linear(self.in_features, self.out_features, bias=True, device=self.weight.device,
+                        dtype=self.weight.dtype)
+        with torch.no_grad():
+            lin.weight.copy_(self.weight)
+            lin.bias.copy_(self._layer_bias(self.weight))
+        lin.weight.requires_grad_(self.weight.requires_grad)
+        lin.train(self.training)
+        return lin
+
+
+class RecursiveWhitenConv2d(GradWhitenConv2d):
+    """:class:`GradWhitenConv2d` with the recursive transform update (paper section 4).
+
+    At each fold a high-power direction ``v_e`` of ``Phi_y`` (the covariance of
+    the whitened features) is found by column alignment, its power is reduced
+    to ``delta * mean(phi_x)`` by a rank-one step, and a leakage ``gamma``
+    pulls ``T`` toward ``I``. Building ``T(i)`` and ``Q(i)`` costs ``O(M^2)``.
+    Tracking ``Phi_y`` as ``alpha Phi_y + (1-alpha) T(i-1) C_block T(i-1)^T``
+    costs two ``M x M`` matrix products per fold (``O(M^3)``, once per block,
+    never per batch). Extra buffers: ``running_cov_whitened`` (``Phi_y``),
+    ``running_power`` (``phi_x,m``, uncentred) and ``whitening_gram``
+    (unsmoothed ``Q``).
+
+    Defaults are the paper's: ``alpha=0.1, beta=0.1, gamma=0.99, delta=0.25,
+    c_rel=0.025, c_abs=1e-6, eps=1e-5``. When the found direction already
+    holds less power than the target (``g_e > 1``) the gain is clamped to 1
+    (ERRATA 6): no amplification, only the leakage acts; counted in
+    ``clamped_steps``.
+    """
+
+    _CONFIG = RecursiveConfig
+
+    @_with_whitening_signature(RecursiveConfig)
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: _size_2_t,
+        stride: _size_2_t = 1,
+        padding: Union[str, _size_2_t] = 0,
+        dilation: _size_2_t = 1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: str = "zeros",
+        device=None,
+        dtype=None,
+        *,
+        config: Optional[RecursiveConfig] = None,
+        process_group: Any = None,
+        features: str = "channels",
+        **whitening: Any,
+    ) -> None:
+        self._init_conv(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode,
+                        device, dtype, config, process_group, whitening, features)
+
+
+class RecursiveWhitenLinear(GradWhitenLinear):
+    """:class:`GradWhitenLinear` with the recursive transform update; see :class:`RecursiveWhitenConv2d`."""
+
+    _CONFIG = RecursiveConfig
+
+    @_with_whitening_signature(RecursiveConfig)
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+        *,
+        config: Optional[RecursiveConfig] = None,
+        process_group: Any = None,
+        **whitening: Any,
+    ) -> None:
+        self._init_linear(in_features, out_features, bias, device, dtype, config, process_group, whitening)

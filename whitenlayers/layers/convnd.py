@@ -1,0 +1,225 @@
+"""The 1-D and 3-D convolution grad / recursive layers: :class:`GradWhitenConv2d`'s rules for other
+dimensions. Part of :mod:`whitenlayers.layers`."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Literal, Optional, Tuple, Type, Union, cast
+
+import torch
+from torch import Tensor, nn
+from torch.nn.common_types import _size_1_t, _size_3_t
+
+from ..config import EVDConfig, RecursiveConfig
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.nn.modules.conv import _ConvNd
+
+from ._base import _check_input, _GradWhitenMixin, _with_whitening_signature
+
+
+class _GradWhitenConvNd(_GradWhitenMixin):
+    """Grad/recursive whitening for ``nn.Conv1d`` / ``nn.Conv3d``: :class:`GradWhitenConv2d`'s forward, any dimension.
+
+    Subclasses put the plain conv class second in their bases and set ``_PLAIN``.
+    """
+
+    _PLAIN: Type[nn.Module] = nn.Conv1d
+
+    if TYPE_CHECKING:  # pragma: no cover
+        # Provided by the plain conv class (``_PLAIN``) a subclass combines this mixin with.
+        in_channels: int
+        out_channels: int
+        kernel_size: Tuple[int, ...]
+        stride: Tuple[int, ...]
+        padding: Union[str, Tuple[int, ...]]
+        dilation: Tuple[int, ...]
+        padding_mode: Literal["zeros", "reflect", "replicate", "circular"]
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None: ...
+
+        def _conv_forward(self, input: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor: ...
+
+    def _init_convnd(self, in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+                     padding_mode, device, dtype, config, process_group, whitening) -> None:
+        self._PLAIN.__init__(cast(nn.Module, self), in_channels, out_channels, kernel_size, stride, padding, dilation,
+                             groups, bias, padding_mode, device, dtype)
+        self._init_grad_whitening(in_channels, out_channels, config, whitening, process_group, device, dtype,
+                                  groups=groups)
+
+    def forward(self, x: Tensor) -> Tensor:
+        nd = len(self.kernel_size)
+        spatial = {1: "L", 2: "H, W", 3: "D, H, W"}[nd]
+        _check_input(self, x, dim=-(nd + 1), ndims=(nd + 1, nd + 2),
+                     what=f"an input of shape (B, C, {spatial}) or (C, {spatial})")
+        training, state = self._forward_state()
+        if training:
+            self._accumulate(x if x.dim() == nd + 2 else x.unsqueeze(0))
+        w = self._weight_for_forward(state)
+        bn = self._batchnorm_absorbing_now()
+        if bn is not None:  # as GradWhitenConv2d: centring absorbed by the following BatchNorm
+            self._track_absorbed_offset(w, bn, state)
+            out = self._conv_forward(x, w, self.bias)
+        elif self.bias is None and self.training and w.requires_grad and torch.is_grad_enabled():
+            # As GradWhitenConv2d: the centring term added to the fresh output (faster than a conv bias on the CPU).
+            out = self._conv_forward(x, w, None).add_(self._layer_bias(w, state).view((-1,) + (1,) * nd))
+        else:
+            out = self._conv_forward(x, w, self._layer_bias(w, state))
+        if training:
+            self._end_batch()
+        return out
+
+    @classmethod
+    def from_conv(cls, conv: nn.Module, **kwargs: Any) -> "_GradWhitenConvNd":
+        """A whitening conv computing the same function as ``conv``, sharing its Parameter objects (as
+        :meth:`GradWhitenConv2d.from_conv`)."""
+        if not isinstance(conv, cls._PLAIN):
+            raise TypeError(f"{cls.__name__}.from_conv expects an nn.{cls._PLAIN.__name__}, "
+                            f"but got {type(conv).__name__}")
+        new = cls(
+            conv.in_channels, conv.out_channels, conv.kernel_size, stride=conv.stride, padding=conv.padding,
+            dilation=conv.dilation, groups=conv.groups, bias=conv.bias is not None, padding_mode=conv.padding_mode,
+            device=conv.weight.device, dtype=conv.weight.dtype, **kwargs,
+        )
+        new.weight = cast(Tensor, conv.weight)
+        new.bias = cast("Optional[Tensor]", conv.bias)
+        new.train(conv.training)
+        return new
+
+    def to_conv(self) -> nn.Module:
+        """A plain conv of the same dimension with identical outputs (``mu`` folded into the bias); new Parameters."""
+        conv = cast("_ConvNd", self._PLAIN(
+            self.in_channels, self.out_channels, self.kernel_size, stride=self.stride, padding=self.padding,
+            dilation=self.dilation, groups=self.groups, bias=True, padding_mode=self.padding_mode,
+            device=self.weight.device, dtype=self.weight.dtype,
+        ))
+        with torch.no_grad():
+            conv.weight.copy_(self.weight)
+            assert conv.bias is not None  # bias=True
+            conv.bias.copy_(self._layer_bias(self.weight))
+        conv.weight.requires_grad_(self.weight.requires_grad)
+        conv.train(self.training)
+        return conv
+
+
+class GradWhitenConv1d(_GradWhitenConvNd, nn.Conv1d):
+    """Drop-in ``nn.Conv1d`` with gradient-based feature whitening: :class:`GradWhitenConv2d` for ``(B, C, L)``.
+
+    ``z = conv(pad0(x) - mu, W) + b``, weight gradient times ``Q_s`` per kernel
+    tap, ``groups`` supported (block-diagonal whitening), same whitening
+    keyword arguments, :meth:`from_conv` / :meth:`to_conv`.
+
+    Example:
+        >>> import torch, whitenlayers as wl
+        >>> conv = wl.GradWhitenConv1d(4, 8, 5, padding=2, block_size=2)
+        >>> _ = conv(torch.randn(3, 4, 50)); _ = conv(torch.randn(3, 4, 50))
+        >>> int(conv.num_blocks), tuple(conv.grad_transform.shape)
+        (1, (4, 4))
+    """
+
+    _PLAIN = nn.Conv1d
+
+    @_with_whitening_signature(EVDConfig)
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: _size_1_t,
+        stride: _size_1_t = 1,
+        padding: Union[str, _size_1_t] = 0,
+        dilation: _size_1_t = 1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: str = "zeros",
+        device=None,
+        dtype=None,
+        *,
+        config: Optional[EVDConfig] = None,
+        process_group: Any = None,
+        **whitening: Any,
+    ) -> None:
+        self._init_convnd(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+                          padding_mode, device, dtype, config, process_group, whitening)
+
+
+class GradWhitenConv3d(_GradWhitenConvNd, nn.Conv3d):
+    """Drop-in ``nn.Conv3d`` with gradient-based feature whitening: :class:`GradWhitenConv2d` for
+    ``(B, C, D, H, W)``."""
+
+    _PLAIN = nn.Conv3d
+
+    @_with_whitening_signature(EVDConfig)
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: _size_3_t,
+        stride: _size_3_t = 1,
+        padding: Union[str, _size_3_t] = 0,
+        dilation: _size_3_t = 1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: str = "zeros",
+        device=None,
+        dtype=None,
+        *,
+        config: Optional[EVDConfig] = None,
+        process_group: Any = None,
+        **whitening: Any,
+    ) -> None:
+        self._init_convnd(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+                          padding_mode, device, dtype, config, process_group, whitening)
+
+
+class RecursiveWhitenConv1d(GradWhitenConv1d):
+    """:class:`GradWhitenConv1d` with the recursive transform update; see :class:`RecursiveWhitenConv2d`."""
+
+    _CONFIG = RecursiveConfig
+
+    @_with_whitening_signature(RecursiveConfig)
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: _size_1_t,
+        stride: _size_1_t = 1,
+        padding: Union[str, _size_1_t] = 0,
+        dilation: _size_1_t = 1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: str = "zeros",
+        device=None,
+        dtype=None,
+        *,
+        config: Optional[RecursiveConfig] = None,
+        process_group: Any = None,
+        **whitening: Any,
+    ) -> None:
+        self._init_convnd(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+                          padding_mode, device, dtype, config, process_group, whitening)
+
+
+class RecursiveWhitenConv3d(GradWhitenConv3d):
+    """:class:`GradWhitenConv3d` with the recursive transform update; see :class:`RecursiveWhitenConv2d`."""
+
+    _CONFIG = RecursiveConfig
+
+    @_with_whitening_signature(RecursiveConfig)
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: _size_3_t,
+        stride: _size_3_t = 1,
+        padding: Union[str, _size_3_t] = 0,
+        dilation: _size_3_t = 1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: str = "zeros",
+        device=None,
+        dtype=None,
+        *,
+        config: Optional[RecursiveConfig] = None,
+        process_group: Any = None,
+        **whitening: Any,
+    ) -> None:
+        self._init_convnd(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+                          padding_mode, device, dtype, config, process_group, whitening)

@@ -1,0 +1,81 @@
+"""``DirectWhiten``: whitening of the features themselves, ``y = T (x - mu)`` (paper section 2).
+Part of :mod:`whitenlayers.layers`."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from ..autograd import direct_whiten
+from ..config import EVDConfig, make_config
+from ..stats import WhiteningStatistics
+
+if TYPE_CHECKING:  # pragma: no cover
+    pass
+
+from ._base import _check_input, _with_whitening_signature
+
+
+class DirectWhiten(WhiteningStatistics, nn.Module):
+    """Direct feature whitening ``y = T (x - mu)`` along dim 1 (paper section 2, EVD transform).
+
+    Inputs ``(B, C)`` or ``(B, C, *spatial)``. In training mode each forward adds
+    the batch to the block statistics (of ``x``); after ``block_size`` training
+    forwards the block is folded in and ``mu``, ``T`` are updated. The backward
+    is ``dx = T^T dy`` with ``T`` and ``mu`` constants; nothing activation-sized
+    is saved for backward.
+
+    ``groups=G`` whitens each of ``G`` groups of ``C/G`` consecutive features
+    on its own (the input whitening of a ``groups=G`` convolution):
+    ``whitening_matrix`` and ``running_cov`` are then the ``(G, C/G, C/G)``
+    diagonal blocks (see the module docstring; depthwise ``C/G = 1`` is a
+    per-channel gain).
+
+    Example:
+        >>> import torch, whitenlayers as wl
+        >>> layer = wl.DirectWhiten(3, block_size=1)
+        >>> y = layer(torch.randn(16, 3, 4, 4) * torch.tensor([1.0, 5.0, 0.2]).view(1, 3, 1, 1))
+        >>> int(layer.num_blocks), tuple(layer.whitening_matrix.shape)
+        (1, (3, 3))
+    """
+
+    _CONFIG_CLASS = EVDConfig
+    _unused_fields = ("beta",)  # no gradient transform to smooth
+    _FORWARD_BUFFERS = ("running_mean", "whitening_matrix")
+
+    @_with_whitening_signature(EVDConfig, exclude=_unused_fields)
+    def __init__(
+        self,
+        num_features: int,
+        *,
+        config: Optional[EVDConfig] = None,
+        process_group: Any = None,
+        device=None,
+        dtype=None,
+        groups: int = 1,
+        **whitening: Any,
+    ) -> None:
+        nn.Module.__init__(self)
+        cfg = make_config(EVDConfig, type(self).__name__, config, whitening, exclude=self._unused_fields)
+        self._init_whitening(num_features, cfg, grad_transform=False, process_group=process_group, device=device,
+                             dtype=dtype, groups=groups)
+
+    def extra_repr(self) -> str:
+        rest = self._whitening_repr()
+        if self.groups != 1:
+            rest = f"groups={self.groups}" + (f", {rest}" if rest else "")
+        return f"{self.num_features}" + (f", {rest}" if rest else "")
+
+    def forward(self, x: Tensor) -> Tensor:
+        _check_input(self, x, dim=1, ndims=tuple(range(2, 9)), what="an input of shape (B, C) or (B, C, *spatial)")
+        training, state = self._forward_state()
+        if training:
+            self._accumulate(x)
+        t = state["whitening_matrix"]
+        if torch.is_grad_enabled() and x.requires_grad:
+            t = t.clone()  # the backward must use the T of this forward, even if a fold follows
+        out = direct_whiten(x, t, state["running_mean"])
+        if training:
+            self._end_batch()
+        return out
