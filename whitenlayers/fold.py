@@ -87,6 +87,13 @@ class FoldOutcome(NamedTuple):
 #: Fold strategies under torch.distributed (see :func:`fold_layers`).
 STRATEGIES = ("auto", "replicated", "owner")
 
+
+def check_strategy(strategy: str, name: str = "strategy") -> str:
+    """``strategy`` if it is one of :data:`STRATEGIES`, else ``ValueError`` naming the argument ``name``."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"{name} must be one of {STRATEGIES}, but got {name}={strategy!r}")
+    return strategy
+
 #: ``"auto"`` spreads the transforms over ranks when the layers' summed ``M^3`` reaches this. Measured on
 #: a 2-core CPU with gloo (``benchmarks/fold_scale.py``, per-rank CPU time of the fold, 2 and 4 ranks):
 #: the owner strategy was as fast or faster than replicated for both ResNet-110 (108 layers, M <= 64,
@@ -124,8 +131,7 @@ def fold_layers(layers: Iterable["WhiteningStatistics"], *, strategy: str = "aut
     ``nonfinite_blocks`` counts the ranks whose block had non-finite sums
     (summed over ranks); such a block is dropped on every rank.
     """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {STRATEGIES}, but got strategy={strategy!r}")
+    check_strategy(strategy)
     if _coordinator is not None and not _coordinator.checked:  # the first fold after a conversion
         _coordinator.checked = True
         _warn_uncalled(_coordinator.layers)
@@ -519,8 +525,7 @@ class FoldCoordinator:
     checked: bool = True
 
     def __init__(self, strategy: str = "auto") -> None:
-        if strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}, but got strategy={strategy!r}")
+        check_strategy(strategy)
         self.pending: List["WhiteningStatistics"] = []
         self.handle: Optional[RemovableHandle] = None
         self.strategy = strategy

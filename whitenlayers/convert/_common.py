@@ -16,14 +16,6 @@ from torch import Tensor, nn
 from ..fold import FoldCoordinator
 from ..layers import (
     DirectWhiten,
-    GradWhitenConv1d,
-    GradWhitenConv2d,
-    GradWhitenConv3d,
-    GradWhitenLinear,
-    RecursiveWhitenConv1d,
-    RecursiveWhitenConv2d,
-    RecursiveWhitenConv3d,
-    RecursiveWhitenLinear,
 )
 from ..stats import WhiteningStatistics
 
@@ -39,15 +31,6 @@ DEFAULT_BLOCK_TYPES: Tuple[str, ...] = ("BasicBlock", "Bottleneck", "ResNetBasic
 Predicate = Callable[[str, nn.Module], bool]
 BlockTypes = Union[str, type, Sequence[Union[str, type]]]
 
-_METHODS = ("grad", "recursive", "direct")
-_GRAD_CLASSES = {
-    "grad": (GradWhitenConv2d, GradWhitenLinear),
-    "recursive": (RecursiveWhitenConv2d, RecursiveWhitenLinear),
-}
-_CONVND_CLASSES = {
-    "grad": {nn.Conv1d: GradWhitenConv1d, nn.Conv3d: GradWhitenConv3d},
-    "recursive": {nn.Conv1d: RecursiveWhitenConv1d, nn.Conv3d: RecursiveWhitenConv3d},
-}
 # Hook dictionaries of nn.Module that fire when the module is called.
 _CALL_HOOKS = (
     "_forward_hooks",

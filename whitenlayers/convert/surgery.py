@@ -15,19 +15,15 @@ from typing import (
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..config import WhiteningConfig, make_config
-from ..fold import STRATEGIES, FoldCoordinator
+from ..fold import FoldCoordinator, check_strategy
 from ..layers import (
     GRAD_LAYER_TYPES,
-    DirectWhiten,
 )
+from ..methods import get_method, method_of
 from ..patches import PATCH_MAX_FEATURES
 from ..stats import WhiteningStatistics
 from ._common import (
     _CALL_HOOKS,
-    _CONVND_CLASSES,
-    _GRAD_CLASSES,
-    _METHODS,
     _STATE_HOOKS,
     BlockTypes,
     DirectWhitened,
@@ -69,34 +65,6 @@ def _install_coordinator(model: nn.Module, strategy: str = "auto") -> Optional[F
 # --------------------------------------------------------------------------
 # convert_model
 # --------------------------------------------------------------------------
-#: Layer keywords that are not whitening hyper-parameters.
-_LAYER_OPTIONS = ("config", "process_group")
-
-
-def _check_layer_kwargs(method: str, layer_kwargs: Dict[str, Any]) -> None:
-    """``TypeError`` for a keyword the method's layers do not take (names from the config dataclasses)."""
-    owner = f"convert_model(method={method!r})"
-    whitening = {k: v for k, v in layer_kwargs.items() if k not in _LAYER_OPTIONS}
-    if method == "direct":
-        cls, exclude = DirectWhiten._CONFIG_CLASS, DirectWhiten._unused_fields
-    else:
-        cls, exclude = _GRAD_CLASSES[method][0]._CONFIG, ()
-    cls.check_names(owner, whitening, exclude=exclude)
-    config = layer_kwargs.get("config")
-    if config is not None and type(config) is not cls:
-        raise TypeError(f"{owner} expects config to be a {cls.__name__}, but got {type(config).__name__}")
-
-
-def _requested_config(method: str, layer_kwargs: Dict[str, Any]) -> WhiteningConfig:
-    """The config the new layers of this call get (validated: ``ValueError`` naming a bad value)."""
-    owner = f"convert_model(method={method!r})"
-    whitening = {k: v for k, v in layer_kwargs.items() if k not in _LAYER_OPTIONS}
-    if method == "direct":
-        return make_config(DirectWhiten._CONFIG_CLASS, owner, layer_kwargs.get("config"), whitening,
-                           exclude=DirectWhiten._unused_fields)
-    return make_config(_GRAD_CLASSES[method][0]._CONFIG, owner, layer_kwargs.get("config"), whitening)
-
-
 def _check_existing(model: nn.Module, method: str, layer_kwargs: Dict[str, Any]) -> None:
     """``ValueError`` when ``model`` holds whitening layers of another method or with other hyper-parameters.
 
@@ -104,15 +72,16 @@ def _check_existing(model: nn.Module, method: str, layer_kwargs: Dict[str, Any])
     that are still plain (e.g. after a partial conversion) and leaves the
     whitening layers as they are; anything else would silently mix layers.
     """
-    config = _requested_config(method, layer_kwargs)
+    config = get_method(method).make_config(f"convert_model(method={method!r})", layer_kwargs)
     group = layer_kwargs.get("process_group")
     for name, m in model.named_modules():
         if isinstance(m, DirectWhitened):
-            have, layer = "direct", m.whiten
+            layer = m.whiten
         elif isinstance(m, GRAD_LAYER_TYPES):
-            have, layer = ("recursive" if m.method == "recursive" else "grad"), m
+            layer = m
         else:
             continue
+        have = method_of(layer)
         where = f"'{name}'" if name else "the model"
         if have != method:
             raise ValueError(
@@ -132,25 +101,21 @@ def _check_existing(model: nn.Module, method: str, layer_kwargs: Dict[str, Any])
 
 
 def _make_layer(method: str, module: nn.Module, name: str, layer_kwargs: Dict[str, Any]) -> nn.Module:
-    if method == "direct":
+    spec = get_method(method)
+    if spec.wrapper is not None:  # direct: DirectWhiten in front of the unchanged layer
         weight = module.weight
         linear = isinstance(module, nn.Linear)
         num = module.in_features if linear else module.in_channels
         groups = 1 if linear else module.groups
-        whiten = DirectWhiten(num, device=weight.device, dtype=weight.dtype, groups=groups, **layer_kwargs)
+        whiten = spec.wrapper(num, device=weight.device, dtype=weight.dtype, groups=groups, **layer_kwargs)
         whiten.layer_name = f"{name}.whiten" if name else "whiten"
         new: nn.Module = DirectWhitened(whiten, module)
         new.train(module.training)
         _share_hooks(module, new, _CALL_HOOKS, move=True)
         return new
-    conv_cls, lin_cls = _GRAD_CLASSES[method]
-    if isinstance(module, nn.Linear):
-        new = lin_cls.from_linear(module, **layer_kwargs)
-    elif isinstance(module, nn.Conv2d):
-        new = conv_cls.from_conv(module, **layer_kwargs)
-    else:
-        plain = nn.Conv1d if isinstance(module, nn.Conv1d) else nn.Conv3d
-        new = _CONVND_CLASSES[method][plain].from_conv(module, **layer_kwargs)
+    cls = cast(Any, spec.layer_class(module))
+    linear = isinstance(module, nn.Linear)
+    new = cls.from_linear(module, **layer_kwargs) if linear else cls.from_conv(module, **layer_kwargs)
     cast(WhiteningStatistics, new).layer_name = name or None
     new.train(module.training)
     _share_hooks(module, new, _CALL_HOOKS + _STATE_HOOKS)
@@ -324,13 +289,11 @@ def convert_model(
         >>> type(model.layer1[0].conv1).__name__, model.layer1[0].conv1.layer_name
         ('GradWhitenConv2d', 'layer1.0.conv1')
     """
-    if method not in _METHODS:
-        raise ValueError(f"method must be one of {_METHODS}, but got method={method!r}")
-    if fold_strategy not in STRATEGIES:
-        raise ValueError(f"fold_strategy must be one of {STRATEGIES}, but got fold_strategy={fold_strategy!r}")
+    spec = get_method(method)
+    check_strategy(fold_strategy, "fold_strategy")
     if isinstance(model, nn.parallel.DistributedDataParallel):
         raise ValueError("convert_model: convert the model before wrapping it in DistributedDataParallel")
-    _check_layer_kwargs(method, layer_kwargs)
+    spec.check_kwargs(f"convert_model(method={method!r})", layer_kwargs)
     _check_existing(model, method, layer_kwargs)
     plan = _plan(model, targets=targets, predicate=predicate, block_types=block_types, include_linear=include_linear,
                  include_stem=include_stem, include_classifier=include_classifier, example_input=example_input,

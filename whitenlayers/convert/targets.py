@@ -21,8 +21,9 @@ import torch
 import torch.fx
 from torch import nn
 
+from ..methods import get_method
 from ..stats import WhiteningStatistics
-from ._common import _METHODS, DEFAULT_BLOCK_TYPES, BlockTypes, DirectWhitened, Predicate, _is_whitening
+from ._common import DEFAULT_BLOCK_TYPES, BlockTypes, DirectWhitened, Predicate, _is_whitening
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.nn.modules.conv import _ConvNd
@@ -389,8 +390,7 @@ def conversion_report(
         >>> len(report.converted), report.skipped["conv1"][:8], report.skipped["fc"][:14]
         (18, 'the stem', 'the classifier')
     """
-    if method not in _METHODS:
-        raise ValueError(f"method must be one of {_METHODS}, but got method={method!r}")
+    get_method(method)  # ValueError naming the methods
     plan = _plan(model, targets=targets, predicate=predicate, block_types=block_types, include_linear=include_linear,
                  include_stem=include_stem, include_classifier=include_classifier, example_input=example_input,
                  max_features=max_features)

@@ -31,8 +31,9 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from torch import nn
 
-from ..config import EVDConfig, RecursiveConfig, WhiteningConfig
+from ..config import WhiteningConfig
 from ..convert import convert_model
+from ..methods import METHODS as CORE_METHODS
 from . import context, peers
 
 __all__ = [
@@ -122,10 +123,11 @@ def register_method(method: Method) -> Method:
 
 
 register_method(Method("baseline", "baseline", "#444444"))
-register_method(Method("grad", "EVD (grad)", "#1f77b4", EVDConfig, apply=_convert("grad")))
-register_method(Method("recursive", "recursive", "#d62728", RecursiveConfig, apply=_convert("recursive")))
-# DirectWhiten whitens the input itself: no gradient transform, so no beta.
-register_method(Method("direct", "direct (EVD)", "#2ca02c", EVDConfig, exclude=("beta",), apply=_convert("direct")))
+# The library's methods: config class and excluded fields from its registry (whitenlayers.methods).
+for _name, _label, _color in (("grad", "EVD (grad)", "#1f77b4"), ("recursive", "recursive", "#d62728"),
+                              ("direct", "direct (EVD)", "#2ca02c")):
+    register_method(Method(_name, _label, _color, CORE_METHODS[_name].config, exclude=CORE_METHODS[_name].exclude,
+                           apply=_convert(_name)))
 
 
 def _grad_patch_stem(model: nn.Module, kwargs: Mapping[str, Any]) -> nn.Module:
@@ -133,7 +135,8 @@ def _grad_patch_stem(model: nn.Module, kwargs: Mapping[str, Any]) -> nn.Module:
     return cast(nn.Module, convert_model(model, method="grad", include_stem=True, stem_patches=True, **kwargs))
 
 
-register_method(Method("grad-patch", "EVD + patch stem", "#7f7f7f", EVDConfig, apply=_grad_patch_stem))
+register_method(Method("grad-patch", "EVD + patch stem", "#7f7f7f", CORE_METHODS["grad"].config,
+                       apply=_grad_patch_stem))
 
 
 # Peers: comparison methods, not whitening (see peers.py). Same initial weights and data order as the others.

@@ -1,0 +1,109 @@
+"""The whitening methods by name: one registry of name -> config class -> layer classes.
+
+:func:`~whitenlayers.convert_model`, :func:`~whitenlayers.conversion_report`, the diagnostics and the
+experiment runner all read it, so a method's name, its hyper-parameters and the layers that implement it are
+written once.
+
+Example:
+    >>> from whitenlayers.methods import METHODS, get_method
+    >>> tuple(METHODS)
+    ('grad', 'recursive', 'direct')
+    >>> get_method("recursive").config.__name__, get_method("direct").exclude
+    ('RecursiveConfig', ('beta',))
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Mapping, Optional, Tuple, Type
+
+from torch import nn
+
+from .config import EVDConfig, RecursiveConfig, WhiteningConfig, make_config
+from .layers import (
+    DirectWhiten,
+    GradWhitenConv1d,
+    GradWhitenConv2d,
+    GradWhitenConv3d,
+    GradWhitenLinear,
+    RecursiveWhitenConv1d,
+    RecursiveWhitenConv2d,
+    RecursiveWhitenConv3d,
+    RecursiveWhitenLinear,
+)
+
+__all__ = ["WhiteningMethod", "METHODS", "get_method", "method_of"]
+
+#: Layer keywords that are not whitening hyper-parameters.
+LAYER_OPTIONS = ("config", "process_group")
+
+
+@dataclass(frozen=True)
+class WhiteningMethod:
+    """One method: its name, its config class, and the whitening layer class for each plain module type.
+
+    ``layers`` maps ``nn.Conv1d`` / ``nn.Conv2d`` / ``nn.Conv3d`` / ``nn.Linear`` to the class that replaces it;
+    a method that wraps its target instead (``direct``: :class:`~whitenlayers.DirectWhiten` in front of the
+    unchanged layer) has ``wrapper`` set and no ``layers``. ``exclude`` lists the config fields its layers do not
+    take; ``rule`` is the name of its transform rule (``layer.method``: ``"evd"`` or ``"recursive"``).
+    """
+
+    name: str
+    config: Type[WhiteningConfig]
+    rule: str
+    layers: Mapping[type, type] = field(default_factory=dict)
+    wrapper: Optional[type] = None
+    exclude: Tuple[str, ...] = ()
+
+    def layer_class(self, module: nn.Module) -> type:
+        """The whitening class that replaces ``module`` (the first plain type it is an instance of)."""
+        for plain, cls in self.layers.items():
+            if isinstance(module, plain):
+                return cls
+        raise TypeError(f"method {self.name!r} has no whitening layer for {type(module).__name__}")
+
+    def check_kwargs(self, owner: str, kwargs: Mapping[str, Any]) -> None:
+        """``TypeError`` for a keyword this method's layers do not take, or a ``config`` of another class."""
+        whitening = {k: v for k, v in kwargs.items() if k not in LAYER_OPTIONS}
+        self.config.check_names(owner, whitening, exclude=self.exclude)
+        config = kwargs.get("config")
+        if config is not None and type(config) is not self.config:
+            raise TypeError(f"{owner} expects config to be a {self.config.__name__}, but got {type(config).__name__}")
+
+    def make_config(self, owner: str, kwargs: Mapping[str, Any]) -> WhiteningConfig:
+        """The config that layers built with ``kwargs`` get (``ValueError`` naming a bad value)."""
+        whitening = {k: v for k, v in kwargs.items() if k not in LAYER_OPTIONS}
+        return make_config(self.config, owner, kwargs.get("config"), whitening, exclude=self.exclude)
+
+
+_LINEAR_AND_CONVS = (nn.Linear, nn.Conv2d, nn.Conv1d, nn.Conv3d)
+
+METHODS: Dict[str, WhiteningMethod] = {
+    "grad": WhiteningMethod("grad", EVDConfig, "evd", dict(zip(_LINEAR_AND_CONVS, (
+        GradWhitenLinear, GradWhitenConv2d, GradWhitenConv1d, GradWhitenConv3d)))),
+    "recursive": WhiteningMethod("recursive", RecursiveConfig, "recursive", dict(zip(_LINEAR_AND_CONVS, (
+        RecursiveWhitenLinear, RecursiveWhitenConv2d, RecursiveWhitenConv1d, RecursiveWhitenConv3d)))),
+    "direct": WhiteningMethod("direct", DirectWhiten._CONFIG_CLASS, "evd", wrapper=DirectWhiten,
+                              exclude=DirectWhiten._unused_fields),
+}
+
+
+def get_method(name: str) -> WhiteningMethod:
+    """The method called ``name``; ``ValueError`` naming the choices otherwise."""
+    try:
+        return METHODS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"method must be one of {tuple(METHODS)}, but got method={name!r}") from None
+
+
+def method_of(layer: nn.Module) -> str:
+    """The method name of a whitening layer: ``"direct"`` for a :class:`~whitenlayers.DirectWhiten`, else the
+    method whose layer classes include its class (``"grad"`` or ``"recursive"``)."""
+    if isinstance(layer, DirectWhiten):
+        return "direct"
+    for m in METHODS.values():
+        if type(layer) in m.layers.values():
+            return m.name
+    for m in METHODS.values():  # a subclass of a registered layer: by its transform rule
+        if m.layers and getattr(layer, "method", None) == m.rule and isinstance(layer, tuple(m.layers.values())):
+            return m.name
+    raise TypeError(f"{type(layer).__name__} is not a whitening layer of a registered method")
