@@ -153,7 +153,7 @@ class Variant:
         for st in self.opt.state.values():
             out.extend(v for v in st.values() if isinstance(v, Tensor))
         for m in self.model.modules():
-            if isinstance(m, wl.WhiteningStatistics):
+            if isinstance(m, wl.WhiteningLayer):
                 out.extend(v for k, v in vars(m).items() if k.startswith("_acc_") and isinstance(v, Tensor))
         if self.pre is not None:
             out.extend(self.pre.state_tensors())

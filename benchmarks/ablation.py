@@ -38,7 +38,7 @@ from _models import Variant, build_base, random_batches
 
 def _no_stats(model) -> None:
     for m in model.modules():
-        if isinstance(m, wl.WhiteningStatistics):
+        if isinstance(m, wl.WhiteningLayer):
             m.freeze()  # the public switch: no statistics, no block counting, the transform still applied
 
 
@@ -52,7 +52,7 @@ def _conv_bias(model) -> None:
 
 def _no_q(model) -> None:
     for m in model.modules():
-        if isinstance(m, wl.WhiteningStatistics):
+        if isinstance(m, wl.WhiteningLayer):
             m._weight_for_forward = (lambda mm: (lambda state: mm.weight))(m)
 
 

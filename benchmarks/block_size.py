@@ -45,8 +45,8 @@ from whitenlayers import functional as Fw
 from _models import build_base, mnist_batches, random_batches
 
 
-def _whitening_layers(model) -> List[wl.WhiteningStatistics]:
-    return [m for m in model.modules() if isinstance(m, wl.WhiteningStatistics)]
+def _whitening_layers(model) -> List[wl.WhiteningLayer]:
+    return [m for m in model.modules() if isinstance(m, wl.WhiteningLayer)]
 
 
 def fold_overhead(sizes: List[int], args) -> Dict[str, object]:

@@ -1,7 +1,7 @@
 """Cost of a fold: EVD vs recursive transform, and a whole-model fold of ResNet-110.
 
 Part 1 -- one fold of one layer, ``M = 64 ... 1024`` input features. A fold is
-``WhiteningStatistics._fold`` on a prepared block summary: the moment
+``WhiteningLayer._fold`` on a prepared block summary: the moment
 recursion (eqs. ``vmuxi``/``vPhixi``), the new transform (EVD: ``eigh``, gains,
 ``T`` and ``Q``; recursive: tracking ``Phi_y = alpha Phi_y + (1-alpha) T C T^T``
 and the rank-one step of section 4), the ``Q_s`` smoothing and the bias
@@ -93,7 +93,7 @@ def _resnet110_layers(method: str, tiny: bool):
     """The whitening layers of a converted CIFAR ResNet-110 (or ResNet-8 when tiny), with a filled block."""
     depth = 8 if tiny else 110
     model = wl.convert_model(wl.models.cifar_resnet(depth, num_classes=100), method, block_size=10**6)
-    layers = [m for m in model.modules() if isinstance(m, wl.WhiteningStatistics)]
+    layers = [m for m in model.modules() if isinstance(m, wl.WhiteningLayer)]
     model.train()
     for _ in range(2):  # two blocks, so the second fold is a regular (non-first) fold
         with torch.no_grad():

@@ -89,7 +89,7 @@ def time_model(depth: int, args, variants: List[str]) -> Dict[str, object]:
         tr = mem[name]["transient"] / mem["plain"]["transient"]
         rows.append([name, 1e3 * s["median_s"], 1e3 * s["mean_s"], s["ratio_median"], s["ratio_mean"],
                      s["ratio_paired_median"], mem[name]["total"] / 2**20, mr, tr])
-    nconv = sum(1 for m in vs["grad"].model.modules() if isinstance(m, wl.WhiteningStatistics)) if "grad" in vs else 0
+    nconv = sum(1 for m in vs["grad"].model.modules() if isinstance(m, wl.WhiteningLayer)) if "grad" in vs else 0
     nabs = sum(1 for m in vs["grad"].model.modules() if getattr(m, "centring", None) == "absorbed") if "grad" in vs else 0
     head = (f"ResNet-{depth}: {nconv} whitened convs ({nabs} with the centring absorbed by their BatchNorm), "
             f"batch {batch}, {size}x{size}, {classes} classes; "
@@ -123,7 +123,7 @@ def t_accuracy(args) -> Dict[str, object]:
         m = wl.convert_model(copy.deepcopy(base), "grad", block_size=L, stats_fraction=fraction).train()
         for x, _ in data[part * blocks * L:(part + 1) * blocks * L]:
             m(x)
-        return [l.whitening_matrix.double() for l in m.modules() if isinstance(l, wl.WhiteningStatistics)]
+        return [l.whitening_matrix.double() for l in m.modules() if isinstance(l, wl.WhiteningLayer)]
 
     def dist(a, b):
         d = [float(torch.linalg.norm(x - y) / torch.linalg.norm(y)) for x, y in zip(a, b)]

@@ -46,7 +46,7 @@ nitpicky = True
 nitpick_ignore_regex = [
     # private helpers are deliberately not documented (type hints such as ``-> _LoadResult`` still name them)
     (r"py:.*", r"(.*\.)?_[A-Za-z]\w*"),
-    # forward references written as strings in annotations (``"WhiteningStatistics"``), documented under their names
+    # forward references written as strings in annotations (``"WhiteningLayer"``), documented under their names
     (r"py:class", r"'\w+'"),
     (r"py:.*", r"(torch|numpy|np|nn|typing|collections|dataclasses|enum|os|pathlib|contextlib)(\..*)?"),
     (r"py:.*", r"(Tensor|Module|Optional|Union|Any|Callable|Sequence|Iterable|Iterator|Mapping|Dict|List|Tuple|Type|"

@@ -26,7 +26,7 @@ out and reported) it records:
 * three SGD training steps (``block_size=2``, so one fold happens) with a
   finite loss and finite parameters, and every converted layer called (it saw
   its input: a layer whose weight the model uses functionally does not);
-* export exact: max relative difference of :func:`whitenlayers.export_model`'s
+* export exact: max relative difference of :func:`whitenlayers.to_plain_model`'s
   plain model against the converted model, eval mode;
 * conversion time.
 
@@ -185,7 +185,7 @@ def check(name: str, build: Callable[[], nn.Module], shape: Tuple[int, ...], met
         model.eval()
         with torch.no_grad():
             converted_out = _logits(model(x))
-            exported = wl.export_model(model)  # in place: the converted model is not needed afterwards
+            exported = wl.to_plain_model(model)  # in place: the converted model is not needed afterwards
             row.export_diff = _rel(_logits(exported(x)), converted_out)
     except Exception as exc:  # a model that fails is a row of the table, not the end of the run
         row.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
@@ -467,7 +467,7 @@ def write(path: Path, sections: List[Tuple[str, Optional[List[Row]], str]], argv
         "`example_input`): layers converted "
         "(grouped or depthwise among them), layers the rule selected that cannot be converted (reason), the max "
         "relative difference of the eval outputs right after conversion, three SGD steps (`block_size=2`: one "
-        "fold) finite, every converted layer called, the max relative difference of `export_model` against the "
+        "fold) finite, every converted layer called, the max relative difference of `to_plain_model` against the "
         "converted model, the conversion time (with the `example_input` forward; the first model's includes "
         "PyTorch's warm-up) and the time of the whole check (build, conversion, steps with one fold, export; "
         "`-` for rows of runs that did not record it). `ok`: conversion difference <= 1e-5, finite, all called, "

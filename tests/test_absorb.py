@@ -223,7 +223,7 @@ def test_plain_state_dict_loads_strictly_into_a_fresh_cifar_resnet(method, dtype
 
 
 def test_export_model_in_place_keeps_training_outputs():
-    """After export_model, a training-mode forward gives the converted model's training-mode output."""
+    """After to_plain_model, a training-mode forward gives the converted model's training-mode output."""
     model = wl.convert_model(resnet(depth=8), block_size=2)
     train(model, batches(4))
     x = batches(1, seed=5)[0][0]
@@ -231,7 +231,7 @@ def test_export_model_in_place_keeps_training_outputs():
     for m in wl.whitening_layers(ref):
         m[1].block_size = 10**6  # no fold during the comparison forward
     want = ref.train()(x)
-    out = wl.export_model(model).train()(x)
+    out = wl.to_plain_model(model).train()(x)
     assert wl.whitening_layers(model) == []
     assert all(type(m) is nn.Conv2d and m.bias is None for m in model.modules() if isinstance(m, nn.Conv2d))
     torch.testing.assert_close(out, want, **TIGHT)
@@ -492,7 +492,7 @@ def test_batchnorm_replaced_by_a_frozen_module_gets_the_centred_output():
     torch.testing.assert_close(layer.bias_correction, c_before - d)
     torch.testing.assert_close(a(x), want, **TIGHT)
     # and the export stays exact (that layer exports with a bias, the others move their offset into their BN)
-    torch.testing.assert_close(wl.export_model(a)(x), want, **TIGHT)
+    torch.testing.assert_close(wl.to_plain_model(a)(x), want, **TIGHT)
 
 
 def test_absorb_centring_parent_must_hold_the_batchnorm():

@@ -47,7 +47,7 @@ def step(model, opt, i):
 
 
 def whitening(model):
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, wl.WhiteningStatistics)]
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, wl.WhiteningLayer)]
 
 
 def assert_same(a, b, path=""):
@@ -76,7 +76,7 @@ def test_state_dict_has_version_and_partial_block():
     layers = whitening(model)
     assert len(layers) == 6
     for name, layer in layers:
-        assert sd._metadata[name]["version"] == wl.WhiteningStatistics._version >= 1
+        assert sd._metadata[name]["version"] == wl.WhiteningLayer._version >= 1
         extra = sd[f"{name}._extra_state"]  # one float64 tensor: layout tag, acc_batches, ..., the block's sums
         assert isinstance(extra, torch.Tensor) and extra.dtype == torch.float64 and extra.dim() == 1
         assert int(extra[0]) == 2 and int(extra[1]) == layer.batches_in_block == 1

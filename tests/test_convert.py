@@ -1,4 +1,4 @@
-"""Model surgery: convert_model, export_model, checkpoint helpers, whitening_layers."""
+"""Model surgery: convert_model, to_plain_model, checkpoint helpers, whitening_layers."""
 import copy
 import io
 import pickle
@@ -13,7 +13,7 @@ from torch import nn
 
 import whitenlayers as wl
 from whitenlayers import models
-from whitenlayers.convert import DirectWhitened, target_layers
+from whitenlayers.convert import DirectWhitenWrapper, target_layers
 from whitenlayers.fold import FoldCoordinator
 
 METHODS = ["grad", "recursive", "direct"]
@@ -304,15 +304,15 @@ def test_device_dtype_training_and_requires_grad_kept(method):
     for name, m in model.named_modules():
         if isinstance(m, wl.DirectWhiten):
             m = dict(model.named_modules())[name[: -len(".whiten")]]
-        elif not isinstance(m, wl.WhiteningStatistics):
+        elif not isinstance(m, wl.WhiteningLayer):
             continue
         assert m.training == (not name.startswith("layer2"))
-        for layer in ([m.whiten, m.layer] if isinstance(m, DirectWhitened) else [m]):
+        for layer in ([m.whiten, m.layer] if isinstance(m, DirectWhitenWrapper) else [m]):
             assert layer.training == m.training
-        conv = m.layer if isinstance(m, DirectWhitened) else m
+        conv = m.layer if isinstance(m, DirectWhitenWrapper) else m
         assert conv.weight.dtype == torch.float64 and conv.weight.device == torch.device("cpu")
         assert conv.weight.requires_grad == (not name.startswith("layer1.0.conv1"))
-        stats = m.whiten if isinstance(m, DirectWhitened) else m
+        stats = m.whiten if isinstance(m, DirectWhitenWrapper) else m
         assert stats.running_cov.dtype == torch.float64 and stats.whitening_matrix.device == conv.weight.device
     assert model.training and model.layer1.training and not model.layer2.training
 
@@ -370,8 +370,8 @@ def test_converting_twice_does_not_double_wrap(first, second):
     assert [(n, id(m)) for n, m in wl.whitening_layers(model)] == [(n, id(m)) for n, m in layers]
     assert list(model.state_dict().keys()) == keys
     assert len(coordinator_hooks(model)) == 1
-    assert not any(isinstance(m.layer, (DirectWhitened, wl.WhiteningStatistics))
-                   for m in model.modules() if isinstance(m, DirectWhitened))
+    assert not any(isinstance(m.layer, (DirectWhitenWrapper, wl.WhiteningLayer))
+                   for m in model.modules() if isinstance(m, DirectWhitenWrapper))
 
 
 def test_partially_converted_model_gets_the_existing_coordinator():
@@ -405,7 +405,7 @@ def test_bare_conv_root():
     x = torch.randn(2, 3, 6, 6)
     torch.testing.assert_close(new(x), plain(x))
     assert int(new.num_blocks) == 1  # folds on its own
-    exported = wl.export_model(new)
+    exported = wl.to_plain_model(new)
     assert type(exported) is nn.Conv2d
     torch.testing.assert_close(exported(x), new.eval()(x))
 
@@ -456,9 +456,9 @@ def test_export_is_exact_after_training_with_folds(method):
     model.eval()
     x = torch.randn(4, 3, 32, 32, dtype=torch.float64) + 1
     want = model(x)
-    exported = wl.export_model(model)
+    exported = wl.to_plain_model(model)
     assert exported is model and wl.whitening_layers(model) == []
-    assert not any(isinstance(m, DirectWhitened) for m in model.modules())
+    assert not any(isinstance(m, DirectWhitenWrapper) for m in model.modules())
     assert all(type(m).__module__.startswith("torch.nn") or type(m) in (ResNetStandIn, Bottleneck)
                for m in model.modules())
     assert all(coordinator_hooks(m) == [] for m in model.modules())
@@ -485,7 +485,7 @@ def test_export_float32_grad_model_is_bitwise_equal(absorb):
     x = torch.randn(4, 3, 16, 16)
     want = model(x)
     tol = dict(rtol=1e-5, atol=1e-6) if absorb else dict(rtol=0, atol=0)
-    torch.testing.assert_close(wl.export_model(model)(x), want, **tol)
+    torch.testing.assert_close(wl.to_plain_model(model)(x), want, **tol)
 
 
 def test_export_keeps_training_flag_and_hooks():
@@ -493,7 +493,7 @@ def test_export_keeps_training_flag_and_hooks():
     model.layer1.eval()
     seen = []
     handle = model.layer1[0].conv1.register_forward_hook(lambda *a: seen.append(1))
-    wl.export_model(model)
+    wl.to_plain_model(model)
     assert not model.layer1[0].conv1.training and model.layer2[0].conv1.training
     model(torch.randn(2, 3, 16, 16))
     assert seen == [1]
@@ -539,7 +539,7 @@ def test_convert_train_export_property(cin, cout, k, stride, padding, bias, meth
         opt.step()
     model.eval()
     want = model(data[0])
-    torch.testing.assert_close(wl.export_model(model)(data[0]), want)
+    torch.testing.assert_close(wl.to_plain_model(model)(data[0]), want)
 
 
 # --------------------------------------------------------------------------
@@ -601,7 +601,7 @@ def test_plain_state_dict_round_trip_after_training(method, absorb):
     assert bool(conv_names) != absorb
     if not absorb:  # the original architecture cannot hold these layers: strict (the default) says which
         with pytest.raises(ValueError, match=r"cannot hold the function of 6 converted layer\(s\): 'layer1.0.conv1'.*"
-                                             r"bias-free layer that centres its input.*export_model"):
+                                             r"bias-free layer that centres its input.*to_plain_model"):
             wl.plain_state_dict(model)
     sd = plain_sd = wl.plain_state_dict(model, strict=absorb)
     assert set(plain_sd) == plain_keys | {f"{n}.bias" for n in conv_names}
@@ -613,7 +613,7 @@ def test_plain_state_dict_round_trip_after_training(method, absorb):
     wl.load_plain_state_dict(other, sd)
     torch.testing.assert_close(other.eval()(x), want)
     # into the exported architecture
-    exported = wl.export_model(wl.convert_model(small_resnet(seed=9), **kw))
+    exported = wl.to_plain_model(wl.convert_model(small_resnet(seed=9), **kw))
     exported.load_state_dict(sd)
     torch.testing.assert_close(exported.eval()(x), want)
     if absorb:  # into the user's own, never converted architecture, strictly

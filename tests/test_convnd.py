@@ -180,6 +180,6 @@ def test_conv1d_model_converts_trains_and_exports_exactly(method):
         opt.step()
     assert all(torch.isfinite(p).all() for p in model.parameters())
     model.eval()
-    exported = wl.export_model(copy.deepcopy(model))
+    exported = wl.to_plain_model(copy.deepcopy(model))
     assert not wl.whitening_layers(exported)
     torch.testing.assert_close(exported(x), model(x), rtol=1e-5, atol=1e-5)

@@ -35,3 +35,30 @@ def test_core_package_does_not_import_the_runner():
             "print(sorted(m for m in sys.modules if m.startswith('whitenlayers.experiment') or m == 'whitenlayers.data'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]", out
+
+
+@pytest.mark.parametrize("module,old,new", [
+    ("whitenlayers", "WhiteningStatistics", "WhiteningLayer"),
+    ("whitenlayers", "DirectWhitened", "DirectWhitenWrapper"),
+    ("whitenlayers", "export_model", "to_plain_model"),
+    ("whitenlayers.stats", "WhiteningStatistics", "WhiteningLayer"),
+    ("whitenlayers.layers", "WhiteningStatistics", "WhiteningLayer"),
+    ("whitenlayers.convert", "DirectWhitened", "DirectWhitenWrapper"),
+    ("whitenlayers.convert", "export_model", "to_plain_model"),
+    # where pickles of whole models converted with method="direct" before the rename look the class up
+    ("whitenlayers.convert._common", "DirectWhitened", "DirectWhitenWrapper"),
+])
+def test_renamed_public_names_keep_their_old_name_for_one_release(module, old, new):
+    mod = importlib.import_module(module)
+    with pytest.warns(DeprecationWarning, match=f"{old} is renamed {new}"):
+        assert getattr(mod, old) is getattr(wl, new)
+    assert old not in wl.__all__ and new in wl.__all__
+
+
+def test_old_names_still_work_as_before():
+    model = wl.convert_model(wl.models.cifar_resnet(8, width=8), method="direct")
+    with pytest.warns(DeprecationWarning):
+        assert all(isinstance(m, wl.WhiteningStatistics) for _, m in wl.whitening_layers(model))
+    with pytest.warns(DeprecationWarning):
+        plain = wl.export_model(model.eval())
+    assert not wl.whitening_layers(plain)

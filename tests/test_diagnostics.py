@@ -217,7 +217,7 @@ def test_direct_layers_measure_the_whitened_input():
     model = wl.convert_model(small_resnet(), method="direct", block_size=1)
     warm_up(model, steps=4)
     data = batches(6)
-    inner = [f"{n}.layer" for n, m in model.named_modules() if isinstance(m, wl.DirectWhitened)]
+    inner = [f"{n}.layer" for n, m in model.named_modules() if isinstance(m, wl.DirectWhitenWrapper)]
     ref = captured_covariances(model, inner, data)
     d = wl.collect_diagnostics(model, data)
     for n in inner:

@@ -68,7 +68,7 @@ def install_coordinator(model: nn.Module) -> FoldCoordinator:
     coord = FoldCoordinator()
     coord.handle = model.register_forward_hook(coord)
     for name, m in model.named_modules():
-        if isinstance(m, wl.WhiteningStatistics):
+        if isinstance(m, wl.WhiteningLayer):
             m._fold_coordinator = coord
             m.layer_name = name
     return coord
@@ -118,7 +118,7 @@ def global_batch(step: int, dtype: torch.dtype = torch.float32):
 def snapshot(model: nn.Module) -> dict:
     out = {}
     for name, m in model.named_modules():
-        if isinstance(m, wl.WhiteningStatistics):
+        if isinstance(m, wl.WhiteningLayer):
             for b in WHITEN_STATE:
                 if hasattr(m, b):
                     out[f"{name}.{b}"] = getattr(m, b).detach().clone()

@@ -17,7 +17,7 @@ import torch
 import whitenlayers as wl
 import whitenlayers.fold as wl_fold
 from whitenlayers.fold import assign_owners, fold_layers
-from whitenlayers.stats import WhiteningStatistics
+from whitenlayers.stats import WhiteningLayer
 from dist_utils import CountingDist, run_distributed
 
 # The reference's warnings about the non-finite batch and the skipped fold (expected).
@@ -85,13 +85,13 @@ def _rank_run(rank: int, world: int, strategy: str, fail_rank: int, alone: bool 
     wl_fold.dist = counter
     calls = collections.Counter()  # (method, layer) -> calls on this rank
     patched = {}
-    real_finish = WhiteningStatistics._fold_finish
+    real_finish = WhiteningLayer._fold_finish
 
     def finishing(self, *a):
         calls["_fold_finish", self.layer_name] += 1
         return real_finish(self, *a)
 
-    WhiteningStatistics._fold_finish = finishing
+    WhiteningLayer._fold_finish = finishing
     for name in ("_outcomes", "_transforms"):  # module functions taking a stack of layers first
         real = getattr(wl_fold, name)
 
@@ -117,7 +117,7 @@ def _rank_run(rank: int, world: int, strategy: str, fail_rank: int, alone: bool 
             torch.linalg.eigh = real_eigh
             states.append(snapshot(layers))
     finally:
-        WhiteningStatistics._fold_finish = real_finish
+        WhiteningLayer._fold_finish = real_finish
         for name, real in patched.items():
             setattr(wl_fold, name, real)
         torch.linalg.eigh = real_eigh

@@ -83,7 +83,7 @@ def test_family_converts_keeps_function_trains_and_exports_exactly(family, metho
     assert all(int(m.num_blocks) == 1 for _, m in layers)  # every converted layer was called and folded
     model.eval()
     ref = model(x)
-    exported = wl.export_model(copy.deepcopy(model))
+    exported = wl.to_plain_model(copy.deepcopy(model))
     assert not wl.whitening_layers(exported)
     assert max_rel_diff(exported(x), ref) <= 1e-5
 
@@ -176,7 +176,7 @@ def test_no_word_is_missing_when_nothing_is_converted():
 def test_converting_again_with_other_method_or_arguments_raises():
     model = wl.convert_model(models.resnet20(width=4), method="grad")
     keys = list(model.state_dict())
-    with pytest.raises(ValueError, match=r"already converted with method='grad'.*method='recursive'.*export_model"):
+    with pytest.raises(ValueError, match=r"already converted with method='grad'.*method='recursive'.*to_plain_model"):
         wl.convert_model(model, method="recursive")
     with pytest.raises(ValueError, match=r"block_size=10.*block_size=3.*layer\.config"):
         wl.convert_model(model, block_size=3)
@@ -364,5 +364,5 @@ def test_absorbed_centring_of_grouped_and_conv1d_layers_trains_like_centred(meth
     a.eval(), c.eval()
     x, _ = batch(16, 9)
     torch.testing.assert_close(a["cnn"](x.double()), c["cnn"](x.double()), rtol=1e-9, atol=1e-10)
-    exported = wl.export_model(copy.deepcopy(a["cnn"]))
+    exported = wl.to_plain_model(copy.deepcopy(a["cnn"]))
     torch.testing.assert_close(exported(x.double()), a["cnn"](x.double()), rtol=1e-9, atol=1e-10)

@@ -406,7 +406,7 @@ def test_grouped_export_is_exact(method, padding):
         opt.step()
     model.eval()
     ref = model(x)
-    exported = wl.export_model(copy.deepcopy(model))
+    exported = wl.to_plain_model(copy.deepcopy(model))
     assert not wl.whitening_layers(exported)
     torch.testing.assert_close(exported(x), ref, rtol=1e-5, atol=1e-5)
     sd = wl.plain_state_dict(model, strict=False)  # the exported architecture's keys (a bias-free conv gains a bias)

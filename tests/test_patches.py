@@ -168,7 +168,7 @@ def test_patch_layer_trains_in_a_converted_model_and_round_trips():
     model.eval(), clone.eval(), again.eval()
     torch.testing.assert_close(clone(x), model(x), rtol=0, atol=0)
     torch.testing.assert_close(again(x), model(x), rtol=0, atol=0)
-    plain = wl.export_model(copy.deepcopy(model))
+    plain = wl.to_plain_model(copy.deepcopy(model))
     torch.testing.assert_close(plain(x), model(x), rtol=1e-5, atol=1e-5)
     fresh = wl.convert_model(wl.models.cifar_resnet(8, width=8), block_size=2, include_stem=True, stem_patches=True)
     fresh.load_state_dict(model.state_dict())

@@ -31,7 +31,7 @@ WHITEN_STATE = ("running_mean", "running_cov", "whitening_matrix", "grad_transfo
 
 
 def whitening(model):
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, wl.WhiteningStatistics)]
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, wl.WhiteningLayer)]
 
 
 def batch(i, n=8, hw=16, classes=10):

@@ -279,7 +279,7 @@ def test_torch_ema_and_swa_average_the_whitening_state_like_batchnorm():
     assert int(layer.num_blocks) == int(bn.num_batches_tracked)
     ema.eval()
     x = torch.randn(4, 3, 8, 8)
-    torch.testing.assert_close(ema(x), wl.export_model(copy.deepcopy(ema.module))(x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ema(x), wl.to_plain_model(copy.deepcopy(ema.module))(x), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -325,7 +325,7 @@ def test_timm_model_ema():
     for ema in emas:
         out = ema.module.eval()(x)
         assert torch.isfinite(out).all()
-        torch.testing.assert_close(out, wl.export_model(copy.deepcopy(ema.module))(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out, wl.to_plain_model(copy.deepcopy(ema.module))(x), rtol=1e-5, atol=1e-5)
 
 
 # --------------------------------------------------------------------------
@@ -459,9 +459,9 @@ def test_torch_export_and_jit_trace(method):
 def test_jit_script_says_what_to_do_instead():
     model = resnet("grad", block_size=1)
     with pytest.raises(RuntimeError, match=r"GradWhitenConv2d 'layer1.0.conv1'.*torch.jit.script cannot compile.*"
-                                           r"export_model"):
+                                           r"to_plain_model"):
         torch.jit.script(model)
-    plain = torch.jit.script(wl.export_model(copy.deepcopy(model)).eval())
+    plain = torch.jit.script(wl.to_plain_model(copy.deepcopy(model)).eval())
     x = torch.randn(2, 3, 8, 8)
     torch.testing.assert_close(plain(x), model.eval()(x))
 

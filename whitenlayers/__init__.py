@@ -6,17 +6,17 @@ Drop-in layers that whiten the inputs of convolutions, either directly
 Markovich-Golan, Battash and Bleiweiss, "Feature Whitening via Gradient
 Transformation for Improved Convergence".
 """
-from . import config, functional, models, testing
+from . import _deprecated, config, functional, models, testing
 from .config import EVDConfig, RecursiveConfig
 from .convert import (
     ConversionReport,
-    DirectWhitened,
+    DirectWhitenWrapper,
     conversion_report,
     convert_model,
-    export_model,
     frozen,
     load_plain_state_dict,
     plain_state_dict,
+    to_plain_model,
     whitening_layers,
 )
 from .diagnostics import Diagnostics, collect_diagnostics, layer_diagnostics
@@ -31,7 +31,7 @@ from .layers import (
     RecursiveWhitenConv3d,
     RecursiveWhitenLinear,
 )
-from .stats import WhiteningStatistics
+from .stats import WhiteningLayer
 
 __version__ = "0.1.0"
 
@@ -45,7 +45,7 @@ __all__ = [
     "RecursiveWhitenConv2d",
     "RecursiveWhitenConv3d",
     "RecursiveWhitenLinear",
-    "WhiteningStatistics",
+    "WhiteningLayer",
     "EVDConfig",
     "RecursiveConfig",
     "config",
@@ -53,15 +53,17 @@ __all__ = [
     "convert_model",
     "conversion_report",
     "ConversionReport",
-    "export_model",
+    "to_plain_model",
     "frozen",
     "whitening_layers",
     "load_plain_state_dict",
     "plain_state_dict",
-    "DirectWhitened",
+    "DirectWhitenWrapper",
     "Diagnostics",
     "collect_diagnostics",
     "layer_diagnostics",
     "models",
     "testing",
 ]
+
+__getattr__ = _deprecated.module_getattr("whitenlayers", "WhiteningStatistics", "DirectWhitened", "export_model")

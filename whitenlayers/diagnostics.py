@@ -41,9 +41,9 @@ import torch
 from torch import Tensor, nn
 
 from . import functional as F_w
-from .convert import BlockTypes, DirectWhitened, Predicate, target_layers
+from .convert import BlockTypes, DirectWhitenWrapper, Predicate, target_layers
 from .layers import GRAD_LAYER_TYPES
-from .stats import WhiteningStatistics
+from .stats import WhiteningLayer
 
 __all__ = ["Diagnostics", "collect_diagnostics", "layer_diagnostics", "summarize"]
 
@@ -117,7 +117,7 @@ def _targets(
     out: List[Tuple[str, nn.Module, str]] = []
     seen = set()
     for name, m in model.named_modules():
-        if isinstance(m, DirectWhitened):
+        if isinstance(m, DirectWhitenWrapper):
             out.append((name, m.layer, "direct"))
         elif isinstance(m, GRAD_LAYER_TYPES):
             out.append((name, m, "grad"))
@@ -260,7 +260,7 @@ def collect_diagnostics(
     for name, module, kind in targets:
         cov = moments[name].covariance()
         if cov is not None and kind == "grad":
-            t = cast(WhiteningStatistics, module).whitening_matrix.to(device=cov.device, dtype=torch.float64)
+            t = cast(WhiteningLayer, module).whitening_matrix.to(device=cov.device, dtype=torch.float64)
             cov = F_w.symmetrize(F_w.whitened_covariance(t, cov))
         covs[name] = cov
         kinds[name] = kind
@@ -278,7 +278,7 @@ def layer_diagnostics(model: nn.Module) -> Diagnostics:
 
     ``Phi_x`` is the layer's ``running_cov`` (centred on the running mean,
     recursively averaged over blocks) and ``T`` its ``whitening_matrix``
-    (:meth:`~whitenlayers.WhiteningStatistics.whitened_covariance`). For a
+    (:meth:`~whitenlayers.WhiteningLayer.whitened_covariance`). For a
     ``direct`` layer that is the covariance of the ``DirectWhiten`` output,
     which the following layer sees. Keys are those of
     :func:`collect_diagnostics` (a ``direct`` layer under its wrapper's name).
@@ -287,13 +287,13 @@ def layer_diagnostics(model: nn.Module) -> Diagnostics:
     """
     covs: Dict[str, Optional[Tensor]] = {}
     kinds: Dict[str, str] = {}
-    wrapped = {id(m.whiten) for m in model.modules() if isinstance(m, DirectWhitened)}
+    wrapped = {id(m.whiten) for m in model.modules() if isinstance(m, DirectWhitenWrapper)}
     for name, m in model.named_modules():
-        if isinstance(m, DirectWhitened):
+        if isinstance(m, DirectWhitenWrapper):
             layer, kind = m.whiten, "direct"
         elif isinstance(m, GRAD_LAYER_TYPES):
             layer, kind = m, "grad"
-        elif isinstance(m, WhiteningStatistics) and id(m) not in wrapped:
+        elif isinstance(m, WhiteningLayer) and id(m) not in wrapped:
             layer, kind = m, "direct"  # a DirectWhiten placed by hand: its output's covariance
         else:
             continue

@@ -13,7 +13,7 @@ layers of one width, dtype and device) share one batched eigendecomposition.
 :class:`FoldCoordinator` is the forward hook :func:`~whitenlayers.convert_model`
 installs on a converted model: layers whose block ends during a forward fold
 together after the model's forward. Both are plumbing: users reach them through
-``convert_model`` and :meth:`~whitenlayers.WhiteningStatistics.fold`.
+``convert_model`` and :meth:`~whitenlayers.WhiteningLayer.fold`.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from torch.utils.hooks import RemovableHandle
 
     from .config import EVDConfig, RecursiveConfig
-    from .stats import WhiteningStatistics
+    from .stats import WhiteningLayer
 
 __all__ = ["FoldCoordinator", "fold_layers", "assign_owners", "STRATEGIES"]
 
@@ -55,7 +55,7 @@ def _no_autocast(device: torch.device):
     return torch.autocast(device_type=device.type, enabled=False)
 
 
-def _dist_group(layers: Sequence["WhiteningStatistics"]):
+def _dist_group(layers: Sequence["WhiteningLayer"]):
     if not (dist.is_available() and dist.is_initialized()):
         return None, 1
     group = layers[0].process_group
@@ -103,7 +103,7 @@ OWNER_MIN_COST = 1e6
 
 
 @torch.compiler.disable  # the fold (once per block, host logic, EVD) stays out of compiled graphs
-def fold_layers(layers: Iterable["WhiteningStatistics"], *, strategy: str = "auto",
+def fold_layers(layers: Iterable["WhiteningLayer"], *, strategy: str = "auto",
                 _coordinator: Optional["FoldCoordinator"] = None) -> None:
     """Fold the current block of each layer, statistics summed across ranks when distributed.
 
@@ -156,8 +156,8 @@ def fold_layers(layers: Iterable["WhiteningStatistics"], *, strategy: str = "aut
 FOLD_CHUNK_ELEMENTS = 1 << 25
 
 
-def _fold_chunks(layers: Sequence["WhiteningStatistics"],
-                 max_elements: Optional[int] = None) -> List[List["WhiteningStatistics"]]:
+def _fold_chunks(layers: Sequence["WhiteningLayer"],
+                 max_elements: Optional[int] = None) -> List[List["WhiteningLayer"]]:
     """The layers in batches that :func:`_fold_all` folds together, their moments as stacked tensors (one set of
     operations per batch, not per layer) and their transforms in one batched rule call where the rule batches
     (:meth:`~whitenlayers.rules.TransformRule.batch_key`): layers with one :func:`_stack_key`, in order of first
@@ -165,8 +165,8 @@ def _fold_chunks(layers: Sequence["WhiteningStatistics"],
     :data:`FOLD_CHUNK_ELEMENTS`)."""
     if max_elements is None:
         max_elements = FOLD_CHUNK_ELEMENTS
-    by_key: Dict[Any, List["WhiteningStatistics"]] = {}
-    order: List[List["WhiteningStatistics"]] = []
+    by_key: Dict[Any, List["WhiteningLayer"]] = {}
+    order: List[List["WhiteningLayer"]] = []
     sizes: Dict[int, int] = {}
     for layer in layers:
         key = _stack_key(layer)
@@ -182,7 +182,7 @@ def _fold_chunks(layers: Sequence["WhiteningStatistics"],
     return order
 
 
-def _stack_key(layer: "WhiteningStatistics") -> Hashable:
+def _stack_key(layer: "WhiteningLayer") -> Hashable:
     """Layers with equal keys fold as one stack: same block shape, dtype, device, buffers and config (so the same
     rule batch key, ``alpha`` and ``beta``)."""
     mean = layer.running_mean
@@ -210,7 +210,7 @@ def assign_owners(costs: Sequence[float], world_size: int) -> List[int]:
     return owners
 
 
-def _owners(layers: Sequence["WhiteningStatistics"], world: int, strategy: str) -> Optional[List[int]]:
+def _owners(layers: Sequence["WhiteningLayer"], world: int, strategy: str) -> Optional[List[int]]:
     """The rank that folds each layer (owner strategy), or ``None``: every rank folds every layer."""
     if strategy == "replicated" or len(layers) < 2:
         return None
@@ -220,7 +220,7 @@ def _owners(layers: Sequence["WhiteningStatistics"], world: int, strategy: str) 
     return assign_owners(costs, world)
 
 
-def _global_summaries(layers: Sequence["WhiteningStatistics"], owners: Optional[Sequence[int]], group
+def _global_summaries(layers: Sequence["WhiteningLayer"], owners: Optional[Sequence[int]], group
                       ) -> Tuple[List[BlockSummary], List[int]]:
     """The global block of each layer (all ranks' samples) and its non-finite batch count, summed over ranks.
 
@@ -269,7 +269,7 @@ def _global_summaries(layers: Sequence["WhiteningStatistics"], owners: Optional[
     return summaries, nonfinite
 
 
-def _local_summaries(layers: Sequence["WhiteningStatistics"]) -> Tuple[List[BlockSummary], List[int]]:
+def _local_summaries(layers: Sequence["WhiteningLayer"]) -> Tuple[List[BlockSummary], List[int]]:
     """This process's block of each layer (layers of one :func:`_stack_key`) and whether its sums are non-finite:
     the summaries computed stacked (one set of operations for all the layers), one host synchronisation."""
     f64 = torch.float64
@@ -297,7 +297,7 @@ def _own(t: Tensor) -> Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def _begin(layers: Sequence["WhiteningStatistics"], nonfinite: Sequence[int]) -> List[bool]:
+def _begin(layers: Sequence["WhiteningLayer"], nonfinite: Sequence[int]) -> List[bool]:
     """Every rank, before anything is written: count the non-finite blocks, clear the accumulators (one
     multi-tensor op), and whether each layer folds its first block (one host synchronisation)."""
     firsts = [int(n) == 0 for n in torch.stack([layer.num_blocks for layer in layers]).tolist()]
@@ -309,7 +309,7 @@ def _begin(layers: Sequence["WhiteningStatistics"], nonfinite: Sequence[int]) ->
     return firsts
 
 
-def _new_means(layers: Sequence["WhiteningStatistics"], blocks: Sequence[BlockSummary], firsts: Sequence[bool]
+def _new_means(layers: Sequence["WhiteningLayer"], blocks: Sequence[BlockSummary], firsts: Sequence[bool]
                ) -> Tuple[Tensor, Tensor, List[bool]]:
     """Every rank, layers of one stack key: the new means ``mu(i)`` (float64, stacked), their change
     ``mu(i) - mu(i-1)`` and whether each layer may sum its next block unshifted (one host synchronisation)."""
@@ -327,7 +327,7 @@ def _new_means(layers: Sequence["WhiteningStatistics"], blocks: Sequence[BlockSu
 UNSHIFTED_MAX_MEAN2_VAR = 3.0
 
 
-def _outcomes(layers: Sequence["WhiteningStatistics"], blocks: Sequence[BlockSummary], firsts: Sequence[bool],
+def _outcomes(layers: Sequence["WhiteningLayer"], blocks: Sequence[BlockSummary], firsts: Sequence[bool],
               nonfinite: Sequence[int], mus: Tensor) -> List[FoldOutcome]:
     """The outcomes of layers of one stack key (on the rank that folds them): their moments stacked, the
     transforms in one batched rule call where the rule batches, ``Q_s`` smoothed stacked. Changes nothing."""
@@ -377,7 +377,7 @@ def _outcomes(layers: Sequence["WhiteningStatistics"], blocks: Sequence[BlockSum
     return out
 
 
-def _transforms(layers: Sequence["WhiteningStatistics"], stacked: Fold) -> List[Optional[RuleResult]]:
+def _transforms(layers: Sequence["WhiteningLayer"], stacked: Fold) -> List[Optional[RuleResult]]:
     """The rule's new transform of each layer (``None``: it failed), layers of one stack key with their folds
     ``stacked``: one batched rule call when the rule batches them, else one call per layer."""
     if not layers:
@@ -393,7 +393,7 @@ def _transforms(layers: Sequence["WhiteningStatistics"], stacked: Fold) -> List[
     return [lead.rule.update(fold, state, p) for fold, state, p in zip(folds, states, pre)]
 
 
-def _broadcast_outcomes(layers: Sequence["WhiteningStatistics"], outcomes: Sequence[Optional[FoldOutcome]],
+def _broadcast_outcomes(layers: Sequence["WhiteningLayer"], outcomes: Sequence[Optional[FoldOutcome]],
                         src: int, group) -> List[FoldOutcome]:
     """The outcomes of the layers rank ``src`` folded, on every rank: broadcasts from ``src`` of their status
     and clamp flags and of each buffer as stored (:func:`_coalesced`: a large buffer alone, received straight
@@ -457,7 +457,7 @@ def _coalesced(tensors: Sequence[Tensor], works: list, collective) -> List[Tenso
 
 
 @torch.no_grad()
-def _fold_all(layers: Sequence["WhiteningStatistics"], summaries: Sequence[BlockSummary], nonfinite: Sequence[int],
+def _fold_all(layers: Sequence["WhiteningLayer"], summaries: Sequence[BlockSummary], nonfinite: Sequence[int],
               owners: Optional[Sequence[int]] = None, group=None) -> None:
     """Fold each layer from its global block: on every rank (``owners`` is ``None``) or on its owner rank,
     which then broadcasts the outcome (see :func:`fold_layers`); every rank writes every outcome.
@@ -521,18 +521,18 @@ class FoldCoordinator:
     """
 
     #: Defaults for coordinators pickled before these attributes existed (nothing to check).
-    layers: Sequence["WhiteningStatistics"] = ()
+    layers: Sequence["WhiteningLayer"] = ()
     checked: bool = True
 
     def __init__(self, strategy: str = "auto") -> None:
         check_strategy(strategy)
-        self.pending: List["WhiteningStatistics"] = []
+        self.pending: List["WhiteningLayer"] = []
         self.handle: Optional[RemovableHandle] = None
         self.strategy = strategy
         self.layers = []
         self.checked = False
 
-    def request(self, layer: "WhiteningStatistics") -> None:
+    def request(self, layer: "WhiteningLayer") -> None:
         if not any(p is layer for p in self.pending):
             self.pending.append(layer)
 
@@ -552,7 +552,7 @@ class FoldCoordinator:
         self.__dict__.update({"strategy": "auto", **state})  # coordinators pickled before strategies existed
 
 
-def _warn_uncalled(layers: Sequence["WhiteningStatistics"]) -> None:
+def _warn_uncalled(layers: Sequence["WhiteningLayer"]) -> None:
     """Warn about training-mode layers that have seen no input although a block of the model has ended."""
     uncalled = [layer for layer in layers
                 if layer.training and not layer.frozen and not layer._fold_pending and layer.batches_in_block == 0

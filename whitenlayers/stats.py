@@ -1,6 +1,6 @@
 """The state of a whitening layer: running statistics, buffers, the block, checkpoints.
 
-:class:`WhiteningStatistics` is a mixin of the whitening layers. It registers
+:class:`WhiteningLayer` is a mixin of the whitening layers. It registers
 the contract buffers (``running_mean``, ``running_cov``, ``whitening_matrix``,
 ``grad_transform``, ``num_blocks``) and its rule's own, accumulates each
 training batch's moments, and folds a block every ``block_size`` training
@@ -27,7 +27,7 @@ checkpoints still loads).
 A forward that autograd re-runs inside a backward (activation checkpointing,
 either kind) is not a new batch: it gathers nothing, folds nothing, and reads
 the buffers that were in force at the layer's last original forward
-(:func:`recomputing`, :meth:`WhiteningStatistics._forward_state`).
+(:func:`recomputing`, :meth:`WhiteningLayer._forward_state`).
 Folding across layers and ranks is :mod:`whitenlayers.fold`'s.
 """
 from __future__ import annotations
@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from . import functional as F_w
+from ._deprecated import module_getattr
 from .config import EVDConfig, RecursiveConfig, WhiteningConfig
 from .fold import (
     FAILED,
@@ -56,7 +57,7 @@ from .rules import TransformRule, rule_for
 if TYPE_CHECKING:  # pragma: no cover
     from typing_extensions import Self
 
-__all__ = ["WhiteningStatistics", "recomputing"]
+__all__ = ["WhiteningLayer", "recomputing"]
 
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
 _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
@@ -75,7 +76,7 @@ def recomputing() -> bool:
     return _graph_task_id() != -1
 
 
-#: Layout tag of the packed extra state (:meth:`WhiteningStatistics.get_extra_state`); version 1 was a dict.
+#: Layout tag of the packed extra state (:meth:`WhiteningLayer.get_extra_state`); version 1 was a dict.
 _EXTRA_LAYOUT = 2
 #: The scalar head of the packed extra state, in order; then ``shift (M)``, ``s1 (M)``, ``s2`` (block shape).
 _EXTRA_HEAD = ("layout", "acc_batches", "has_shift", "eig_failures", "skipped_folds", "nonfinite_blocks",
@@ -84,7 +85,7 @@ _COUNTERS = ("eig_failures", "skipped_folds", "nonfinite_blocks", "clamped_steps
 
 
 
-class WhiteningStatistics:
+class WhiteningLayer:
     """Mixin: the block statistics, buffers and fold of one whitening layer; the rule computes the transform.
 
     Subclasses call ``_init_whitening`` after their ``nn.Module`` base
@@ -205,7 +206,7 @@ class WhiteningStatistics:
         raise RuntimeError(
             f"{self._describe()}: torch.jit.script cannot compile a whitening layer (its forward gathers statistics "
             "and folds blocks in Python). To deploy, script the plain model: "
-            "torch.jit.script(wl.export_model(copy.deepcopy(model)).eval()); to trace or compile the converted model "
+            "torch.jit.script(wl.to_plain_model(copy.deepcopy(model)).eval()); to trace or compile the converted model "
             "use torch.jit.trace, torch.export.export or torch.compile")
 
     # ---------------------------------------------------------- configuration
@@ -235,7 +236,7 @@ class WhiteningStatistics:
                       "counted in nonfinite_blocks", DeprecationWarning, stacklevel=2)
         return self.nonfinite_blocks
 
-    def freeze(self, frozen: bool = True) -> "WhiteningStatistics":
+    def freeze(self, frozen: bool = True) -> "WhiteningLayer":
         """Stop (or, with ``False``, resume) updating the statistics; returns the layer.
 
         A frozen layer keeps applying the transform in force (centring, ``T`` or
@@ -246,7 +247,7 @@ class WhiteningStatistics:
         self.frozen = bool(frozen)
         return self
 
-    def make_standalone(self) -> "WhiteningStatistics":
+    def make_standalone(self) -> "WhiteningLayer":
         """Fold at the end of this layer's own blocks, not through a converted model's coordinator.
 
         For a layer taken (e.g. deep-copied) out of a converted model. Returns the layer.
@@ -611,15 +612,17 @@ def _shape_words(shape: tuple) -> str:
 
 
 def _config_attribute(name: str) -> property:
-    def get(self: WhiteningStatistics) -> Any:
+    def get(self: WhiteningLayer) -> Any:
         return getattr(self.config, name)  # AttributeError for a field this layer's rule does not have
 
-    def set(self: WhiteningStatistics, value: Any) -> None:
+    def set(self: WhiteningLayer, value: Any) -> None:
         self.config = self.config.replace(**{name: value})
 
     return property(get, set, doc=f"``config.{name}``; assigning replaces the config (validated).")
 
 
 for _name in dict.fromkeys(EVDConfig.field_names() + RecursiveConfig.field_names()):
-    setattr(WhiteningStatistics, _name, _config_attribute(_name))
+    setattr(WhiteningLayer, _name, _config_attribute(_name))
 del _name
+
+__getattr__ = module_getattr("whitenlayers.stats", "WhiteningStatistics")

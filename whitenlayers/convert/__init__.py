@@ -3,7 +3,7 @@
 * :func:`convert_model` replaces the target convolutions of a model (by
   default every ``nn.Conv2d`` inside a residual block) with whitening layers,
   in place, in the style of ``nn.SyncBatchNorm.convert_sync_batchnorm``.
-* :func:`export_model` folds the whitening back into plain ``nn.Conv2d`` /
+* :func:`to_plain_model` folds the whitening back into plain ``nn.Conv2d`` /
   ``nn.Linear`` layers with identical outputs, for deployment without this
   package.
 * :func:`load_plain_state_dict` / :func:`plain_state_dict` move checkpoints
@@ -22,7 +22,7 @@ partial block), ``name.bias_correction`` for a bias-free layer,
 and for the recursive method ``name.running_cov_whitened``,
 ``name.running_power``, ``name.whitening_gram``.
 
-``method="direct"``: the target ``name`` becomes a :class:`DirectWhitened`
+``method="direct"``: the target ``name`` becomes a :class:`DirectWhitenWrapper`
 wrapper with two children, ``whiten`` (the :class:`~whitenlayers.DirectWhiten`)
 and ``layer`` (the original module, unchanged): keys ``name.weight`` become
 ``name.layer.weight`` and the whitening state is under ``name.whiten.*``.
@@ -34,7 +34,7 @@ checkpoint.
 
 The package has one module per concern: :mod:`.targets` (which layers, the report), :mod:`.absorb` (the
 BatchNorm that absorbs a layer's centring), :mod:`.surgery` (:func:`convert_model`), :mod:`.export`
-(:func:`export_model`, plain checkpoints); the names below are re-exported here.
+(:func:`to_plain_model`, plain checkpoints); the names below are re-exported here.
 """
 from __future__ import annotations
 
@@ -43,9 +43,9 @@ __all__ = [
     "ConversionReport",
     "LayerDecision",
     "conversion_report",
-    "DirectWhitened",
+    "DirectWhitenWrapper",
     "convert_model",
-    "export_model",
+    "to_plain_model",
     "whitening_layers",
     "frozen",
     "target_layers",
@@ -54,10 +54,13 @@ __all__ = [
     "absorbing_batchnorms",
 ]
 
-from ._common import DEFAULT_BLOCK_TYPES, DirectWhitened
+from .._deprecated import module_getattr
+from ._common import DEFAULT_BLOCK_TYPES, DirectWhitenWrapper
 from ._common import BlockTypes as BlockTypes  # type aliases of the signatures
 from ._common import Predicate as Predicate
 from .absorb import absorbing_batchnorms
-from .export import export_model, load_plain_state_dict, plain_state_dict
+from .export import load_plain_state_dict, plain_state_dict, to_plain_model
 from .surgery import convert_model
 from .targets import ConversionReport, LayerDecision, conversion_report, frozen, target_layers, whitening_layers
+
+__getattr__ = module_getattr("whitenlayers.convert", "DirectWhitened", "export_model")

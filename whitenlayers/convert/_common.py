@@ -13,11 +13,12 @@ from typing import (
 
 from torch import Tensor, nn
 
+from .._deprecated import module_getattr
 from ..fold import FoldCoordinator
 from ..layers import (
     DirectWhiten,
 )
-from ..stats import WhiteningStatistics
+from ..stats import WhiteningLayer
 
 if TYPE_CHECKING:  # pragma: no cover
     pass
@@ -46,7 +47,7 @@ _STATE_HOOKS = ("_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_
                 "_load_state_dict_post_hooks")
 
 
-class DirectWhitened(nn.Module):
+class DirectWhitenWrapper(nn.Module):
     """``layer(whiten(x))``: a :class:`~whitenlayers.DirectWhiten` in front of a conv or linear layer.
 
     What ``convert_model(..., method="direct")`` puts in place of a target.
@@ -69,7 +70,7 @@ class DirectWhitened(nn.Module):
 
 
 def _is_whitening(m: nn.Module) -> bool:
-    return isinstance(m, (WhiteningStatistics, DirectWhitened))
+    return isinstance(m, (WhiteningLayer, DirectWhitenWrapper))
 
 
 def _share_hooks(src: nn.Module, dst: nn.Module, names: Iterable[str], move: bool = False) -> None:
@@ -90,3 +91,5 @@ def _remove_coordinators(module: nn.Module) -> None:
     for key, _ in _coordinators(module):
         for attr in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
             getattr(module, attr, {}).pop(key, None)
+
+__getattr__ = module_getattr("whitenlayers.convert._common", "DirectWhitened")  # pickles of old direct models

@@ -1,4 +1,4 @@
-"""Taking the whitening out again: :func:`export_model`, plain checkpoints in and out."""
+"""Taking the whitening out again: :func:`to_plain_model`, plain checkpoints in and out."""
 from __future__ import annotations
 
 import copy
@@ -23,8 +23,8 @@ from ..layers import (
     GRAD_LAYER_TYPES,
     GradWhitenLinear,
 )
-from ..stats import WhiteningStatistics
-from ._common import _CALL_HOOKS, _STATE_HOOKS, DirectWhitened, _is_whitening, _remove_coordinators, _share_hooks
+from ..stats import WhiteningLayer
+from ._common import _CALL_HOOKS, _STATE_HOOKS, DirectWhitenWrapper, _is_whitening, _remove_coordinators, _share_hooks
 from .targets import whitening_layers
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..layers import _GradWhitenMixin
 
 # --------------------------------------------------------------------------
-# export_model
+# to_plain_model
 # --------------------------------------------------------------------------
 def _plain_conv_class(conv: "_ConvNd") -> type:
     return {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[len(conv.kernel_size)]
@@ -47,7 +47,7 @@ def _zero_padding(conv: "_ConvNd") -> bool:
 
 
 @torch.no_grad()
-def _export_direct(wrapper: DirectWhitened) -> nn.Module:
+def _export_direct(wrapper: DirectWhitenWrapper) -> nn.Module:
     layer: Any  # a conv (any dimension) or linear layer: the code reads the attributes of its kind
     whiten, layer = wrapper.whiten, wrapper.layer
     t = whiten.whitening_matrix.to(torch.float64)
@@ -120,7 +120,7 @@ def _export_absorbed(layer: Any) -> nn.Module:  # a grad layer (conv of any dime
 
 
 def _export_one(module: nn.Module) -> Optional[nn.Module]:
-    if isinstance(module, DirectWhitened):
+    if isinstance(module, DirectWhitenWrapper):
         return _export_direct(module)
     if isinstance(module, GRAD_LAYER_TYPES):
         if module.centring == "absorbed" and module._absorbing_bn() is not None:
@@ -134,7 +134,7 @@ def _export_one(module: nn.Module) -> Optional[nn.Module]:
     return None
 
 
-def export_model(model: nn.Module) -> nn.Module:
+def to_plain_model(model: nn.Module) -> nn.Module:
     """Fold the whitening out of ``model``, in place; returns the plain model.
 
     * Every grad / recursive layer that centres its input becomes a plain
@@ -151,7 +151,7 @@ def export_model(model: nn.Module) -> nn.Module:
       float64): exact in eval mode, and in training mode the BatchNorm
       removes any offset anyway. The export then has the state-dict keys of
       the original architecture.
-    * Every ``direct`` wrapper :class:`DirectWhitened` becomes, when exact,
+    * Every ``direct`` wrapper :class:`DirectWhitenWrapper` becomes, when exact,
       one plain layer with weight ``W T`` and bias ``b - sum_k (W T)_k mu``:
       always for ``nn.Linear``, and for an ``nn.Conv2d`` without padding
       (1x1 downsample convs). A padded conv cannot absorb ``T`` and ``mu``
@@ -199,12 +199,12 @@ class _LoadResult(NamedTuple):
 
 
 def _positions(model: nn.Module) -> Dict[str, nn.Module]:
-    """Qualified name -> grad/recursive layer or DirectWhitened wrapper."""
-    return {n: m for n, m in model.named_modules() if isinstance(m, GRAD_LAYER_TYPES + (DirectWhitened,))}
+    """Qualified name -> grad/recursive layer or DirectWhitenWrapper wrapper."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, GRAD_LAYER_TYPES + (DirectWhitenWrapper,))}
 
 
 @torch.no_grad()
-def _reset_to_identity(layer: WhiteningStatistics) -> None:
+def _reset_to_identity(layer: WhiteningLayer) -> None:
     """The state right after conversion: ``mu = 0``, ``T = Q_s = I``, no blocks, no bias compensation."""
     layer.reset_running_stats()  # keeps the function through bias_correction, zeroed next (a fold never writes a bias)
     if getattr(layer, "bias_correction", None) is not None:
@@ -243,7 +243,7 @@ def load_plain_state_dict(model: nn.Module, state_dict: Dict[str, Any], strict: 
         new_key = key
         head, _, leaf = key.rpartition(".")
         pos = positions.get(head)
-        if isinstance(pos, DirectWhitened):
+        if isinstance(pos, DirectWhitenWrapper):
             new_key = f"{head}.layer.{leaf}"
         elif pos is not None and leaf == "bias" and pos.bias is None:
             new_key = f"{head}.bias_correction"
@@ -261,7 +261,7 @@ def load_plain_state_dict(model: nn.Module, state_dict: Dict[str, Any], strict: 
     if metadata is not None:
         translated = OrderedDict(translated)
         translated._metadata = OrderedDict(  # type: ignore[attr-defined]
-            (f"{k}.layer" if isinstance(positions.get(k), DirectWhitened) else k, v) for k, v in metadata.items()
+            (f"{k}.layer" if isinstance(positions.get(k), DirectWhitenWrapper) else k, v) for k, v in metadata.items()
         )
     model_keys = set(model.state_dict().keys())
     missing = sorted(k for k in model_keys - set(translated) if k not in whitening_state)
@@ -283,7 +283,7 @@ def _not_original(model: nn.Module) -> Dict[str, str]:
     """Qualified name -> why the original architecture cannot hold that converted layer's current function."""
     out = {}
     for name, module in model.named_modules():
-        if isinstance(module, DirectWhitened):
+        if isinstance(module, DirectWhitenWrapper):
             layer = module.layer
             if not isinstance(layer, nn.Linear) and not _zero_padding(cast("_ConvNd", layer)):
                 out[name] = ("a padded direct conv: its zero border would have to be -T mu, so it exports as "
@@ -297,8 +297,8 @@ def _not_original(model: nn.Module) -> Dict[str, str]:
 def plain_state_dict(model: nn.Module, strict: bool = True) -> Dict[str, Any]:
     """The converted ``model``'s current function as a checkpoint of the original architecture (no whitening state).
 
-    It is ``export_model(copy.deepcopy(model)).state_dict()`` (see
-    :func:`export_model`). With ``strict`` (default) its keys are exactly
+    It is ``to_plain_model(copy.deepcopy(model)).state_dict()`` (see
+    :func:`to_plain_model`). With ``strict`` (default) its keys are exactly
     those of the unconverted architecture: it loads with ``strict=True`` into
     a fresh unconverted model, which then computes what the converted model
     computes in eval mode. That holds for every grad / recursive layer whose
@@ -309,7 +309,7 @@ def plain_state_dict(model: nn.Module, strict: bool = True) -> Dict[str, Any]:
     architecture, and with ``strict`` a ``ValueError`` names them:
 
     * a padded ``direct`` conv (``conv(pad(T (x - mu)))``: the zero border
-      would have to be ``-T mu``); :func:`export_model` turns it into
+      would have to be ``-T mu``); :func:`to_plain_model` turns it into
       ``nn.Sequential(1x1 whitening conv, conv)``, keys ``name.0.*`` and
       ``name.1.*``;
     * a bias-free grad / recursive layer that centres its input (converted
@@ -318,7 +318,7 @@ def plain_state_dict(model: nn.Module, strict: bool = True) -> Dict[str, Any]:
 
     ``strict=False`` returns the export's state dict as it is, those extra
     keys included; :func:`load_plain_state_dict` loads it back into a
-    converted model, and :func:`export_model` gives the matching module.
+    converted model, and :func:`to_plain_model` gives the matching module.
     """
     if strict:
         bad = _not_original(model)
@@ -330,7 +330,7 @@ def plain_state_dict(model: nn.Module, strict: bool = True) -> Dict[str, Any]:
                                 f"{why}" for why, names in reasons.items())
             raise ValueError(
                 f"plain_state_dict: the original architecture cannot hold the function of {len(bad)} converted "
-                f"layer(s): {listing}. Use wl.export_model(copy.deepcopy(model)) for a plain model with that extra "
+                f"layer(s): {listing}. Use wl.to_plain_model(copy.deepcopy(model)) for a plain model with that extra "
                 "structure, or plain_state_dict(model, strict=False) for its checkpoint (load it back with "
                 "wl.load_plain_state_dict)")
-    return export_model(copy.deepcopy(model)).state_dict()
+    return to_plain_model(copy.deepcopy(model)).state_dict()

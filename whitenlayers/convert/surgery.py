@@ -21,12 +21,12 @@ from ..layers import (
 )
 from ..methods import get_method, method_of
 from ..patches import PATCH_MAX_FEATURES
-from ..stats import WhiteningStatistics
+from ..stats import WhiteningLayer
 from ._common import (
     _CALL_HOOKS,
     _STATE_HOOKS,
     BlockTypes,
-    DirectWhitened,
+    DirectWhitenWrapper,
     Predicate,
     _coordinators,
     _is_whitening,
@@ -75,7 +75,7 @@ def _check_existing(model: nn.Module, method: str, layer_kwargs: Dict[str, Any])
     config = get_method(method).make_config(f"convert_model(method={method!r})", layer_kwargs)
     group = layer_kwargs.get("process_group")
     for name, m in model.named_modules():
-        if isinstance(m, DirectWhitened):
+        if isinstance(m, DirectWhitenWrapper):
             layer = m.whiten
         elif isinstance(m, GRAD_LAYER_TYPES):
             layer = m
@@ -87,7 +87,7 @@ def _check_existing(model: nn.Module, method: str, layer_kwargs: Dict[str, Any])
             raise ValueError(
                 f"convert_model: the model is already converted with method={have!r} ({where} is a "
                 f"{type(m).__name__}), so method={method!r} cannot be applied on top of it. Convert the plain model "
-                "instead, or fold the whitening out first with export_model(model) and convert that."
+                "instead, or fold the whitening out first with to_plain_model(model) and convert that."
             )
         if layer.config != config or layer.process_group is not group:
             what = ("another process_group" if layer.config == config else
@@ -109,14 +109,14 @@ def _make_layer(method: str, module: nn.Module, name: str, layer_kwargs: Dict[st
         groups = 1 if linear else module.groups
         whiten = spec.wrapper(num, device=weight.device, dtype=weight.dtype, groups=groups, **layer_kwargs)
         whiten.layer_name = f"{name}.whiten" if name else "whiten"
-        new: nn.Module = DirectWhitened(whiten, module)
+        new: nn.Module = DirectWhitenWrapper(whiten, module)
         new.train(module.training)
         _share_hooks(module, new, _CALL_HOOKS, move=True)
         return new
     cls = cast(Any, spec.layer_class(module))
     linear = isinstance(module, nn.Linear)
     new = cls.from_linear(module, **layer_kwargs) if linear else cls.from_conv(module, **layer_kwargs)
-    cast(WhiteningStatistics, new).layer_name = name or None
+    cast(WhiteningLayer, new).layer_name = name or None
     new.train(module.training)
     _share_hooks(module, new, _CALL_HOOKS + _STATE_HOOKS)
     return new
@@ -150,7 +150,7 @@ def convert_model(
       :class:`~whitenlayers.GradWhitenConv1d` / :class:`~whitenlayers.GradWhitenConv3d`;
     * ``"recursive"``: :class:`~whitenlayers.RecursiveWhitenConv2d` /
       :class:`~whitenlayers.RecursiveWhitenLinear` (and ``...Conv1d`` / ``...Conv3d``; paper section 4);
-    * ``"direct"``: the target is wrapped as ``DirectWhitened(DirectWhiten(C, groups=G), target)``,
+    * ``"direct"``: the target is wrapped as ``DirectWhitenWrapper(DirectWhiten(C, groups=G), target)``,
       i.e. the whitening ``y = T (x - mu)`` runs before the unchanged layer
       (features on dim 1 for a conv, on the last dim for an ``nn.Linear``).
 
@@ -256,7 +256,7 @@ def convert_model(
     batch statistics the layer skips its centring offset, which the BatchNorm
     removes anyway (training unchanged up to rounding, one pass over the
     output and one backward reduction less per layer); eval mode and
-    :func:`export_model` stay exact, and the export keeps the original keys
+    :func:`to_plain_model` stay exact, and the export keeps the original keys
     (bias-free convs stay bias-free). ``layer.centring`` says which layers
     absorb. ``absorb_centring=False`` keeps every layer centring its input.
     Ignored for ``direct``.

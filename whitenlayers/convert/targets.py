@@ -22,8 +22,8 @@ import torch.fx
 from torch import nn
 
 from ..methods import get_method
-from ..stats import WhiteningStatistics
-from ._common import DEFAULT_BLOCK_TYPES, BlockTypes, DirectWhitened, Predicate, _is_whitening
+from ..stats import WhiteningLayer
+from ._common import DEFAULT_BLOCK_TYPES, BlockTypes, DirectWhitenWrapper, Predicate, _is_whitening
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.nn.modules.conv import _ConvNd
@@ -58,7 +58,7 @@ def _walk(model: nn.Module, visit: Callable[[nn.Module, str, nn.Module, str, boo
     """Depth-first over ``named_children``; ``visit(parent, child_name, child, qualified, in_block)``.
 
     ``visit`` returns True to stop descending into ``child``. Whitening layers
-    and :class:`DirectWhitened` wrappers are visited but never descended into.
+    and :class:`DirectWhitenWrapper` wrappers are visited but never descended into.
     Each module object is visited once even when it appears at several places.
     """
     seen = set()
@@ -226,7 +226,7 @@ def _plan(
             return False
 
         _walk(model, visit, is_block)
-    layers = [m for _, m, _ in entries if _is_layer(m) or isinstance(m, DirectWhitened)]
+    layers = [m for _, m, _ in entries if _is_layer(m) or isinstance(m, DirectWhitenWrapper)]
     called: Optional[Dict[int, int]] = None
     if example_input is not None:
         called = _call_order(model, [m for _, m, _ in entries], example_input)
@@ -397,13 +397,13 @@ def conversion_report(
     return ConversionReport(method, [d for _, _, d in plan], dry_run=True)
 
 
-def whitening_layers(model: nn.Module) -> List[Tuple[str, WhiteningStatistics]]:
+def whitening_layers(model: nn.Module) -> List[Tuple[str, WhiteningLayer]]:
     """The whitening layers of ``model`` (grad, recursive and :class:`~whitenlayers.DirectWhiten`) with qualified names.
 
     In the order of ``named_modules``. For ``method="direct"`` the names end
     in ``.whiten``.
     """
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, WhiteningStatistics)]
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, WhiteningLayer)]
 
 
 @contextlib.contextmanager
@@ -414,7 +414,7 @@ def frozen(model: nn.Module) -> Iterator[nn.Module]:
     :func:`torch.optim.swa_utils.update_bn`, which re-estimates the
     BatchNorm statistics of an averaged model: the BatchNorms update, the
     whitening state (``mu``, ``T``, ``Q_s``, the partial block, the counters)
-    stays as it is. Each layer's own :meth:`~whitenlayers.WhiteningStatistics.freeze`
+    stays as it is. Each layer's own :meth:`~whitenlayers.WhiteningLayer.freeze`
     setting is restored on exit.
 
     Example:

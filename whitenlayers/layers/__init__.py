@@ -57,7 +57,8 @@ from __future__ import annotations
 # One module per concern (_base: what the grad / recursive layers share; direct; conv: 2-D and linear; convnd:
 # 1-D and 3-D); the classes keep ``whitenlayers.layers`` as their module path (their documented name, and the
 # one pickles of whole models recorded before the split).
-from ..stats import WhiteningStatistics
+from .._deprecated import module_getattr
+from ..stats import WhiteningLayer
 from ._base import _autocast_enabled, _check_input, _GradWhitenMixin  # noqa: F401
 from .conv import GradWhitenConv2d, GradWhitenLinear, RecursiveWhitenConv2d, RecursiveWhitenLinear
 from .convnd import (
@@ -79,7 +80,7 @@ __all__ = [
     "GradWhitenLinear",
     "RecursiveWhitenConv2d",
     "RecursiveWhitenLinear",
-    "WhiteningStatistics",
+    "WhiteningLayer",
 ]
 
 #: Every grad / recursive whitening layer class (conv of any dimension and linear).
@@ -90,3 +91,5 @@ for _cls in (DirectWhiten, _GradWhitenMixin, _GradWhitenConvNd, GradWhitenConv1d
              RecursiveWhitenLinear):
     _cls.__module__ = __name__
 del _cls
+
+__getattr__ = module_getattr("whitenlayers.layers", "WhiteningStatistics")

@@ -13,7 +13,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from .. import functional as F_w
 from ..autograd import grad_transformed
 from ..config import EVDConfig, WhiteningConfig, make_config
-from ..stats import WhiteningStatistics, _is_compiling
+from ..stats import WhiteningLayer, _is_compiling
 
 if TYPE_CHECKING:  # pragma: no cover
     pass
@@ -45,7 +45,7 @@ def _autocast_enabled(device_type: str) -> bool:
         return torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
 
 
-def _check_input(layer: WhiteningStatistics, x: Tensor, *, dim: int, ndims: tuple, what: str) -> None:
+def _check_input(layer: WhiteningLayer, x: Tensor, *, dim: int, ndims: tuple, what: str) -> None:
     if not isinstance(x, Tensor):
         raise TypeError(f"{layer._describe()}: expected a Tensor input, but got {type(x).__name__}")
     if not x.is_floating_point():
@@ -67,7 +67,7 @@ def _check_input(layer: WhiteningStatistics, x: Tensor, *, dim: int, ndims: tupl
         )
 
 
-class _GradWhitenMixin(WhiteningStatistics):
+class _GradWhitenMixin(WhiteningLayer):
     """Shared by the grad/recursive conv and linear layers: centring, bias compensation, gradient transform."""
 
     weight: Tensor
@@ -187,7 +187,7 @@ class _GradWhitenMixin(WhiteningStatistics):
         Whenever the BatchNorm uses its running statistics (eval mode, or a
         BatchNorm frozen in eval mode while the layer trains) the layer adds
         ``s - d`` (with the centred layer's weight gradient), so the
-        BatchNorm's output is the centred layer's. :func:`export_model` moves
+        BatchNorm's output is the centred layer's. :func:`to_plain_model` moves
         ``s - d`` into the BatchNorm's ``running_mean`` instead of a bias, so
         the exported layer keeps the original's keys (a bias-free conv stays
         bias-free).

@@ -126,7 +126,7 @@ class GradWhitenConv2d(_GradWhitenMixin, nn.Conv2d):
             # (benchmarks/ablation.py, row "conv bias"). The two differ only by rounding; at conversion time
             # the term is exactly 0.
             out = self._conv_forward(x, w, None).add_(self._layer_bias(w, state).view(-1, 1, 1))
-        else:  # the plain conv's own bias path: bit-identical to export_model's plain conv
+        else:  # the plain conv's own bias path: bit-identical to to_plain_model's plain conv
             out = self._conv_forward(x, w, self._layer_bias(w, state))
         if training:
             self._end_batch()

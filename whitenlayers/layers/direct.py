@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from ..autograd import direct_whiten
 from ..config import EVDConfig, make_config
-from ..stats import WhiteningStatistics
+from ..stats import WhiteningLayer
 
 if TYPE_CHECKING:  # pragma: no cover
     pass
@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # pragma: no cover
 from ._base import _check_input, _with_whitening_signature
 
 
-class DirectWhiten(WhiteningStatistics, nn.Module):
+class DirectWhiten(WhiteningLayer, nn.Module):
     """Direct feature whitening ``y = T (x - mu)`` along dim 1 (paper section 2, EVD transform).
 
     Inputs ``(B, C)`` or ``(B, C, *spatial)``. In training mode each forward adds
