@@ -111,13 +111,13 @@ def _fresh_transforms(model, batches, eps: float, gmax: float):
     layers = _whitening_layers(m)
     for l in layers:
         l.block_size = 10**9
-        l._reset_accumulators()
+        l.discard_block()
     with torch.no_grad():
         for x, _ in batches:
             m(x)
     out = []
     for l in layers:
-        s = l._block_summary()
+        s = l.block_statistics()
         cov = Fw.block_covariance(s, s.mean)
         res = Fw.evd_transform(cov.float(), eps=eps, gmax=gmax)
         out.append((res[0].double() if res is not None else None, cov))

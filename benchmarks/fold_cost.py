@@ -42,11 +42,11 @@ def _layer(cls, m: int, gen: torch.Generator):
     mix = torch.randn(m, m, generator=gen) / m**0.5
     for _ in range(2):
         z = torch.randn(4 * m, m, generator=gen)
-        layer._accumulate(torch.relu(z @ mix + 0.1 * z))
+        layer.accumulate(torch.relu(z @ mix + 0.1 * z))
         layer.fold()
     z = torch.randn(4 * m, m, generator=gen)
-    layer._accumulate(torch.relu(z @ mix + 0.1 * z))
-    return layer, layer._block_summary()
+    layer.accumulate(torch.relu(z @ mix + 0.1 * z))
+    return layer, layer.block_statistics()
 
 
 def one_fold(sizes: List[int], repeat: int, gen: torch.Generator) -> Dict[str, object]:
@@ -61,8 +61,8 @@ def one_fold(sizes: List[int], repeat: int, gen: torch.Generator) -> Dict[str, o
         power = rec.running_power.double().mean()
         kw = dict(gamma=rec.gamma, delta=rec.delta, eps=rec.eps, c_rel=rec.c_rel, c_abs=rec.c_abs)
         bench = Interleaved({
-            "evd_fold": lambda: evd._fold(s_evd),
-            "rec_fold": lambda: rec._fold(s_rec),
+            "evd_fold": lambda: evd.fold(s_evd),
+            "rec_fold": lambda: rec.fold(s_rec),
             "evd_transform": lambda: F.evd_transform(cov, eps=1e-5, gmax=10.0),
             "rec_step": lambda: F.recursive_step(t_prev, q_prev, phi_y, power, **kw),
         })

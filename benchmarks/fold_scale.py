@@ -75,7 +75,7 @@ def prepared_layers(widths: List[int], method: str, *, part: int = 0, parts: int
     for block in range(2):  # one regular fold behind: the timed fold is not the first
         for i, (layer, m) in enumerate(zip(layers, widths)):
             x = _block(m, 1000 * block + i, 2 * m + 16)
-            layer._accumulate(x[part::parts])
+            layer.accumulate(x[part::parts])
         if block == 0:
             fold_layers(layers, strategy="replicated")
     return layers, [layer.get_extra_state() for layer in layers]

@@ -164,7 +164,7 @@ def peak_memory(model: nn.Module, make_batch: Callable, device, autocast_dtype) 
 def fold_time(model: nn.Module, device) -> float:
     layers = [m for _, m in wl.whitening_layers(model)]
     for m in layers:
-        m._accumulate(torch.randn(4 * m.num_features + 8, m.num_features, device=device).abs())
+        m.accumulate(torch.randn(4 * m.num_features + 8, m.num_features, device=device).abs())
     sync(device)
     t0 = time.perf_counter()
     fold_layers(layers)

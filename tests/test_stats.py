@@ -211,3 +211,26 @@ def test_stats_every_gathers_the_first_of_every_k_forwards_and_folds_after_block
         assert torch.equal(getattr(scheduled, name), getattr(dense, name)), name
     with pytest.raises(ValueError, match=r"stats_every must be an integer >= 1, but got stats_every=0"):
         make(stats_every=0)
+
+
+def test_public_block_api_feeds_times_and_discards_blocks():
+    """accumulate / block_statistics / fold(block) / discard_block: what a benchmark needs without internals."""
+    torch.manual_seed(0)
+    layer = wl.GradWhitenLinear(4, 2, bias=False, block_size=10**6)
+    x = torch.randn(64, 4, dtype=torch.float32) * torch.tensor([1.0, 2.0, 3.0, 4.0]) + 1
+    layer.accumulate(x)
+    summary = layer.block_statistics()
+    torch.testing.assert_close(summary.mean, x.double().mean(0))
+    assert int(layer.batches_in_block) == 0  # accumulate counts no batch
+    layer.fold(summary)  # on the given block: the accumulated one stays
+    first = layer.whitening_matrix.clone()
+    assert int(layer.num_blocks) == 1
+    assert float(layer.block_statistics().count) == 0  # a fold starts a new block
+    layer.accumulate(x)
+    layer.discard_block()
+    assert float(layer.block_statistics().count) == 0
+    layer.accumulate(x)
+    layer.fold()
+    assert int(layer.num_blocks) == 2 and not torch.equal(layer.whitening_matrix, first)
+    with pytest.raises(ValueError, match="features on dim 1"):
+        layer.accumulate(torch.randn(3, 5))

@@ -472,9 +472,33 @@ class WhiteningLayer:
         """Hook for layers that must keep their function when the mean in force changes by ``delta`` (float64)."""
 
     # ------------------------------------------------------------- public API
-    def fold(self) -> None:
-        """Fold the current (possibly partial) block now, as if the block had ended."""
-        self._fold_now()
+    def fold(self, block: Optional[BlockSummary] = None) -> None:
+        """Fold the current (possibly partial) block now, as if the block had ended.
+
+        ``block``: fold this summary instead of the accumulated block (from :meth:`block_statistics`, e.g. to
+        time one layer's fold on the same block again and again); nothing is summed across ranks. Either way
+        the layer starts a new, empty block.
+        """
+        if block is None:
+            self._fold_now()
+        else:
+            self._fold(block)
+
+    def accumulate(self, x: Tensor) -> None:
+        """Add ``x`` (features on dim 1: ``(N, M)`` or ``(N, M, *positions)``) to the current block's statistics,
+        as a training forward does, without counting a batch toward ``block_size`` (see :meth:`fold`)."""
+        if x.dim() < 2 or x.shape[1] != self.num_features:
+            raise ValueError(f"{self._describe()}: accumulate expects features on dim 1 ({self.num_features}), but "
+                             f"got shape {tuple(x.shape)}")
+        self._accumulate(x)
+
+    def block_statistics(self) -> BlockSummary:
+        """This rank's current block as a :class:`~whitenlayers.functional.BlockSummary` (count, mean, scatter)."""
+        return self._block_summary()
+
+    def discard_block(self) -> None:
+        """Drop the current partial block (its statistics and its batch count); the state in force is kept."""
+        self._reset_accumulators()
 
     def reset_running_stats(self) -> None:
         """Back to the initial state (``mu = 0``, ``T = Q_s = I``, no blocks); the layer's function is kept."""
