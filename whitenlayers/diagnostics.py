@@ -41,7 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from . import functional as F_w
-from .convert import BlockTypes, DirectWhitenWrapper, Predicate, target_layers
+from .convert import BlockTypes, DirectWhitenWrapper, Predicate, TargetSpec
 from .layers import GRAD_LAYER_TYPES
 from .stats import WhiteningLayer
 
@@ -109,10 +109,7 @@ def summarize(covariances: Dict[str, Optional[Tensor]], kinds: Optional[Dict[str
     return Diagnostics(kappa, rho, dict(kinds or {}), km, ks, rm, rs)
 
 
-def _targets(
-    model: nn.Module, predicate: Optional[Predicate], block_types: Optional[BlockTypes],
-    include_linear: Optional[bool], target_kw: Dict[str, Any],
-) -> List[Tuple[str, nn.Module, str]]:
+def _targets(model: nn.Module, spec: TargetSpec) -> List[Tuple[str, nn.Module, str]]:
     """``(name, module to hook, kind)``: every whitening position, then the plain layers convert_model would target."""
     out: List[Tuple[str, nn.Module, str]] = []
     seen = set()
@@ -124,8 +121,7 @@ def _targets(
         else:
             continue
         seen.add(id(m))
-    for name, m in target_layers(model, predicate=predicate, block_types=block_types, include_linear=include_linear,
-                                 **target_kw):
+    for name, m in spec.select(model):
         if id(m) not in seen:
             out.append((name, m, "plain"))
     return out
@@ -227,16 +223,15 @@ def collect_diagnostics(
         >>> len(d.kappa), 0 < d.kappa_mean <= 1, 0 < d.rho_mean <= 1
         (18, True, True)
     """
-    targets = _targets(model, predicate, block_types, include_linear,
-                       dict(targets=targets, include_stem=include_stem, include_classifier=include_classifier,
-                            max_features=max_features))
+    spec = TargetSpec(targets, predicate, block_types, include_linear, include_stem, include_classifier, max_features)
+    positions = _targets(model, spec)
     if device is None:
         device = _model_device(model)
     moments: Dict[str, _Moments] = {}
     handles = []
     flags = [(m, m.training) for m in model.modules()]
     try:
-        for name, module, _ in targets:
+        for name, module, _ in positions:
             is_conv = isinstance(module, nn.modules.conv._ConvNd)
             conv = cast(nn.modules.conv._ConvNd, module)  # read only when is_conv
             acc = _Moments(is_conv, conv.groups if is_conv else 1, len(conv.kernel_size) if is_conv else 0)
@@ -257,7 +252,7 @@ def collect_diagnostics(
             m.training = flag
     covs: Dict[str, Optional[Tensor]] = {}
     kinds: Dict[str, str] = {}
-    for name, module, kind in targets:
+    for name, module, kind in positions:
         cov = moments[name].covariance()
         if cov is not None and kind == "grad":
             t = cast(WhiteningLayer, module).whitening_matrix.to(device=cov.device, dtype=torch.float64)

@@ -42,6 +42,7 @@ __all__ = [
     "DEFAULT_BLOCK_TYPES",
     "ConversionReport",
     "LayerDecision",
+    "TargetSpec",
     "conversion_report",
     "DirectWhitenWrapper",
     "convert_model",
@@ -61,6 +62,14 @@ from ._common import Predicate as Predicate
 from .absorb import absorbing_batchnorms
 from .export import load_plain_state_dict, plain_state_dict, to_plain_model
 from .surgery import convert_model
-from .targets import ConversionReport, LayerDecision, conversion_report, frozen, target_layers, whitening_layers
+from .targets import (
+    ConversionReport,
+    LayerDecision,
+    TargetSpec,
+    conversion_report,
+    frozen,
+    target_layers,
+    whitening_layers,
+)
 
 __getattr__ = module_getattr("whitenlayers.convert", "DirectWhitened", "export_model")

@@ -33,7 +33,7 @@ from ._common import (
     _share_hooks,
 )
 from .absorb import absorbing_batchnorms
-from .targets import _LAYER_WORDS, ConversionReport, _plan, whitening_layers
+from .targets import _LAYER_WORDS, ConversionReport, TargetSpec, _plan, whitening_layers
 
 if TYPE_CHECKING:  # pragma: no cover
 
@@ -289,15 +289,15 @@ def convert_model(
         >>> type(model.layer1[0].conv1).__name__, model.layer1[0].conv1.layer_name
         ('GradWhitenConv2d', 'layer1.0.conv1')
     """
-    spec = get_method(method)
+    method_spec = get_method(method)
     check_strategy(fold_strategy, "fold_strategy")
     if isinstance(model, nn.parallel.DistributedDataParallel):
         raise ValueError("convert_model: convert the model before wrapping it in DistributedDataParallel")
-    spec.check_kwargs(f"convert_model(method={method!r})", layer_kwargs)
+    method_spec.check_kwargs(f"convert_model(method={method!r})", layer_kwargs)
     _check_existing(model, method, layer_kwargs)
-    plan = _plan(model, targets=targets, predicate=predicate, block_types=block_types, include_linear=include_linear,
-                 include_stem=include_stem, include_classifier=include_classifier, example_input=example_input,
-                 max_features=max_features)
+    target_spec = TargetSpec(targets, predicate, block_types, include_linear, include_stem, include_classifier,
+                             max_features, example_input)
+    plan = _plan(model, target_spec)
 
     selected = [(name, module) for name, module, decision in plan if decision.status == "to convert"]
     patch_stem = _patch_stem(plan, method, include_stem, max_features) if stem_patches else None

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import (
     TYPE_CHECKING,
     Any,
@@ -178,34 +178,46 @@ class ConversionReport:
         return "\n".join(lines)
 
 
-def _check_target_args(targets: str, predicate, block_types, include_stem: bool, include_classifier: bool) -> None:
-    if targets not in _TARGETS:
-        raise ValueError(f"targets must be one of {_TARGETS}, but got targets={targets!r}")
-    if predicate is not None and block_types is not None:
-        raise ValueError("pass either predicate or block_types, not both (the predicate decides alone)")
-    if predicate is not None and (targets != "blocks" or include_stem or include_classifier):
-        raise ValueError("a predicate decides alone: do not combine it with targets='all', include_stem or "
-                         "include_classifier")
-    if targets == "all" and block_types is not None:
-        raise ValueError("block_types only applies to targets='blocks'")
+@dataclass(frozen=True)
+class TargetSpec:
+    """Which layers a conversion targets: the keywords that :func:`~whitenlayers.convert_model`,
+    :func:`conversion_report`, :func:`target_layers` and :func:`~whitenlayers.collect_diagnostics` share, in one
+    frozen description, validated when it is made (``ValueError`` naming the argument). The rules are
+    :func:`~whitenlayers.convert_model`'s."""
+
+    targets: str = "blocks"
+    predicate: Optional[Predicate] = None
+    block_types: Optional[BlockTypes] = None
+    include_linear: Optional[bool] = None
+    include_stem: bool = False
+    include_classifier: bool = False
+    max_features: Optional[int] = None
+    example_input: Any = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.targets not in _TARGETS:
+            raise ValueError(f"targets must be one of {_TARGETS}, but got targets={self.targets!r}")
+        if self.predicate is not None and self.block_types is not None:
+            raise ValueError("pass either predicate or block_types, not both (the predicate decides alone)")
+        if self.predicate is not None and (self.targets != "blocks" or self.include_stem or self.include_classifier):
+            raise ValueError("a predicate decides alone: do not combine it with targets='all', include_stem or "
+                             "include_classifier")
+        if self.targets == "all" and self.block_types is not None:
+            raise ValueError("block_types only applies to targets='blocks'")
+        m = self.max_features
+        if m is not None and (not isinstance(m, int) or m < 1):
+            raise ValueError(f"max_features must be a positive integer or None, but got max_features={m!r}")
+
+    def select(self, model: nn.Module) -> List[Tuple[str, nn.Module]]:
+        """The plain layers of ``model`` these rules target, with their qualified names (:func:`target_layers`)."""
+        return [(name, m) for name, m, d in _plan(model, self) if d.status == "to convert"]
 
 
-def _plan(
-    model: nn.Module,
-    *,
-    targets: str = "blocks",
-    predicate: Optional[Predicate] = None,
-    block_types: Optional[BlockTypes] = None,
-    include_linear: Optional[bool] = None,
-    include_stem: bool = False,
-    include_classifier: bool = False,
-    max_features: Optional[int] = None,
-    example_input: Any = None,
-) -> List[Tuple[str, nn.Module, LayerDecision]]:
+def _plan(model: nn.Module, spec: TargetSpec) -> List[Tuple[str, nn.Module, LayerDecision]]:
     """The decision for every conv / linear layer (and ``nn.MultiheadAttention``) of ``model``, in module order."""
-    _check_target_args(targets, predicate, block_types, include_stem, include_classifier)
-    if max_features is not None and (not isinstance(max_features, int) or max_features < 1):
-        raise ValueError(f"max_features must be a positive integer or None, but got max_features={max_features!r}")
+    targets, predicate, block_types = spec.targets, spec.predicate, spec.block_types
+    include_linear, include_stem, include_classifier = spec.include_linear, spec.include_stem, spec.include_classifier
+    max_features, example_input = spec.max_features, spec.example_input
     cap = max_features if max_features is not None else (ALL_MAX_FEATURES if targets == "all" else None)
     if include_linear is None:
         include_linear = targets == "all"
@@ -363,10 +375,8 @@ def target_layers(
     what is left out and why. Whitening layers already in the model are not
     listed (they would be left alone).
     """
-    plan = _plan(model, targets=targets, predicate=predicate, block_types=block_types, include_linear=include_linear,
-                 include_stem=include_stem, include_classifier=include_classifier, example_input=example_input,
-                 max_features=max_features)
-    return [(name, m) for name, m, d in plan if d.status == "to convert"]
+    return TargetSpec(targets, predicate, block_types, include_linear, include_stem, include_classifier, max_features,
+                      example_input).select(model)
 
 
 def conversion_report(
@@ -391,9 +401,8 @@ def conversion_report(
         (18, 'the stem', 'the classifier')
     """
     get_method(method)  # ValueError naming the methods
-    plan = _plan(model, targets=targets, predicate=predicate, block_types=block_types, include_linear=include_linear,
-                 include_stem=include_stem, include_classifier=include_classifier, example_input=example_input,
-                 max_features=max_features)
+    plan = _plan(model, TargetSpec(targets, predicate, block_types, include_linear, include_stem, include_classifier,
+                                   max_features, example_input))
     return ConversionReport(method, [d for _, _, d in plan], dry_run=True)
 
 
