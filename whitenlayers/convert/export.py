@@ -18,6 +18,7 @@ import torch.fx
 from torch import nn
 
 from .. import functional as F_w
+from .._rebuild import conv_like, linear_like, plain_conv_class
 from ..autograd import _transform_mean
 from ..layers import (
     GRAD_LAYER_TYPES,
@@ -35,10 +36,6 @@ if TYPE_CHECKING:  # pragma: no cover
 # --------------------------------------------------------------------------
 # to_plain_model
 # --------------------------------------------------------------------------
-def _plain_conv_class(conv: "_ConvNd") -> type:
-    return {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[len(conv.kernel_size)]
-
-
 def _zero_padding(conv: "_ConvNd") -> bool:
     pad = getattr(conv, "_reversed_padding_repeated_twice", None)
     if pad is None:
@@ -59,7 +56,7 @@ def _export_direct(wrapper: DirectWhitenWrapper) -> nn.Module:
         # conv(pad(T (x - mu))) != conv(pad(x)) with any constant bias at the border: keep a 1x1 whitening conv
         # (grouped like T: one k x k block per group).
         m, groups = whiten.num_features, whiten.groups
-        pre = _plain_conv_class(layer)(m, m, 1, groups=groups, bias=True, device=w.device, dtype=w.dtype)
+        pre = plain_conv_class(layer)(m, m, 1, groups=groups, bias=True, device=w.device, dtype=w.dtype)
         pre.weight.copy_(t.reshape((m, m // groups) + (1,) * len(layer.kernel_size)))
         pre.bias.copy_(-_transform_mean(t, mu))
         pre.weight.requires_grad_(w.requires_grad)
@@ -76,13 +73,7 @@ def _export_direct(wrapper: DirectWhitenWrapper) -> nn.Module:
             wt = torch.einsum("oi...,ij->oj...", w.to(torch.float64), t)
             offset = wt.reshape(wt.shape[0], wt.shape[1], -1).sum(-1) @ mu
         bias = (b64 if b64 is not None else torch.zeros_like(offset)) - offset
-        if conv:
-            out = _plain_conv_class(layer)(
-                layer.in_channels, layer.out_channels, layer.kernel_size, stride=layer.stride,
-                padding=layer.padding, dilation=layer.dilation, groups=layer.groups, bias=True,
-                padding_mode=layer.padding_mode, device=w.device, dtype=w.dtype)
-        else:
-            out = nn.Linear(layer.in_features, layer.out_features, bias=True, device=w.device, dtype=w.dtype)
+        out = conv_like(layer, bias=True) if conv else linear_like(layer, bias=True)
         out.weight.copy_(wt)
         out.bias.copy_(bias)
         out.weight.requires_grad_(w.requires_grad)
@@ -98,14 +89,8 @@ def _export_absorbed(layer: Any) -> nn.Module:  # a grad layer (conv of any dime
     the BatchNorm's ``running_mean`` (exact: the BatchNorm subtracts it; in training mode it removes any offset)."""
     w = layer.weight
     has_bias = layer.bias is not None
-    if not isinstance(layer, nn.Linear):
-        out: Any = _plain_conv_class(layer)(  # the plain conv, or (below) linear layer
-            layer.in_channels, layer.out_channels, layer.kernel_size, stride=layer.stride, padding=layer.padding,
-            dilation=layer.dilation, groups=layer.groups, bias=has_bias, padding_mode=layer.padding_mode,
-            device=w.device, dtype=w.dtype,
-        )
-    else:
-        out = nn.Linear(layer.in_features, layer.out_features, bias=has_bias, device=w.device, dtype=w.dtype)
+    linear = isinstance(layer, nn.Linear)
+    out: Any = linear_like(layer, bias=has_bias) if linear else conv_like(layer, bias=has_bias)
     out.weight.copy_(w)
     out.weight.requires_grad_(w.requires_grad)
     if has_bias:

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.common_types import _size_2_t
 
+from .._rebuild import conv_like, linear_like
 from ..config import EVDConfig, RecursiveConfig
 from ..patches import FEATURES, patch_padding, unfold_patches
 
@@ -142,11 +143,7 @@ class GradWhitenConv2d(_GradWhitenMixin, nn.Conv2d):
         """
         if not isinstance(conv, nn.Conv2d):
             raise TypeError(f"{cls.__name__}.from_conv expects an nn.Conv2d, but got {type(conv).__name__}")
-        new = cls(
-            conv.in_channels, conv.out_channels, conv.kernel_size, stride=conv.stride, padding=conv.padding,
-            dilation=conv.dilation, groups=conv.groups, bias=conv.bias is not None, padding_mode=conv.padding_mode,
-            device=conv.weight.device, dtype=conv.weight.dtype, **kwargs,
-        )
+        new = conv_like(conv, cls, bias=conv.bias is not None, **kwargs)
         new.weight = conv.weight
         new.bias = conv.bias
         new.train(conv.training)
@@ -154,11 +151,7 @@ class GradWhitenConv2d(_GradWhitenMixin, nn.Conv2d):
 
     def to_conv(self) -> nn.Conv2d:
         """A plain ``nn.Conv2d`` with identical outputs (``mu`` folded into the bias); new Parameters."""
-        conv = nn.Conv2d(
-            self.in_channels, self.out_channels, self.kernel_size, stride=self.stride, padding=self.padding,
-            dilation=self.dilation, groups=self.groups, bias=True, padding_mode=self.padding_mode,
-            device=self.weight.device, dtype=self.weight.dtype,
-        )
+        conv = conv_like(self, nn.Conv2d, bias=True)
         with torch.no_grad():
             conv.weight.copy_(self.weight)
             assert conv.bias is not None  # bias=True
@@ -224,8 +217,7 @@ class GradWhitenLinear(_GradWhitenMixin, nn.Linear):  # type: ignore[misc]
         """A whitening linear layer computing the same function, sharing ``linear``'s Parameter objects."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"{cls.__name__}.from_linear expects an nn.Linear, but got {type(linear).__name__}")
-        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                  device=linear.weight.device, dtype=linear.weight.dtype, **kwargs)
+        new = linear_like(linear, cls, bias=linear.bias is not None, **kwargs)
         new.weight = linear.weight
         new.bias = linear.bias
         new.train(linear.training)
@@ -233,8 +225,7 @@ class GradWhitenLinear(_GradWhitenMixin, nn.Linear):  # type: ignore[misc]
 
     def to_linear(self) -> nn.Linear:
         """A plain ``nn.Linear`` with identical outputs (``mu`` folded into the bias); new Parameters."""
-        lin = nn.Linear(self.in_features, self.out_features, bias=True, device=self.weight.device,
-                        dtype=self.weight.dtype)
+        lin = linear_like(self, bias=True)
         with torch.no_grad():
             lin.weight.copy_(self.weight)
             lin.bias.copy_(self._layer_bias(self.weight))

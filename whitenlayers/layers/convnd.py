@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.common_types import _size_1_t, _size_3_t
 
+from .._rebuild import conv_like
 from ..config import EVDConfig, RecursiveConfig
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -74,11 +75,7 @@ class _GradWhitenConvNd(_GradWhitenMixin):
         if not isinstance(conv, cls._PLAIN):
             raise TypeError(f"{cls.__name__}.from_conv expects an nn.{cls._PLAIN.__name__}, "
                             f"but got {type(conv).__name__}")
-        new = cls(
-            conv.in_channels, conv.out_channels, conv.kernel_size, stride=conv.stride, padding=conv.padding,
-            dilation=conv.dilation, groups=conv.groups, bias=conv.bias is not None, padding_mode=conv.padding_mode,
-            device=conv.weight.device, dtype=conv.weight.dtype, **kwargs,
-        )
+        new = conv_like(conv, cls, bias=conv.bias is not None, **kwargs)
         new.weight = cast(Tensor, conv.weight)
         new.bias = cast("Optional[Tensor]", conv.bias)
         new.train(conv.training)
@@ -86,11 +83,7 @@ class _GradWhitenConvNd(_GradWhitenMixin):
 
     def to_conv(self) -> nn.Module:
         """A plain conv of the same dimension with identical outputs (``mu`` folded into the bias); new Parameters."""
-        conv = cast("_ConvNd", self._PLAIN(
-            self.in_channels, self.out_channels, self.kernel_size, stride=self.stride, padding=self.padding,
-            dilation=self.dilation, groups=self.groups, bias=True, padding_mode=self.padding_mode,
-            device=self.weight.device, dtype=self.weight.dtype,
-        ))
+        conv = cast("_ConvNd", conv_like(self, self._PLAIN, bias=True))
         with torch.no_grad():
             conv.weight.copy_(self.weight)
             assert conv.bias is not None  # bias=True
