@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple, Type, Union
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple, Type, Union, cast
 
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .. import functional as F_w
+from .._rebuild import conv_like
 from ..autograd import grad_transformed
 from ..config import EVDConfig, WhiteningConfig, make_config
 from ..stats import WhiteningLayer, _is_compiling
@@ -319,6 +320,56 @@ class _GradWhitenMixin(WhiteningLayer):
             self._fold_weight = w.to(torch.float64)
         else:  # one reduction, accumulated and returned in float64
             self._fold_weight = w.sum(tuple(range(2, w.dim())), dtype=torch.float64)
+
+    # ------------------------------------------------------------ convolutions
+    # The forward and the plain-conv round trip of every grad / recursive conv (1-D, 2-D, 3-D).
+    def _stats_input(self, x: Tensor) -> Tensor:
+        """The batch's features on dim 1 (the 2-D conv's patch features override this)."""
+        return x
+
+    def _whitened_conv_forward(self, x: Tensor, nd: int) -> Tensor:
+        """Statistics, the weight with its gradient transform, and the centring, around the plain convolution."""
+        conv_forward = cast(Any, self)._conv_forward
+        training, state = self._forward_state()
+        if training:
+            self._accumulate(self._stats_input(x if x.dim() == nd + 2 else x.unsqueeze(0)))
+        w = self._weight_for_forward(state)
+        bn = self._batchnorm_absorbing_now()
+        if bn is not None:
+            # Centring absorbed by the following BatchNorm (absorb_centring): no offset, no pass over the output.
+            self._track_absorbed_offset(w, bn, state)
+            out = conv_forward(x, w, self.bias)
+        elif self.bias is None and self.training and w.requires_grad and torch.is_grad_enabled():
+            # Training a bias-free conv (the ResNet case): the centring term -W mu is added to the convolution's
+            # fresh output in place instead of being passed to it as a bias: the CPU convolution backward
+            # computes a bias gradient several times slower than autograd's one reduction for this add
+            # (benchmarks/ablation.py, row "conv bias"). The two differ only by rounding; at conversion time
+            # the term is exactly 0.
+            out = conv_forward(x, w, None).add_(self._layer_bias(w, state).view((-1,) + (1,) * nd))
+        else:  # the plain conv's own bias path: bit-identical to to_plain_model's plain conv
+            out = conv_forward(x, w, self._layer_bias(w, state))
+        if training:
+            self._end_batch()
+        return out
+
+    @classmethod
+    def _from_plain_conv(cls, conv: nn.Module, plain: type, **kwargs: Any) -> Any:
+        if not isinstance(conv, plain):
+            raise TypeError(f"{cls.__name__}.from_conv expects an nn.{plain.__name__}, but got {type(conv).__name__}")
+        new = conv_like(conv, cls, bias=conv.bias is not None, **kwargs)
+        new.weight = conv.weight
+        new.bias = conv.bias
+        new.train(conv.training)
+        return new
+
+    def _to_plain_conv(self, plain: type) -> Any:
+        conv = conv_like(self, plain, bias=True)
+        with torch.no_grad():
+            conv.weight.copy_(self.weight)
+            conv.bias.copy_(self._layer_bias(self.weight))
+        conv.weight.requires_grad_(self.weight.requires_grad)
+        conv.train(self.training)
+        return conv
 
     def _full_weight(self) -> Tensor:
         w = self.weight.detach()

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.common_types import _size_2_t
 
-from .._rebuild import conv_like, linear_like
+from .._rebuild import linear_like
 from ..config import EVDConfig, RecursiveConfig
 from ..patches import FEATURES, patch_padding, unfold_patches
 
@@ -111,27 +111,7 @@ class GradWhitenConv2d(_GradWhitenMixin, nn.Conv2d):
 
     def forward(self, x: Tensor) -> Tensor:
         _check_input(self, x, dim=-3, ndims=(3, 4), what="an input of shape (B, C, H, W) or (C, H, W)")
-        training, state = self._forward_state()
-        if training:
-            self._accumulate(self._stats_input(x if x.dim() == 4 else x.unsqueeze(0)))
-        w = self._weight_for_forward(state)
-        bn = self._batchnorm_absorbing_now()
-        if bn is not None:
-            # Centring absorbed by the following BatchNorm (absorb_centring): no offset, no pass over the output.
-            self._track_absorbed_offset(w, bn, state)
-            out = self._conv_forward(x, w, self.bias)
-        elif self.bias is None and self.training and w.requires_grad and torch.is_grad_enabled():
-            # Training a bias-free conv (the ResNet case): the centring term -W mu is added to the convolution's
-            # fresh output in place instead of being passed to it as a bias: the CPU convolution backward
-            # computes a bias gradient several times slower than autograd's one reduction for this add
-            # (benchmarks/ablation.py, row "conv bias"). The two differ only by rounding; at conversion time
-            # the term is exactly 0.
-            out = self._conv_forward(x, w, None).add_(self._layer_bias(w, state).view(-1, 1, 1))
-        else:  # the plain conv's own bias path: bit-identical to to_plain_model's plain conv
-            out = self._conv_forward(x, w, self._layer_bias(w, state))
-        if training:
-            self._end_batch()
-        return out
+        return self._whitened_conv_forward(x, 2)
 
     @classmethod
     def from_conv(cls, conv: nn.Conv2d, **kwargs: Any) -> "GradWhitenConv2d":
@@ -141,24 +121,11 @@ class GradWhitenConv2d(_GradWhitenMixin, nn.Conv2d):
         built on ``conv`` keeps working), so device, dtype and
         ``requires_grad`` carry over; so does the training flag.
         """
-        if not isinstance(conv, nn.Conv2d):
-            raise TypeError(f"{cls.__name__}.from_conv expects an nn.Conv2d, but got {type(conv).__name__}")
-        new = conv_like(conv, cls, bias=conv.bias is not None, **kwargs)
-        new.weight = conv.weight
-        new.bias = conv.bias
-        new.train(conv.training)
-        return new
+        return cls._from_plain_conv(conv, nn.Conv2d, **kwargs)
 
     def to_conv(self) -> nn.Conv2d:
         """A plain ``nn.Conv2d`` with identical outputs (``mu`` folded into the bias); new Parameters."""
-        conv = conv_like(self, nn.Conv2d, bias=True)
-        with torch.no_grad():
-            conv.weight.copy_(self.weight)
-            assert conv.bias is not None  # bias=True
-            conv.bias.copy_(self._layer_bias(self.weight))
-        conv.weight.requires_grad_(self.weight.requires_grad)
-        conv.train(self.training)
-        return conv
+        return self._to_plain_conv(nn.Conv2d)
 
 
 # nn.Linear's stubs declare ``bias: Parameter``, though it is None for bias=False (as _GradWhitenMixin declares).

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal, Optional, Tuple, Type, Union, cast
 
-import torch
 from torch import Tensor, nn
 from torch.nn.common_types import _size_1_t, _size_3_t
 
-from .._rebuild import conv_like
 from ..config import EVDConfig, RecursiveConfig
 
 if TYPE_CHECKING:  # pragma: no cover
-    from torch.nn.modules.conv import _ConvNd
+    pass
 
 from ._base import _check_input, _GradWhitenMixin, _with_whitening_signature
 
@@ -51,46 +49,17 @@ class _GradWhitenConvNd(_GradWhitenMixin):
         spatial = {1: "L", 2: "H, W", 3: "D, H, W"}[nd]
         _check_input(self, x, dim=-(nd + 1), ndims=(nd + 1, nd + 2),
                      what=f"an input of shape (B, C, {spatial}) or (C, {spatial})")
-        training, state = self._forward_state()
-        if training:
-            self._accumulate(x if x.dim() == nd + 2 else x.unsqueeze(0))
-        w = self._weight_for_forward(state)
-        bn = self._batchnorm_absorbing_now()
-        if bn is not None:  # as GradWhitenConv2d: centring absorbed by the following BatchNorm
-            self._track_absorbed_offset(w, bn, state)
-            out = self._conv_forward(x, w, self.bias)
-        elif self.bias is None and self.training and w.requires_grad and torch.is_grad_enabled():
-            # As GradWhitenConv2d: the centring term added to the fresh output (faster than a conv bias on the CPU).
-            out = self._conv_forward(x, w, None).add_(self._layer_bias(w, state).view((-1,) + (1,) * nd))
-        else:
-            out = self._conv_forward(x, w, self._layer_bias(w, state))
-        if training:
-            self._end_batch()
-        return out
+        return self._whitened_conv_forward(x, nd)
 
     @classmethod
     def from_conv(cls, conv: nn.Module, **kwargs: Any) -> "_GradWhitenConvNd":
         """A whitening conv computing the same function as ``conv``, sharing its Parameter objects (as
         :meth:`GradWhitenConv2d.from_conv`)."""
-        if not isinstance(conv, cls._PLAIN):
-            raise TypeError(f"{cls.__name__}.from_conv expects an nn.{cls._PLAIN.__name__}, "
-                            f"but got {type(conv).__name__}")
-        new = conv_like(conv, cls, bias=conv.bias is not None, **kwargs)
-        new.weight = cast(Tensor, conv.weight)
-        new.bias = cast("Optional[Tensor]", conv.bias)
-        new.train(conv.training)
-        return new
+        return cls._from_plain_conv(conv, cls._PLAIN, **kwargs)
 
     def to_conv(self) -> nn.Module:
         """A plain conv of the same dimension with identical outputs (``mu`` folded into the bias); new Parameters."""
-        conv = cast("_ConvNd", conv_like(self, self._PLAIN, bias=True))
-        with torch.no_grad():
-            conv.weight.copy_(self.weight)
-            assert conv.bias is not None  # bias=True
-            conv.bias.copy_(self._layer_bias(self.weight))
-        conv.weight.requires_grad_(self.weight.requires_grad)
-        conv.train(self.training)
-        return conv
+        return self._to_plain_conv(self._PLAIN)
 
 
 class GradWhitenConv1d(_GradWhitenConvNd, nn.Conv1d):
