@@ -135,7 +135,7 @@ def _grad_patch_stem(model: nn.Module, kwargs: Mapping[str, Any]) -> nn.Module:
     return cast(nn.Module, convert_model(model, method="grad", include_stem=True, stem_patches=True, **kwargs))
 
 
-register_method(Method("grad-patch", "EVD + patch stem", "#7f7f7f", CORE_METHODS["grad"].config,
+register_method(Method("grad-patch", "EVD + patch stem", "#9b59b6", CORE_METHODS["grad"].config,
                        apply=_grad_patch_stem))
 
 
