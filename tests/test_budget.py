@@ -93,6 +93,9 @@ def test_frontier_analysis_on_written_runs(tmp_path):
     assert ff.time_to_target(runs, "grad", 86.0) == {0: 11.0, 1: 11.0, 2: 22.0}
     assert ff.time_to_target(runs, "baseline", 86.0) == {0: 20.0, 1: 20.0, 2: math.inf}
     assert ff.time_to_target(runs, "grad", 95.0) == {0: math.inf, 1: math.inf, 2: math.inf}
+    # per-seed targets (each seed's baseline final at the largest budget): 86, 86.4, 85.8
+    assert ff.time_to_target(runs, "baseline", {0: 86.0, 1: 86.4, 2: 85.8}) == {0: 20.0, 1: 20.0, 2: 20.0}
+    assert ff.time_to_target(runs, "grad", {0: 86.0, 1: 86.4, 2: 85.8}) == {0: 11.0, 1: 11.0, 2: 11.0}
     text, summary = ff.tables(runs)
     assert math.isclose(summary["baseline_final"], 86 + (0.4 - 0.2) / 3)
     assert "| EVD (grad) | +4.00 [+4.00, +4.00] | +3.00 [+3.00, +3.00] |" in text  # paired differences
