@@ -181,9 +181,9 @@ class ConversionReport:
 @dataclass(frozen=True)
 class TargetSpec:
     """Which layers a conversion targets: the keywords that :func:`~whitenlayers.convert_model`,
-    :func:`conversion_report`, :func:`target_layers` and :func:`~whitenlayers.collect_diagnostics` share, in one
-    frozen description, validated when it is made (``ValueError`` naming the argument). The rules are
-    :func:`~whitenlayers.convert_model`'s."""
+    :func:`~whitenlayers.conversion_report`, ``target_layers`` and :func:`~whitenlayers.collect_diagnostics`
+    share, in one frozen description, validated when it is made (``ValueError`` naming the argument). The rules
+    are :func:`~whitenlayers.convert_model`'s."""
 
     targets: str = "blocks"
     predicate: Optional[Predicate] = None
@@ -209,7 +209,7 @@ class TargetSpec:
             raise ValueError(f"max_features must be a positive integer or None, but got max_features={m!r}")
 
     def select(self, model: nn.Module) -> List[Tuple[str, nn.Module]]:
-        """The plain layers of ``model`` these rules target, with their qualified names (:func:`target_layers`)."""
+        """The plain layers of ``model`` these rules target, with their qualified names (as ``target_layers``)."""
         return [(name, m) for name, m, d in _plan(model, self) if d.status == "to convert"]
 
 
