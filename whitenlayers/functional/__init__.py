@@ -20,6 +20,8 @@ Conventions
 """
 from __future__ import annotations
 
+import torch  # noqa: F401  (the namespace of the docstring examples, which run as tests under this module's name)
+
 from .evd import (  # noqa: F401
     evd_transform,
     evd_transform_batched,
