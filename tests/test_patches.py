@@ -13,20 +13,13 @@ import torch
 import torch.nn.functional as Fn
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_layers import random_transform  # the same SPD transforms as the per-channel property
 from torch import nn
 
 import whitenlayers as wl
-from whitenlayers import functional as F
 from whitenlayers.patches import PATCH_MAX_FEATURES, patch_padding
 
 PATCH_CONVS = [wl.GradWhitenConv2d, wl.RecursiveWhitenConv2d]
-
-
-def random_transform(m, seed):
-    g = torch.Generator().manual_seed(seed)
-    a = torch.randn(m, 3 * m, generator=g, dtype=torch.float64)
-    t, _ = F.evd_transform(a @ a.t() / (3 * m), eps=1e-6, gmax=10.0)
-    return t
 
 
 class UnfoldDirect(nn.Module):
