@@ -80,12 +80,10 @@ def check_equivalence(device: torch.device) -> float:
     return worst
 
 
-def check_autocast(device: torch.device, tiny: bool) -> Dict[str, object]:
-    dtype = torch.bfloat16
-    torch.manual_seed(0)
-    model = wl.convert_model(wl.models.cifar_resnet(8 if tiny else 20, width=8 if tiny else 16), block_size=2).to(device)
+def _train_autocast(model: nn.Module, device: torch.device, dtype: torch.dtype, steps: int = 4) -> None:
+    """A few SGD steps on random 16x16 batches under autocast to ``dtype``."""
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    for _ in range(4):
+    for _ in range(steps):
         x = torch.randn(16, 3, 16, 16, device=device)
         y = torch.randint(0, 10, (16,), device=device)
         with torch.autocast(device.type, dtype=dtype):
@@ -93,6 +91,13 @@ def check_autocast(device: torch.device, tiny: bool) -> Dict[str, object]:
         opt.zero_grad()
         loss.backward()
         opt.step()
+
+
+def check_autocast(device: torch.device, tiny: bool) -> Dict[str, object]:
+    dtype = torch.bfloat16
+    torch.manual_seed(0)
+    model = wl.convert_model(wl.models.cifar_resnet(8 if tiny else 20, width=8 if tiny else 16), block_size=2).to(device)
+    _train_autocast(model, device, dtype)
     layers = [m for _, m in wl.whitening_layers(model)]
     fp32 = all(m.whitening_matrix.dtype == torch.float32 and m.running_cov.dtype == torch.float32 for m in layers)
     finite = all(torch.isfinite(p).all().item() for p in model.parameters())
@@ -104,14 +109,7 @@ def check_patch_stem(device: torch.device) -> str:
     torch.manual_seed(0)
     model = wl.convert_model(wl.models.cifar_resnet(8, width=8), block_size=2, include_stem=True,
                              stem_patches=True).to(device)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    for _ in range(4):
-        x, y = torch.randn(16, 3, 16, 16, device=device), torch.randint(0, 10, (16,), device=device)
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = nn.functional.cross_entropy(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    _train_autocast(model, device, torch.bfloat16)
     stem = model.conv1
     ok = bool(torch.isfinite(stem.whitening_matrix).all()) and int(stem.num_blocks) == 2
     return f"{'ok' if ok else 'FAILED'}: {stem.num_features} patch features, {int(stem.num_blocks)} blocks"

@@ -196,3 +196,31 @@ def test_patch_layer_arguments_are_validated():
     assert layer(torch.randn(2, 2, 5, 5)).shape == (2, 3, 5, 5)
     with pytest.raises(ValueError, match="expected 2 input channels"):
         layer(torch.randn(2, 18, 5, 5))
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("cls", PATCH_CONVS)
+def test_patch_layer_under_activation_checkpointing_trains_like_the_plain_run(cls, reentrant):
+    """The recomputed forward gathers no patch statistics and uses the transform of the original forward."""
+    from torch.utils.checkpoint import checkpoint
+
+    dt = torch.float64
+    runs = []
+    for ckpt in (False, True):
+        torch.manual_seed(0)
+        net = nn.Sequential(cls(1, 4, 3, padding=1, bias=False, block_size=2, dtype=dt, features="patches"),
+                            nn.Tanh(), nn.Flatten(), nn.Linear(4 * 36, 3, dtype=dt))
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(5):
+            x = (torch.randn(8, 1, 6, 6, generator=g, dtype=dt) * 2 + 1).requires_grad_(reentrant)  # reentrant needs it
+            y = torch.randint(0, 3, (8,), generator=g)
+            out = checkpoint(net, x, use_reentrant=reentrant) if ckpt else net(x)
+            opt.zero_grad()
+            Fn.cross_entropy(out, y).backward()
+            opt.step()
+        runs.append(net)
+    plain, ckpt = runs
+    assert int(ckpt[0].num_blocks) == 2 and ckpt[0].batches_in_block == 1
+    for a, b in zip(list(plain.state_dict().values()), list(ckpt.state_dict().values())):
+        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)

@@ -457,7 +457,7 @@ class Run:
         step_factor: Optional[Callable[[int], float]] = None
         if cfg.schedule == "linear":
             steps, epochs, warm = len(self.train_loader), int(cfg.epochs), int(cfg.warmup_epochs)
-            step_factor = functools.partial(lambda i, e: linear_factor(e, i, steps, epochs, warm), e=epoch)
+            step_factor = functools.partial(linear_factor, epoch, steps=steps, epochs=epochs, warmup_epochs=warm)
             lr = cfg.method_lr_for(self.method) * step_factor(0)
         loss_sum, correct, seen = train_epoch(self.net, self.opt, self.train_loader, ctx, self.precision, bar,
                                               self.pre, step_factor, cfg.method_lr_for(self.method))

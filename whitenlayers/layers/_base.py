@@ -2,6 +2,7 @@
 gradient transform, absorbed centring) and the input checks of all layers. Part of :mod:`whitenlayers.layers`."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple, Type, Union, cast
@@ -278,12 +279,10 @@ class _GradWhitenMixin(WhiteningLayer):
         w = weight.detach()
         if w.dtype != d.dtype:
             w = w.to(d.dtype)
-        if _autocast_enabled(d.device.type):  # CUDA's autocast would run addmv in bf16/fp16: keep BatchNorm's dtype
-            with torch.autocast(device_type=d.device.type, enabled=False):
-                s = self._offset(w, state["running_mean"], state["bias_correction"])
-        else:
-            s = self._offset(w, state["running_mean"], state["bias_correction"])
-        d.lerp_(s, factor)  # d <- (1 - f) d + f s, s = c - W mu
+        # CUDA's autocast would run addmv in bf16/fp16: keep BatchNorm's dtype.
+        off = torch.autocast(device_type=d.device.type, enabled=False) if _autocast_enabled(d.device.type) else None
+        with off or contextlib.nullcontext():
+            d.lerp_(self._offset(w, state["running_mean"], state["bias_correction"]), factor)  # s = c - W mu
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
