@@ -23,6 +23,9 @@ def _table():
     # grad reaches 85 at epoch 1 (2 s); recursive never does.
     for e, (b, g, r) in enumerate([(60, 86, 10), (86, 88, 20), (85, 89, 30)], 1):
         rows += [_row("baseline", 1, e, b, 1.0), _row("grad", 1, e, g, 2.0), _row("recursive", 1, e, r, 1.0)]
+    # seed 2: baseline final 88 reached at epoch 3 (3 s); grad reaches 88 at epoch 2 (4 s).
+    for e, (b, g) in enumerate([(60, 70), (80, 89), (88, 90)], 1):
+        rows += [_row("baseline", 2, e, b, 1.0), _row("grad", 2, e, g, 2.0)]
     for r in rows:  # the runner writes the cumulative training time
         r["train_time"] = sum(q["epoch_time"] for q in rows if q["method"] == r["method"] and q["seed"] == r["seed"]
                               and q["epoch"] <= r["epoch"])
@@ -50,11 +53,40 @@ def test_time_to_accuracy_table_text():
     rows = _table()
     text = report.format_time_to_accuracy(report.time_to_accuracy(rows, ["baseline", "grad", "recursive"], (88.0,)),
                                           (88.0,))
-    lines = {line.split("|")[1].strip(): line for line in text.splitlines()[2:]}
-    assert "2.5" in lines["baseline"].split("|")[5]  # mean of 3 s and 2 s
-    assert "not reached (0/1)" in lines["recursive"]
-    assert "1.15x" in lines["EVD (grad)"]  # geometric mean of the paired ratios 4/3 and 1: sqrt(4/3)
-    assert "s to 88%" in text
+    cells = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in text.splitlines()[2:]}
+    head = [c.strip() for c in text.splitlines()[0].split("|")[2:-1]]
+    base, grad = dict(zip(head, cells["baseline"])), dict(zip(head, cells["EVD (grad)"]))
+    assert base["seconds to target"].startswith("2.7 [")  # mean of 3, 2 and 3 s
+    # the paired ratios 4/3, 1, 4/3: geometric mean (16/9)^(1/3), interval [0.80, 1.83] (a factor 2.3)
+    assert grad["time vs baseline (paired)"] == "1.21x [0.80, 1.83]"
+    # grad's seconds 4, 2, 4: the interval reaches below 0 -> no estimate, with the count
+    assert grad["seconds to target"] == "no estimate (3/3)"
+    # CPU ratios 2/3, 1, 4/3: the interval [0.40, 2.30] spans more than a factor 4
+    assert grad["CPU time vs baseline (paired)"] == "no estimate (3/3)"
+    assert base["s to 88%"] == "no estimate (2/3)" and grad["s to 88%"] == "4.0"  # seed 1's baseline peaks at 86
+    assert "not reached (0/1)" in cells["recursive"]
+
+
+def test_fewer_than_three_seeds_give_no_estimate():
+    """Two seeds reach the target: the count and "no estimate" instead of a mean and a meaningless interval."""
+    rows = [r for r in _table() if r["seed"] < 2]
+    text = report.format_time_to_accuracy(report.time_to_accuracy(rows, ["baseline", "grad"], (88.0,)), (88.0,))
+    grad = next(line for line in text.splitlines() if line.startswith("| EVD (grad)"))
+    cells = [c.strip() for c in grad.split("|")[2:-1]]
+    assert cells[2:6] == ["no estimate (2/2)"] * 4  # epochs, seconds, time ratio, CPU ratio
+    assert "[" not in grad
+    summary, target = report.summarize(rows, ["baseline", "grad"], target_acc=88.0)
+    assert "no estimate (2/2)" in report.format_summary(summary, target)
+
+
+def test_no_estimate_rule():
+    assert report.informative(0.9, 1.3) and not report.informative(0.03, 49.94)  # "1.28x [0.03, 49.94]"
+    assert not report.informative(-29.8, 211.6) and not report.informative(0.0, 1.0)
+    assert report.informative(1.0, 4.0) and not report.informative(1.0, 4.01)
+    assert report._mean_ci([1.0, 1.1, float("nan")], 2, "x", geometric=True, max_span=4.0) == "no estimate (2/3)"
+    assert report._mean_ci([0.5, 1.0, 8.0], 2, "x", geometric=True, max_span=4.0) == "no estimate (3/3)"
+    assert report._mean_ci([1.0, 1.1, 1.2, float("nan")], 2, "x", geometric=True, max_span=4.0).endswith("(3/4)")
+    assert report._mean_ci([float("nan")] * 3, 1) == "—"
 
 
 def test_t_interval():

@@ -25,8 +25,8 @@ from .context import Context
 from .data import DATASET_LABELS
 
 __all__ = ["CSV_FIELDS", "TIME_FIELDS", "write_metrics", "read_metrics", "summarize", "format_summary",
-           "time_to_accuracy", "format_time_to_accuracy", "load_note",
-           "plot_metrics", "replot", "format_epoch_line", "prepare_out"]
+           "time_to_accuracy", "format_time_to_accuracy", "load_note", "MIN_SEEDS", "MAX_SPAN", "no_estimate",
+           "informative", "plot_metrics", "replot", "format_epoch_line", "prepare_out"]
 
 CSV_FIELDS = ["method", "seed", "epoch", "lr", "train_loss", "train_acc", "test_loss", "test_acc", "kappa_mean",
               "kappa_sem", "rho_mean", "rho_sem", "epoch_time", "eval_time", "train_time", "cpu_time", "load1",
@@ -149,8 +149,10 @@ def format_summary(summary: Sequence[Dict[str, Any]], target: float) -> str:
         n = s["seeds"]
         if s["reached"] == 0:
             reach = "not reached"
+        elif s["reached"] < MIN_SEEDS:
+            reach = no_estimate(s["reached"], n)
         else:
-            reach = _fmt(*s["epochs_to_target"], n, 1)  # type: ignore[call-arg]
+            reach = _fmt(*s["epochs_to_target"], s["reached"], 1)  # type: ignore[call-arg]
             if s["reached"] < n:
                 reach += f" ({s['reached']}/{n} seeds)"
         ratio = f"{s['time_ratio']:.2f}x" if math.isfinite(s["time_ratio"]) else "n/a"
@@ -260,27 +262,70 @@ def time_to_accuracy(rows: Sequence[Dict[str, Any]], methods: Optional[Sequence[
 
 #: Marks an interval clipped to the possible range (explained under the table).
 CLIPPED = "†"
+#: Fewest seeds that must reach a target before a mean or interval over seeds of the time to it is printed.
+MIN_SEEDS = 3
+#: Widest 95 % interval of a positive quantity (seconds, time ratios) that is printed, as ``high / low``; an
+#: interval reaching 0 or below spans an infinite factor.
+MAX_SPAN = 4.0
+#: What a cell says instead of an interval that carries no information (with the count of seeds, ``(k/n)``).
+NO_ESTIMATE = "no estimate"
+
+
+def no_estimate(k: int, n: int) -> str:
+    """The cell printed instead of a mean and interval: ``no estimate (k/n)``, ``k`` of ``n`` seeds reached it.
+
+    Example:
+        >>> no_estimate(2, 5)
+        'no estimate (2/5)'
+    """
+    return f"{NO_ESTIMATE} ({k}/{n})"
+
+
+def informative(low: float, high: float, max_span: float = MAX_SPAN) -> bool:
+    """Whether the interval ``[low, high]`` of a positive quantity carries information: ``low > 0`` and
+    ``high / low <= max_span``.
+
+    Example:
+        >>> informative(0.9, 1.3), informative(0.03, 49.94), informative(-29.8, 211.6)
+        (True, False, False)
+    """
+    return math.isfinite(low) and math.isfinite(high) and low > 0 and high <= max_span * low
 
 
 def _mean_ci(values: Sequence[float], digits: int = 2, suffix: str = "", *, lower: Optional[float] = None,
-             upper: Optional[float] = None, geometric: bool = False) -> str:
-    """``mean [low, high]``: the 95 % t-interval (``geometric``: of the logs, for ratios), clipped to
-    ``[lower, upper]`` (the possible range) and then marked with :data:`CLIPPED`."""
+             upper: Optional[float] = None, geometric: bool = False, max_span: Optional[float] = None) -> str:
+    """``mean [low, high] (k/n)``: the 95 % t-interval (``geometric``: of the logs, for ratios) over the ``k``
+    finite of the ``n`` values (one per seed; nan where the seed did not reach the target), clipped to
+    ``[lower, upper]`` (the possible range) and then marked with :data:`CLIPPED`.
+
+    :func:`no_estimate` instead when fewer than :data:`MIN_SEEDS` values are finite, or, with ``max_span``
+    (a positive quantity: seconds, ratios), when the interval reaches 0 or spans more than that factor.
+    ``—`` when no value is finite.
+    """
+    n = len(values)
     vals = [v for v in values if math.isfinite(v)]
     if not vals:
         return "—"
+    if len(vals) < MIN_SEEDS:
+        return no_estimate(len(vals), n)
     mean, lo, hi = (geometric_t_interval if geometric else t_interval)(vals)
+    if max_span is not None and not informative(lo, hi, max_span):
+        return no_estimate(len(vals), n)
     text = f"{mean:.{digits}f}{suffix}"
     if math.isfinite(lo):
         clipped = (lower is not None and lo < lower) or (upper is not None and hi > upper)
         lo = max(lo, lower) if lower is not None else lo
         hi = min(hi, upper) if upper is not None else hi
         text += f" [{lo:.{digits}f}, {hi:.{digits}f}]" + (CLIPPED if clipped else "")
-    return text
+    return text + ("" if len(vals) == n else f" ({len(vals)}/{n})")
 
 
 def format_time_to_accuracy(tta: Sequence[Dict[str, Any]], levels: Sequence[float] = ()) -> str:
-    """The time-to-accuracy table (Markdown): mean over seeds, 95 % t-intervals in brackets; n/N = seeds reaching."""
+    """The time-to-accuracy table (Markdown): mean over seeds, 95 % t-intervals in brackets; k/n = seeds reaching.
+
+    A cell reads ``no estimate (k/n)`` instead when fewer than :data:`MIN_SEEDS` seeds reach the target, or,
+    for seconds and time ratios, when the interval reaches 0 or spans more than a factor :data:`MAX_SPAN`.
+    """
     head = ["method", "final acc (%)", "target: baseline final (%)", "epochs to target", "seconds to target",
             "time vs baseline (paired)", "CPU time vs baseline (paired)"]
     head += [f"s to {lv:g}%" for lv in levels]
@@ -290,28 +335,29 @@ def format_time_to_accuracy(tta: Sequence[Dict[str, Any]], levels: Sequence[floa
         recs = list(t["seeds"].values())
         n = len(recs)
 
-        def reached(key: str, recs: List[Dict[str, Any]] = recs, n: int = n) -> str:
-            k = sum(math.isfinite(r.get(key, float("nan"))) for r in recs)
-            return "" if k == n else f" ({k}/{n})"
-
         has_target = any("target" in r for r in recs)
         cells = [METHOD_LABELS.get(t["method"], t["method"]), _fmt(*_mean_std([r["final"] for r in recs]), n)]
         if has_target:
             cells += [_fmt(*_mean_std([r["target"] for r in recs]), n),
-                      (_mean_ci([r["epoch"] for r in recs], 1, lower=1.0,
-                                upper=float(max(r["epochs_run"] for r in recs))) + reached("epoch")) if any(
+                      _mean_ci([r["epoch"] for r in recs], 1, lower=1.0,
+                               upper=float(max(r["epochs_run"] for r in recs))) if any(
                           math.isfinite(r["epoch"]) for r in recs) else f"not reached (0/{n})",
-                      (_mean_ci([r["seconds"] for r in recs], 1, lower=0.0) + reached("seconds")) if any(
-                          math.isfinite(r["seconds"]) for r in recs) else "—",
-                      _mean_ci([r["ratio"] for r in recs], 2, "x", geometric=True),
-                      _mean_ci([r.get("cpu_ratio", float("nan")) for r in recs], 2, "x", geometric=True)]
+                      _mean_ci([r["seconds"] for r in recs], 1, max_span=MAX_SPAN),
+                      _mean_ci([r["ratio"] for r in recs], 2, "x", geometric=True, max_span=MAX_SPAN),
+                      _mean_ci([r.get("cpu_ratio", float("nan")) for r in recs], 2, "x", geometric=True,
+                               max_span=MAX_SPAN)]
         else:
             cells += ["—"] * 5
         for lv in levels:
             secs = [r["levels"][lv][1] for r in recs]
             k = sum(math.isfinite(v) for v in secs)
-            cells.append(f"{np.mean([v for v in secs if math.isfinite(v)]):.1f}" + ("" if k == n else f" ({k}/{n})")
-                         if k else "—")
+            if k == 0:
+                cells.append("—")
+            elif k < MIN_SEEDS:
+                cells.append(no_estimate(k, n))
+            else:
+                mean = float(np.mean([v for v in secs if math.isfinite(v)]))
+                cells.append(f"{mean:.1f}" + ("" if k == n else f" ({k}/{n})"))
         cpu = [r["cpu_time"] / r["epoch_time"] for r in recs if r["epoch_time"] > 0 and math.isfinite(r["cpu_time"])]
         cells += [_fmt(*_mean_std([r["train_time"] for r in recs]), n, 1),
                   f"{np.mean(cpu):.2f}" if cpu else "n/a"]
@@ -515,10 +561,13 @@ def summary_text(title: str, table: str, target: float, wall: Optional[float]) -
             f"which test accuracy reaches that seed's baseline final accuracy (or a fixed level) and the cumulative "
             f"training seconds to the end of that epoch (evaluation not counted); mean over seeds with a 95 % "
             f"t-interval in brackets, (k/n) when only k of n seeds reach it; {CLIPPED} marks an interval clipped to "
-            f"the possible range (epochs from the first to the last run, seconds from 0). 'time vs baseline' is the "
+            f"the possible range (epochs from the first to the last run). '{NO_ESTIMATE} (k/n)': fewer than "
+            f"{MIN_SEEDS} seeds reached the target, or the interval of seconds or of a ratio reaches 0 or spans more "
+            f"than a factor {MAX_SPAN:g} (upper/lower): the seeds say nothing about it. 'time vs baseline' is the "
             f"paired ratio of seconds to target on the same seed, its geometric mean with the interval of the logs "
             f"(a ratio's interval stays positive); 'CPU time vs baseline' the same with the process's CPU "
-            f"seconds, which a busy machine inflates less than wall-clock seconds.")
+            f"seconds, which a busy machine inflates less than wall-clock seconds. The first table's 'epochs to' "
+            f"follows the same rule (mean ± std over the seeds that reach it).")
     if wall is not None:
         text += f" Total wall time {wall:.0f} s."
     return text + "\n"
