@@ -11,7 +11,14 @@ import numpy as np
 from convergence import OUT, RUNS, STAGES, _chosen, _rows  # noqa: E402
 
 from whitenlayers.experiment.config import METHOD_LABELS, RunConfig
-from whitenlayers.experiment.report import format_time_to_accuracy, load_note, t_interval, time_to_accuracy
+from whitenlayers.experiment.report import (
+    MIN_SEEDS,
+    format_time_to_accuracy,
+    load_note,
+    no_estimate,
+    t_interval,
+    time_to_accuracy,
+)
 
 
 def _by(rows, method):
@@ -30,10 +37,14 @@ def _ms(vals: Sequence[float], d: int = 2) -> str:
 
 
 def _ci(vals: Sequence[float], d: int = 2) -> str:
-    m, lo, hi = t_interval(vals)
-    if not math.isfinite(m):
+    """A paired difference: mean [95 % t-interval]; ``no estimate (k/n)`` over fewer than MIN_SEEDS seeds."""
+    k = sum(math.isfinite(v) for v in vals)
+    if k == 0:
         return "—"
-    return f"{m:+.{d}f} [{lo:+.{d}f}, {hi:+.{d}f}]" if math.isfinite(lo) else f"{m:+.{d}f}"
+    if k < MIN_SEEDS:
+        return no_estimate(k, len(vals))
+    m, lo, hi = t_interval(vals)
+    return f"{m:+.{d}f} [{lo:+.{d}f}, {hi:+.{d}f}]"
 
 
 def _lr(cfg: dict, method: str) -> float:

@@ -35,7 +35,15 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 from whitenlayers.experiment.config import METHOD_COLORS, METHOD_LABELS  # noqa: E402
-from whitenlayers.experiment.report import geometric_t_interval, read_metrics, t_interval  # noqa: E402
+from whitenlayers.experiment.report import (  # noqa: E402
+    MAX_SPAN,
+    MIN_SEEDS,
+    geometric_t_interval,
+    informative,
+    no_estimate,
+    read_metrics,
+    t_interval,
+)
 
 #: Fixed accuracy targets (percent).
 LEVELS = (85.0, 88.0, 90.0)
@@ -100,10 +108,16 @@ def _fmt(m: float, lo: float, hi: float, d: int = 2, sign: bool = False) -> str:
     return f"{f.format(m)} [{f.format(lo)}, {f.format(hi)}]" if math.isfinite(lo) else f.format(m)
 
 
-def _ratio(m: float, lo: float, hi: float) -> str:
-    if not math.isfinite(m):
+def _ratio(ratios: Sequence[float], n: Optional[int] = None) -> str:
+    """Geometric mean [95 %] of paired ratios; ``no estimate (k/n)`` over fewer than MIN_SEEDS of them or when
+    the interval spans more than a factor MAX_SPAN (``n``: the pairs possible, default ``len(ratios)``)."""
+    k, n = len(ratios), len(ratios) if n is None else n
+    if k == 0:
         return "—"
-    return f"{m:.2f}x [{lo:.2f}, {hi:.2f}]" if math.isfinite(lo) else f"{m:.2f}x"
+    m, lo, hi = geometric_t_interval(ratios)
+    if k < MIN_SEEDS or not informative(lo, hi, MAX_SPAN):
+        return no_estimate(k, n)
+    return f"{m:.2f}x [{lo:.2f}, {hi:.2f}]"
 
 
 def tables(runs: Runs) -> Tuple[str, Dict[str, float]]:
@@ -146,7 +160,7 @@ def tables(runs: Runs) -> Tuple[str, Dict[str, float]]:
         for rows in runs.values():
             bt = {r["epoch"]: r["epoch_time"] for r in _curve(rows, base)}
             ratios += [r["epoch_time"] / bt[r["epoch"]] for r in _curve(rows, m) if r["epoch"] in bt]
-        lines.append(f"| {METHOD_LABELS.get(m, m)} | {_ratio(*geometric_t_interval(ratios))} (n={len(ratios)}) |")
+        lines.append(f"| {METHOD_LABELS.get(m, m)} | {_ratio(ratios)} (n={len(ratios)}) |")
     # targets
     big = budgets[-1] if budgets else 0
     per_seed = {s: v[0] for s, v in fr[base].get(big, {}).items()}  # each seed's baseline final, largest budget
@@ -157,7 +171,8 @@ def tables(runs: Runs) -> Tuple[str, Dict[str, float]]:
     lines += ["", "### Time to target (training seconds; any budget run, any epoch)", "",
               "Per seed the fewest training seconds after which an epoch reached the target; the ratio to the "
               "baseline's is paired by seed (geometric mean [95 %] over the seeds where both reached it); "
-              "'reached' counts seeds.", "",
+              f"'reached' counts seeds. 'no estimate (k/n)': fewer than {MIN_SEEDS} seeds reached the target, or "
+              f"the ratio's interval spans more than a factor {MAX_SPAN:g}.", "",
               "| target | method | reached | seconds (mean) | vs baseline |", "| --- | --- | --- | --- | --- |"]
     summary: Dict[str, float] = {"baseline_final": base_final}
     for tname, t in targets.items():
@@ -168,11 +183,12 @@ def tables(runs: Runs) -> Tuple[str, Dict[str, float]]:
             tm = time_to_target(runs, m, t)
             reached = [v for v in tm.values() if math.isfinite(v)]
             pairs = [tm[s] / tb[s] for s in tm if s in tb and math.isfinite(tm[s]) and math.isfinite(tb[s])]
-            ratio = geometric_t_interval(pairs) if m != base else (1.0, math.nan, math.nan)
-            if isinstance(t, dict):
-                summary[f"ratio_{m}"] = ratio[0]
-            sec = f"{np.mean(reached):.0f}" if reached else "—"
-            rat = "1" if m == base else _ratio(*ratio)
+            if isinstance(t, dict):  # the geometric mean, nan where the table says "no estimate"
+                mean, lo, hi = geometric_t_interval(pairs) if m != base else (1.0, 1.0, 1.0)
+                ok = m == base or (len(pairs) >= MIN_SEEDS and informative(lo, hi, MAX_SPAN))
+                summary[f"ratio_{m}"] = mean if ok else math.nan
+            sec = f"{np.mean(reached):.0f}" if len(reached) >= MIN_SEEDS else "no estimate" if reached else "—"
+            rat = "1" if m == base else _ratio(pairs, len(tm))
             lines.append(f"| {tname} | {METHOD_LABELS.get(m, m)} | {len(reached)}/{len(tm)} | {sec} | {rat} |")
     loads = [r["load1"] for rows in runs.values() for r in rows if math.isfinite(r.get("load1", math.nan))]
     if loads:
@@ -228,7 +244,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with open(os.path.join(a.out, "fashion.md"), "w") as f:
         f.write(text)
     with open(os.path.join(a.out, "fashion-summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+        json.dump({k: v if math.isfinite(v) else None for k, v in summary.items()}, f, indent=1)  # null: none
     figure(runs, os.path.join(a.out, "fashion-frontier.png"), summary.get("baseline_final"))
     print(text)
     return 0

@@ -45,7 +45,7 @@ def test_runner_applies_the_linear_schedule_per_step(tmp_path, monkeypatch):
     monkeypatch.setattr(engine, "train_epoch", spy)
     out = str(tmp_path / "lin")
     ex.main(["--quick", "--dataset", "synthetic", "--methods", "baseline", "--epochs", "2", "--schedule", "linear",
-             "--lr", "0.2", "--out", out, "--progress", "never"])
+             "--lr", "0.2", "--out", out, "--progress", "never", "--device", "cpu"])  # auto would pick CUDA
     steps = len(seen[0])
     assert steps > 1 and [len(s) for s in seen] == [steps, steps]
     flat = seen[0] + seen[1]
@@ -100,6 +100,10 @@ def test_frontier_analysis_on_written_runs(tmp_path):
     assert math.isclose(summary["baseline_final"], 86 + (0.4 - 0.2) / 3)
     assert "| EVD (grad) | +4.00 [+4.00, +4.00] | +3.00 [+3.00, +3.00] |" in text  # paired differences
     assert "epoch time vs baseline" in text and "1.10x" in text  # 11 s against 10 s per epoch
+    assert "| EVD (grad) | 3/3 | 11 | 0.55x [0.55, 0.55] |" in text  # 11 s against 20 s on every seed
+    # two seeds: the count and "no estimate" instead of a mean and an interval
+    text2, summary2 = ff.tables({k: v for k, v in runs.items() if k[1] < 2})
+    assert "| EVD (grad) | 2/2 | no estimate | no estimate (2/2) |" in text2 and math.isnan(summary2["ratio_grad"])
     out = str(tmp_path / "out")
     assert ff.main(["--runs", root, "--out", out]) == 0
     assert {"fashion.md", "fashion-frontier.png", "fashion-summary.json"} <= set(os.listdir(out))
