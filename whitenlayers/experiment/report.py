@@ -411,7 +411,15 @@ def plot_metrics(rows: Sequence[Dict[str, Any]], path: str, title: str,
     The band is +-1 standard deviation across seeds; with a single seed, kappa
     and rho get +-1 standard error across layers and accuracy gets no band.
     When the first epochs' accuracy is far below the rest, an inset zooms on
-    the second half of the run.
+    the second half of the run. A footnote under the panels says what the
+    bands are. The second row plots accuracy and loss against the cumulative
+    training seconds, with the baseline's final accuracy as a dashed line.
+
+    Args:
+        rows: the runs' metric rows (:func:`read_metrics`, or the runner's rows).
+        path: where the PNG is written (1650 x 1034 pixels).
+        title: the line above the legend (the runner's: dataset, model, epochs, seeds).
+        methods: the order of the lines (default: the runner's method order, then any others in ``rows``).
     """
     try:  # optional: in the 'experiment' extra
         import matplotlib
@@ -420,6 +428,7 @@ def plot_metrics(rows: Sequence[Dict[str, Any]], path: str, title: str,
             "the figure needs matplotlib: pip install 'whitenlayers[experiment]' (or matplotlib)") from exc
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     groups = _by_method(rows)
     methods = [m for m in (methods or METHODS) if m in groups] + [m for m in groups if m not in (methods or METHODS)]
@@ -480,8 +489,7 @@ def plot_metrics(rows: Sequence[Dict[str, Any]], path: str, title: str,
         ins.xaxis.get_major_locator().set_params(integer=True)
         ins.tick_params(labelsize=8)
         ins.grid(True, alpha=0.3)
-        ins.set_title(f"zoom: epochs {first}-{n_ep}; shaded: ±1 s.d. over seeds, overlapping bands are noise",
-                      fontsize=7)
+        ins.set_title(f"zoom: epochs {first}-{n_ep}", fontsize=8, pad=3)  # what the bands mean: the footnote
         ax.indicate_inset_zoom(ins, edgecolor="0.5")
     # Second row: against training wall-clock time (the interleaved epochs' cumulative training seconds, mean over
     # seeds), where a user's decision is made; the baseline's final accuracy as a dashed line.
@@ -503,13 +511,17 @@ def plot_metrics(rows: Sequence[Dict[str, Any]], path: str, title: str,
         if key == "test_acc":
             if base_final is not None:
                 ax.axhline(base_final, color="0.3", ls="--", lw=1, label="baseline final")
-                ax.text(0.99, base_final, "baseline final accuracy", transform=ax.get_yaxis_transform(), ha="right",
-                        va="bottom", fontsize=8, color="0.3")
+                # above the line at the left, where the curves are still low; the top limit leaves it room
+                ax.annotate("baseline final accuracy", (0.01, base_final), xycoords=ax.get_yaxis_transform(),
+                            xytext=(2, 2), textcoords="offset points", ha="left", va="bottom", fontsize=8,
+                            color="0.3")
             # below every plotted point, the first epoch's included (a run of one epoch: one point per line)
             ys = [float(np.nanmin(y)) for y in (np.asarray(line.get_ydata(), float) for line in ax.get_lines())
                   if y.size and np.isfinite(y).any()]
             lo = min(ys) if ys else float(np.nanmin([r["test_acc"] for r in rows]))
-            ax.set_ylim(max(0.0, lo - 2), min(100.0, max(r["test_acc"] for r in rows) + 1))
+            top = max(max(r["test_acc"] for r in rows), base_final if base_final is not None else -math.inf)
+            lo = max(0.0, lo - 2)
+            ax.set_ylim(lo, min(100.0, top) + max(1.0, 0.08 * (top - lo)))  # room for the line's label
         else:
             ax.set_yscale("log")
         ax.set_xlabel("training time (s, cumulative; interleaved epochs)")
@@ -530,10 +542,26 @@ def plot_metrics(rows: Sequence[Dict[str, Any]], path: str, title: str,
     ax.grid(True, alpha=0.3)
     ax.xaxis.get_major_locator().set_params(integer=True)
     handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="upper center", ncol=min(len(labels), 6), bbox_to_anchor=(0.5, 0.965),
-               frameon=False, fontsize=11)
-    fig.suptitle(title, fontsize=13, y=0.995)
-    fig.tight_layout(rect=(0, 0, 1, 0.92 if len(labels) <= 6 else 0.9))
+    nseeds = max(len(groups[m]) for m in methods)
+    band = ("Shaded: ±1 standard deviation over seeds; where two bands overlap, the difference is within the "
+            "seeds' spread." if nseeds > 1 else
+            r"Shaded: ±1 standard error of $\kappa$ and $\rho$ over the layers (one seed: no spread over seeds).")
+    fig.text(0.01, 0.008, band, fontsize=9, color="0.3", ha="left", va="bottom")
+    # The panels first, below room for the title and the legend (a guess in inches: title, legend rows, gaps);
+    # then the legend just above the panels' titles and the title just above the legend, measured, so no gap
+    # opens under the legend. The second pass gives the panels what the guess left empty above the title.
+    head = (0.45 + 0.3 * -(-len(labels) // 6)) / fig.get_figheight()
+    renderer = cast(FigureCanvasAgg, fig.canvas).get_renderer()
+    to_fig = fig.transFigure.inverted()
+    legend = fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 6), frameon=False, fontsize=11,
+                        bbox_to_anchor=(0.5, 1.0), borderaxespad=0.0)
+    heading = fig.text(0.5, 1.0, title, fontsize=13, ha="center", va="bottom")  # not a suptitle: see below
+    for _ in range(2):
+        fig.tight_layout(rect=(0, 0.03, 1, 1 - head))  # (tight_layout would reserve a suptitle's room again)
+        panels_top = max(a.get_tightbbox(renderer).transformed(to_fig).y1 for a in axes)
+        legend.set_bbox_to_anchor((0.5, panels_top + 0.004))
+        heading.set_y(legend.get_window_extent(renderer).transformed(to_fig).y1 + 0.008)
+        head = max(0.0, head - (0.99 - heading.get_window_extent(renderer).transformed(to_fig).y1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
