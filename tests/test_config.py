@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import whitenlayers as wl
-from whitenlayers.config import EVDConfig, RecursiveConfig, make_config
+from whitenlayers.config import EVDConfig, RecursiveConfig, WhiteningConfig, field_doc, field_range, make_config
 from whitenlayers.rules import EVDRule, RecursiveRule, rule_for
 
 INVALID = [
@@ -55,6 +55,21 @@ def test_every_field_has_help_text():
     for cls in (EVDConfig, RecursiveConfig):
         for f in dataclasses.fields(cls):
             assert f.metadata.get("help"), (cls.__name__, f.name)
+
+
+def test_config_docstrings_are_built_from_the_field_metadata():
+    """Each field's meaning, range, default and when to change it: written once (metadata), in the class
+    docstring's Args section (help(), the API reference) and, less the long texts, in the runner's --help."""
+    for cls in (WhiteningConfig, EVDConfig, RecursiveConfig):
+        doc = " ".join(cls.__doc__.split())
+        assert "Args:" in cls.__doc__
+        for f in dataclasses.fields(cls):
+            assert f.metadata["doc"] and f.metadata["when"], (cls.__name__, f.name)
+            entry = field_doc(f)
+            assert f"Valid: {field_range(f.name)}. Default: ``{f.default!r}``." in entry
+            assert f"{f.name}: {' '.join(entry.split())}" in doc, (cls.__name__, f.name)
+    # the recursive rule's own alpha text, not the EVD one
+    assert "Default: ``0.1``" in field_doc(next(f for f in dataclasses.fields(RecursiveConfig) if f.name == "alpha"))
 
 
 def test_layer_signatures_and_defaults_come_from_the_configs():

@@ -94,6 +94,7 @@ def test_whitening_flags_are_derived_from_the_config_dataclasses():
         assert f.metadata["help"].replace("%", "%%") in actions[name].help
     # the per-method defaults come from the dataclasses
     assert "grad, direct, grad-patch 0.9; recursive 0.1" in actions["alpha"].help
+    assert "valid: in [0, 1)" in actions["alpha"].help and "the paper's g_max" in actions["gmax"].help
     assert f"{RecursiveConfig.gamma:g}" in actions["gamma"].help
     assert "10" in actions["block_size"].help and "2 for mnist5k" in actions["block_size"].help
     # the methods' layer options: the config fields, less beta for direct

@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from torch import nn
 
-from ..config import WhiteningConfig
+from ..config import WhiteningConfig, field_range
 from ..convert import convert_model
 from ..methods import METHODS as CORE_METHODS
 from . import context, peers
@@ -534,7 +534,9 @@ def _whitening_help(name: str, pairs: Sequence[Tuple[Method, dataclasses.Field]]
         rules = next(iter(by_default))
     else:
         rules = "; ".join(f"{', '.join(ms)} {d}" for d, ms in by_default.items())
-    helptext = pairs[0][1].metadata["help"]
+    meta = pairs[0][1].metadata
+    helptext = meta["help"] + (f" (the paper's {meta['symbol']})" if meta.get("symbol") not in (None, name) else "")
+    helptext += f"; valid: {field_range(name)}"  # meaning, range, default: the config field's texts
     if name in SMALL_DATA_WHITENING:
         rules = (f"{SMALL_DATA_WHITENING[name]} for {', '.join(SMALL_DATASETS[:-1])} and {SMALL_DATASETS[-1]} data "
                  f"without a preset, so the short default run folds ~15 blocks per epoch; otherwise the layers' "
@@ -564,7 +566,8 @@ def build_parser() -> argparse.ArgumentParser:
     groups[whiten_group] = p.add_argument_group(
         whiten_group,
         "Unset values take the layers' defaults, the paper's experimental values (shown per method below). A value "
-        "given here applies to every method whose layers take it; use --layer-kw for one method only.")
+        "given here applies to every method whose layers take it; use --layer-kw for one method only. What each "
+        "does and when to change it: python -m pydoc whitenlayers.EVDConfig (and RecursiveConfig).")
     groups[_RUN].add_argument(
         "--replot", metavar="DIR", default=None,
         help="train nothing: redraw DIR/figure.png and DIR/summary.md from DIR/metrics.csv and DIR/config.json "
