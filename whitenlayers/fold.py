@@ -540,7 +540,11 @@ class FoldCoordinator:
         pending, self.pending = self.pending, []
         fold_layers([p for p in pending if p._fold_pending], strategy=self.strategy, _coordinator=self)
 
+    @torch.compiler.disable  # Python bookkeeping: outside any compiled graph, never guarded on
     def __call__(self, module, inputs, output) -> None:
+        for layer in self.layers:
+            if layer._traced_seen:  # called inside a compiled graph: count its batch here (WhiteningLayer)
+                layer._count_traced_batch()
         if self.pending:
             self.flush()
 

@@ -32,7 +32,9 @@ Folding across layers and ranks is :mod:`whitenlayers.fold`'s.
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import sys
 import warnings
 from typing import TYPE_CHECKING, Any, Dict, Hashable, Iterator, List, Optional, Tuple, Union, cast
 
@@ -61,6 +63,7 @@ __all__ = ["WhiteningLayer", "recomputing"]
 
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
 _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
+_eager = torch.compiler.disable
 
 
 def recomputing() -> bool:
@@ -82,6 +85,35 @@ _EXTRA_LAYOUT = 2
 _EXTRA_HEAD = ("layout", "acc_batches", "has_shift", "eig_failures", "skipped_folds", "nonfinite_blocks",
                "clamped_steps", "acc_count", "stats_unshifted")
 _COUNTERS = ("eig_failures", "skipped_folds", "nonfinite_blocks", "clamped_steps")
+#: Set while :func:`~whitenlayers.load_plain_state_dict` loads a plain checkpoint into a converted model.
+_loading_plain = [False]
+
+
+@contextlib.contextmanager
+def loading_plain_checkpoint() -> Iterator[None]:
+    """While active, loading a plain layer's keys into a whitening layer is expected (no warning)."""
+    before, _loading_plain[0] = _loading_plain[0], True
+    try:
+        yield
+    finally:
+        _loading_plain[0] = before
+
+
+def _strict_load() -> bool:
+    """The ``strict`` of the ``Module.load_state_dict`` call under way (PyTorch passes ``strict=True`` to every
+    ``_load_from_state_dict`` and applies ``strict`` to the missing / unexpected keys afterwards); ``False`` where
+    no such call is found (a loader of its own: warn, never fail a load PyTorch would accept)."""
+    frame = sys._getframe(2)
+    code = torch.nn.Module.load_state_dict.__code__
+    while frame is not None:
+        if frame.f_code is code:
+            return bool(frame.f_locals.get("strict", True))
+        frame = frame.f_back
+    return False
+
+
+#: Buffers only a recursive layer has (they tell a recursive checkpoint from a grad one).
+_RECURSIVE_KEYS = ("running_cov_whitened", "running_power", "whitening_gram")
 
 
 
@@ -185,6 +217,8 @@ class WhiteningLayer:
         reads the buffers of the layer's last original forward, so its output and the transform its backward uses
         are those of that forward even if a fold came in between (the fold follows the model's forward).
         """
+        if _is_compiling():  # traced: no recomputation to track, and inference_mode cannot be traced
+            return self.training, {name: self._buffers[name] for name in self._FORWARD_BUFFERS}
         if recomputing():
             state = self._in_force
             if state is None:  # no original forward seen (e.g. state loaded since): what is in force now
@@ -193,7 +227,9 @@ class WhiteningLayer:
         state = {name: self._buffers[name] for name in self._FORWARD_BUFFERS}
         if not _is_compiling():  # a compiled graph replays itself when checkpointed; it never recomputes here
             self._in_force = state
-        return self.training, state
+        # Under torch.inference_mode a training-mode forward gathers nothing and counts nothing: a fold there would
+        # store inference tensors as state, which the next training step cannot use (docs/robustness.md).
+        return self.training and not torch.is_inference_mode_enabled(), state
 
     def __getstate__(self) -> Dict[str, Any]:
         # The buffers of the last forward and the weight of a fold under way are transient: not pickled or copied.
@@ -243,6 +279,10 @@ class WhiteningLayer:
         ``Q_s``) but its training forwards accumulate nothing and fold nothing,
         like a network whose whitening was fitted once and then fixed. A partial
         block is kept and continues when the layer is unfrozen.
+
+        Args:
+            frozen: ``True`` (default) to stop updating, ``False`` to resume. :func:`~whitenlayers.frozen`
+                freezes every layer of a model for the duration of a ``with`` block.
         """
         self.frozen = bool(frozen)
         return self
@@ -284,6 +324,7 @@ class WhiteningLayer:
         and its page faults, at every fold; the fold zeroes those of many layers in one multi-tensor op)."""
         dev = self.running_mean.device
         self._acc_batches = 0
+        self._gather_next = True
         self._acc_count = 0.0  # rows (samples x positions) gathered: known from shapes, no device op
         self._acc_shift: Optional[Tensor] = None
         self._acc_shift_x: Optional[Tensor] = None  # the shift as the batches subtract it (None: unshifted)
@@ -313,10 +354,17 @@ class WhiteningLayer:
         """
         if self.frozen:
             return
+        if _is_compiling():
+            return self._accumulate_traced(x)
         if self._fold_pending:  # a requested fold whose coordinator never ran
             self._fold_now()
         if not self._gathers_now():
             return
+        self._add_batch(x)
+
+    def _add_batch(self, x: Tensor) -> None:
+        """Add ``x``'s sums about the block's shift to the accumulators (the shift chosen at the block's first
+        gathered batch); count its rows."""
         x = x.detach()
         if x.dtype not in (torch.float32, torch.float64):
             x = x.float()
@@ -335,13 +383,64 @@ class WhiteningLayer:
             self._acc_s2.add_(s2)
             self._acc_count += x.numel() // self.num_features
 
-    def _start_block(self, x: Tensor) -> None:
+    # ------------------------------------------------------------ torch.compile
+    # Inside a compiled graph a layer reads no Python number that changes from step to step (dynamo would guard on
+    # it and recompile at every step of a block). The graph holds the tensor work only: the batch's sums added to
+    # the accumulators (always about a shift, the mean in force, never the unshifted product: no per-layer flag that
+    # could change between blocks). It writes down, as Python attributes that it never reads, that the layer was
+    # called and how many rows it gathered; the model's FoldCoordinator, a forward hook that runs outside the graph
+    # (torch.compiler.disable), then counts the batch, keeps the block's row count and folds at the block's end, as
+    # an eager layer does for itself. A layer without a coordinator (built alone, not by convert_model) leaves the
+    # graph for that bookkeeping: a graph break per layer, still no recompilation.
+    _traced_seen = False
+    _traced_rows = 0
+    #: Whether the next training forward gathers statistics (``stats_every``), kept by the eager bookkeeping.
+    _gather_next = True
+
+    def _accumulate_traced(self, x: Tensor) -> None:
+        if self._fold_coordinator is None:
+            return _eager(WhiteningLayer._accumulate_eager)(self, x)
+        if not self._gather_next:  # stats_every > 1: a guard with two values, two graphs at most
+            self._traced_rows = 0
+            return
+        x = x.detach()
+        if x.dtype not in (torch.float32, torch.float64):
+            x = x.float()
+        fraction = self.config.stats_fraction
+        if fraction < 1.0 and x.shape[0] > 1:
+            x = x[: stats_samples(x.shape[0], x[0].numel() // self.num_features, self.num_features, fraction)]
+        with _no_autocast(x.device):
+            if self._acc_shift is None:  # the first block's first batch (or after a reset): a second graph, once
+                self._start_block(x, shifted=True)
+            # the shift as x subtracts it, made in the graph (one small cast; no attribute that may be None)
+            shift_x = cast(Tensor, self._acc_shift).to(x.dtype).view((1, -1) + (1,) * (x.dim() - 2))
+            s1, s2 = F_w.batch_sums(x, shift_x, self.groups)
+            self._acc_s1.add_(s1)
+            self._acc_s2.add_(s2)
+        self._traced_rows = x.numel() // self.num_features
+
+    def _accumulate_eager(self, x: Tensor) -> None:
+        """:meth:`_accumulate` outside a compiled graph (a graph break; for a layer without a coordinator)."""
+        if self._fold_pending:
+            self._fold_now()
+        if self._gathers_now():
+            self._add_batch(x)
+
+    def _count_traced_batch(self) -> None:
+        """The coordinator, outside the graph, after a compiled forward that called this layer: what
+        :meth:`_add_batch` and :meth:`_end_batch` count in eager mode."""
+        self._traced_seen = False
+        self._acc_count += self._traced_rows
+        self._traced_rows = 0
+        self._end_batch()
+
+    def _start_block(self, x: Tensor, shifted: bool = False) -> None:
         """Choose the block's shift at its first gathered batch (once per block): zero when the layer sums
         unshifted, else the mean in force, or for the very first block this batch's mean (0 where it is not
         finite, so that one bad batch cannot poison the block's other batches). Chosen on the device: no host
         synchronisation, no graph break under torch.compile."""
         m = self.num_features
-        if self._stats_unshifted:
+        if not shifted and self._stats_unshifted:  # `shifted` first: a traced block start never reads the flag
             self._acc_shift = torch.zeros(m, dtype=torch.float64, device=x.device)
             self._acc_shift_x = None
             return
@@ -355,6 +454,11 @@ class WhiteningLayer:
         self._acc_shift_x = self._acc_shift.to(x.dtype).view((1, m) + (1,) * (x.dim() - 2))
 
     def _reset_accumulators_to(self, device) -> None:
+        if self._acc_s1.is_meta:  # accumulators left on the meta device hold nothing: a new, empty block
+            f64 = {"dtype": torch.float64, "device": device}
+            self._acc_s1, self._acc_s2 = torch.zeros(self.num_features, **f64), torch.zeros(self._block_shape, **f64)
+            self._acc_shift = self._acc_shift_x = None
+            return
         for name in ("_acc_s1", "_acc_s2", "_acc_shift", "_acc_shift_x"):
             value = getattr(self, name)
             if value is not None:
@@ -364,7 +468,13 @@ class WhiteningLayer:
         """Count one training forward; fold (or ask the coordinator to) at the block's end."""
         if self.frozen:
             return
+        if _is_compiling():
+            if self._fold_coordinator is None:
+                return _eager(WhiteningLayer._end_batch)(self)
+            self._traced_seen = True  # counted by the coordinator after the graph (a write only: no guard)
+            return
         self._acc_batches += 1
+        self._gather_next = self._acc_batches % self.config.stats_every == 0
         if self._acc_batches >= self.config.block_size * self.config.accumulation_steps:
             self._fold_pending = True
             self._capture_fold_inputs()
@@ -449,6 +559,11 @@ class WhiteningLayer:
         self._stats_unshifted = unshifted
         self._on_mean_change(delta)
         self.running_mean = mean.clone(memory_format=torch.contiguous_format)
+        # The next block's shift, as its first gathered batch would choose it (_start_block after a counted fold):
+        # chosen here, a compiled graph needs no second variant for a block's first batch.
+        self._acc_shift = (torch.zeros(self.num_features, dtype=torch.float64, device=self.running_mean.device)
+                           if unshifted else self.running_mean.to(torch.float64))
+        self._acc_shift_x = None
         return True
 
     def _stored(self, name: str, value: Tensor) -> Tensor:
@@ -475,9 +590,13 @@ class WhiteningLayer:
     def fold(self, block: Optional[BlockSummary] = None) -> None:
         """Fold the current (possibly partial) block now, as if the block had ended.
 
-        ``block``: fold this summary instead of the accumulated block (from :meth:`block_statistics`, e.g. to
-        time one layer's fold on the same block again and again); nothing is summed across ranks. Either way
-        the layer starts a new, empty block.
+        Either way the layer starts a new, empty block.
+
+        Args:
+            block: a block summary to fold instead of the accumulated block (from :meth:`block_statistics`,
+                e.g. to time one layer's fold on the same block again and again); nothing is summed across
+                ranks then. Default ``None``: the accumulated block, summed across ranks under
+                ``torch.distributed``.
         """
         if block is None:
             self._fold_now()
@@ -486,7 +605,12 @@ class WhiteningLayer:
 
     def accumulate(self, x: Tensor) -> None:
         """Add ``x`` (features on dim 1: ``(N, M)`` or ``(N, M, *positions)``) to the current block's statistics,
-        as a training forward does, without counting a batch toward ``block_size`` (see :meth:`fold`)."""
+        as a training forward does, without counting a batch toward ``block_size`` (see :meth:`fold`).
+
+        Args:
+            x: the features, ``(N, M)`` or ``(N, M, *positions)`` with ``M = num_features``: every sample and
+                position is one observation (a conv layer's input before padding, or its unfolded patches).
+        """
         if x.dim() < 2 or x.shape[1] != self.num_features:
             raise ValueError(f"{self._describe()}: accumulate expects features on dim 1 ({self.num_features}), but "
                              f"got shape {tuple(x.shape)}")
@@ -500,11 +624,39 @@ class WhiteningLayer:
         """Drop the current partial block (its statistics and its batch count); the state in force is kept."""
         self._reset_accumulators()
 
-    def reset_running_stats(self) -> None:
-        """Back to the initial state (``mu = 0``, ``T = Q_s = I``, no blocks); the layer's function is kept."""
+    #: Buffers of a subclass that a fresh layer holds as zeros, zeroed by :meth:`reset_running_stats`.
+    _ZEROED_ON_RESET: Tuple[str, ...] = ()
+
+    def reset_running_stats(self, keep_function: bool = False) -> None:
+        """Back to the state of a freshly built layer: every buffer and the extra state.
+
+        ``mu = 0``, ``Phi_x = 0``, ``T = Q_s = I`` (and the recursive rule's
+        initial state), ``num_blocks = 0``, an empty partial block, the
+        counters at zero and, for grad/recursive layers, no bias compensation
+        (``bias_correction = 0``) and no absorbed offset. Like BatchNorm's, it
+        reads none of the old values, so it also initialises a layer whose
+        memory is garbage (``to_empty`` after building on the meta device);
+        :meth:`reset_parameters` calls it. The layer then computes what a freshly
+        converted layer with the same weights computes (the plain layer's
+        function).
+
+        Args:
+            keep_function: ``True`` keeps what the layer computes instead: the
+                old centring ``-sum_k W_k mu`` moves into ``bias_correction`` and
+                the absorbed offset is kept (grad/recursive layers; reads the old
+                ``mu``, so the state must be initialised). Default ``False``.
+        """
         self._fold_weight = None
+        self._in_force = None
+        self._mean_taps = None
         with torch.no_grad():
-            self._on_mean_change(-self.running_mean.to(torch.float64))
+            if keep_function:
+                self._on_mean_change(-self.running_mean.to(torch.float64))
+            else:
+                for name in self._ZEROED_ON_RESET:
+                    buf = self._buffers.get(name)
+                    if buf is not None:
+                        buf.zero_()
             self.running_mean.zero_()
             self.running_cov.zero_()
             self.whitening_matrix.copy_(F_w.block_identity(self.num_features, self.groups))
@@ -516,7 +668,46 @@ class WhiteningLayer:
             self.num_blocks.zero_()
         self.eig_failures = self.skipped_folds = self.nonfinite_blocks = self.clamped_steps = 0
         self._stats_unshifted = False
+        self._warned = set()
         self._reset_accumulators()
+
+    def reset_parameters(self) -> None:
+        """The layer's own ``reset_parameters`` (a conv's or linear layer's weight and bias), then
+        :meth:`reset_running_stats`, as BatchNorm does: what meta-device initialisation recipes call after
+        ``to_empty``."""
+        parent = getattr(super(), "reset_parameters", None)
+        if parent is not None:
+            parent()
+        if "running_mean" in self.__dict__.get("_buffers", {}):  # nn.Conv2d.__init__ calls this before the state
+            self.reset_running_stats()
+
+    def _apply(self, fn, recurse: bool = True):
+        """``Module._apply`` (``to``, ``cuda``, ``to_empty``, ``half``, ...), with two differences.
+
+        The whitening state keeps its precision: a cast to a dtype other than
+        float32 / float64 (``model.to(torch.bfloat16)``, ``.half()``) moves
+        the layer's own floating buffers (statistics, transforms, bias
+        compensation) to the new device in their own dtype (float32, or
+        float64 for a float64 layer); a cast between float32 and float64 casts
+        them as before. And the partial block's float64 accumulators, which are
+        not buffers (DDP would broadcast them), move with the layer, staying
+        float64.
+        """
+        own = {name: buf for name, buf in self._buffers.items() if buf is not None and buf.is_floating_point()}
+        result = super()._apply(fn, recurse)  # type: ignore[misc]
+        for name, old in own.items():
+            new = self._buffers.get(name)
+            if new is not None and new.dtype != old.dtype and new.dtype not in (torch.float32, torch.float64):
+                self._buffers[name] = old.to(device=new.device)
+        for name in ("_acc_s1", "_acc_s2", "_acc_shift"):
+            old = self.__dict__.get(name)
+            if old is not None:
+                new = fn(old)
+                self.__dict__[name] = new if new.dtype == old.dtype else old.to(device=new.device)
+        self._acc_shift_x = None  # the shift as batches subtract it: made again from _acc_shift at the next batch
+        self._in_force = None
+        self._mean_taps = None
+        return result
 
     def whitened_covariance(self) -> Tensor:
         """``T Phi_x T^T``: the covariance of the features the layer's weights effectively see. float64.
@@ -549,12 +740,19 @@ class WhiteningLayer:
         return torch.cat([head, shift, self._acc_s1, self._acc_s2.reshape(-1)])
 
     def set_extra_state(self, state: Union[Tensor, Dict[str, Any]]) -> None:
+        """Restore the partial block and the counters (``load_state_dict`` calls this).
+
+        Args:
+            state: what :meth:`get_extra_state` returned (a float64 tensor), or the dict of a version-1
+                checkpoint.
+        """
         if isinstance(state, dict):  # version 1 checkpoints
             state = self._unpack_dict_extra_state(state)
         else:
             state = self._unpack_extra_state(state)
         dev = self.running_mean.device
         self._acc_batches = int(state["acc_batches"])
+        self._gather_next = self._acc_batches % self.config.stats_every == 0
         self._acc_count = float(state["acc_count"])
         self._stats_unshifted = bool(state.get("stats_unshifted", False))
         shift = state["acc_shift"]
@@ -599,8 +797,55 @@ class WhiteningLayer:
         state["acc_count"] = float(state["acc_count"])
         return state
 
+    def _method_name(self) -> str:
+        """``"grad"``, ``"recursive"`` or ``"direct"``: :func:`~whitenlayers.convert_model`'s name of the method."""
+        if self.rule.name == "recursive":
+            return "recursive"
+        return "grad" if "grad_transform" in self._buffers else "direct"
+
+    def _checkpoint_method(self, state_dict: Dict[str, Any], prefix: str) -> Tuple[Optional[str], str]:
+        """What the checkpoint holds in this layer's place, and where: ``"grad"``, ``"recursive"``, ``"direct"``,
+        ``"plain"`` (an unconverted layer) or ``None`` (nothing there). A direct layer sits at ``<name>.whiten.``,
+        a grad or recursive one at ``<name>.`` (PyTorch hands a module only the keys under its prefix: the direct
+        wrapper checks for its whitening layer, :class:`~whitenlayers.DirectWhitenWrapper`)."""
+        place = prefix[: -len("whiten.")] if self._method_name() == "direct" and prefix.endswith("whiten.") else prefix
+        where = place[:-1] or "<root>"
+        for found in (place, place + "whiten."):
+            if any(found + name in state_dict for name in _RECURSIVE_KEYS):
+                return "recursive", where
+            if found + "grad_transform" in state_dict:
+                return "grad", where
+            if found + "whitening_matrix" in state_dict:
+                return "direct", where
+        if place + "weight" in state_dict:
+            return "plain", where
+        return None, where
+
+    def _check_checkpoint_method(self, state_dict: Dict[str, Any], prefix: str, error_msgs: List[str]) -> None:
+        """A checkpoint of another method (or of the plain model) in this layer's place: an error that names both
+        (a strict load), or a warning (``strict=False``, where PyTorch would drop the other method's keys
+        silently)."""
+        (theirs, where), mine = self._checkpoint_method(state_dict, prefix), self._method_name()
+        if theirs is None or theirs == mine or (theirs == "plain" and _loading_plain[0]):
+            return
+        if theirs == "plain":
+            if mine == "direct":
+                return  # a plain layer's keys at the wrapper's place: the wrapped layer's own check (missing keys)
+            msg = (f"{self._describe()}: the checkpoint holds a plain (unconverted) layer at '{where}', but this "
+                   f"model's layer there is a '{mine}' whitening layer; load it with "
+                   "wl.load_plain_state_dict(model, state_dict)")
+        else:
+            msg = (f"{self._describe()}: the checkpoint holds a '{theirs}' whitening layer at '{where}', but this "
+                   f"model's layer there is '{mine}'; convert the model with method={theirs!r} before loading")
+        if _strict_load():
+            error_msgs.append(msg)
+        else:
+            warnings.warn(msg + " (strict=False: the whitening state of the other method is not loaded; only keys "
+                                "with the same names are)", UserWarning, stacklevel=4)
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
+        self._check_checkpoint_method(state_dict, prefix, error_msgs)
         version = local_metadata.get("version", None)
         key = prefix + "_extra_state"
         if (version is None or version < 1) and key not in state_dict:

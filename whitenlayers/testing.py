@@ -9,6 +9,8 @@ names treat them alike, without torchvision, timm or transformers installed. Not
   optionally torch's ``nn.MultiheadAttention`` as torchvision uses).
 * :func:`hf_resnet_like`: Hugging Face transformers' ``ResNetForImageClassification`` (``ResNetBottleNeckLayer``
   / ``ResNetBasicLayer`` blocks).
+* :class:`BatchNormAct2d` and :func:`timm_mobilenet_like`: timm's fused BatchNorm + activation (a ``BatchNorm2d``
+  subclass with a forward of its own), in the inverted residual blocks of timm's EfficientNet / MobileNet.
 
 Example:
     >>> import torch
@@ -25,7 +27,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = ["InvertedResidual", "mobilenet_like", "Bottleneck", "resnext_like", "vit_like", "hf_resnet_like",
-           "ResNetConvLayer", "ResNetShortCut", "ResNetBottleNeckLayer", "ResNetBasicLayer"]
+           "ResNetConvLayer", "ResNetShortCut", "ResNetBottleNeckLayer", "ResNetBasicLayer", "BatchNormAct2d",
+           "timm_mobilenet_like"]
 
 
 def _conv_bn(cin: int, cout: int, k: int, stride: int = 1, groups: int = 1, act: bool = True) -> nn.Sequential:
@@ -348,3 +351,62 @@ def hf_resnet_like(depths=(3, 4, 6, 3), *, layer_type: str = "bottleneck", width
     mult = 4 if layer_type == "bottleneck" else 1
     hidden = [width * mult * 2**i for i in range(len(depths))]
     return _HFResNetForImageClassification(block, tuple(depths), hidden, width, num_classes, in_channels)
+
+
+class BatchNormAct2d(nn.BatchNorm2d):
+    """timm's ``BatchNormAct2d`` (``timm.layers.norm_act``): a ``BatchNorm2d`` subclass whose own forward calls
+    ``F.batch_norm`` with BatchNorm's running-statistics logic, then dropout and an activation."""
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.1, affine: bool = True,
+                 track_running_stats: bool = True, apply_act: bool = True, drop: float = 0.0) -> None:
+        super().__init__(num_features, eps=eps, momentum=momentum, affine=affine,
+                         track_running_stats=track_running_stats)
+        self.drop = nn.Dropout(drop) if drop > 0 else nn.Identity()
+        self.act = nn.SiLU(inplace=True) if apply_act else nn.Identity()
+
+    def forward(self, x: Tensor) -> Tensor:
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        bn_training = self.training or (self.running_mean is None and self.running_var is None)
+        x = F.batch_norm(x, self.running_mean if not self.training or self.track_running_stats else None,
+                         self.running_var if not self.training or self.track_running_stats else None,
+                         self.weight, self.bias, bn_training, factor, self.eps)
+        return self.act(self.drop(x))
+
+
+class _TimmInvertedResidual(nn.Module):
+    """timm's ``InvertedResidual`` (EfficientNet / MobileNetV3 blocks): conv -> BatchNormAct2d, three times."""
+
+    def __init__(self, cin: int, cout: int, expand: int = 4, stride: int = 1) -> None:
+        super().__init__()
+        mid = cin * expand
+        self.conv_pw = nn.Conv2d(cin, mid, 1, bias=False)
+        self.bn1 = BatchNormAct2d(mid)
+        self.conv_dw = nn.Conv2d(mid, mid, 3, stride, 1, groups=mid, bias=False)
+        self.bn2 = BatchNormAct2d(mid)
+        self.conv_pwl = nn.Conv2d(mid, cout, 1, bias=False)
+        self.bn3 = BatchNormAct2d(cout, apply_act=False)
+        self.has_skip = stride == 1 and cin == cout
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.bn3(self.conv_pwl(self.bn2(self.conv_dw(self.bn1(self.conv_pw(x))))))
+        return out + x if self.has_skip else out
+
+
+class _TimmMobileNetLike(nn.Module):
+    def __init__(self, num_classes: int, in_channels: int, width: int) -> None:
+        super().__init__()
+        self.conv_stem = nn.Conv2d(in_channels, width, 3, 2, 1, bias=False)
+        self.bn1 = BatchNormAct2d(width)
+        self.blocks = nn.Sequential(_TimmInvertedResidual(width, width), _TimmInvertedResidual(width, 2 * width, 2))
+        self.classifier = nn.Linear(2 * width, num_classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.classifier(self.blocks(self.bn1(self.conv_stem(x))).mean((2, 3)))
+
+
+def timm_mobilenet_like(num_classes: int = 10, in_channels: int = 3, width: int = 8) -> nn.Module:
+    """A small timm-style EfficientNet / MobileNet: every conv feeds a :class:`BatchNormAct2d` (7 convs)."""
+    return _TimmMobileNetLike(num_classes, in_channels, width)

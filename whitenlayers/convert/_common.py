@@ -62,6 +62,14 @@ class DirectWhitenWrapper(nn.Module):
         self.whiten = whiten
         self.layer = layer
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # The whitening layer's check of a checkpoint of another method: a grad / recursive layer's keys sit here,
+        # at the wrapper's place, which the DirectWhiten's own load (given only its keys) does not see.
+        self.whiten._check_checkpoint_method(state_dict, prefix + "whiten.", error_msgs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
     def forward(self, x: Tensor) -> Tensor:
         if isinstance(self.layer, nn.Linear) and x.dim() != 2:
             # A linear layer acts on the last dim: whiten the (N, C) rows of x (statistics over all leading dims).

@@ -1,6 +1,8 @@
 """Which BatchNorm absorbs a layer's centring: a ``torch.fx`` trace of the enclosing block."""
 from __future__ import annotations
 
+import copy
+import itertools
 import warnings
 from typing import (
     TYPE_CHECKING,
@@ -32,7 +34,10 @@ class _DataflowTracer(torch.fx.Tracer):
         self._leaves = leaves
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return id(m) in self._leaves or _is_whitening(m) or super().is_leaf_module(m, module_qualified_name)
+        # A BatchNorm subclass with a forward of its own (timm's BatchNormAct2d) is a leaf too: whether it may
+        # absorb is decided by _absorbing_batchnorm_ok, not by tracing into it.
+        return (id(m) in self._leaves or _is_whitening(m) or isinstance(m, _BatchNorm)
+                or super().is_leaf_module(m, module_qualified_name))
 
 
 def _absorbing_batchnorm_ok(layer: nn.Module, bn: nn.Module) -> bool:
@@ -44,7 +49,55 @@ def _absorbing_batchnorm_ok(layer: nn.Module, bn: nn.Module) -> bool:
         kinds = (nn.BatchNorm1d, nn.SyncBatchNorm)
         features = cast(nn.Linear, layer).out_features
     return (isinstance(bn, kinds) and isinstance(bn, _BatchNorm) and bn.num_features == features
-            and not bn._forward_pre_hooks and not getattr(bn, "_forward_pre_hooks_with_kwargs", None))
+            and not bn._forward_pre_hooks and not getattr(bn, "_forward_pre_hooks_with_kwargs", None)
+            and _removes_batch_mean(bn, len(getattr(layer, "kernel_size", ()))))
+
+
+#: The forwards PyTorch's BatchNorms run: they normalise with the batch mean in training mode.
+_TORCH_FORWARDS = (_BatchNorm.forward, nn.SyncBatchNorm.forward)
+
+
+def _removes_batch_mean(bn: nn.Module, spatial_dims: int) -> bool:
+    """Whether ``bn``'s forward may absorb a layer's centring: PyTorch's own BatchNorm forwards, or one of a
+    subclass (timm's ``BatchNormAct2d``: the normalisation, then dropout / an activation) that passes a probe.
+
+    The probe runs a float64 copy of ``bn`` on the CPU (a copy on the meta device is materialised first), with
+    random affine parameters, in training mode, on a small random input ``x`` and on ``x + c`` for a random
+    per-channel constant ``c``: the outputs must agree to 1e-9 (the forward removes the batch mean, so the centring
+    offset drops out and the input gradient sums to zero per channel), and the running mean must move by the
+    BatchNorm's factor times ``c`` (what the layer's ``absorbed_offset`` assumes). Anything else (a stochastic
+    forward, one that ignores the batch mean, one that raises) is left centred.
+    """
+    if type(bn).forward in _TORCH_FORWARDS:
+        return True
+    f64 = torch.float64
+    try:
+        probe = copy.deepcopy(bn)
+        if any(t.is_meta for t in itertools.chain(probe.parameters(), probe.buffers())):
+            probe = probe.to_empty(device="cpu")
+        probe = probe.to(device="cpu", dtype=f64).train()
+        gen = torch.Generator().manual_seed(0)
+        c = cast(_BatchNorm, probe).num_features
+        with torch.no_grad():
+            for name, value in (("weight", torch.rand(c, generator=gen, dtype=f64) + 0.5),
+                                ("bias", torch.randn(c, generator=gen, dtype=f64))):
+                if getattr(probe, name, None) is not None:
+                    getattr(probe, name).copy_(value)
+            cast(_BatchNorm, probe).reset_running_stats()
+        other = copy.deepcopy(probe)
+        view = (1, c) + (1,) * spatial_dims
+        x = torch.randn((4, c) + (3,) * spatial_dims, generator=gen, dtype=f64)
+        shift = torch.randn(c, generator=gen, dtype=f64) * 4
+        with torch.no_grad():
+            same = torch.allclose(probe(x), other(x + shift.view(view)), rtol=1e-9, atol=1e-9)
+        rm_a, rm_b = getattr(probe, "running_mean", None), getattr(other, "running_mean", None)
+        if same and rm_a is not None and rm_b is not None:
+            momentum = cast(_BatchNorm, probe).momentum
+            factor = 1.0 if momentum is None else momentum  # cumulative average: 1 / 1 after the first batch
+            same = torch.allclose(rm_b - rm_a, factor * shift, rtol=1e-9, atol=1e-9)
+        return bool(same)
+    except Exception:  # a forward that cannot run on this probe: nothing absorbed
+        return False
 
 
 def absorbing_batchnorms(

@@ -24,14 +24,13 @@ from ..layers import (
     GRAD_LAYER_TYPES,
     GradWhitenLinear,
 )
-from ..stats import WhiteningLayer
+from ..stats import WhiteningLayer, loading_plain_checkpoint
 from ._common import _CALL_HOOKS, _STATE_HOOKS, DirectWhitenWrapper, _is_whitening, _remove_coordinators, _share_hooks
 from .targets import whitening_layers
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.nn.modules.conv import _ConvNd
 
-    from ..layers import _GradWhitenMixin
 
 # --------------------------------------------------------------------------
 # to_plain_model
@@ -191,12 +190,7 @@ def _positions(model: nn.Module) -> Dict[str, nn.Module]:
 @torch.no_grad()
 def _reset_to_identity(layer: WhiteningLayer) -> None:
     """The state right after conversion: ``mu = 0``, ``T = Q_s = I``, no blocks, no bias compensation."""
-    layer.reset_running_stats()  # keeps the function through bias_correction, zeroed next (a fold never writes a bias)
-    if getattr(layer, "bias_correction", None) is not None:
-        cast("_GradWhitenMixin", layer).bias_correction.zero_()
-    absorbed = getattr(layer, "_buffers", {}).get("absorbed_offset")
-    if absorbed is not None:
-        absorbed.zero_()  # the checkpoint's BatchNorm running mean is the plain model's: d = 0
+    layer.reset_running_stats()  # also d = 0: the checkpoint's BatchNorm running mean is the plain model's
 
 
 def load_plain_state_dict(model: nn.Module, state_dict: Dict[str, Any], strict: bool = True) -> _LoadResult:
@@ -260,7 +254,8 @@ def load_plain_state_dict(model: nn.Module, state_dict: Dict[str, Any], strict: 
         _reset_to_identity(layer)
     for key in [k for k in translated if k not in model_keys]:
         del translated[key]
-    model.load_state_dict(translated, strict=False)
+    with loading_plain_checkpoint():
+        model.load_state_dict(translated, strict=False)
     return _LoadResult(missing, unexpected)
 
 

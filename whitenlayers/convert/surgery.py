@@ -1,11 +1,13 @@
 """Model surgery: :func:`convert_model` replaces the target layers with whitening layers, in place."""
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import (
     TYPE_CHECKING,
     Any,
     Dict,
+    Iterator,
     Optional,
     Tuple,
     Union,
@@ -14,6 +16,7 @@ from typing import (
 
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.utils import parametrize
 
 from ..fold import FoldCoordinator, check_strategy
 from ..layers import (
@@ -297,32 +300,49 @@ def convert_model(
     _check_existing(model, method, layer_kwargs)
     target_spec = TargetSpec(targets, predicate, block_types, include_linear, include_stem, include_classifier,
                              max_features, example_input)
-    plan = _plan(model, target_spec)
+    # Reading a parametrized weight (shapes, dtypes) must not advance a parametrization's training step (spectral
+    # norm's power iteration): they run in eval mode while the model is converted.
+    with _parametrizations_in_eval(model):
+        plan = _plan(model, target_spec)
 
-    selected = [(name, module) for name, module, decision in plan if decision.status == "to convert"]
-    patch_stem = _patch_stem(plan, method, include_stem, max_features) if stem_patches else None
-    absorbers = absorbing_batchnorms(model, selected) if (absorb_centring and method != "direct") else {}
-    # Build every new layer first, so an error leaves the model untouched.
-    new_by_id: Dict[int, nn.Module] = {}
-    for name, module in selected:
-        kwargs = dict(layer_kwargs, features="patches") if module is patch_stem else layer_kwargs
-        new_by_id[id(module)] = _make_layer(method, module, name, kwargs)
-    for key, (bn, parent) in absorbers.items():
-        cast("_GradWhitenMixin", new_by_id[key]).absorb_centring(cast(_BatchNorm, bn), parent=parent)
-    decisions = [d._replace(status="converted") if d.status == "to convert" else d for _, _, d in plan]
-    result = ConversionReport(method, decisions)
-    _warn_left_out(result, targets=targets, predicate=predicate, include_linear=include_linear,
-                   model_has_whitening=bool(whitening_layers(model)))
-    if id(model) in new_by_id:  # a bare layer passed as the model
-        new_root = new_by_id[id(model)]
-        return (new_root, result) if report else new_root
-    if new_by_id:
-        for parent in list(model.modules()):
-            for child_name, child in list(parent._modules.items()):
-                if child is not None and id(child) in new_by_id and not _is_whitening(parent):
-                    setattr(parent, child_name, new_by_id[id(child)])
-    _install_coordinator(model, fold_strategy)
-    return (model, result) if report else model
+        selected = [(name, module) for name, module, decision in plan if decision.status == "to convert"]
+        patch_stem = _patch_stem(plan, method, include_stem, max_features) if stem_patches else None
+        absorbers = absorbing_batchnorms(model, selected) if (absorb_centring and method != "direct") else {}
+        # Build every new layer first, so an error leaves the model untouched.
+        new_by_id: Dict[int, nn.Module] = {}
+        for name, module in selected:
+            kwargs = dict(layer_kwargs, features="patches") if module is patch_stem else layer_kwargs
+            new_by_id[id(module)] = _make_layer(method, module, name, kwargs)
+        for key, (bn, parent) in absorbers.items():
+            cast("_GradWhitenMixin", new_by_id[key]).absorb_centring(cast(_BatchNorm, bn), parent=parent)
+        decisions = [d._replace(status="converted") if d.status == "to convert" else d for _, _, d in plan]
+        result = ConversionReport(method, decisions)
+        _warn_left_out(result, targets=targets, predicate=predicate, include_linear=include_linear,
+                       model_has_whitening=bool(whitening_layers(model)))
+        if id(model) in new_by_id:  # a bare layer passed as the model
+            new_root = new_by_id[id(model)]
+            return (new_root, result) if report else new_root
+        if new_by_id:
+            for parent in list(model.modules()):
+                for child_name, child in list(parent._modules.items()):
+                    if child is not None and id(child) in new_by_id and not _is_whitening(parent):
+                        setattr(parent, child_name, new_by_id[id(child)])
+        _install_coordinator(model, fold_strategy)
+        return (model, result) if report else model
+
+
+@contextlib.contextmanager
+def _parametrizations_in_eval(model: nn.Module) -> Iterator[None]:
+    """Every parametrization of ``model`` (``torch.nn.utils.parametrize``) in eval mode inside the block."""
+    mods = [p for m in model.modules() if isinstance(m, parametrize.ParametrizationList) for p in m.modules()]
+    modes = [p.training for p in mods]
+    for p in mods:
+        p.training = False
+    try:
+        yield
+    finally:
+        for p, mode in zip(mods, modes):
+            p.training = mode
 
 
 def _patch_stem(plan, method: str, include_stem: bool, max_features: Optional[int]) -> Optional[nn.Module]:

@@ -20,6 +20,7 @@ from typing import (
 import torch
 import torch.fx
 from torch import nn
+from torch.nn.utils import parametrize
 
 from ..methods import get_method
 from ..stats import WhiteningLayer
@@ -105,7 +106,13 @@ def _unsupported(m: nn.Module, allow_subclass: bool) -> Optional[str]:
         return f"{type(m).__name__}: an uninitialised lazy module (run one forward before converting)"
     if not isinstance(m, _PLAIN_LAYERS):
         return f"{type(m).__name__}: not an {_LAYER_WORDS}"
-    if type(m) not in _PLAIN_LAYERS and not allow_subclass:
+    parametrized = parametrize.is_parametrized(m)
+    if not parametrized and not isinstance(m._parameters.get("weight"), nn.Parameter):
+        return (f"{type(m).__name__}: its weight is computed by a forward pre-hook (torch.nn.utils.weight_norm / "
+                "spectral_norm), which a converted layer would not call; apply it after convert_model, or use "
+                "torch.nn.utils.parametrizations.weight_norm / spectral_norm, which convert_model carries over")
+    cls = type(m).__bases__[0] if parametrized else type(m)  # parametrize subclasses the module's class
+    if cls not in _PLAIN_LAYERS and not allow_subclass:
         return (f"{type(m).__name__}: a subclass of {_base_name(m)}, whose forward may differ (e.g. weight "
                 "standardisation) and would be dropped; a predicate can select it")
     if not m.weight.is_floating_point():

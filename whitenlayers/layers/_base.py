@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
-from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple, Type, Union, cast
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple, Type, Union, cast
 
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.utils import parametrize
 
 from .. import functional as F_w
-from .._rebuild import conv_like
+from .._rebuild import conv_like, share_parameters
 from ..autograd import grad_transformed
 from ..config import EVDConfig, WhiteningConfig, make_config
 from ..stats import WhiteningLayer, _is_compiling
@@ -38,6 +40,21 @@ def _with_whitening_signature(config_class: Type[WhiteningConfig], exclude: tupl
         return init
 
     return decorate
+
+
+def _weight_once(forward: Callable[[Any, Tensor], Tensor]) -> Callable[[Any, Tensor], Tensor]:
+    """Decorate a layer's ``forward``: a parametrized weight (``torch.nn.utils.parametrize``, e.g.
+    ``parametrizations.weight_norm`` / ``spectral_norm``) is computed once per forward, as the plain layer computes
+    it, not at each of the forward's reads of ``self.weight`` (input check, gradient transform, centring, fold)."""
+
+    @functools.wraps(forward)
+    def wrapper(self: Any, x: Tensor) -> Tensor:
+        if "parametrizations" in self._modules and not _is_compiling():
+            with parametrize.cached():
+                return forward(self, x)
+        return forward(self, x)
+
+    return wrapper
 
 
 def _autocast_enabled(device_type: str) -> bool:
@@ -82,6 +99,7 @@ class _GradWhitenMixin(WhiteningLayer):
     #: The config class of the layer's rule (EVD for the grad layers, recursive for the recursive ones).
     _CONFIG: Type[WhiteningConfig] = EVDConfig
     _FORWARD_BUFFERS = ("running_mean", "grad_transform", "bias_correction")
+    _ZEROED_ON_RESET = ("bias_correction", "absorbed_offset")
 
     if TYPE_CHECKING:  # pragma: no cover
         bias_correction: Tensor  # the buffer :meth:`_init_grad_whitening` registers
@@ -99,15 +117,20 @@ class _GradWhitenMixin(WhiteningLayer):
         """``mu`` repeated for every kernel tap, in ``dtype``: ``W.reshape(S, -1) @ mu_k = sum_k W_k mu`` in one
         product. Cached per mean tensor and version (a fold replaces the mean; an in-place write, e.g. DDP's
         buffer broadcast or ``load_state_dict``, bumps its version), so once per block on the hot path."""
+        if _is_compiling():  # traced: computed in the graph (fused there), no cache to guard on
+            return self._taps_of(mean, dtype)
         key = (mean, mean._version, dtype)
         cached = self._mean_taps
         if cached is not None and cached[0] is mean and cached[1:3] == key[1:]:
             return cached[3]
-        taps = 1 if self.features == "patches" else self.weight[0, 0].numel()  # a patch mean has one entry per tap
-        value = mean.to(dtype) if taps == 1 else mean.to(dtype).repeat_interleave(taps)
-        if not _is_compiling():
+        value = self._taps_of(mean, dtype)
+        if not torch.is_inference_mode_enabled():  # never keep an inference tensor
             self._mean_taps = key + (value,)
         return value
+
+    def _taps_of(self, mean: Tensor, dtype: torch.dtype) -> Tensor:
+        taps = 1 if self.features == "patches" else self.weight[0, 0].numel()  # a patch mean has one entry per tap
+        return mean.to(dtype) if taps == 1 else mean.to(dtype).repeat_interleave(taps)
 
     _mean_taps: Optional[tuple] = None
 
@@ -212,6 +235,13 @@ class _GradWhitenMixin(WhiteningLayer):
         unchanged. The references are plain attributes (not submodules): not
         in this layer's ``state_dict``; ``copy.deepcopy`` / pickling of a whole
         model keep the pairing (of the layer alone: with a copy of ``parent``).
+
+        Args:
+            batchnorm: the BatchNorm (``nn.BatchNorm1d/2d/3d``, ``nn.SyncBatchNorm``) that alone consumes
+                the layer's output, with ``num_features`` equal to its output features; ``None`` switches the
+                absorption off (the layer centres its input again).
+            parent: the module holding ``batchnorm`` as a child (default ``None``: keep a reference to
+                ``batchnorm`` itself). Pass it whenever the BatchNorm may be replaced later.
         """
         name = None
         if batchnorm is not None:
@@ -356,8 +386,7 @@ class _GradWhitenMixin(WhiteningLayer):
         if not isinstance(conv, plain):
             raise TypeError(f"{cls.__name__}.from_conv expects an nn.{plain.__name__}, but got {type(conv).__name__}")
         new = conv_like(conv, cls, bias=conv.bias is not None, **kwargs)
-        new.weight = conv.weight
-        new.bias = conv.bias
+        share_parameters(conv, new)
         new.train(conv.training)
         return new
 

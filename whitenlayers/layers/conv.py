@@ -8,14 +8,14 @@ import torch
 from torch import Tensor, nn
 from torch.nn.common_types import _size_2_t
 
-from .._rebuild import linear_like
+from .._rebuild import linear_like, share_parameters
 from ..config import EVDConfig, RecursiveConfig
 from ..patches import FEATURES, patch_padding, unfold_patches
 
 if TYPE_CHECKING:  # pragma: no cover
     pass
 
-from ._base import _check_input, _GradWhitenMixin, _with_whitening_signature
+from ._base import _check_input, _GradWhitenMixin, _weight_once, _with_whitening_signature
 
 
 class GradWhitenConv2d(_GradWhitenMixin, nn.Conv2d):
@@ -38,11 +38,26 @@ class GradWhitenConv2d(_GradWhitenMixin, nn.Conv2d):
     ``groups=G`` whitens per group (block-diagonal ``T`` and ``Q_s`` stored as
     ``(G, k, k)``; depthwise is a per-channel gain; see the module docstring).
 
-    Constructor arguments are those of ``nn.Conv2d``, plus the keyword-only
-    whitening arguments ``block_size``, ``alpha`` (0.9), ``beta`` (0.95),
-    ``eps`` (1e-5), ``gmax`` (10), ``gains`` (``"practical"`` or ``"zca"``) and
-    ``stats_fraction`` (1.0: all samples; a fraction uses that leading part of
-    each batch for the statistics).
+    Args:
+        in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode: as for
+            ``nn.Conv2d``, with its defaults (``stride=1``, ``padding=0``, ``dilation=1``, ``groups=1``,
+            ``bias=True``, ``padding_mode="zeros"``). ``M = in_channels`` features are whitened; with
+            ``groups=G`` each group's ``in_channels / G`` on their own. Any ``padding_mode`` works (the
+            input is centred after padding).
+        device, dtype: as for ``nn.Conv2d`` (default ``None``: the default device and dtype); they also
+            place the whitening buffers (float32, or float64 for a float64 layer).
+        config: the whitening hyper-parameters as one :class:`~whitenlayers.EVDConfig`; ``None`` (default)
+            takes its defaults. The keyword arguments below override its values.
+        process_group: under ``torch.distributed``, the group whose ranks sum their block statistics at a
+            fold (default ``None``: the default group, every rank; ignored by a single process). Change it
+            only to whiten per sub-group of ranks.
+        features: what a feature vector is: ``"channels"`` (default, the paper: the ``M`` input channels at
+            each position) or ``"patches"`` (the unfolded ``M k_h k_w`` input patch: K-FAC's activation
+            side; needs ``groups=1`` and ``padding_mode="zeros"``). Patches whiten more but cost
+            ``(M k_h k_w)^2`` statistics: use them for small stems (:mod:`whitenlayers.patches`).
+        block_size, alpha, eps, stats_fraction, accumulation_steps, stats_every, beta, gmax, gains: the
+            keyword-only whitening hyper-parameters: each is the :class:`~whitenlayers.EVDConfig` field of
+            that name, which gives its meaning, valid values, default and when to change it.
 
     Example:
         >>> import torch, whitenlayers as wl
@@ -109,7 +124,16 @@ class GradWhitenConv2d(_GradWhitenMixin, nn.Conv2d):
             return unfold_patches(x, self.kernel_size, self.dilation, self._patch_padding, self.stride)
         return x
 
+    @_weight_once
     def forward(self, x: Tensor) -> Tensor:
+        """The convolution of the centred input; in training mode the batch also joins the block statistics.
+
+        Args:
+            x: the input, ``(B, C, H, W)`` or unbatched ``(C, H, W)``, ``C = in_channels``, floating point.
+
+        Returns:
+            What ``nn.Conv2d`` returns for it, here ``conv(pad0(x) - mu, W) + b``.
+        """
         _check_input(self, x, dim=-3, ndims=(3, 4), what="an input of shape (B, C, H, W) or (C, H, W)")
         return self._whitened_conv_forward(x, 2)
 
@@ -120,11 +144,23 @@ class GradWhitenConv2d(_GradWhitenMixin, nn.Conv2d):
         Weight and bias are the same ``nn.Parameter`` objects (an optimizer
         built on ``conv`` keeps working), so device, dtype and
         ``requires_grad`` carry over; so does the training flag.
+
+        Args:
+            conv: the ``nn.Conv2d`` to convert (its constructor arguments are copied).
+            **kwargs: the whitening keyword arguments of the constructor (``config``, ``process_group``,
+                ``features``, ``block_size``, ...), with the same defaults.
+
+        Returns:
+            The new layer (``conv`` itself is left as it is).
         """
         return cls._from_plain_conv(conv, nn.Conv2d, **kwargs)
 
     def to_conv(self) -> nn.Conv2d:
-        """A plain ``nn.Conv2d`` with identical outputs (``mu`` folded into the bias); new Parameters."""
+        """A plain ``nn.Conv2d`` with identical outputs (``mu`` folded into the bias); new Parameters.
+
+        Identical to this layer's eval-mode outputs; the whitening state is dropped (the layer is left as it
+        is). :func:`~whitenlayers.to_plain_model` does this for a whole model.
+        """
         return self._to_plain_conv(nn.Conv2d)
 
 
@@ -137,6 +173,25 @@ class GradWhitenLinear(_GradWhitenMixin, nn.Linear):  # type: ignore[misc]
     statistics over all leading dimensions. Whitening keyword arguments as for
     :class:`GradWhitenConv2d`; the centring can be absorbed by a following
     ``BatchNorm1d`` (:meth:`absorb_centring`, ``(B, in_features)`` inputs).
+
+    Args:
+        in_features, out_features, bias: as for ``nn.Linear`` (``bias=True`` by default); the
+            ``M = in_features`` input features are whitened.
+        device, dtype: as for ``nn.Linear`` (default ``None``); they also place the whitening buffers.
+        config: the whitening hyper-parameters as one :class:`~whitenlayers.EVDConfig` (default ``None``: its
+            defaults); the keyword arguments below override its values.
+        process_group: the ranks that sum their block statistics at a fold (default ``None``: every rank),
+            as for :class:`GradWhitenConv2d`.
+        block_size, alpha, eps, stats_fraction, accumulation_steps, stats_every, beta, gmax, gains: the
+            keyword-only whitening hyper-parameters: each is the :class:`~whitenlayers.EVDConfig` field of
+            that name, which gives its meaning, valid values, default and when to change it.
+
+    Example:
+        >>> import torch, whitenlayers as wl
+        >>> fc = wl.GradWhitenLinear(6, 3, block_size=2)
+        >>> _ = fc(torch.randn(8, 6)); _ = fc(torch.randn(8, 6))
+        >>> int(fc.num_blocks), tuple(fc.grad_transform.shape)
+        (1, (6, 6))
     """
 
     @_with_whitening_signature(EVDConfig)
@@ -158,7 +213,16 @@ class GradWhitenLinear(_GradWhitenMixin, nn.Linear):  # type: ignore[misc]
         nn.Linear.__init__(self, in_features, out_features, bias, device, dtype)
         self._init_grad_whitening(in_features, out_features, config, whitening, process_group, device, dtype)
 
+    @_weight_once
     def forward(self, x: Tensor) -> Tensor:
+        """``(x - mu) W^T + b``; in training mode the batch also joins the block statistics.
+
+        Args:
+            x: the input, ``(*, in_features)`` (every leading dimension counts as samples), floating point.
+
+        Returns:
+            ``(*, out_features)``, as ``nn.Linear``.
+        """
         _check_input(self, x, dim=-1, ndims=tuple(range(1, 9)), what="an input of shape (*, in_features)")
         bn = self._batchnorm_absorbing_now()  # centring absorbed by the following BatchNorm1d (absorb_centring)
         if bn is not None and x.dim() != 2:
@@ -181,12 +245,18 @@ class GradWhitenLinear(_GradWhitenMixin, nn.Linear):  # type: ignore[misc]
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, **kwargs: Any) -> "GradWhitenLinear":
-        """A whitening linear layer computing the same function, sharing ``linear``'s Parameter objects."""
+        """A whitening linear layer computing the same function, sharing ``linear``'s Parameter objects.
+
+        Args:
+            linear: the ``nn.Linear`` to convert (sizes, device, dtype, ``requires_grad`` and training flag
+                carry over).
+            **kwargs: the whitening keyword arguments of the constructor (``config``, ``process_group``,
+                ``block_size``, ...), with the same defaults.
+        """
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"{cls.__name__}.from_linear expects an nn.Linear, but got {type(linear).__name__}")
         new = linear_like(linear, cls, bias=linear.bias is not None, **kwargs)
-        new.weight = linear.weight
-        new.bias = linear.bias
+        share_parameters(linear, new)
         new.train(linear.training)
         return new
 
@@ -219,6 +289,24 @@ class RecursiveWhitenConv2d(GradWhitenConv2d):
     holds less power than the target (``g_e > 1``) the gain is clamped to 1
     (ERRATA 6): no amplification, only the leakage acts; counted in
     ``clamped_steps``.
+
+    Args:
+        in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode, device,
+            dtype, process_group, features: as for :class:`GradWhitenConv2d` (``nn.Conv2d``'s arguments and
+            defaults; ``features="channels"``).
+        config: the whitening hyper-parameters as one :class:`~whitenlayers.RecursiveConfig` (default
+            ``None``: its defaults); the keyword arguments below override its values.
+        block_size, alpha, eps, stats_fraction, accumulation_steps, stats_every, beta, gamma, delta, c_rel,
+            c_abs: the keyword-only whitening hyper-parameters: each is the
+            :class:`~whitenlayers.RecursiveConfig` field of that name, which gives its meaning, valid values,
+            default and when to change it.
+
+    Example:
+        >>> import torch, whitenlayers as wl
+        >>> conv = wl.RecursiveWhitenConv2d(4, 8, 3, padding=1, block_size=1, gamma=0.95)
+        >>> _ = conv(torch.randn(2, 4, 6, 6))
+        >>> int(conv.num_blocks), conv.config.gamma
+        (1, 0.95)
     """
 
     _CONFIG = RecursiveConfig
@@ -248,7 +336,18 @@ class RecursiveWhitenConv2d(GradWhitenConv2d):
 
 
 class RecursiveWhitenLinear(GradWhitenLinear):
-    """:class:`GradWhitenLinear` with the recursive transform update; see :class:`RecursiveWhitenConv2d`."""
+    """:class:`GradWhitenLinear` with the recursive transform update; see :class:`RecursiveWhitenConv2d`.
+
+    Args:
+        in_features, out_features, bias, device, dtype, process_group: as for :class:`GradWhitenLinear`
+            (``nn.Linear``'s arguments and defaults).
+        config: the whitening hyper-parameters as one :class:`~whitenlayers.RecursiveConfig` (default
+            ``None``: its defaults); the keyword arguments below override its values.
+        block_size, alpha, eps, stats_fraction, accumulation_steps, stats_every, beta, gamma, delta, c_rel,
+            c_abs: the keyword-only whitening hyper-parameters: each is the
+            :class:`~whitenlayers.RecursiveConfig` field of that name, which gives its meaning, valid values,
+            default and when to change it.
+    """
 
     _CONFIG = RecursiveConfig
 

@@ -12,7 +12,7 @@ from ..config import EVDConfig, RecursiveConfig
 if TYPE_CHECKING:  # pragma: no cover
     pass
 
-from ._base import _check_input, _GradWhitenMixin, _with_whitening_signature
+from ._base import _check_input, _GradWhitenMixin, _weight_once, _with_whitening_signature
 
 
 class _GradWhitenConvNd(_GradWhitenMixin):
@@ -44,7 +44,17 @@ class _GradWhitenConvNd(_GradWhitenMixin):
         self._init_grad_whitening(in_channels, out_channels, config, whitening, process_group, device, dtype,
                                   groups=groups)
 
+    @_weight_once
     def forward(self, x: Tensor) -> Tensor:
+        """The convolution of the centred input; in training mode the batch also joins the block statistics.
+
+        Args:
+            x: the input, ``(B, C, *spatial)`` or unbatched ``(C, *spatial)`` with ``C = in_channels`` and the
+                conv's number of spatial dimensions, floating point.
+
+        Returns:
+            What the plain conv returns for it, here ``conv(pad0(x) - mu, W) + b``.
+        """
         nd = len(self.kernel_size)
         spatial = {1: "L", 2: "H, W", 3: "D, H, W"}[nd]
         _check_input(self, x, dim=-(nd + 1), ndims=(nd + 1, nd + 2),
@@ -54,7 +64,13 @@ class _GradWhitenConvNd(_GradWhitenMixin):
     @classmethod
     def from_conv(cls, conv: nn.Module, **kwargs: Any) -> "_GradWhitenConvNd":
         """A whitening conv computing the same function as ``conv``, sharing its Parameter objects (as
-        :meth:`GradWhitenConv2d.from_conv`)."""
+        :meth:`GradWhitenConv2d.from_conv`).
+
+        Args:
+            conv: the plain conv of this class's dimension (``nn.Conv1d`` / ``nn.Conv3d``) to convert.
+            **kwargs: the whitening keyword arguments of the constructor (``config``, ``process_group``,
+                ``block_size``, ...), with the same defaults.
+        """
         return cls._from_plain_conv(conv, cls._PLAIN, **kwargs)
 
     def to_conv(self) -> nn.Module:
@@ -68,6 +84,16 @@ class GradWhitenConv1d(_GradWhitenConvNd, nn.Conv1d):
     ``z = conv(pad0(x) - mu, W) + b``, weight gradient times ``Q_s`` per kernel
     tap, ``groups`` supported (block-diagonal whitening), same whitening
     keyword arguments, :meth:`from_conv` / :meth:`to_conv`.
+
+    Args:
+        in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode, device,
+            dtype: as for ``nn.Conv1d``, with its defaults; ``M = in_channels`` features are whitened (per
+            group with ``groups > 1``).
+        config, process_group: as for :class:`GradWhitenConv2d` (an :class:`~whitenlayers.EVDConfig` or
+            ``None`` for its defaults; the ranks that sum the statistics, default every rank).
+        block_size, alpha, eps, stats_fraction, accumulation_steps, stats_every, beta, gmax, gains: the
+            keyword-only whitening hyper-parameters: each is the :class:`~whitenlayers.EVDConfig` field of
+            that name, which gives its meaning, valid values, default and when to change it.
 
     Example:
         >>> import torch, whitenlayers as wl
@@ -104,7 +130,18 @@ class GradWhitenConv1d(_GradWhitenConvNd, nn.Conv1d):
 
 class GradWhitenConv3d(_GradWhitenConvNd, nn.Conv3d):
     """Drop-in ``nn.Conv3d`` with gradient-based feature whitening: :class:`GradWhitenConv2d` for
-    ``(B, C, D, H, W)``."""
+    ``(B, C, D, H, W)``.
+
+    Args:
+        in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode, device,
+            dtype: as for ``nn.Conv3d``, with its defaults; ``M = in_channels`` features are whitened (per
+            group with ``groups > 1``).
+        config, process_group: as for :class:`GradWhitenConv2d` (an :class:`~whitenlayers.EVDConfig` or
+            ``None`` for its defaults; the ranks that sum the statistics, default every rank).
+        block_size, alpha, eps, stats_fraction, accumulation_steps, stats_every, beta, gmax, gains: the
+            keyword-only whitening hyper-parameters: each is the :class:`~whitenlayers.EVDConfig` field of
+            that name, which gives its meaning, valid values, default and when to change it.
+    """
 
     _PLAIN = nn.Conv3d
 
@@ -132,7 +169,18 @@ class GradWhitenConv3d(_GradWhitenConvNd, nn.Conv3d):
 
 
 class RecursiveWhitenConv1d(GradWhitenConv1d):
-    """:class:`GradWhitenConv1d` with the recursive transform update; see :class:`RecursiveWhitenConv2d`."""
+    """:class:`GradWhitenConv1d` with the recursive transform update; see :class:`RecursiveWhitenConv2d`.
+
+    Args:
+        in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode, device,
+            dtype, process_group: as for :class:`GradWhitenConv1d` (``nn.Conv1d``'s arguments and defaults).
+        config: the whitening hyper-parameters as one :class:`~whitenlayers.RecursiveConfig` (default
+            ``None``: its defaults); the keyword arguments below override its values.
+        block_size, alpha, eps, stats_fraction, accumulation_steps, stats_every, beta, gamma, delta, c_rel,
+            c_abs: the keyword-only whitening hyper-parameters: each is the
+            :class:`~whitenlayers.RecursiveConfig` field of that name, which gives its meaning, valid values,
+            default and when to change it.
+    """
 
     _CONFIG = RecursiveConfig
 
@@ -160,7 +208,18 @@ class RecursiveWhitenConv1d(GradWhitenConv1d):
 
 
 class RecursiveWhitenConv3d(GradWhitenConv3d):
-    """:class:`GradWhitenConv3d` with the recursive transform update; see :class:`RecursiveWhitenConv2d`."""
+    """:class:`GradWhitenConv3d` with the recursive transform update; see :class:`RecursiveWhitenConv2d`.
+
+    Args:
+        in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode, device,
+            dtype, process_group: as for :class:`GradWhitenConv3d` (``nn.Conv3d``'s arguments and defaults).
+        config: the whitening hyper-parameters as one :class:`~whitenlayers.RecursiveConfig` (default
+            ``None``: its defaults); the keyword arguments below override its values.
+        block_size, alpha, eps, stats_fraction, accumulation_steps, stats_every, beta, gamma, delta, c_rel,
+            c_abs: the keyword-only whitening hyper-parameters: each is the
+            :class:`~whitenlayers.RecursiveConfig` field of that name, which gives its meaning, valid values,
+            default and when to change it.
+    """
 
     _CONFIG = RecursiveConfig
 

@@ -1,0 +1,103 @@
+"""``torch.compile`` of a converted model: one graph for every step of a block, no recompilation (issue 32).
+
+Dynamo's counters are the same whatever backend compiles the graphs, so these tests trace with ``aot_eager``
+(dynamo and AOTAutograd, no code generation: seconds, not minutes). Inductor itself is exercised by
+``tests/test_precision.py::test_compiled_*`` and by ``benchmarks/compile_step.py``.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch._dynamo
+import torch.nn.functional as Fn
+from torch._dynamo.utils import counters
+
+import whitenlayers as wl
+
+#: The graphs a converted model compiles to: the very first training step (its first batch chooses the first
+#: block's shift from the batch mean) and every other step; each fold runs between two compiled forwards, in the
+#: coordinator's forward hook, outside the graphs. ``stats_every > 1`` adds one: the steps that gather nothing.
+MAX_GRAPHS = 2
+
+
+def _model(method: str, **kwargs) -> torch.nn.Module:
+    torch.manual_seed(0)
+    # widths 4, 8 and 16: three channel counts, each a different shape for every whitening buffer
+    model = wl.models.cifar_resnet(8, width=4).double()
+    return wl.convert_model(model, method, block_size=3, **kwargs)
+
+
+def _train(model, steps: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(4, 3, 8, 8, generator=gen, dtype=torch.float64) + 0.5
+        y = torch.randint(0, 10, (4,), generator=gen)
+        opt.zero_grad()
+        loss = Fn.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+def _compiled_run(method: str, steps: int, **kwargs):
+    torch._dynamo.reset()
+    counters.clear()
+    model = _model(method, **kwargs)
+    compiled = torch.compile(model, backend="aot_eager")
+    with torch._dynamo.config.patch(recompile_limit=MAX_GRAPHS + 1):  # a step that recompiles past it runs eagerly
+        losses = _train(compiled, steps)
+    return model, losses
+
+
+METHODS = ["grad", pytest.param("recursive", marks=pytest.mark.skipif(
+    os.environ.get("WHITENLAYERS_TEST_COMPILE") != "1",
+    reason="the traced forward is grad's (only the eager fold differs); WHITENLAYERS_TEST_COMPILE=1 runs it")),
+    pytest.param("direct", marks=pytest.mark.skipif(
+        os.environ.get("WHITENLAYERS_TEST_COMPILE") != "1", reason="WHITENLAYERS_TEST_COMPILE=1 runs it"))]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_compiled_converted_model_has_one_graph_per_step_kind_and_trains_like_eager(method):
+    steps = 7  # two whole blocks of 3 and one step of the third
+    model, losses = _compiled_run(method, steps)
+    graphs = counters["stats"]["unique_graphs"]
+    assert 1 <= graphs <= MAX_GRAPHS, graphs  # not one graph per step of a block (the bug: 8, then eager)
+    assert not dict(counters["graph_break"]), dict(counters["graph_break"])
+    layers = wl.whitening_layers(model)
+    assert len({layer.num_features for _, layer in layers}) == 3
+    assert all(int(layer.num_blocks) == 2 and layer.batches_in_block == 1 for _, layer in layers)
+    eager = _model(method)
+    eager_losses = _train(eager, steps)
+    # float64 and the same statistics: compiled and eager differ by the order of a few float64 sums (the compiled
+    # path always sums about a shift, eager may sum unshifted), ~1e-15 relative; 1e-9 leaves room for the steps
+    torch.testing.assert_close(losses, eager_losses, rtol=1e-9, atol=1e-12)
+    for (key, a), (_, b) in zip(model.state_dict().items(), eager.state_dict().items()):
+        if a.is_floating_point():
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=key)
+        else:
+            assert torch.equal(a, b), key
+
+
+def test_compiled_stats_every_adds_one_graph_at_most():
+    model, _ = _compiled_run("grad", 8, stats_every=2)
+    assert counters["stats"]["unique_graphs"] <= MAX_GRAPHS + 1
+    assert all(int(layer.num_blocks) == 2 for _, layer in wl.whitening_layers(model))
+
+
+def test_compiled_standalone_layer_breaks_the_graph_but_never_recompiles():
+    """A layer without a coordinator (built alone) counts its batches outside the graph: graph breaks, no
+    recompilation per step."""
+    torch._dynamo.reset()
+    counters.clear()
+    layer = wl.GradWhitenConv2d(3, 4, 3, padding=1, block_size=2, dtype=torch.float64)
+    compiled = torch.compile(layer, backend="aot_eager")
+    x = torch.randn(2, 3, 5, 5, dtype=torch.float64)
+    for _ in range(6):
+        compiled(x).sum().backward()
+    assert int(layer.num_blocks) == 3
+    assert counters["stats"]["unique_graphs"] <= 4
