@@ -104,6 +104,7 @@ def test_frontier_analysis_on_written_runs(tmp_path):
     # two seeds: the count and "no estimate" instead of a mean and an interval
     text2, summary2 = ff.tables({k: v for k, v in runs.items() if k[1] < 2})
     assert "| EVD (grad) | 2/2 | no estimate | no estimate (2/2) |" in text2 and math.isnan(summary2["ratio_grad"])
+    pytest.importorskip("matplotlib")  # the frontier figure: the 'experiment' extra
     out = str(tmp_path / "out")
     assert ff.main(["--runs", root, "--out", out]) == 0
     assert {"fashion.md", "fashion-frontier.png", "fashion-summary.json"} <= set(os.listdir(out))

