@@ -59,6 +59,15 @@ class Diagnostics:
     no folded block, non-finite values) has NaN values and is left out of the
     averages. ``*_sem`` is ``std / sqrt(n)`` over the ``n`` layers averaged
     (sample standard deviation), NaN when ``n < 2``.
+
+    Args:
+        kappa: layer name -> normalised rank ``kappa = M_s / M`` (in ``[1/M, 1]``; 1: all directions carry
+            equal power), NaN without statistics.
+        rho: layer name -> whiteness ``rho`` (in ``[1/M, 1]``; 1: uncorrelated features), NaN without
+            statistics.
+        kind: layer name -> ``"plain"``, ``"grad"`` or ``"direct"`` (default: empty).
+        kappa_mean, rho_mean: the means over the layers with finite values (default NaN).
+        kappa_sem, rho_sem: their standard errors, NaN with fewer than 2 layers (default NaN).
     """
 
     kappa: Dict[str, float]
@@ -217,6 +226,20 @@ def collect_diagnostics(
     whitening layers' partial blocks untouched. Under ``torch.distributed``
     each rank measures its own batches.
 
+    Args:
+        model: a plain or converted model (left unchanged).
+        batches: an iterable of input tensors or of ``(input, target, ...)`` tuples, e.g. a few batches of
+            a ``DataLoader``; a few thousand samples give stable values.
+        predicate, block_types, include_linear, targets, include_stem, include_classifier, max_features:
+            which plain layers are measured, with :func:`~whitenlayers.convert_model`'s meanings and
+            defaults (``targets="blocks"``): pass the ones the conversion used, so that a plain model and
+            its converted copy are measured on the same layers.
+        device: where the inputs go (default ``None``: the device of the model's first parameter or buffer).
+        max_batches: use at most this many batches, an integer >= 0 (default ``None``: all of ``batches``).
+
+    Returns:
+        A :class:`Diagnostics`: per-layer values and their means.
+
     Example:
         >>> import torch, whitenlayers as wl
         >>> d = wl.collect_diagnostics(wl.models.resnet20(), [torch.randn(8, 3, 32, 32)])
@@ -279,6 +302,12 @@ def layer_diagnostics(model: nn.Module) -> Diagnostics:
     :func:`collect_diagnostics` (a ``direct`` layer under its wrapper's name).
     A layer that has folded no block yet has no statistics: NaN, left out of
     the averages. A plain model has no whitening layers: empty, NaN averages.
+
+    Args:
+        model: a converted model (or any module; only its whitening layers are read, nothing changes).
+
+    Returns:
+        A :class:`Diagnostics` from the running statistics, as of the last fold.
     """
     covs: Dict[str, Optional[Tensor]] = {}
     kinds: Dict[str, str] = {}

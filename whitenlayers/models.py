@@ -49,6 +49,11 @@ class ShortcutA(nn.Module):
 
     Parameter-free: the identity on the existing channels, zeros for the
     ``out_channels - in_channels`` new ones.
+
+    Args:
+        in_channels: channels of the input, an integer >= 1.
+        out_channels: channels of the output, ``>= in_channels`` (the extra ones are zeros).
+        stride: spatial subsampling step, an integer >= 1 (1: none).
     """
 
     def __init__(self, in_channels: int, out_channels: int, stride: int) -> None:
@@ -72,7 +77,14 @@ class ShortcutA(nn.Module):
 
 
 class BasicBlock(nn.Module):
-    """Two 3x3 convolutions with BatchNorm and ReLU, plus an option-A shortcut."""
+    """Two 3x3 convolutions with BatchNorm and ReLU, plus an option-A shortcut.
+
+    Args:
+        in_channels: channels of the block's input, an integer >= 1.
+        channels: channels of both convolutions and of the output, an integer >= 1.
+        stride: stride of the first convolution and of the shortcut (default 1; 2 halves the resolution at
+            the start of a stage).
+    """
 
     expansion = 1
 
@@ -98,6 +110,14 @@ class CifarResNet(nn.Module):
 
     Module names follow torchvision (``conv1``, ``bn1``, ``layer1``..``layer3``,
     ``fc``), so checkpoints and predicates read the same.
+
+    Args:
+        blocks_per_stage: ``n``, the :class:`BasicBlock` count of each of the three stages, an integer >= 1.
+        num_classes: outputs of the classifier (default 10).
+        in_channels: channels of the input images (default 3; 1 for grayscale).
+        width: channels of the first stage, doubled at each later stage (default 16, the paper's).
+        zero_init_residual: zero each block's last BatchNorm scale, so blocks start as identities
+            (default ``False``).
     """
 
     def __init__(
@@ -152,6 +172,18 @@ def cifar_resnet(
     grayscale data; ``width`` is the first stage's channel count (16 in the
     paper). Convolutions get Kaiming-normal (fan-out) weights, BatchNorm
     ``(1, 0)``; ``zero_init_residual`` zeroes each block's last BN scale.
+
+    Args:
+        depth: ``6n + 2`` with ``n >= 1`` (default 20).
+        num_classes: outputs of the classifier, an integer >= 1 (default 10; 100 for CIFAR-100).
+        in_channels: channels of the input images, an integer >= 1 (default 3; 1 for grayscale).
+        width: channels of the first stage, an integer >= 1 (default 16, the paper's; 8 for quick CPU runs).
+        zero_init_residual: zero each block's last BatchNorm scale (default ``False``).
+
+    Example:
+        >>> import whitenlayers as wl
+        >>> sum(p.numel() for p in wl.models.cifar_resnet(20).parameters())
+        269722
     """
     if not isinstance(depth, int) or isinstance(depth, bool) or depth < 8 or (depth - 2) % 6 != 0:
         raise ValueError(f"depth must be 6n + 2 with n >= 1 (e.g. 20, 32, 44, 56, 110), but got depth={depth!r}")
@@ -162,27 +194,47 @@ def cifar_resnet(
 
 
 def resnet20(**kw: Any) -> CifarResNet:
-    """CIFAR ResNet-20 (18 convolutions inside blocks)."""
+    """CIFAR ResNet-20 (18 convolutions inside blocks).
+
+    Args:
+        **kw: ``num_classes``, ``in_channels``, ``width``, ``zero_init_residual`` of :func:`cifar_resnet`.
+    """
     return cifar_resnet(20, **kw)
 
 
 def resnet32(**kw: Any) -> CifarResNet:
-    """CIFAR ResNet-32 (30 convolutions inside blocks)."""
+    """CIFAR ResNet-32 (30 convolutions inside blocks).
+
+    Args:
+        **kw: ``num_classes``, ``in_channels``, ``width``, ``zero_init_residual`` of :func:`cifar_resnet`.
+    """
     return cifar_resnet(32, **kw)
 
 
 def resnet44(**kw: Any) -> CifarResNet:
-    """CIFAR ResNet-44 (42 convolutions inside blocks)."""
+    """CIFAR ResNet-44 (42 convolutions inside blocks).
+
+    Args:
+        **kw: ``num_classes``, ``in_channels``, ``width``, ``zero_init_residual`` of :func:`cifar_resnet`.
+    """
     return cifar_resnet(44, **kw)
 
 
 def resnet56(**kw: Any) -> CifarResNet:
-    """CIFAR ResNet-56 (54 convolutions inside blocks)."""
+    """CIFAR ResNet-56 (54 convolutions inside blocks).
+
+    Args:
+        **kw: ``num_classes``, ``in_channels``, ``width``, ``zero_init_residual`` of :func:`cifar_resnet`.
+    """
     return cifar_resnet(56, **kw)
 
 
 def resnet110(**kw: Any) -> CifarResNet:
-    """CIFAR ResNet-110 (108 convolutions inside blocks, the paper's count)."""
+    """CIFAR ResNet-110 (108 convolutions inside blocks, the paper's count).
+
+    Args:
+        **kw: ``num_classes``, ``in_channels``, ``width``, ``zero_init_residual`` of :func:`cifar_resnet`.
+    """
     return cifar_resnet(110, **kw)
 
 
@@ -195,6 +247,11 @@ def resnet50(num_classes: int = 1000, *, in_channels: int = 3, **kw: Any) -> nn.
     channels. Converted with the default targets it has 52 whitening layers
     (16 ``Bottleneck`` blocks of three convolutions, plus four downsample
     convolutions).
+
+    Args:
+        num_classes: outputs of the classifier, an integer >= 1 (default 1000, ImageNet).
+        in_channels: channels of the input images, an integer >= 1 (default 3).
+        **kw: passed to ``torchvision.models.resnet50`` (e.g. ``weights``, ``zero_init_residual``).
     """
     try:
         import torchvision

@@ -55,6 +55,11 @@ class DirectWhitenWrapper(nn.Module):
     state-dict hooks); the forward/backward hooks that were registered on it
     are moved to this wrapper, so they see the same input and output as
     before the conversion.
+
+    Args:
+        whiten: the :class:`~whitenlayers.DirectWhiten` applied first; its ``num_features`` (and
+            ``groups``) must match ``layer``'s input (``in_channels`` / ``in_features``).
+        layer: the conv or linear layer applied to the whitened input, unchanged.
     """
 
     def __init__(self, whiten: DirectWhiten, layer: nn.Module) -> None:
@@ -71,6 +76,11 @@ class DirectWhitenWrapper(nn.Module):
                                       error_msgs)
 
     def forward(self, x: Tensor) -> Tensor:
+        """``layer(whiten(x))``.
+
+        Args:
+            x: the wrapped layer's input (features on dim 1 for a conv, on the last dim for an ``nn.Linear``).
+        """
         if isinstance(self.layer, nn.Linear) and x.dim() != 2:
             # A linear layer acts on the last dim: whiten the (N, C) rows of x (statistics over all leading dims).
             return self.layer(self.whiten(x.reshape(-1, x.shape[-1])).reshape(x.shape))

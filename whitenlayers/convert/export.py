@@ -152,6 +152,13 @@ def to_plain_model(model: nn.Module) -> nn.Module:
     and the whitening state are dropped: the export computes what the
     converted model computes in eval mode now. A whitening layer passed as
     ``model`` is returned exported.
+
+    Args:
+        model: a model converted by :func:`convert_model` (or a single whitening layer), changed in place;
+            pass ``copy.deepcopy(model)`` to keep the converted one.
+
+    Returns:
+        ``model`` with only plain PyTorch modules (the exported layer when ``model`` was one).
     """
     out = _export_one(model)
     if out is not None:
@@ -207,6 +214,13 @@ def load_plain_state_dict(model: nn.Module, state_dict: Dict[str, Any], strict: 
     key of the model that the checkpoint lacks (the whitening state aside),
     raises ``RuntimeError`` before anything is changed. Returns
     ``(missing_keys, unexpected_keys)`` like ``load_state_dict``.
+
+    Args:
+        model: the converted model to load into (in place).
+        state_dict: a checkpoint of the unconverted architecture (``plain.state_dict()``, or
+            :func:`plain_state_dict` of a converted model).
+        strict: ``True`` (default) refuses keys without a place and missing keys, as ``load_state_dict``;
+            ``False`` loads what fits and returns the rest.
 
     Example:
         >>> import torch, whitenlayers as wl
@@ -299,6 +313,14 @@ def plain_state_dict(model: nn.Module, strict: bool = True) -> Dict[str, Any]:
     ``strict=False`` returns the export's state dict as it is, those extra
     keys included; :func:`load_plain_state_dict` loads it back into a
     converted model, and :func:`to_plain_model` gives the matching module.
+
+    Args:
+        model: the converted model (left unchanged).
+        strict: ``True`` (default) guarantees the original architecture's keys, raising ``ValueError``
+            for the layers that cannot have them; ``False`` returns the export's keys as they are.
+
+    Returns:
+        The state dict, new tensors (the model's own are not shared).
     """
     if strict:
         bad = _not_original(model)

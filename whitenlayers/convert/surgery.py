@@ -284,6 +284,46 @@ def convert_model(
     it is inside no block); the new layer is returned, and it folds on its own
     (no coordinator). Check the result with :func:`whitening_layers`.
 
+    Args:
+        model: the model to convert, in place (not wrapped in ``DistributedDataParallel`` yet).
+        method: ``"grad"`` (default: EVD gradient whitening, the cheapest), ``"recursive"`` (the ``O(M^2)``
+            transform update: for wide layers, whose ``O(M^3)`` EVD per fold costs too much) or
+            ``"direct"`` (whitens the activations themselves; costs an extra pass and memory).
+        targets: ``"blocks"`` (default: the convolutions inside residual blocks, the paper's placement) or
+            ``"all"`` (every convertible conv / linear layer but the stem and the classifier): for models
+            without residual blocks.
+        predicate: ``predicate(qualified_name, module) -> bool`` choosing the targets alone; default
+            ``None`` (the rule of ``targets``). Cannot be combined with ``block_types``, ``targets="all"``,
+            ``include_stem`` or ``include_classifier``.
+        block_types: the residual-block classes or class names that replace ``DEFAULT_BLOCK_TYPES``
+            (default ``None``): for your own block class with another name.
+        include_linear: whether ``nn.Linear`` layers are targets (default ``None``: no for ``"blocks"``,
+            yes for ``"all"``).
+        include_stem: also convert the model's first conv / linear layer (default ``False``).
+        include_classifier: also convert the model's last conv / linear layer (default ``False``).
+        max_features: the largest number of input features per group a target may have (default
+            ``None``: 8192 for ``"all"``, no limit for ``"blocks"``, 1024 patch features for
+            ``stem_patches``), an integer >= 1: a bound on the ``M x M`` state and ``O(M^3)`` fold.
+        stem_patches: whiten the stem's unfolded input patches instead of its channels (default
+            ``False``; needs ``include_stem=True`` and a ``grad`` / ``recursive`` method).
+        example_input: a tensor, a tuple of positional arguments or a dict of keyword arguments for one
+            eval-mode forward that finds the layers the model actually calls (default ``None``: none).
+            Pass it for models that use some layers' weights without calling them.
+        report: also return a :class:`ConversionReport` (default ``False``: return the model alone).
+        fold_strategy: ``"auto"`` (default), ``"replicated"`` or ``"owner"``: how the transforms are
+            computed under ``torch.distributed`` (ignored on one process).
+        absorb_centring: let a BatchNorm that alone consumes a converted layer's output absorb its
+            centring (default ``True``: faster, same training up to rounding); ``False`` keeps every layer
+            centring. Ignored for ``"direct"``.
+        **layer_kwargs: for every new layer: the whitening hyper-parameters (the fields of
+            :class:`~whitenlayers.EVDConfig` for ``grad`` / ``direct``, of
+            :class:`~whitenlayers.RecursiveConfig` for ``recursive``, each documented there), ``config=``,
+            ``process_group=``. Default: none (the paper's values).
+
+    Returns:
+        ``model`` (the new layer when ``model`` itself is a converted conv / linear layer), or
+        ``(model, report)`` with ``report=True``.
+
     Example:
         >>> import whitenlayers as wl
         >>> model = wl.convert_model(wl.models.resnet20(), method="grad", block_size=5)

@@ -130,6 +130,14 @@ class LayerDecision(NamedTuple):
     was selected by the target rule but cannot be converted (these are
     warned about), ``False`` when it was not selected. ``role`` is ``"stem"``
     (the model's first conv / linear layer), ``"classifier"`` (its last) or ``""``.
+
+    Args:
+        name: the layer's qualified name (``""``: the model itself).
+        layer_type: its class name (``"Conv2d"``, ``"Linear"``, ...).
+        status: ``"converted"``, ``"to convert"``, ``"whitening"`` or ``"skipped"``.
+        reason: why it was skipped (default ``""``).
+        unsupported: selected but not convertible (default ``False``).
+        role: ``"stem"``, ``"classifier"`` or ``""`` (default).
     """
 
     name: str
@@ -147,6 +155,12 @@ class ConversionReport:
     ``decisions`` lists every convolution, linear layer and
     ``nn.MultiheadAttention`` of the model, in module order. ``str(report)``
     is a readable table.
+
+    Args:
+        method: the conversion method the report is about (``"grad"``, ``"recursive"``, ``"direct"``).
+        decisions: one :class:`~whitenlayers.convert.LayerDecision` per layer, in module order.
+        dry_run: ``True`` for :func:`conversion_report` (nothing was changed: status ``"to convert"``),
+            ``False`` (default) for ``convert_model(..., report=True)``.
     """
 
     method: str
@@ -190,7 +204,18 @@ class TargetSpec:
     """Which layers a conversion targets: the keywords that :func:`~whitenlayers.convert_model`,
     :func:`~whitenlayers.conversion_report`, ``target_layers`` and :func:`~whitenlayers.collect_diagnostics`
     share, in one frozen description, validated when it is made (``ValueError`` naming the argument). The rules
-    are :func:`~whitenlayers.convert_model`'s."""
+    are :func:`~whitenlayers.convert_model`'s.
+
+    Args:
+        targets: ``"blocks"`` (default) or ``"all"``.
+        predicate: ``predicate(qualified_name, module) -> bool`` deciding alone (default ``None``).
+        block_types: residual-block classes or class names replacing ``DEFAULT_BLOCK_TYPES`` (default ``None``).
+        include_linear: ``nn.Linear`` layers as targets (default ``None``: no for ``"blocks"``, yes for ``"all"``).
+        include_stem, include_classifier: add the first / last conv or linear layer (default ``False``).
+        max_features: the largest number of input features per group of a target, an integer >= 1 (default
+            ``None``: 8192 for ``"all"``, no limit for ``"blocks"``).
+        example_input: inputs of one eval-mode forward that finds the layers the model calls (default ``None``).
+    """
 
     targets: str = "blocks"
     predicate: Optional[Predicate] = None
@@ -216,7 +241,11 @@ class TargetSpec:
             raise ValueError(f"max_features must be a positive integer or None, but got max_features={m!r}")
 
     def select(self, model: nn.Module) -> List[Tuple[str, nn.Module]]:
-        """The plain layers of ``model`` these rules target, with their qualified names (as ``target_layers``)."""
+        """The plain layers of ``model`` these rules target, with their qualified names (as ``target_layers``).
+
+        Args:
+            model: the model to look at (left unchanged).
+        """
         return [(name, m) for name, m, d in _plan(model, self) if d.status == "to convert"]
 
 
@@ -401,6 +430,17 @@ def conversion_report(
 ) -> ConversionReport:
     """What :func:`convert_model` with these arguments would convert and leave out, and why; changes nothing.
 
+    Args:
+        model: the model to inspect (left unchanged).
+        method: ``"grad"`` (default), ``"recursive"`` or ``"direct"``, as for :func:`convert_model`.
+        targets, predicate, block_types, include_linear, include_stem, include_classifier, max_features:
+            the target rule, with :func:`convert_model`'s meanings and defaults.
+        example_input: inputs for one eval-mode forward that finds the layers the model calls (default
+            ``None``), as for :func:`convert_model`; the model's training flag is restored.
+
+    Returns:
+        A :class:`ConversionReport` with ``dry_run=True``.
+
     Example:
         >>> import whitenlayers as wl
         >>> report = wl.conversion_report(wl.models.resnet20())
@@ -418,6 +458,12 @@ def whitening_layers(model: nn.Module) -> List[Tuple[str, WhiteningLayer]]:
 
     In the order of ``named_modules``. For ``method="direct"`` the names end
     in ``.whiten``.
+
+    Args:
+        model: any module (a converted model, or a single whitening layer: then the name is ``""``).
+
+    Returns:
+        ``(qualified_name, layer)`` pairs; empty for a model without whitening layers.
     """
     return [(n, m) for n, m in model.named_modules() if isinstance(m, WhiteningLayer)]
 
@@ -432,6 +478,9 @@ def frozen(model: nn.Module) -> Iterator[nn.Module]:
     whitening state (``mu``, ``T``, ``Q_s``, the partial block, the counters)
     stays as it is. Each layer's own :meth:`~whitenlayers.WhiteningLayer.freeze`
     setting is restored on exit.
+
+    Args:
+        model: the model whose whitening layers are frozen; it is what the ``with`` statement yields.
 
     Example:
         >>> import torch, whitenlayers as wl

@@ -291,15 +291,15 @@ class RecursiveWhitenConv2d(GradWhitenConv2d):
     ``clamped_steps``.
 
     Args:
-        in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode, device,
-            dtype, process_group, features: as for :class:`GradWhitenConv2d` (``nn.Conv2d``'s arguments and
-            defaults; ``features="channels"``).
+        in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode:
+            as for :class:`GradWhitenConv2d` (``nn.Conv2d``'s arguments and defaults).
+        device, dtype, process_group, features: as for :class:`GradWhitenConv2d` (defaults ``None``,
+            ``None``, ``None``: every rank, ``"channels"``).
         config: the whitening hyper-parameters as one :class:`~whitenlayers.RecursiveConfig` (default
             ``None``: its defaults); the keyword arguments below override its values.
-        block_size, alpha, eps, stats_fraction, accumulation_steps, stats_every, beta, gamma, delta, c_rel,
-            c_abs: the keyword-only whitening hyper-parameters: each is the
-            :class:`~whitenlayers.RecursiveConfig` field of that name, which gives its meaning, valid values,
-            default and when to change it.
+        block_size, alpha, eps, stats_fraction, accumulation_steps, stats_every, beta, gamma, delta, c_rel, c_abs:
+            the keyword-only whitening hyper-parameters: each is the :class:`~whitenlayers.RecursiveConfig`
+            field of that name, which gives its meaning, valid values, default and when to change it.
 
     Example:
         >>> import torch, whitenlayers as wl
@@ -343,10 +343,9 @@ class RecursiveWhitenLinear(GradWhitenLinear):
             (``nn.Linear``'s arguments and defaults).
         config: the whitening hyper-parameters as one :class:`~whitenlayers.RecursiveConfig` (default
             ``None``: its defaults); the keyword arguments below override its values.
-        block_size, alpha, eps, stats_fraction, accumulation_steps, stats_every, beta, gamma, delta, c_rel,
-            c_abs: the keyword-only whitening hyper-parameters: each is the
-            :class:`~whitenlayers.RecursiveConfig` field of that name, which gives its meaning, valid values,
-            default and when to change it.
+        block_size, alpha, eps, stats_fraction, accumulation_steps, stats_every, beta, gamma, delta, c_rel, c_abs:
+            the keyword-only whitening hyper-parameters: each is the :class:`~whitenlayers.RecursiveConfig`
+            field of that name, which gives its meaning, valid values, default and when to change it.
     """
 
     _CONFIG = RecursiveConfig

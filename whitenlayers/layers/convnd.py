@@ -86,9 +86,10 @@ class GradWhitenConv1d(_GradWhitenConvNd, nn.Conv1d):
     keyword arguments, :meth:`from_conv` / :meth:`to_conv`.
 
     Args:
-        in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode, device,
-            dtype: as for ``nn.Conv1d``, with its defaults; ``M = in_channels`` features are whitened (per
-            group with ``groups > 1``).
+        in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode:
+            as for ``nn.Conv1d``, with its defaults; ``M = in_channels`` features are whitened (per group
+            with ``groups > 1``).
+        device, dtype: as for ``nn.Conv1d`` (default ``None``); they also place the whitening buffers.
         config, process_group: as for :class:`GradWhitenConv2d` (an :class:`~whitenlayers.EVDConfig` or
             ``None`` for its defaults; the ranks that sum the statistics, default every rank).
         block_size, alpha, eps, stats_fraction, accumulation_steps, stats_every, beta, gmax, gains: the
@@ -133,9 +134,10 @@ class GradWhitenConv3d(_GradWhitenConvNd, nn.Conv3d):
     ``(B, C, D, H, W)``.
 
     Args:
-        in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode, device,
-            dtype: as for ``nn.Conv3d``, with its defaults; ``M = in_channels`` features are whitened (per
-            group with ``groups > 1``).
+        in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode:
+            as for ``nn.Conv3d``, with its defaults; ``M = in_channels`` features are whitened (per group
+            with ``groups > 1``).
+        device, dtype: as for ``nn.Conv3d`` (default ``None``); they also place the whitening buffers.
         config, process_group: as for :class:`GradWhitenConv2d` (an :class:`~whitenlayers.EVDConfig` or
             ``None`` for its defaults; the ranks that sum the statistics, default every rank).
         block_size, alpha, eps, stats_fraction, accumulation_steps, stats_every, beta, gmax, gains: the
@@ -172,14 +174,14 @@ class RecursiveWhitenConv1d(GradWhitenConv1d):
     """:class:`GradWhitenConv1d` with the recursive transform update; see :class:`RecursiveWhitenConv2d`.
 
     Args:
-        in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode, device,
-            dtype, process_group: as for :class:`GradWhitenConv1d` (``nn.Conv1d``'s arguments and defaults).
+        in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode:
+            as for :class:`GradWhitenConv1d` (``nn.Conv1d``'s arguments and defaults).
+        device, dtype, process_group: as for :class:`GradWhitenConv1d` (default ``None``; every rank).
         config: the whitening hyper-parameters as one :class:`~whitenlayers.RecursiveConfig` (default
             ``None``: its defaults); the keyword arguments below override its values.
-        block_size, alpha, eps, stats_fraction, accumulation_steps, stats_every, beta, gamma, delta, c_rel,
-            c_abs: the keyword-only whitening hyper-parameters: each is the
-            :class:`~whitenlayers.RecursiveConfig` field of that name, which gives its meaning, valid values,
-            default and when to change it.
+        block_size, alpha, eps, stats_fraction, accumulation_steps, stats_every, beta, gamma, delta, c_rel, c_abs:
+            the keyword-only whitening hyper-parameters: each is the :class:`~whitenlayers.RecursiveConfig`
+            field of that name, which gives its meaning, valid values, default and when to change it.
     """
 
     _CONFIG = RecursiveConfig
@@ -211,14 +213,14 @@ class RecursiveWhitenConv3d(GradWhitenConv3d):
     """:class:`GradWhitenConv3d` with the recursive transform update; see :class:`RecursiveWhitenConv2d`.
 
     Args:
-        in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode, device,
-            dtype, process_group: as for :class:`GradWhitenConv3d` (``nn.Conv3d``'s arguments and defaults).
+        in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode:
+            as for :class:`GradWhitenConv3d` (``nn.Conv3d``'s arguments and defaults).
+        device, dtype, process_group: as for :class:`GradWhitenConv3d` (default ``None``; every rank).
         config: the whitening hyper-parameters as one :class:`~whitenlayers.RecursiveConfig` (default
             ``None``: its defaults); the keyword arguments below override its values.
-        block_size, alpha, eps, stats_fraction, accumulation_steps, stats_every, beta, gamma, delta, c_rel,
-            c_abs: the keyword-only whitening hyper-parameters: each is the
-            :class:`~whitenlayers.RecursiveConfig` field of that name, which gives its meaning, valid values,
-            default and when to change it.
+        block_size, alpha, eps, stats_fraction, accumulation_steps, stats_every, beta, gamma, delta, c_rel, c_abs:
+            the keyword-only whitening hyper-parameters: each is the :class:`~whitenlayers.RecursiveConfig`
+            field of that name, which gives its meaning, valid values, default and when to change it.
     """
 
     _CONFIG = RecursiveConfig

@@ -32,6 +32,26 @@ class DirectWhiten(WhiteningLayer, nn.Module):
     diagonal blocks (see the module docstring; depthwise ``C/G = 1`` is a
     per-channel gain).
 
+    Args:
+        num_features: ``C``, the size of dim 1 of the input (the features whitened), an integer >= 1. No
+            default.
+        config: the whitening hyper-parameters as one :class:`~whitenlayers.EVDConfig` (less ``beta``, which
+            this layer does not take); ``None`` (default) takes the config's defaults. Keyword arguments
+            below override its values.
+        process_group: under ``torch.distributed``, the group whose ranks sum their block statistics at a
+            fold (default ``None``: the default group, i.e. every rank; a single process ignores it). Change
+            it only to whiten per sub-group of ranks.
+        device: where the buffers are created (default ``None``: the current default device), as for
+            ``nn.Module`` layers.
+        dtype: floating dtype of the buffers (default ``None``: the default dtype, float32); float64 for
+            float64 inputs. The statistics are accumulated in float64 either way.
+        groups: ``G`` >= 1, a divisor of ``num_features`` (default 1: one ``C x C`` transform). Set it to the
+            ``groups`` of the convolution this layer feeds, so that each group's features are whitened on
+            their own.
+        block_size, alpha, eps, stats_fraction, accumulation_steps, stats_every, gmax, gains: the keyword-only
+            whitening hyper-parameters: each is the :class:`~whitenlayers.EVDConfig` field of that name, which
+            gives its meaning, valid values, default and when to change it.
+
     Example:
         >>> import torch, whitenlayers as wl
         >>> layer = wl.DirectWhiten(3, block_size=1)
@@ -68,6 +88,14 @@ class DirectWhiten(WhiteningLayer, nn.Module):
         return f"{self.num_features}" + (f", {rest}" if rest else "")
 
     def forward(self, x: Tensor) -> Tensor:
+        """``T (x - mu)`` along dim 1; in training mode the batch also joins the block statistics.
+
+        Args:
+            x: the input, ``(B, C)`` or ``(B, C, *spatial)`` with ``C = num_features``, floating point.
+
+        Returns:
+            The whitened input, same shape and dtype.
+        """
         _check_input(self, x, dim=1, ndims=tuple(range(2, 9)), what="an input of shape (B, C) or (B, C, *spatial)")
         training, state = self._forward_state()
         if training:
