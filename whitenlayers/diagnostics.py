@@ -226,14 +226,15 @@ def collect_diagnostics(
     whitening layers' partial blocks untouched. Under ``torch.distributed``
     each rank measures its own batches.
 
+    For a plain model pass the target keywords the conversion used, so that
+    it and its converted copy are measured on the same layers.
+
     Args:
         model: a plain or converted model (left unchanged).
         batches: an iterable of input tensors or of ``(input, target, ...)`` tuples, e.g. a few batches of
             a ``DataLoader``; a few thousand samples give stable values.
         predicate, block_types, include_linear, targets, include_stem, include_classifier, max_features:
-            which plain layers are measured, with :func:`~whitenlayers.convert_model`'s meanings and
-            defaults (``targets="blocks"``): pass the ones the conversion used, so that a plain model and
-            its converted copy are measured on the same layers.
+            which plain layers are measured: :func:`~whitenlayers.convert_model`'s keyword of that name.
         device: where the inputs go (default ``None``: the device of the model's first parameter or buffer).
         max_batches: use at most this many batches, an integer >= 0 (default ``None``: all of ``batches``).
 

@@ -38,14 +38,15 @@ class GradWhitenConv2d(_GradWhitenMixin, nn.Conv2d):
     ``groups=G`` whitens per group (block-diagonal ``T`` and ``Q_s`` stored as
     ``(G, k, k)``; depthwise is a per-channel gain; see the module docstring).
 
+    ``M = in_channels`` features are whitened (with ``groups=G``, each
+    group's ``in_channels / G`` on their own); any ``padding_mode`` works
+    (the input is centred after padding).
+
     Args:
-        in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode: as for
-            ``nn.Conv2d``, with its defaults (``stride=1``, ``padding=0``, ``dilation=1``, ``groups=1``,
-            ``bias=True``, ``padding_mode="zeros"``). ``M = in_channels`` features are whitened; with
-            ``groups=G`` each group's ``in_channels / G`` on their own. Any ``padding_mode`` works (the
-            input is centred after padding).
-        device, dtype: as for ``nn.Conv2d`` (default ``None``: the default device and dtype); they also
-            place the whitening buffers (float32, or float64 for a float64 layer).
+        in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode:
+            as for ``nn.Conv2d``: same meaning and defaults.
+        device, dtype: as for ``nn.Conv2d`` (default ``None``); they also place the whitening buffers
+            (float32, or float64 for a float64 layer).
         config: the whitening hyper-parameters as one :class:`~whitenlayers.EVDConfig`; ``None`` (default)
             takes its defaults. The keyword arguments below override its values.
         process_group: under ``torch.distributed``, the group whose ranks sum their block statistics at a
@@ -55,9 +56,8 @@ class GradWhitenConv2d(_GradWhitenMixin, nn.Conv2d):
             each position) or ``"patches"`` (the unfolded ``M k_h k_w`` input patch: K-FAC's activation
             side; needs ``groups=1`` and ``padding_mode="zeros"``). Patches whiten more but cost
             ``(M k_h k_w)^2`` statistics: use them for small stems (:mod:`whitenlayers.patches`).
-        block_size, alpha, eps, stats_fraction, accumulation_steps, stats_every, beta, gmax, gains: the
-            keyword-only whitening hyper-parameters: each is the :class:`~whitenlayers.EVDConfig` field of
-            that name, which gives its meaning, valid values, default and when to change it.
+        block_size, alpha, eps, stats_fraction, accumulation_steps, stats_every, beta, gmax, gains:
+            keyword-only: the :class:`~whitenlayers.EVDConfig` field of that name (meaning, range, default).
 
     Example:
         >>> import torch, whitenlayers as wl
@@ -175,16 +175,14 @@ class GradWhitenLinear(_GradWhitenMixin, nn.Linear):  # type: ignore[misc]
     ``BatchNorm1d`` (:meth:`absorb_centring`, ``(B, in_features)`` inputs).
 
     Args:
-        in_features, out_features, bias: as for ``nn.Linear`` (``bias=True`` by default); the
-            ``M = in_features`` input features are whitened.
+        in_features, out_features, bias: as for ``nn.Linear``: same meaning and defaults (``M = in_features``).
         device, dtype: as for ``nn.Linear`` (default ``None``); they also place the whitening buffers.
         config: the whitening hyper-parameters as one :class:`~whitenlayers.EVDConfig` (default ``None``: its
             defaults); the keyword arguments below override its values.
         process_group: the ranks that sum their block statistics at a fold (default ``None``: every rank),
             as for :class:`GradWhitenConv2d`.
-        block_size, alpha, eps, stats_fraction, accumulation_steps, stats_every, beta, gmax, gains: the
-            keyword-only whitening hyper-parameters: each is the :class:`~whitenlayers.EVDConfig` field of
-            that name, which gives its meaning, valid values, default and when to change it.
+        block_size, alpha, eps, stats_fraction, accumulation_steps, stats_every, beta, gmax, gains:
+            keyword-only: the :class:`~whitenlayers.EVDConfig` field of that name (meaning, range, default).
 
     Example:
         >>> import torch, whitenlayers as wl
@@ -293,13 +291,12 @@ class RecursiveWhitenConv2d(GradWhitenConv2d):
     Args:
         in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode:
             as for :class:`GradWhitenConv2d` (``nn.Conv2d``'s arguments and defaults).
-        device, dtype, process_group, features: as for :class:`GradWhitenConv2d` (defaults ``None``,
-            ``None``, ``None``: every rank, ``"channels"``).
+        device, dtype, process_group, features: as for :class:`GradWhitenConv2d`: same meaning and defaults.
         config: the whitening hyper-parameters as one :class:`~whitenlayers.RecursiveConfig` (default
             ``None``: its defaults); the keyword arguments below override its values.
         block_size, alpha, eps, stats_fraction, accumulation_steps, stats_every, beta, gamma, delta, c_rel, c_abs:
-            the keyword-only whitening hyper-parameters: each is the :class:`~whitenlayers.RecursiveConfig`
-            field of that name, which gives its meaning, valid values, default and when to change it.
+            keyword-only: the :class:`~whitenlayers.RecursiveConfig` field of that name (meaning, range,
+            default).
 
     Example:
         >>> import torch, whitenlayers as wl
@@ -344,8 +341,8 @@ class RecursiveWhitenLinear(GradWhitenLinear):
         config: the whitening hyper-parameters as one :class:`~whitenlayers.RecursiveConfig` (default
             ``None``: its defaults); the keyword arguments below override its values.
         block_size, alpha, eps, stats_fraction, accumulation_steps, stats_every, beta, gamma, delta, c_rel, c_abs:
-            the keyword-only whitening hyper-parameters: each is the :class:`~whitenlayers.RecursiveConfig`
-            field of that name, which gives its meaning, valid values, default and when to change it.
+            keyword-only: the :class:`~whitenlayers.RecursiveConfig` field of that name (meaning, range,
+            default).
     """
 
     _CONFIG = RecursiveConfig

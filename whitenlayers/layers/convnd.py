@@ -87,14 +87,12 @@ class GradWhitenConv1d(_GradWhitenConvNd, nn.Conv1d):
 
     Args:
         in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode:
-            as for ``nn.Conv1d``, with its defaults; ``M = in_channels`` features are whitened (per group
-            with ``groups > 1``).
+            as for ``nn.Conv1d``: same meaning and defaults (``M = in_channels`` features are whitened).
         device, dtype: as for ``nn.Conv1d`` (default ``None``); they also place the whitening buffers.
         config, process_group: as for :class:`GradWhitenConv2d` (an :class:`~whitenlayers.EVDConfig` or
             ``None`` for its defaults; the ranks that sum the statistics, default every rank).
-        block_size, alpha, eps, stats_fraction, accumulation_steps, stats_every, beta, gmax, gains: the
-            keyword-only whitening hyper-parameters: each is the :class:`~whitenlayers.EVDConfig` field of
-            that name, which gives its meaning, valid values, default and when to change it.
+        block_size, alpha, eps, stats_fraction, accumulation_steps, stats_every, beta, gmax, gains:
+            keyword-only: the :class:`~whitenlayers.EVDConfig` field of that name (meaning, range, default).
 
     Example:
         >>> import torch, whitenlayers as wl
@@ -135,14 +133,12 @@ class GradWhitenConv3d(_GradWhitenConvNd, nn.Conv3d):
 
     Args:
         in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode:
-            as for ``nn.Conv3d``, with its defaults; ``M = in_channels`` features are whitened (per group
-            with ``groups > 1``).
+            as for ``nn.Conv3d``: same meaning and defaults (``M = in_channels`` features are whitened).
         device, dtype: as for ``nn.Conv3d`` (default ``None``); they also place the whitening buffers.
         config, process_group: as for :class:`GradWhitenConv2d` (an :class:`~whitenlayers.EVDConfig` or
             ``None`` for its defaults; the ranks that sum the statistics, default every rank).
-        block_size, alpha, eps, stats_fraction, accumulation_steps, stats_every, beta, gmax, gains: the
-            keyword-only whitening hyper-parameters: each is the :class:`~whitenlayers.EVDConfig` field of
-            that name, which gives its meaning, valid values, default and when to change it.
+        block_size, alpha, eps, stats_fraction, accumulation_steps, stats_every, beta, gmax, gains:
+            keyword-only: the :class:`~whitenlayers.EVDConfig` field of that name (meaning, range, default).
     """
 
     _PLAIN = nn.Conv3d
@@ -176,12 +172,12 @@ class RecursiveWhitenConv1d(GradWhitenConv1d):
     Args:
         in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode:
             as for :class:`GradWhitenConv1d` (``nn.Conv1d``'s arguments and defaults).
-        device, dtype, process_group: as for :class:`GradWhitenConv1d` (default ``None``; every rank).
+        device, dtype, process_group: as for :class:`GradWhitenConv1d`: same meaning and defaults.
         config: the whitening hyper-parameters as one :class:`~whitenlayers.RecursiveConfig` (default
             ``None``: its defaults); the keyword arguments below override its values.
         block_size, alpha, eps, stats_fraction, accumulation_steps, stats_every, beta, gamma, delta, c_rel, c_abs:
-            the keyword-only whitening hyper-parameters: each is the :class:`~whitenlayers.RecursiveConfig`
-            field of that name, which gives its meaning, valid values, default and when to change it.
+            keyword-only: the :class:`~whitenlayers.RecursiveConfig` field of that name (meaning, range,
+            default).
     """
 
     _CONFIG = RecursiveConfig
@@ -215,12 +211,12 @@ class RecursiveWhitenConv3d(GradWhitenConv3d):
     Args:
         in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode:
             as for :class:`GradWhitenConv3d` (``nn.Conv3d``'s arguments and defaults).
-        device, dtype, process_group: as for :class:`GradWhitenConv3d` (default ``None``; every rank).
+        device, dtype, process_group: as for :class:`GradWhitenConv3d`: same meaning and defaults.
         config: the whitening hyper-parameters as one :class:`~whitenlayers.RecursiveConfig` (default
             ``None``: its defaults); the keyword arguments below override its values.
         block_size, alpha, eps, stats_fraction, accumulation_steps, stats_every, beta, gamma, delta, c_rel, c_abs:
-            the keyword-only whitening hyper-parameters: each is the :class:`~whitenlayers.RecursiveConfig`
-            field of that name, which gives its meaning, valid values, default and when to change it.
+            keyword-only: the :class:`~whitenlayers.RecursiveConfig` field of that name (meaning, range,
+            default).
     """
 
     _CONFIG = RecursiveConfig

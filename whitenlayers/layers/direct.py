@@ -48,9 +48,8 @@ class DirectWhiten(WhiteningLayer, nn.Module):
         groups: ``G`` >= 1, a divisor of ``num_features`` (default 1: one ``C x C`` transform). Set it to the
             ``groups`` of the convolution this layer feeds, so that each group's features are whitened on
             their own.
-        block_size, alpha, eps, stats_fraction, accumulation_steps, stats_every, gmax, gains: the keyword-only
-            whitening hyper-parameters: each is the :class:`~whitenlayers.EVDConfig` field of that name, which
-            gives its meaning, valid values, default and when to change it.
+        block_size, alpha, eps, stats_fraction, accumulation_steps, stats_every, gmax, gains:
+            keyword-only: the :class:`~whitenlayers.EVDConfig` field of that name (meaning, range, default).
 
     Example:
         >>> import torch, whitenlayers as wl
