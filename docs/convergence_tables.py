@@ -54,7 +54,34 @@ def _lr(cfg: dict, method: str) -> float:
 
 def _cmd(name: str) -> str:
     p = os.path.join(RUNS, name, "command.txt")
-    return open(p).read().strip() if os.path.isfile(p) else "(not run)"
+    return wrap_command(open(p).read().strip()) if os.path.isfile(p) else "(not run)"
+
+
+def wrap_command(cmd: str, width: int = 96) -> str:
+    """``cmd`` as an indented code block's lines of at most ``width`` characters (so the page does not scroll
+    sideways): broken before an option (an option and its value stay together), continued with `` \\``.
+
+    A single option longer than the line (a long ``--method-lr`` list) stays whole.
+
+    >>> print(wrap_command("python -m whitenlayers.experiment --methods a,b --lr 0.1 --seeds 0-4", 60))
+    python -m whitenlayers.experiment --methods a,b \\
+            --lr 0.1 --seeds 0-4
+    """
+    groups: List[str] = []
+    for tok in cmd.split():
+        if groups and not tok.startswith("--") and (groups[-1].startswith("--") and " " not in groups[-1]
+                                                    or not groups[-1].startswith("--")):
+            groups[-1] += " " + tok
+        else:
+            groups.append(tok)
+    lines = [""]
+    for g in groups:
+        room = width - 4 - (4 if len(lines) > 1 else 0) - 2  # the block's indent, the continuation's, " \\"
+        if lines[-1] and len(lines[-1]) + 1 + len(g) > room:
+            lines.append(g)
+        else:
+            lines[-1] = f"{lines[-1]} {g}" if lines[-1] else g
+    return " \\\n        ".join(lines)  # 4 (the block) + 4
 
 
 def grid_table(stage: str) -> str:
@@ -96,7 +123,7 @@ def grid_table(stage: str) -> str:
         ratio = np.mean([t[2] for t in table[m]])
         lines.append(f"| {METHOD_LABELS.get(m, m)} | " + " | ".join(cells) +
                      f" | {chosen.get(m, float('nan')):g} | {ratio:.2f}x |")
-    cmds = "\n".join(f"    {_cmd(n)}" for n in cols)
+    cmds = "\n".join(f"    {_cmd(n)}" for n in cols)  # wrapped: continuation lines carry their own indent
     return "\n".join(lines) + f"\n\nCommands:\n\n{cmds}\n"
 
 

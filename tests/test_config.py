@@ -205,3 +205,30 @@ def test_config_survives_copies(how):
 def test_plumbing_is_not_in_the_top_level_namespace():
     assert not hasattr(wl, "FoldCoordinator") and not hasattr(wl, "fold_layers")
     assert {"EVDConfig", "RecursiveConfig"} <= set(wl.__all__)
+
+
+def test_getting_started_table_matches_the_configs():
+    """docs/getting-started.md's hyper-parameter table: a row per config field, its defaults and range the
+    configs' (the long texts live in the configs only)."""
+    import pathlib
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "getting-started.md").read_text()
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 6 and cells[0].startswith("`") and cells[0].strip("`") != "argument":
+            rows[cells[0].strip("`")] = cells
+    fields = {f.name for cls in (EVDConfig, RecursiveConfig) for f in dataclasses.fields(cls)}
+    assert set(rows) == fields
+
+    def value(cell):
+        cell = cell.strip("`")
+        return None if cell == "—" else cell.strip('"') if cell.startswith('"') else float(cell)
+
+    for col, cls in ((2, EVDConfig), (3, RecursiveConfig)):
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        for name, cells in rows.items():
+            assert value(cells[col]) == defaults.get(name), (cls.__name__, name, cells[col])
+    for name, cells in rows.items():
+        rng = field_range(name).replace("in ", "").replace("an integer", "integer").replace("'", '"')
+        assert rng.replace("`", "") == cells[4].replace("`", ""), (name, cells[4], rng)
