@@ -45,6 +45,14 @@ class WhiteningMethod:
     a method that wraps its target instead (``direct``: :class:`~whitenlayers.DirectWhiten` in front of the
     unchanged layer) has ``wrapper`` set and no ``layers``. ``exclude`` lists the config fields its layers do not
     take; ``rule`` is the name of its transform rule (``layer.method``: ``"evd"`` or ``"recursive"``).
+
+    Args:
+        name: the method's name, as ``convert_model(method=...)`` and the runner take it.
+        config: its config class (:class:`~whitenlayers.EVDConfig` or :class:`~whitenlayers.RecursiveConfig`).
+        rule: the name of its transform rule, ``"evd"`` or ``"recursive"``.
+        layers: plain module type -> whitening class replacing it (default: empty, for a wrapping method).
+        wrapper: the whitening class put in front of the target instead (default ``None``).
+        exclude: config fields its layers do not take (default none).
     """
 
     name: str
@@ -55,14 +63,23 @@ class WhiteningMethod:
     exclude: Tuple[str, ...] = ()
 
     def layer_class(self, module: nn.Module) -> type:
-        """The whitening class that replaces ``module`` (the first plain type it is an instance of)."""
+        """The whitening class that replaces ``module`` (the first plain type it is an instance of).
+
+        Args:
+            module: a plain ``nn.Conv1d/2d/3d`` or ``nn.Linear``; another type is a ``TypeError``.
+        """
         for plain, cls in self.layers.items():
             if isinstance(module, plain):
                 return cls
         raise TypeError(f"method {self.name!r} has no whitening layer for {type(module).__name__}")
 
     def check_kwargs(self, owner: str, kwargs: Mapping[str, Any]) -> None:
-        """``TypeError`` for a keyword this method's layers do not take, or a ``config`` of another class."""
+        """``TypeError`` for a keyword this method's layers do not take, or a ``config`` of another class.
+
+        Args:
+            owner: the name the message gives (``"convert_model"``).
+            kwargs: the layer keyword arguments to check.
+        """
         whitening = {k: v for k, v in kwargs.items() if k not in LAYER_OPTIONS}
         self.config.check_names(owner, whitening, exclude=self.exclude)
         config = kwargs.get("config")
@@ -70,7 +87,12 @@ class WhiteningMethod:
             raise TypeError(f"{owner} expects config to be a {self.config.__name__}, but got {type(config).__name__}")
 
     def make_config(self, owner: str, kwargs: Mapping[str, Any]) -> WhiteningConfig:
-        """The config that layers built with ``kwargs`` get (``ValueError`` naming a bad value)."""
+        """The config that layers built with ``kwargs`` get (``ValueError`` naming a bad value).
+
+        Args:
+            owner: the name the messages give.
+            kwargs: the layer keyword arguments (``config=`` and whitening hyper-parameters; others ignored).
+        """
         whitening = {k: v for k, v in kwargs.items() if k not in LAYER_OPTIONS}
         return make_config(self.config, owner, kwargs.get("config"), whitening, exclude=self.exclude)
 
@@ -88,7 +110,11 @@ METHODS: Dict[str, WhiteningMethod] = {
 
 
 def get_method(name: str) -> WhiteningMethod:
-    """The method called ``name``; ``ValueError`` naming the choices otherwise."""
+    """The method called ``name``; ``ValueError`` naming the choices otherwise.
+
+    Args:
+        name: ``"grad"``, ``"recursive"`` or ``"direct"`` (the keys of :data:`METHODS`).
+    """
     try:
         return METHODS[name]
     except (KeyError, TypeError):
@@ -97,7 +123,11 @@ def get_method(name: str) -> WhiteningMethod:
 
 def method_of(layer: nn.Module) -> str:
     """The method name of a whitening layer: ``"direct"`` for a :class:`~whitenlayers.DirectWhiten`, else the
-    method whose layer classes include its class (``"grad"`` or ``"recursive"``)."""
+    method whose layer classes include its class (``"grad"`` or ``"recursive"``).
+
+    Args:
+        layer: a whitening layer (a subclass of a registered class counts by its rule); else ``TypeError``.
+    """
     if isinstance(layer, DirectWhiten):
         return "direct"
     for m in METHODS.values():

@@ -40,6 +40,14 @@ def patch_padding(kernel_size: Tuple[int, ...], dilation: Tuple[int, ...],
 
     ``'same'`` is symmetric only when ``dilation * (k - 1)`` is even in both dimensions; otherwise
     ``ValueError``.
+
+    Args:
+        kernel_size: the conv's ``(k_h, k_w)``.
+        dilation: the conv's ``(d_h, d_w)``.
+        padding: the conv's ``padding``: ``"valid"``, ``"same"`` or a pair of ints.
+
+    Returns:
+        ``(p_h, p_w)``, the zero padding on each side.
     """
     if padding == "valid":
         return (0, 0)
@@ -56,5 +64,11 @@ def patch_padding(kernel_size: Tuple[int, ...], dilation: Tuple[int, ...],
 
 def unfold_patches(x: Tensor, kernel_size: Tuple[int, ...], dilation: Tuple[int, ...], padding: Tuple[int, int],
                    stride: Tuple[int, ...]) -> Tensor:
-    """``(B, C k_h k_w, L)``: every output position's zero-padded input patch, channel-major (``F.unfold``)."""
+    """``(B, C k_h k_w, L)``: every output position's zero-padded input patch, channel-major (``F.unfold``).
+
+    Args:
+        x: the conv's input, ``(B, C, H, W)``.
+        kernel_size, dilation, stride: the conv's, as pairs.
+        padding: the symmetric zero padding (:func:`patch_padding`).
+    """
     return F.unfold(x, kernel_size, dilation=dilation, padding=padding, stride=stride)
