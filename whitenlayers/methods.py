@@ -113,7 +113,7 @@ def get_method(name: str) -> WhiteningMethod:
     """The method called ``name``; ``ValueError`` naming the choices otherwise.
 
     Args:
-        name: ``"grad"``, ``"recursive"`` or ``"direct"`` (the keys of :data:`METHODS`).
+        name: ``"grad"``, ``"recursive"`` or ``"direct"`` (the keys of ``METHODS``).
     """
     try:
         return METHODS[name]

@@ -20,6 +20,12 @@ def robust_eigh(cov: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
     Returns ``None`` when ``cov`` is not finite or when the decomposition fails
     or returns non-finite values in both the working precision (at least
     float32) and float64. Never raises for numerical reasons.
+
+    Args:
+        cov: a square matrix ``(M, M)`` (symmetrised before the decomposition).
+
+    Returns:
+        ``(eigenvalues, eigenvectors)`` in decreasing order of the eigenvalues, or ``None``.
     """
     if not all_finite(cov):
         return None
@@ -48,6 +54,14 @@ def whitening_gains(
 
     Works on a batch of spectra (last dim), each with its own rank; no host
     synchronisation (``round`` is half-to-even, as Python's).
+
+    Args:
+        eigenvalues: spectra ``(..., M)`` in decreasing order (:func:`robust_eigh`'s).
+        eps, gmax, gains: the :class:`~whitenlayers.EVDConfig` fields of those names (``gmax`` unused with
+            ``gains="zca"``).
+
+    Returns:
+        The gains, ``eigenvalues``' shape.
     """
     lam = torch.clamp(eigenvalues, min=0.0)
     if gains == "zca":
@@ -75,6 +89,14 @@ def evd_transform(
 
     Returns ``None`` when the eigendecomposition fails (see :func:`robust_eigh`);
     the caller then keeps its previous transform. Results are in ``cov.dtype``.
+
+    Args:
+        cov: a symmetric covariance ``(M, M)``, floating point.
+        eps, gmax, gains: the :class:`~whitenlayers.EVDConfig` fields of those names (``gmax`` unused with
+            ``gains="zca"``).
+
+    Returns:
+        ``(T, Q)``, both ``(M, M)``, or ``None``.
     """
     dec = robust_eigh(cov)
     if dec is None:
@@ -97,6 +119,14 @@ def evd_transform_batched(
     non-finite matrix gives ``None``; when the batched ``eigh`` raises, or
     returns non-finite values for some matrices, those matrices go through
     :func:`evd_transform` one by one (working precision, then float64).
+
+    Args:
+        covs: covariances ``(k, M, M)``.
+        eps, gmax, gains: the :class:`~whitenlayers.EVDConfig` fields of those names (``gmax`` unused with
+            ``gains="zca"``).
+
+    Returns:
+        One ``(T, Q)`` or ``None`` per matrix.
     """
     k = covs.shape[0]
     out: List[Optional[Tuple[Tensor, Tensor]]] = [None] * k
@@ -142,6 +172,11 @@ def grouped_whitening_gains(eigenvalues: Tensor, *, eps: float, gmax: float, gai
     ``1 / max(lambda, eps)``. For ``k = 1`` (depthwise) the eigenvalues are the
     channel variances: ``g_c = min(mean_c' var_c' / var_c, gmax)`` for the
     ``round(M_s)`` highest-variance channels, 1 for the rest.
+
+    Args:
+        eigenvalues: the blocks' spectra ``(G, k)``, each in decreasing order.
+        eps, gmax, gains: the :class:`~whitenlayers.EVDConfig` fields of those names (``gmax`` unused with
+            ``gains="zca"``).
     """
     lam = torch.clamp(eigenvalues, min=0.0)
     if gains == "zca":
@@ -204,6 +239,11 @@ def evd_transform_grouped(
     ``evd_transform(block_diagonal(covs))``, from one batched ``eigh`` of the
     ``k x k`` blocks (none at all for ``k = 1``). ``None`` when a block's
     eigendecomposition fails in float64 too. Results in ``covs.dtype``.
+
+    Args:
+        covs: the diagonal blocks ``(G, k, k)`` of a block-diagonal covariance.
+        eps, gmax, gains: the :class:`~whitenlayers.EVDConfig` fields of those names (``gmax`` unused with
+            ``gains="zca"``).
     """
     dec = _grouped_eigh(covs)
     if dec is None:
@@ -224,6 +264,14 @@ def evd_transform_grouped_batched(
     and rank). A layer with non-finite blocks gives ``None``; a layer whose
     blocks the batched ``eigh`` got wrong goes through
     :func:`evd_transform_grouped` alone.
+
+    Args:
+        covs: one ``(G_i, k, k)`` stack per layer, ``k`` shared.
+        eps, gmax, gains: the :class:`~whitenlayers.EVDConfig` fields of those names (``gmax`` unused with
+            ``gains="zca"``).
+
+    Returns:
+        One ``(T, Q)`` (as blocks) or ``None`` per layer.
     """
     out: List[Optional[Tuple[Tensor, Tensor]]] = [None] * len(covs)
     if not covs:

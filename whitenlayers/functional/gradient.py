@@ -16,6 +16,13 @@ def weight_mean_product(weight: Tensor, mean: Tensor) -> Tensor:
     A grouped convolution's weight ``(S, M/G, *kernel)`` (fewer input features
     than ``mean`` has) is read group by group: the ``S/G`` outputs of group
     ``g`` see its ``M/G`` features of ``mean``.
+
+    Args:
+        weight: the layer's weight ``(S, M)`` or ``(S, M, *kernel)`` (grouped: ``(S, M/G, *kernel)``).
+        mean: a mean (or a change of the mean) of the ``M`` input features, ``(M,)``.
+
+    Returns:
+        ``(S,)`` in the promoted dtype of the two.
     """
     w = weight if weight.dim() == 2 else weight.reshape(weight.shape[0], weight.shape[1], -1).sum(-1)
     if w.shape[1] != mean.shape[0]:  # grouped convolution
@@ -42,6 +49,13 @@ def transform_weight_grad(grad: Tensor, q: Tensor) -> Tensor:
     A grouped ``Q`` ``(G, k, k)`` goes with a grouped convolution's gradient
     ``(S, k, *kernel)``: the ``S/G`` output channels of group ``g`` are
     right-multiplied by ``Q_g`` (``_grouped_weight_grad``).
+
+    Args:
+        grad: the weight gradient, ``(S, M)`` or ``(S, M, *kernel)`` (grouped: ``(S, k, *kernel)``).
+        q: the gradient transform ``Q_s``, ``(M, M)``, or its diagonal blocks ``(G, k, k)``.
+
+    Returns:
+        The transformed gradient, ``grad``'s shape and dtype.
     """
     if q.dim() == 3:
         return _grouped_weight_grad(grad, q)

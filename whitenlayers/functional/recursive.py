@@ -31,6 +31,13 @@ def principal_subspace(phi_y: Tensor, *, c_rel: float, c_abs: float) -> Tensor:
     ``u``: median ``|cos(v_e, u)|`` 0.995 at ratio 100 and 0.99994 at ratio
     1000, but the worst case stays near 0.6 for both. A wrong direction costs
     one step; the leakage undoes it.
+
+    Args:
+        phi_y: a symmetric matrix ``(M, M)`` (the whitened covariance ``Phi_y``).
+        c_rel, c_abs: the :class:`~whitenlayers.RecursiveConfig` fields of those names.
+
+    Returns:
+        A unit vector ``(M,)``.
     """
     xi = torch.linalg.vector_norm(phi_y, dim=0)
     mp = int(torch.argmax(xi))
@@ -91,6 +98,17 @@ def recursive_step(
       ``gamma^2 (Q + a(a+2) t t^T) + (1-gamma)^2 I + gamma(1-gamma)(a (v t^T + t v^T) + T + T^T)``.
 
     Only matrix-vector products and outer products: no EVD, no ``M^3`` product.
+
+    Args:
+        t_prev: ``T(i-1)``, ``(M, M)``.
+        q_prev: the unsmoothed ``Q(i-1) = T(i-1)^T T(i-1)``, ``(M, M)``.
+        phi_y: ``Phi_y(i)``, the covariance of the whitened features (:func:`whitened_covariance_update`).
+        mean_power: ``mean_m phi_x,m``, the mean uncentred input power, a 0-dim tensor.
+        gamma, delta, eps, c_rel, c_abs: the :class:`~whitenlayers.RecursiveConfig` fields of those
+            names.
+
+    Returns:
+        A :class:`RecursiveStep`: ``T(i)``, ``Q(i)`` and the step's direction, power, gain and clamp.
     """
     v = principal_subspace(phi_y, c_rel=c_rel, c_abs=c_abs)
     lam_e = v @ (phi_y @ v)
@@ -118,6 +136,10 @@ def whitened_covariance(t: Tensor, cov: Tensor) -> Tensor:
 
     Computed in the dtype of its arguments (no symmetrisation: callers that
     need the last bit of symmetry call :func:`symmetrize`).
+
+    Args:
+        t: the transform ``T``, ``(M, M)`` (or stacked ``(..., M, M)``).
+        cov: the covariance ``C`` of the features, same shape.
     """
     return t @ cov @ t.transpose(-1, -2)
 
@@ -133,6 +155,13 @@ def whitened_covariance_update(
     Two ``M x M x M`` products: the recursive rule's only ``O(M^3)`` cost,
     paid once per block, never per batch. In ``t_prev``'s dtype; symmetric.
     Stacked layers (a leading dimension): ``first`` one flag per layer.
+
+    Args:
+        phi_y_prev: ``Phi_y(i-1)``, ``(M, M)`` (ignored for a first block).
+        t_prev: ``T(i-1)``, the transform in force during block ``i``.
+        block_cov: the block's covariance about the new mean, ``(M, M)``.
+        alpha: the :class:`~whitenlayers.RecursiveConfig` field ``alpha``, in ``[0, 1)``.
+        first: ``True`` for the first folded block (no recursion); one flag per layer when stacked.
     """
     new = whitened_covariance(t_prev, block_cov.to(t_prev.dtype))
     return symmetrize(_first_or(first, new, lambda: new * (1.0 - alpha) + alpha * phi_y_prev.to(t_prev.dtype)))
@@ -143,6 +172,11 @@ def smooth_grad_transform(qs_prev: Tensor, q: Tensor, beta: float) -> Tensor:
 
     Symmetric to the last bit when ``Q_s(i-1)`` and ``Q(i)`` are: entries
     ``(i, j)`` and ``(j, i)`` are computed alike.
+
+    Args:
+        qs_prev: ``Q_s(i-1)``.
+        q: ``Q(i)``, same shape.
+        beta: the config field ``beta``, in ``[0, 1)`` (0: no smoothing).
     """
     return (qs_prev.to(q.dtype) * beta).add_(q, alpha=1.0 - beta)
 
@@ -153,6 +187,10 @@ def principal_subspace_grouped(phi_y: Tensor, *, c_rel: float, c_abs: float) -> 
     The same column-alignment procedure per block, vectorised over the groups
     (no loop, no host synchronisation); a block with no coherent set or a zero
     result gives ``e_m'`` as in the single-matrix version.
+
+    Args:
+        phi_y: the diagonal blocks ``(G, k, k)`` of ``Phi_y``.
+        c_rel, c_abs: the :class:`~whitenlayers.RecursiveConfig` fields of those names.
     """
     g, k = phi_y.shape[0], phi_y.shape[-1]
     xi = torch.linalg.vector_norm(phi_y, dim=-2)  # column norms (G, k)
@@ -191,6 +229,12 @@ def recursive_step_grouped(
     and the leakage ``gamma``. ``direction``, ``power`` and ``gain`` are per
     group; ``clamped`` is ``True`` when any group's gain was clamped.
     ``O(G k^2) = O(M k)`` work in a few batched operations, no Python loop.
+
+    Args:
+        t_prev, q_prev, phi_y: the diagonal blocks ``(G, k, k)`` of :func:`recursive_step`'s arguments.
+        mean_power: the whole layer's mean uncentred input power, a 0-dim tensor.
+        gamma, delta, eps, c_rel, c_abs: the :class:`~whitenlayers.RecursiveConfig` fields of those
+            names.
     """
     step, over = recursive_step_blocks(t_prev, q_prev, phi_y, mean_power, gamma=gamma, delta=delta, eps=eps,
                                        c_rel=c_rel, c_abs=c_abs)
@@ -214,6 +258,12 @@ def recursive_step_blocks(
 
     Returns the step (its ``clamped`` is ``False``: not read here) and which matrices' gains were clamped
     ``(B,)``, a bool tensor.
+
+    Args:
+        t_prev, q_prev, phi_y: stacks ``(B, k, k)`` of :func:`recursive_step`'s arguments.
+        mean_power: one value ``()`` for all matrices, or one per matrix ``(B,)``.
+        gamma, delta, eps, c_rel, c_abs: the :class:`~whitenlayers.RecursiveConfig` fields of those
+            names.
     """
     v = principal_subspace_grouped(phi_y, c_rel=c_rel, c_abs=c_abs)  # (G, k)
     lam_e = (v * (phi_y @ v.unsqueeze(-1)).squeeze(-1)).sum(-1)  # (G,)

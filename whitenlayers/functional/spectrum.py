@@ -25,6 +25,12 @@ def effective_rank(eigenvalues: Tensor) -> Tensor:
     gives 1. An all-zero spectrum gives 1 by convention (nothing to whiten).
     Works on batches of spectra (last dim).
 
+    Args:
+        eigenvalues: a spectrum ``(..., M)`` (any order; negative values count as 0), floating point.
+
+    Returns:
+        ``M_s`` in ``[1, M]``, shape ``(...)``.
+
     >>> float(effective_rank(torch.ones(8)))
     8.0
     >>> float(effective_rank(torch.tensor([3.0, 0.0, 0.0])))
@@ -41,6 +47,12 @@ def effective_rank(eigenvalues: Tensor) -> Tensor:
 def normalized_rank(cov: Tensor) -> Tensor:
     """``kappa = M_s / M`` of a covariance matrix (unrounded ``M_s``, ERRATA 1).
 
+    Args:
+        cov: a symmetric covariance ``(M, M)`` (positive semi-definite up to rounding).
+
+    Returns:
+        ``kappa`` in ``[1/M, 1]``, a 0-dim tensor.
+
     >>> round(float(normalized_rank(torch.eye(4))), 6)
     1.0
     """
@@ -55,6 +67,12 @@ def whiteness(cov: Tensor) -> Tensor:
     Zero-variance guard: a feature whose variance is not positive is
     uncorrelated with everything and contributes only its own diagonal term
     (1), i.e. it is treated as white; an all-zero covariance gives 1.
+
+    Args:
+        cov: a covariance ``(M, M)``.
+
+    Returns:
+        ``rho`` in ``[1/M, 1]``, a 0-dim tensor.
 
     >>> float(whiteness(torch.diag(torch.tensor([1.0, 5.0, 2.0]))))
     1.0
@@ -78,6 +96,9 @@ def grouped_normalized_rank(cov: Tensor) -> Tensor:
     ``M_s / M`` of the union of the blocks' spectra (ERRATA 1), i.e. of what a
     grouped layer's weights can see: for a depthwise layer, the effective rank
     of the channel variances divided by the number of channels.
+
+    Args:
+        cov: the diagonal blocks ``(G, k, k)`` of a block-diagonal covariance.
     """
     lam = torch.linalg.eigvalsh(symmetrize(cov.to(torch.float64)))
     return (effective_rank(lam.reshape(-1)) / lam.numel()).to(cov.dtype)
@@ -88,6 +109,9 @@ def grouped_whiteness(cov: Tensor) -> Tensor:
 
     Only correlations within a group count (a grouped layer's weights never
     combine channels of different groups); a depthwise layer's ``rho`` is 1.
+
+    Args:
+        cov: the diagonal blocks ``(G, k, k)`` of a block-diagonal covariance.
     """
     c = cov.to(torch.float64)
     m = c.shape[0] * c.shape[-1]
