@@ -61,7 +61,16 @@ def principal_subspace(phi_y: Tensor, *, c_rel: float, c_abs: float) -> Tensor:
 
 
 class RecursiveStep(NamedTuple):
-    """Result of :func:`recursive_step`: new ``T``, new unsmoothed ``Q`` and the step's quantities."""
+    """Result of :func:`recursive_step`: new ``T``, new unsmoothed ``Q`` and the step's quantities.
+
+    Args:
+        transform: ``T(i)``.
+        gram: the unsmoothed ``Q(i) = T(i)^T T(i)``.
+        direction: ``v_e``, the unit direction reduced (per group: ``(G, k)``).
+        power: ``lambda_e = v_e^T Phi_y v_e``.
+        gain: ``g_e`` after the clamp to at most 1.
+        clamped: whether the gain was clamped (the rank-one step was the identity).
+    """
 
     transform: Tensor
     gram: Tensor
