@@ -63,9 +63,17 @@ def absorbed(model):
 
 
 def assert_same_training_state(a, c):
-    """``a`` absorbed, ``c`` centred: every parameter and buffer equal; BN running means differ by ``d``."""
+    """``a`` absorbed, ``c`` centred: every parameter and buffer equal; BN running means differ by ``d``.
+
+    An absorbed layer keeps its bias compensation inside ``absorbed_offset`` (``bias_correction`` is 0 and the
+    offset holds ``d - c``), so the centred model's compensation ``c`` is added back before comparing.
+    """
     sa, sc = a.state_dict(), c.state_dict()
-    offsets = {n: m.absorbed_offset for n, m in wl.whitening_layers(a) if m.centring == "absorbed"}
+    comp = {n: sc[f"{n}.bias_correction"] for n, m in wl.whitening_layers(a) if m.centring == "absorbed"}
+    offsets = {n: m.absorbed_offset + comp[n] for n, m in wl.whitening_layers(a) if m.centring == "absorbed"}
+    for n in comp:
+        assert not sa[f"{n}.bias_correction"].any(), n
+        sa[f"{n}.bias_correction"] = sc[f"{n}.bias_correction"]
     bn_of = {f"{n}.absorbed_offset": m.centring_batchnorm for n, m in wl.whitening_layers(a) if m.centring == "absorbed"}
     bn_names = {id(m): n for n, m in a.named_modules()}
     shifted = {f"{bn_names[id(bn)]}.running_mean": offsets[k[: -len(".absorbed_offset")]] for k, bn in bn_of.items()}
@@ -396,12 +404,15 @@ def test_absorb_centring_validates_its_argument():
 # Checkpoints and copies
 # --------------------------------------------------------------------------
 def test_centred_checkpoint_loads_into_absorbed_model():
-    """A checkpoint without ``absorbed_offset`` (saved by centring layers) is exact with d = 0."""
+    """A checkpoint without ``absorbed_offset`` (saved by centring layers) is exact with d = 0 (kept as ``-c``:
+    an absorbed layer holds its compensation in the offset)."""
     c = wl.convert_model(resnet(depth=8), block_size=2, absorb_centring=False)
     train(c, batches(3))
     a = wl.convert_model(resnet(seed=1, depth=8), block_size=2)
     a.load_state_dict(c.state_dict(), strict=True)
-    assert all(float(m.absorbed_offset.abs().max()) == 0 for _, m in wl.whitening_layers(a))
+    for name, m in wl.whitening_layers(a):
+        assert not m.bias_correction.any()
+        assert torch.equal(m.absorbed_offset, -c.state_dict()[f"{name}.bias_correction"]), name
     a.eval(), c.eval()
     x = batches(1, seed=5)[0][0]
     torch.testing.assert_close(a(x), c(x), **TIGHT)

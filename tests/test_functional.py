@@ -214,3 +214,28 @@ def test_unshifted_accurate_is_mean_squared_against_variance():
     assert F.unshifted_accurate(block([1.7], [1.0]), 3.0)  # 2.89 <= 3
     assert not F.unshifted_accurate(block([1.8], [1.0]), 3.0)  # 3.24 > 3
     assert not F.unshifted_accurate(block([float("nan")], [1.0]), 3.0)
+
+
+# --------------------------------------------------------------------------
+# accumulate_moments: the two-op path (CUDA's) and the CPU's agree with batch_sums
+# --------------------------------------------------------------------------
+@settings(max_examples=40, deadline=None)
+@given(b=st.integers(0, 4), m=st.integers(1, 6), hw=st.sampled_from([(), (1,), (3, 2), (2, 2, 2)]),
+       layout=st.sampled_from(["contiguous", "channels_last"]), shifted=st.booleans(), fused=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_accumulate_moments_equals_batch_sums(b, m, hw, layout, shifted, fused, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn((b, m) + hw, generator=gen, dtype=torch.float64) * 3 + 2
+    if layout == "channels_last" and x.dim() == 4:
+        x = x.contiguous(memory_format=torch.channels_last)
+    shift = torch.randn(m, generator=gen, dtype=torch.float64).view((1, m) + (1,) * len(hw)) if shifted else None
+    acc = torch.zeros(m + 1, m + 1, dtype=torch.float64)
+    with F.fused_moments(fused):
+        for _ in range(2):
+            F.accumulate_moments(acc, x, shift)
+    s1, s2 = F.batch_sums(x, shift)
+    tol = {"rtol": 1e-12, "atol": 1e-10}  # float64 sums of at most 32 rows, in another order
+    torch.testing.assert_close(acc[:m, :m], 2 * s2, **tol)
+    torch.testing.assert_close(acc[:m, m], 2 * s1, **tol)
+    if fused:  # the two-op path also counts the rows
+        assert float(acc[m, m]) == 2 * (x.numel() // m)

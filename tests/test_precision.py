@@ -107,13 +107,18 @@ def test_absorbed_offset_tracking_runs_outside_autocast(monkeypatch):
     model = wl.convert_model(wl.models.cifar_resnet(8, width=8), method="grad", block_size=2)
     assert any(m.centring == "absorbed" for _, m in whitening(model))
     seen = []
-    addmv = torch.addmv
+    addmv, addmv_ = torch.addmv, torch.Tensor.addmv_
 
     def spy(*args, **kwargs):
         seen.append(torch.is_autocast_enabled("cpu"))
         return addmv(*args, **kwargs)
 
+    def spy_(self, *args, **kwargs):  # the one-op update d <- (1 - f) d - f W mu (c lives in d)
+        seen.append(torch.is_autocast_enabled("cpu"))
+        return addmv_(self, *args, **kwargs)
+
     monkeypatch.setattr(torch, "addmv", spy)
+    monkeypatch.setattr(torch.Tensor, "addmv_", spy_)
     x, y = batch(0)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         Fn.cross_entropy(model(x), y).backward()

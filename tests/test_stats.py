@@ -234,3 +234,28 @@ def test_public_block_api_feeds_times_and_discards_blocks():
     assert int(layer.num_blocks) == 2 and not torch.equal(layer.whitening_matrix, first)
     with pytest.raises(ValueError, match="features on dim 1"):
         layer.accumulate(torch.randn(3, 5))
+
+
+@pytest.mark.parametrize("method", ["grad", "recursive", "direct"])
+def test_two_op_statistics_path_trains_like_the_cpu_path(method):
+    """The statistics' two-op path (a concatenation with ones and one product, what CUDA runs) and the CPU path
+    (product, sums and adds) give the same training, up to the order of float64 sums."""
+    def run(fused):
+        torch.manual_seed(0)
+        model = wl.convert_model(wl.models.cifar_resnet(8, width=4).double(), method, block_size=3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        gen = torch.Generator().manual_seed(1)
+        with wl.functional.fused_moments(fused):
+            for _ in range(7):
+                x = torch.randn(4, 3, 8, 8, generator=gen, dtype=torch.float64) + 1
+                opt.zero_grad()
+                model(x).logsumexp(1).mean().backward()
+                opt.step()
+        return model.state_dict()
+
+    a, b = run(False), run(True)
+    for key, value in a.items():
+        if value.is_floating_point():
+            torch.testing.assert_close(b[key], value, rtol=1e-10, atol=1e-12, msg=key)
+        else:
+            assert torch.equal(b[key], value), key

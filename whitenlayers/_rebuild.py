@@ -1,7 +1,7 @@
 """One helper per module type to build a layer with another layer's settings (conversion, export, ``to_conv``)."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 from torch import nn
 from torch.nn.utils import parametrize
@@ -36,7 +36,7 @@ def share_parameters(src: nn.Module, dst: nn.Module) -> None:
     shared) over the same original Parameters. No parametrization runs a training step here (they are registered
     in eval mode: spectral norm's power iteration does not advance)."""
     if parametrize.is_parametrized(src):
-        mods = list(src.parametrizations.modules())
+        mods = list(cast(nn.Module, src.parametrizations).modules())
         modes = [m.training for m in mods]
         dst_mode = dst.training
         dst.eval()  # registering sets a parametrization's mode to its host's

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .functional import transform_weight_grad
@@ -87,6 +88,39 @@ class WeightGradTransform(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tuple[Tensor, None]:
         return transform_weight_grad(grad, ctx.q), None
+
+
+def _pointwise(x: Tensor, weight: Tensor, bias: Optional[Tensor], groups: int) -> Tensor:
+    """``out[:, i] = sum_j weight[i, j] x[:, j] + bias[i]`` on dim 1 (``weight`` ``(M, M/groups)``, block-diagonal
+    per group): one op, a 1x1 convolution (``addmm`` for a dense ``(B, M)`` input), in ``x``'s layout."""
+    nd = x.dim() - 2
+    if nd == 0 and groups == 1:
+        return x @ weight.t() if bias is None else torch.addmm(bias, x, weight.t())
+    if nd == 0:
+        return _pointwise(x.unsqueeze(-1), weight, bias, groups).squeeze(-1)
+    conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[nd]
+    return conv(x, weight.view(weight.shape + (1,) * nd), bias, groups=groups)
+
+
+class PointwiseWhitenFunction(torch.autograd.Function):
+    """``y = T x - T mu`` on dim 1 as one 1x1 convolution, backward ``dx = T^T dy`` as another; the layer hands in
+    ``T``, ``-T mu`` and ``T^T`` (prepared once per block). Saves no activation."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor, weight_t: Tensor, groups: int) -> Tensor:
+        ctx.weight_t, ctx.groups = weight_t, groups
+        return _pointwise(x, weight.to(x.dtype), bias.to(x.dtype), groups)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> Tuple[Optional[Tensor], None, None, None, None]:
+        grad_in = None
+        if ctx.needs_input_grad[0]:
+            grad_in = _pointwise(grad_out, ctx.weight_t.to(grad_out.dtype), None, ctx.groups)
+        return grad_in, None, None, None, None
+
+
+#: Input ranks the 1x1-convolution path of DirectWhiten takes: (B, M) and 1-D, 2-D, 3-D feature maps.
+POINTWISE_DIMS = (2, 3, 4, 5)
 
 
 def direct_whiten(x: Tensor, transform: Tensor, mean: Tensor) -> Tensor:

@@ -89,7 +89,12 @@ STRATEGIES = ("auto", "replicated", "owner")
 
 
 def check_strategy(strategy: str, name: str = "strategy") -> str:
-    """``strategy`` if it is one of :data:`STRATEGIES`, else ``ValueError`` naming the argument ``name``."""
+    """``strategy`` if it is one of :data:`STRATEGIES`, else ``ValueError`` naming the argument ``name``.
+
+    Args:
+        strategy: the value to check.
+        name: the argument's name in the message (default ``"strategy"``; ``convert_model``: ``"fold_strategy"``).
+    """
     if strategy not in STRATEGIES:
         raise ValueError(f"{name} must be one of {STRATEGIES}, but got {name}={strategy!r}")
     return strategy
@@ -130,6 +135,11 @@ def fold_layers(layers: Iterable["WhiteningLayer"], *, strategy: str = "auto",
     leaves every rank with the previous transform and the same failure count.
     ``nonfinite_blocks`` counts the ranks whose block had non-finite sums
     (summed over ranks); such a block is dropped on every rank.
+
+    Args:
+        layers: the whitening layers to fold now, sharing one ``process_group``.
+        strategy: ``"auto"`` (default), ``"replicated"`` or ``"owner"``, as above.
+        _coordinator: internal (the :class:`FoldCoordinator` calling this).
     """
     check_strategy(strategy)
     if _coordinator is not None and not _coordinator.checked:  # the first fold after a conversion
@@ -196,6 +206,10 @@ def assign_owners(costs: Sequence[float], world_size: int) -> List[int]:
     Items in decreasing cost (ties: lower index first) go to the least loaded
     rank (ties: lower rank), which keeps the largest load within 4/3 of the
     optimum.
+
+    Args:
+        costs: one non-negative cost per item (a layer's ``M^3``).
+        world_size: the number of ranks, >= 1.
 
     Example:
         >>> assign_owners([8.0, 1.0, 1.0, 8.0, 2.0], 2)
@@ -277,8 +291,8 @@ def _local_summaries(layers: Sequence["WhiteningLayer"]) -> Tuple[List[BlockSumm
     count = torch.tensor([layer._acc_count for layer in layers], dtype=f64, device=dev)
     shift = torch.stack([layer._acc_shift if layer._acc_shift is not None else torch.zeros_like(layer._acc_s1)
                          for layer in layers])
-    s1 = torch.stack([layer._acc_s1 for layer in layers])
-    s2 = torch.stack([layer._acc_s2 for layer in layers])
+    s1 = torch.stack([layer._acc_s1 for layer in layers]).to(f64)  # the block's sums, in float64 from here on
+    s2 = torch.stack([layer._acc_s2 for layer in layers]).to(f64)
     block = F_w.summarize_block(count, shift, s1, s2)
     finite = F_w.finite_each(s1, s2)
     return _unstack(block, len(layers)), [int(not ok) for ok in finite.tolist()]
@@ -518,6 +532,9 @@ class FoldCoordinator:
     weight the model uses without calling it as a module (e.g. torchvision's
     Swin attention passes ``qkv.weight`` to a function) never sees its input,
     so it cannot whiten; a ``RuntimeWarning`` names such layers.
+
+    Args:
+        strategy: :func:`fold_layers`'s, ``"auto"`` (default), ``"replicated"`` or ``"owner"``.
     """
 
     #: Defaults for coordinators pickled before these attributes existed (nothing to check).

@@ -142,6 +142,8 @@ class WhiteningLayer:
     #: The buffers a forward reads; a recomputed forward reads those of the original one (:meth:`_forward_state`).
     _FORWARD_BUFFERS: Tuple[str, ...] = ("running_mean",)
     _in_force: Optional[Dict[str, Tensor]] = None
+    _mean_taps: Optional[tuple] = None
+    _pointwise_cache: Optional[tuple] = None
 
     if TYPE_CHECKING:  # for type checkers only: nothing here exists at runtime
         # The buffers ``_init_whitening`` registers (``grad_transform``: grad layers only).
@@ -234,9 +236,18 @@ class WhiteningLayer:
     def __getstate__(self) -> Dict[str, Any]:
         # The buffers of the last forward and the weight of a fold under way are transient: not pickled or copied.
         state = dict(self.__dict__)
-        for transient in ("_in_force", "_fold_weight", "_mean_taps"):
+        for transient in ("_in_force", "_fold_weight", "_mean_taps", "_pointwise_cache"):
             state.pop(transient, None)
+        if state.get("_acc_aug") is not None:  # views of it: made again on load (a pickle would copy them apart)
+            state.pop("_acc_s1", None)
+            state.pop("_acc_s2", None)
         return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        super().__setstate__(state)  # type: ignore[misc]
+        aug = self.__dict__.get("_acc_aug")
+        if aug is not None:
+            self._set_accumulator(aug)
 
     def __prepare_scriptable__(self) -> Any:
         raise RuntimeError(
@@ -330,6 +341,14 @@ class WhiteningLayer:
         self._acc_shift_x: Optional[Tensor] = None  # the shift as the batches subtract it (None: unshifted)
         self._fold_pending = False
         zero = []
+        if self.groups == 1:  # one augmented accumulator (functional.accumulate_moments); s1, s2 are its views
+            aug, m1 = self.__dict__.get("_acc_aug"), self.num_features + 1
+            dtype = self._acc_dtype()
+            if aug is not None and aug.device == dev and aug.shape == (m1, m1) and aug.dtype == dtype:
+                zero.append(aug)
+            else:
+                self._set_accumulator(torch.zeros(m1, m1, dtype=dtype, device=dev))
+            return zero
         s1, s2 = getattr(self, "_acc_s1", None), getattr(self, "_acc_s2", None)
         if s1 is not None and s1.device == dev and s1.shape == (self.num_features,):
             zero.append(s1)
@@ -340,6 +359,28 @@ class WhiteningLayer:
         else:
             self._acc_s2 = torch.zeros(self._block_shape, dtype=torch.float64, device=dev)
         return zero
+
+    #: ``groups=1``: the block's sums, ``(M + 1, M + 1)`` (``s2``, ``s1`` and the row count; ``_acc_s1`` and
+    #: ``_acc_s2`` are views of it). ``None`` for grouped layers (float64 ``_acc_s1``, ``_acc_s2`` of their own).
+    _acc_aug: Optional[Tensor] = None
+
+    def _acc_dtype(self) -> torch.dtype:
+        """The dtype a block's sums accumulate in: the input's (float32, float64 for a float64 layer)."""
+        return torch.float64 if self.running_mean.dtype == torch.float64 else torch.float32
+
+    def _set_accumulator(self, aug: Tensor) -> None:
+        self._acc_aug = aug
+        self._acc_s2 = aug[:-1, :-1]
+        self._acc_s1 = aug[:-1, -1]
+
+    def _add_sums(self, x: Tensor, shift_x: Optional[Tensor]) -> None:
+        """Add the batch ``x``'s sums about ``shift_x`` (``None``: about 0) to the block's accumulators."""
+        if self._acc_aug is not None:
+            F_w.accumulate_moments(self._acc_aug, x, shift_x)
+            return
+        s1, s2 = F_w.batch_sums(x, shift_x, self.groups)
+        self._acc_s1.add_(s1)  # float64 accumulators: one mixed-dtype add each
+        self._acc_s2.add_(s2)
 
     def _gathers_now(self) -> bool:
         """Whether this training forward gathers statistics: the first of every ``stats_every`` of the block."""
@@ -378,9 +419,7 @@ class WhiteningLayer:
                 self._start_block(x)
             elif self._acc_shift_x is None and not self._stats_unshifted:  # a block resumed from a checkpoint
                 self._acc_shift_x = self._acc_shift.to(x.dtype).view((1, -1) + (1,) * (x.dim() - 2))
-            s1, s2 = F_w.batch_sums(x, self._acc_shift_x, self.groups)
-            self._acc_s1.add_(s1)  # float64 accumulators: one mixed-dtype add each
-            self._acc_s2.add_(s2)
+            self._add_sums(x, self._acc_shift_x)
             self._acc_count += x.numel() // self.num_features
 
     # ------------------------------------------------------------ torch.compile
@@ -414,9 +453,7 @@ class WhiteningLayer:
                 self._start_block(x, shifted=True)
             # the shift as x subtracts it, made in the graph (one small cast; no attribute that may be None)
             shift_x = cast(Tensor, self._acc_shift).to(x.dtype).view((1, -1) + (1,) * (x.dim() - 2))
-            s1, s2 = F_w.batch_sums(x, shift_x, self.groups)
-            self._acc_s1.add_(s1)
-            self._acc_s2.add_(s2)
+            self._add_sums(x, shift_x)
         self._traced_rows = x.numel() // self.num_features
 
     def _accumulate_eager(self, x: Tensor) -> None:
@@ -455,14 +492,29 @@ class WhiteningLayer:
 
     def _reset_accumulators_to(self, device) -> None:
         if self._acc_s1.is_meta:  # accumulators left on the meta device hold nothing: a new, empty block
-            f64 = {"dtype": torch.float64, "device": device}
-            self._acc_s1, self._acc_s2 = torch.zeros(self.num_features, **f64), torch.zeros(self._block_shape, **f64)
+            self._acc_aug = self._acc_s1 = self._acc_s2 = None  # type: ignore[assignment]
             self._acc_shift = self._acc_shift_x = None
+            old = self.running_mean
+            self.running_mean = torch.empty(0, device=device)  # only the device is read
+            try:
+                self._reset_accumulators()
+            finally:
+                self.running_mean = old
             return
-        for name in ("_acc_s1", "_acc_s2", "_acc_shift", "_acc_shift_x"):
-            value = getattr(self, name)
-            if value is not None:
-                setattr(self, name, value.to(device))
+        self._move_accumulators(lambda t: t.to(device))
+
+    def _move_accumulators(self, fn) -> None:
+        """Apply ``fn`` (a move, ``to_empty``) to the partial block's tensors, keeping their dtypes."""
+        sums = ("_acc_aug",) if self._acc_aug is not None else ("_acc_s1", "_acc_s2")
+        names = ("_acc_shift", "_acc_shift_x") + sums
+        for name in names:
+            old = self.__dict__.get(name)
+            if old is not None:
+                new = fn(old)
+                self.__dict__[name] = new if new.dtype == old.dtype else old.to(device=new.device)
+        aug = self._acc_aug
+        if aug is not None:  # a float32 <-> float64 cast of the layer: the block's sums follow its statistics
+            self._set_accumulator(aug if aug.dtype == self._acc_dtype() else aug.to(self._acc_dtype()))
 
     def _end_batch(self) -> None:
         """Count one training forward; fold (or ask the coordinator to) at the block's end."""
@@ -498,7 +550,7 @@ class WhiteningLayer:
         """This rank's block: ``(count, shift, s1, s2)``, the shifted sums (float64)."""
         shift = self._acc_shift if self._acc_shift is not None else torch.zeros_like(self._acc_s1)
         count = torch.tensor(self._acc_count, dtype=torch.float64, device=self._acc_s1.device)
-        return count, shift, self._acc_s1, self._acc_s2
+        return count, shift, self._acc_s1.to(torch.float64), self._acc_s2.to(torch.float64)
 
     def _block_nonfinite(self) -> Tensor:
         """``1.0`` when this rank's block sums are not finite (a batch with non-finite values, or products that
@@ -649,6 +701,7 @@ class WhiteningLayer:
         self._fold_weight = None
         self._in_force = None
         self._mean_taps = None
+        self._pointwise_cache = None
         with torch.no_grad():
             if keep_function:
                 self._on_mean_change(-self.running_mean.to(torch.float64))
@@ -699,14 +752,12 @@ class WhiteningLayer:
             new = self._buffers.get(name)
             if new is not None and new.dtype != old.dtype and new.dtype not in (torch.float32, torch.float64):
                 self._buffers[name] = old.to(device=new.device)
-        for name in ("_acc_s1", "_acc_s2", "_acc_shift"):
-            old = self.__dict__.get(name)
-            if old is not None:
-                new = fn(old)
-                self.__dict__[name] = new if new.dtype == old.dtype else old.to(device=new.device)
+        if "_acc_s1" in self.__dict__:
+            self._move_accumulators(fn)
         self._acc_shift_x = None  # the shift as batches subtract it: made again from _acc_shift at the next batch
         self._in_force = None
         self._mean_taps = None
+        self._pointwise_cache = None
         return result
 
     def whitened_covariance(self) -> Tensor:
@@ -732,12 +783,13 @@ class WhiteningLayer:
         tensors only (EMA helpers, safetensors and exporters iterate over it as tensors); a fresh one at each
         call, owned by nobody.
         """
-        f64: Dict[str, Any] = {"dtype": torch.float64, "device": self._acc_s1.device}
+        f64: Dict[str, Any] = {"dtype": torch.float64, "device": self.running_mean.device}
         head = torch.tensor([_EXTRA_LAYOUT, self._acc_batches, self._acc_shift is not None]
                             + [getattr(self, name) for name in _COUNTERS] + [self._acc_count, self._stats_unshifted],
                             **f64)
         shift = self._acc_shift if self._acc_shift is not None else torch.zeros_like(self._acc_s1)
-        return torch.cat([head, shift, self._acc_s1, self._acc_s2.reshape(-1)])
+        sums = [shift, self._acc_s1, self._acc_s2.reshape(-1)]
+        return torch.cat([head] + [t.to(device=head.device, dtype=torch.float64) for t in sums])
 
     def set_extra_state(self, state: Union[Tensor, Dict[str, Any]]) -> None:
         """Restore the partial block and the counters (``load_state_dict`` calls this).
@@ -758,8 +810,17 @@ class WhiteningLayer:
         shift = state["acc_shift"]
         self._acc_shift = None if shift is None else shift.to(dev, torch.float64).clone()
         self._acc_shift_x = None  # set from the shift at the next gathered batch (its dtype and rank)
-        self._acc_s1 = state["acc_s1"].to(dev, torch.float64).clone()
-        self._acc_s2 = state["acc_s2"].to(dev, torch.float64).clone()
+        if self.groups == 1:  # the augmented accumulator, in its own dtype (exact for sums it had written)
+            m = self.num_features
+            aug = torch.zeros(m + 1, m + 1, dtype=self._acc_dtype(), device=dev)
+            aug[:m, :m] = state["acc_s2"]
+            aug[:m, m] = state["acc_s1"]
+            aug[m, :m] = state["acc_s1"]
+            aug[m, m] = self._acc_count
+            self._set_accumulator(aug)
+        else:
+            self._acc_s1 = state["acc_s1"].to(dev, torch.float64).clone()
+            self._acc_s2 = state["acc_s2"].to(dev, torch.float64).clone()
         for name in _COUNTERS:
             setattr(self, name, int(state.get(name, 0)))
         self._fold_pending = False

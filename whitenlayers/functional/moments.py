@@ -2,8 +2,10 @@
 and the block-diagonal (grouped) storage of per-group matrices. Part of :mod:`whitenlayers.functional`."""
 from __future__ import annotations
 
+import collections
+import contextlib
 import math
-from typing import Callable, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Callable, Iterator, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -18,6 +20,12 @@ class BlockSummary(NamedTuple):
     ``count`` samples (all batch elements and spatial positions), their
     ``mean`` ``(M,)``, the *centred* scatter ``scatter = sum (x - mean)(x - mean)^T``
     ``(M, M)`` and the uncentred power ``power = sum x**2`` ``(M,)``. All float64.
+
+    Args:
+        count: the number of samples (batch elements times positions), a 0-dim tensor (``(L,)`` stacked).
+        mean: their mean ``(M,)``.
+        scatter: ``sum (x - mean)(x - mean)^T``, ``(M, M)`` (grouped: ``(G, k, k)``).
+        power: ``sum x**2`` per feature ``(M,)``.
     """
 
     count: Tensor  # type: ignore[assignment]  # the field shadows tuple.count (a public name)
@@ -27,7 +35,11 @@ class BlockSummary(NamedTuple):
 
 
 def symmetrize(a: Tensor) -> Tensor:
-    """``(a + a^T) / 2``: removes the rounding asymmetry before ``eigh``."""
+    """``(a + a^T) / 2``: removes the rounding asymmetry before ``eigh``.
+
+    Args:
+        a: a square matrix ``(..., M, M)`` (stacks allowed).
+    """
     return torch.add(a, a.mT).mul_(0.5)  # 3x faster than 0.5 * (a + a.mT) for float32 on CPU
 
 
@@ -39,6 +51,9 @@ def all_finite(*tensors: Tensor) -> bool:
     (``2 k + 2`` small ops and one host synchronisation for ``k`` tensors); only
     a sum that overflows although its terms are finite falls back to the
     elementwise check. One pass over memory in the common case.
+
+    Args:
+        *tensors: any floating tensors.
     """
     total = None
     for t in tensors:
@@ -51,7 +66,11 @@ def all_finite(*tensors: Tensor) -> bool:
 def finite_each(*stacks: Tensor) -> Tensor:
     """:func:`all_finite` per stacked layer (a leading dimension ``L`` on every tensor), as a bool tensor ``(L,)``
     on the device: the sum of each layer's elements, NaN or Inf exactly when one is (or when the sum overflows,
-    which counts as not finite). No host synchronisation."""
+    which counts as not finite). No host synchronisation.
+
+    Args:
+        *stacks: tensors sharing a leading layer dimension ``L``.
+    """
     total = stacks[0].flatten(1).sum(-1)
     for t in stacks[1:]:
         total = total + t.flatten(1).sum(-1)
@@ -84,6 +103,12 @@ def stats_samples(batch: int, positions: int, features: int, fraction: float) ->
 
     ``ceil(fraction * batch)``, raised to the samples needed for
     ``STATS_MIN_ROWS_PER_FEATURE * features`` rows of ``positions`` each, at most ``batch``.
+
+    Args:
+        batch: samples in the batch, >= 1.
+        positions: spatial positions per sample (1 for a linear layer), >= 1.
+        features: the layer's ``M`` (per group), >= 1.
+        fraction: the config field ``stats_fraction``, in ``(0, 1]``.
 
     Example:
         >>> stats_samples(128, 32 * 32, 16, 0.25)   # a 16-channel conv at 32x32: a quarter of the batch
@@ -131,6 +156,11 @@ def batch_sums(x: Tensor, shift: Optional[Tensor] = None, groups: int = 1) -> Tu
 
     About 0 the product's rounding scales with ``sum x_m^2`` instead of ``sum (x_m - mean_m)^2``: a layer sums
     unshifted only when its statistics allow it (:func:`unshifted_accurate`).
+
+    Args:
+        x: the batch, ``(B, M)`` or ``(B, M, *spatial)``.
+        shift: shaped to broadcast against ``x``, or ``None`` (default: sums about 0).
+        groups: ``G`` >= 1 dividing ``M`` (default 1).
     """
     xs = x if shift is None else x - shift
     m = x.shape[1]
@@ -148,18 +178,115 @@ def batch_sums(x: Tensor, shift: Optional[Tensor] = None, groups: int = 1) -> Tu
     return b.sum((0, 3)).reshape(m), torch.matmul(b, b.transpose(-1, -2)).sum(0)
 
 
+_ONES: "collections.OrderedDict[tuple, Tensor]" = collections.OrderedDict()
+#: Ones tensors kept (one per batch shape, dtype and device; shared by the layers of a model).
+_ONES_KEPT = 16
+
+
+def _ones(shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A tensor of ones, made once per shape (in the graph when compiled: no state to guard on)."""
+    if torch.compiler.is_compiling():
+        return torch.ones(shape, dtype=dtype, device=device)
+    key = (shape, dtype, device)
+    ones = _ONES.get(key)
+    if ones is None:
+        if torch.is_inference_mode_enabled():  # never keep an inference tensor
+            return torch.ones(shape, dtype=dtype, device=device)
+        ones = _ONES[key] = torch.ones(shape, dtype=dtype, device=device)
+        while len(_ONES) > _ONES_KEPT:
+            _ONES.popitem(last=False)
+    return ones
+
+
+def ones_for_moments(x: Tensor) -> Tuple[int, ...]:
+    """The shape of the ones that :func:`accumulate_moments` appends to ``x``: a column ``(P, 1)`` for a
+    ``(P, M)`` view of ``x`` (2-D or channels_last), else a row ``(1, B, P)`` beside ``(M, B, P)``."""
+    rows = _as_rows(x)
+    if rows is not None:
+        return (rows.shape[0], 1)
+    return (1, x.shape[0], math.prod(x.shape[2:]))
+
+
+#: Where :func:`accumulate_moments` takes its two-op path (a concatenation and one product): every device but the
+#: CPU, unless :func:`fused_moments` says otherwise.
+_FUSED_ON_CPU = [False]
+
+
+def fused_moments_on(device: torch.device) -> bool:
+    """Whether :func:`accumulate_moments` takes the two-op path on ``device`` (not the CPU, by default)."""
+    return device.type != "cpu" or _FUSED_ON_CPU[0]
+
+
+@contextlib.contextmanager
+def fused_moments(on_cpu: bool = True) -> Iterator[None]:
+    """Within the block, the CPU takes the two-op path of :func:`accumulate_moments` as CUDA does (or not): what
+    ``benchmarks/hot_path.py`` counts as the GPU's operations, and what the tests check on a CPU."""
+    before, _FUSED_ON_CPU[0] = _FUSED_ON_CPU[0], on_cpu
+    try:
+        yield
+    finally:
+        _FUSED_ON_CPU[0] = before
+
+
+def accumulate_moments(acc: Tensor, x: Tensor, shift: Optional[Tensor]) -> None:
+    """Add a batch's sums about ``shift`` to an augmented accumulator ``acc`` ``(M + 1, M + 1)``.
+
+    ``acc[:M, :M] += sum (x - k)(x - k)^T`` and ``acc[:M, M] += sum (x - k)`` (the two-op path also adds
+    ``acc[M, :M]`` and the row count ``acc[M, M]``, which nothing reads). Two-op path: the batch with a
+    feature of ones appended (:func:`ones_for_moments`, kept per shape) is multiplied by itself in
+    one product that accumulates into ``acc``
+    (``addmm_``, in ``acc``'s dtype). The layers' hot path: one concatenation and one product (a
+    subtraction before them when ``shift`` is not ``None``), where :func:`batch_sums` plus float64
+    accumulation took five operations. ``x`` is ``(B, M)`` or ``(B, M, *spatial)``; ``shift`` broadcasts
+    against it. Within a block the sums accumulate in ``acc``'s dtype (float32 for float32 / bf16 / fp16
+    inputs): each batch's product is already rounded in that dtype, and adding a block of them costs a
+    few more units in the last place, far below the sampling noise of the statistics.
+    """
+    xs = x if shift is None else x - shift
+    if xs.dtype != acc.dtype:
+        xs = xs.to(acc.dtype)
+    if not fused_moments_on(xs.device):
+        # A CPU is not launch-bound, and there the concatenation (a copy of the batch) costs more than the ops it
+        # saves (measured: 1.5x the time of the statistics for 16 to 64 features): the product and the sums of
+        # batch_sums, added into the accumulator's blocks.
+        m = xs.shape[1]
+        s1, s2 = batch_sums(xs, None)
+        acc[:m, :m].add_(s2)
+        acc[:m, m].add_(s1)  # the blocks a fold reads (the ones row and the count corner are left as they are)
+        return
+    ones = _ones(ones_for_moments(xs), xs.dtype, xs.device)
+    rows = _as_rows(xs)
+    if rows is not None:  # (P, M): one (M + 1) x (M + 1) product of the rows with a column of ones
+        a = torch.cat([rows, ones], 1)
+        acc.addmm_(a.t(), a)
+        return
+    b = xs.flatten(2).transpose(0, 1)  # (M, B, P), a view
+    a = torch.cat([b, ones], 0).flatten(1)  # (M + 1, B * P): the concatenation is the one copy
+    acc.addmm_(a, a.t())
+
+
 def unshifted_accurate(block: "BlockSummary", max_mean2_var: float) -> bool:
     """Whether ``block``'s statistics allow summing the next block about 0: ``mean^2 <= max_mean2_var * var`` for
     every feature (then :func:`batch_sums` without a shift loses at most ``log2(1 + max_mean2_var)`` bits to the
     cancellation). From the count, mean and power alone (every rank has them after the fold's first collective,
     so every rank decides alike). One host synchronisation, once per block; :func:`unshifted_accurate_each` for
-    stacked layers."""
+    stacked layers.
+
+    Args:
+        block: the folded block's :class:`BlockSummary`.
+        max_mean2_var: the largest ``mean^2 / var`` accepted, >= 0 (7: at most 3 bits lost).
+    """
     return bool(unshifted_accurate_each(block, max_mean2_var).all())
 
 
 def unshifted_accurate_each(block: "BlockSummary", max_mean2_var: float) -> Tensor:
     """:func:`unshifted_accurate` of stacked blocks (a leading layer dimension): one flag per layer, on the
-    device (no host synchronisation)."""
+    device (no host synchronisation).
+
+    Args:
+        block: stacked :class:`BlockSummary` (a leading layer dimension).
+        max_mean2_var: as for :func:`unshifted_accurate`.
+    """
     # mean^2 <= r var  <=>  (1 + r) n mean^2 <= r power  (var = power / n - mean^2); False for NaN
     lhs = block.mean.square() * ((1.0 + max_mean2_var) * _per_layer(block.count, block.mean))
     return (lhs <= max_mean2_var * block.power).all(-1)
@@ -187,6 +314,11 @@ def batch_moments(x: Tensor, shift: Tensor, groups: int = 1) -> Tuple[Tensor, Te
 
     ``groups > 1``: the block-diagonal second moments ``(G, k, k)`` only
     (:func:`grouped_batch_moments`), never the ``M x M`` product.
+
+    Args:
+        x: the batch, ``(B, M)`` or ``(B, M, *spatial)``.
+        shift: ``(M,)``, close to the features' mean (e.g. the running mean in force).
+        groups: ``G`` >= 1 dividing ``M`` (default 1).
     """
     if groups != 1:
         return grouped_batch_moments(x, shift, groups)
@@ -235,6 +367,10 @@ def summarize_block(count: Tensor, shift: Tensor, s1: Tensor, s2: Tensor) -> Blo
     the block mean. A grouped ``s2`` ``(G, k, k)`` gives a grouped ``scatter``.
     Stacked blocks (a leading layer dimension ``L`` on every argument, ``count``
     ``(L,)``) give stacked summaries, each equal to its block's alone.
+
+    Args:
+        count, shift, s1, s2: the block's sample count, the shift, ``sum (x - shift)`` ``(M,)`` and
+            ``sum (x - shift)(x - shift)^T`` ``(M, M)`` (grouped ``(G, k, k)``; stacked: a leading ``L``).
     """
     n = count.to(torch.float64)
     shift = shift.to(torch.float64)
@@ -244,7 +380,12 @@ def summarize_block(count: Tensor, shift: Tensor, s1: Tensor, s2: Tensor) -> Blo
 
 
 def block_power(count: Tensor, shift: Tensor, s1: Tensor, s2: Tensor) -> Tensor:
-    """``sum x**2`` per feature from the shifted sums (see :func:`scatter_about`). float64."""
+    """``sum x**2`` per feature from the shifted sums (see :func:`scatter_about`). float64.
+
+    Args:
+        count, shift, s1, s2: the block's sample count, the shift, ``sum (x - shift)`` ``(M,)`` and
+            ``sum (x - shift)(x - shift)^T`` ``(M, M)`` (grouped ``(G, k, k)``; stacked: a leading ``L``).
+    """
     n, shift, s1 = count.to(torch.float64), shift.to(torch.float64), s1.to(torch.float64)
     # sum x^2 = sum (x - K)^2 + 2 K s1 + n K^2
     diag = torch.diagonal(s2, dim1=-2, dim2=-1).reshape(shift.shape).to(torch.float64)
@@ -263,6 +404,12 @@ def scatter_about(count: Tensor, shift: Tensor, s1: Tensor, s2: Tensor, center: 
     stacked scatters. ``inplace``: written into ``s2`` (float64), which is
     returned. Under ``torch.distributed`` the ranks' scatters about the *global*
     mean sum to the global batch's.
+
+    Args:
+        count, shift, s1, s2: the block's sample count, the shift, ``sum (x - shift)`` ``(M,)`` and
+            ``sum (x - shift)(x - shift)^T`` ``(M, M)`` (grouped ``(G, k, k)``; stacked: a leading ``L``).
+        center: the point ``(M,)`` to centre on (e.g. the block's or the global mean).
+        inplace: write into ``s2`` (float64) instead of a new tensor (default ``False``).
     """
     n = _per_layer(count.to(torch.float64), s1)
     e = center.to(torch.float64) - shift.to(torch.float64)
@@ -277,7 +424,14 @@ def scatter_about(count: Tensor, shift: Tensor, s1: Tensor, s2: Tensor, center: 
 def fold_mean(mean_prev: Tensor, block: BlockSummary, alpha: float, first: Union[bool, Sequence[bool]]) -> Tensor:
     """Eq. ``vmuxi``: ``mu(i) = alpha mu(i-1) + (1 - alpha) mean_block``; eq. ``vmuxnz`` when ``first``.
 
-    Stacked layers: ``first`` one flag per layer."""
+    Stacked layers: ``first`` one flag per layer.
+
+    Args:
+        mean_prev: ``mu(i-1)`` ``(M,)`` (ignored for a first block).
+        block: the block's :class:`BlockSummary`.
+        alpha: the config field ``alpha``, in ``[0, 1)``.
+        first: ``True`` for the first folded block; one flag per layer when stacked.
+    """
     mean = block.mean.to(torch.float64)
     return _first_or(first, mean, lambda: alpha * mean_prev.to(torch.float64) + (1.0 - alpha) * mean)
 
@@ -289,6 +443,10 @@ def block_covariance(block: BlockSummary, mu: Tensor) -> Tensor:
     ``sum (x - mu)(x - mu)^T = scatter + n (mean - mu)(mean - mu)^T``. float64.
     Symmetric to the last bit when ``scatter`` is (as :func:`summarize_block` makes it):
     every operation here treats entries ``(i, j)`` and ``(j, i)`` alike. Stacked layers alike.
+
+    Args:
+        block: the block's :class:`BlockSummary`.
+        mu: the centre ``(M,)``, e.g. the new running mean ``mu(i)``.
     """
     scatter = block.scatter.to(torch.float64)
     n = _per_layer(torch.clamp(block.count.to(torch.float64), min=1.0), scatter)
@@ -299,7 +457,14 @@ def block_covariance(block: BlockSummary, mu: Tensor) -> Tensor:
 def recursive_average(prev: Tensor, new: Tensor, alpha: float, first: Union[bool, Sequence[bool]]) -> Tensor:
     """``alpha prev + (1 - alpha) new``, or ``new`` for the first block (no recursion). float64.
 
-    Stacked layers: ``first`` one flag per layer."""
+    Stacked layers: ``first`` one flag per layer.
+
+    Args:
+        prev: the running value.
+        new: the block's value, same shape.
+        alpha: the config field ``alpha``, in ``[0, 1)``.
+        first: ``True`` for the first folded block; one flag per layer when stacked.
+    """
     new = new.to(torch.float64)
     return _first_or(first, new, lambda: alpha * prev.to(torch.float64) + (1.0 - alpha) * new)
 
@@ -326,6 +491,17 @@ def fold_moments(
     Stacked layers (a leading dimension ``L`` on every tensor, ``first`` one
     flag per layer): the fold of many layers of one shape at once, each equal to
     its own fold to the last bit (elementwise operations only).
+
+    Args:
+        mean_prev: ``mu(i-1)`` ``(M,)``.
+        cov_prev: ``Phi(i-1)`` ``(M, M)`` (grouped: ``(G, k, k)``).
+        block: the block's :class:`BlockSummary`.
+        alpha: the config field ``alpha``, in ``[0, 1)``.
+        first: ``True`` for the first folded block; one flag per layer when stacked.
+        return_block_cov: also return the block's covariance about ``mu(i)`` (default ``False``).
+
+    Returns:
+        ``(mu(i), Phi(i))``, or ``(mu(i), Phi(i), block covariance)``.
     """
     mu = fold_mean(mean_prev, block, alpha, first)
     block_cov = block_covariance(block, mu)
@@ -349,14 +525,24 @@ def fold_moments(
 # itself is batched over the groups. The recursive rule takes one rank-one step
 # per group, all groups at once.
 def block_shape(m: int, groups: int = 1) -> Tuple[int, ...]:
-    """Shape of an ``M x M`` matrix kept per group: ``(M, M)`` for one group, else ``(G, M/G, M/G)``."""
+    """Shape of an ``M x M`` matrix kept per group: ``(M, M)`` for one group, else ``(G, M/G, M/G)``.
+
+    Args:
+        m: the number of features ``M``.
+        groups: ``G`` >= 1 dividing ``M`` (default 1).
+    """
     if groups == 1:
         return (m, m)
     return (groups, m // groups, m // groups)
 
 
 def block_identity(m: int, groups: int = 1, *, device=None, dtype=None) -> Tensor:
-    """The identity in the storage of :func:`block_shape`."""
+    """The identity in the storage of :func:`block_shape`.
+
+    Args:
+        m, groups: as for :func:`block_shape`.
+        device, dtype: of the result (default ``None``: torch's defaults).
+    """
     if groups == 1:
         return torch.eye(m, device=device, dtype=dtype)
     k = m // groups
@@ -364,14 +550,23 @@ def block_identity(m: int, groups: int = 1, *, device=None, dtype=None) -> Tenso
 
 
 def block_diagonal(mat: Tensor) -> Tensor:
-    """The dense ``(M, M)`` matrix of a ``(G, k, k)`` stack of blocks (an ``(M, M)`` matrix is returned as is)."""
+    """The dense ``(M, M)`` matrix of a ``(G, k, k)`` stack of blocks (an ``(M, M)`` matrix is returned as is).
+
+    Args:
+        mat: ``(G, k, k)`` blocks, or an ``(M, M)`` matrix.
+    """
     if mat.dim() == 2:
         return mat
     return torch.block_diag(*mat.unbind(0))
 
 
 def block_outer(a: Tensor, b: Tensor, groups: int) -> Tensor:
-    """The diagonal blocks of ``outer(a, b)`` for ``(M,)`` vectors: ``(G, k, k)``."""
+    """The diagonal blocks of ``outer(a, b)`` for ``(M,)`` vectors: ``(G, k, k)``.
+
+    Args:
+        a, b: ``(M,)`` vectors.
+        groups: ``G`` >= 1 dividing ``M``.
+    """
     k = a.shape[0] // groups
     return a.view(groups, k, 1) * b.view(groups, 1, k)
 
@@ -404,6 +599,11 @@ def grouped_batch_moments(x: Tensor, shift: Tensor, groups: int) -> Tuple[Tensor
     :func:`batch_moments`; measured on a ``(64, 192, 32, 32)`` depthwise input,
     one thread: 4.6 ms, against 31 ms with the shifted copy, 90 ms for
     ``torch.var_mean`` and 84 ms for the depthwise convolution's forward).
+
+    Args:
+        x: the batch, ``(B, M)`` or ``(B, M, *spatial)``.
+        shift: ``(M,)``, close to the features' mean.
+        groups: ``G`` > 1 dividing ``M``.
     """
     m = x.shape[1]
     if (x.device.type == "cpu" and x.dim() > 2 and x.numel() >= _CPU_UNSHIFTED_MIN_ELEMENTS

@@ -278,6 +278,7 @@ class _GradWhitenMixin(WhiteningLayer):
                 torch.zeros(self.weight.shape[0], device=self.weight.device, dtype=self.running_mean.dtype),
             )
             object.__setattr__(self, "_centring_ref", (None, batchnorm) if parent is None else (parent, name))
+            self._fold_compensation_into_offset()
 
     def _batchnorm_absorbing_now(self) -> Optional[_BatchNorm]:
         """The absorbing BatchNorm if it normalises this forward with batch statistics (it removes the offset)."""
@@ -312,7 +313,13 @@ class _GradWhitenMixin(WhiteningLayer):
         # CUDA's autocast would run addmv in bf16/fp16: keep BatchNorm's dtype.
         off = torch.autocast(device_type=d.device.type, enabled=False) if _autocast_enabled(d.device.type) else None
         with off or contextlib.nullcontext():
-            d.lerp_(self._offset(w, state["running_mean"], state["bias_correction"]), factor)  # s = c - W mu
+            if isinstance(factor, float) and self.groups == 1 and not torch.onnx.is_in_onnx_export():
+                # c = 0 for an absorbed layer (it lives in d, _fold_compensation_into_offset): the update
+                # d <- (1 - f) d + f (c - W mu) is one product-accumulate
+                w2 = w.reshape(w.shape[0], -1)
+                d.addmv_(w2, self._mean_per_tap(state["running_mean"], w2.dtype), beta=1.0 - factor, alpha=-factor)
+            else:
+                d.lerp_(self._offset(w, state["running_mean"], state["bias_correction"]), factor)  # s = c - W mu
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -329,6 +336,8 @@ class _GradWhitenMixin(WhiteningLayer):
             state_dict[key] = torch.zeros_like(self.bias_correction)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+        if self._centring_ref is not None:  # a checkpoint that kept c apart (earlier versions, a centred layer)
+            self._fold_compensation_into_offset()
 
     def _weight_for_forward(self, state: Dict[str, Tensor]) -> Tensor:
         w = self.weight
@@ -411,7 +420,25 @@ class _GradWhitenMixin(WhiteningLayer):
         if w is None:
             w = self._weight_matrix(self._full_weight()).to(torch.float64)
         comp = F_w.weight_mean_product(w, delta)
+        absorbed = self._buffers.get("absorbed_offset")
+        if absorbed is not None:  # c lives in d for an absorbed layer (c - d is what the function uses)
+            absorbed.sub_(comp.to(absorbed.dtype))
+            return
         self.bias_correction = self.bias_correction + comp.to(self.bias_correction.dtype)
+
+    @torch.no_grad()
+    def _fold_compensation_into_offset(self) -> None:
+        """An absorbed layer keeps its bias compensation inside ``absorbed_offset``: ``d <- d - c``, ``c <- 0``.
+
+        The layer's output, its BatchNorm's and the export use ``c - d`` only, so this changes nothing they
+        compute; with ``c = 0`` the per-step update of ``d`` is one product-accumulate
+        (:meth:`_track_absorbed_offset`) instead of two operations.
+        """
+        d = self._buffers.get("absorbed_offset")
+        c = self.bias_correction
+        if d is not None and not c.is_meta and c.any():
+            d.sub_(c.to(d.dtype))
+            self.bias_correction = torch.zeros_like(c)
 
     def extra_repr(self) -> str:
         rest = self._whitening_repr()

@@ -2,14 +2,14 @@
 Part of :mod:`whitenlayers.layers`."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
-from ..autograd import direct_whiten
+from ..autograd import POINTWISE_DIMS, PointwiseWhitenFunction, _transform_mean, direct_whiten
 from ..config import EVDConfig, make_config
-from ..stats import WhiteningLayer
+from ..stats import WhiteningLayer, _is_compiling
 
 if TYPE_CHECKING:  # pragma: no cover
     pass
@@ -80,6 +80,23 @@ class DirectWhiten(WhiteningLayer, nn.Module):
         self._init_whitening(num_features, cfg, grad_transform=False, process_group=process_group, device=device,
                              dtype=dtype, groups=groups)
 
+    def _pointwise_weights(self, t: Tensor, mean: Tensor, dtype: torch.dtype) -> Tuple[Tensor, Tensor, Tensor]:
+        """``T`` as a 1x1 convolution's ``(M, M/G)`` weight, the bias ``-T mu`` and ``T^T``'s weight, in ``dtype``:
+        made once per block (cached by tensor and version, like the grad layers' centring), in the graph when
+        compiled."""
+        key = (t, t._version, mean, mean._version, dtype) if not _is_compiling() else None
+        cached = self._pointwise_cache
+        if key is not None and cached is not None and cached[0] is t and cached[2] is mean and cached[1:5] == key[1:]:
+            return cached[5]
+        m = self.num_features
+        with torch.no_grad():
+            w = t.reshape(m, -1).to(dtype).contiguous()
+            wt = t.transpose(-1, -2).reshape(m, -1).to(dtype).contiguous()
+            b = _transform_mean(t, mean).neg_().to(dtype)
+        if key is not None and not torch.is_inference_mode_enabled():
+            self._pointwise_cache = key + ((w, b, wt),)
+        return w, b, wt
+
     def extra_repr(self) -> str:
         rest = self._whitening_repr()
         if self.groups != 1:
@@ -100,9 +117,13 @@ class DirectWhiten(WhiteningLayer, nn.Module):
         if training:
             self._accumulate(x)
         t = state["whitening_matrix"]
-        if torch.is_grad_enabled() and x.requires_grad:
-            t = t.clone()  # the backward must use the T of this forward, even if a fold follows
-        out = direct_whiten(x, t, state["running_mean"])
+        if x.dim() in POINTWISE_DIMS:  # one 1x1 convolution each way; a fold replaces T, never writes into it
+            w, b, wt = self._pointwise_weights(t, state["running_mean"], x.dtype)
+            out = PointwiseWhitenFunction.apply(x, w, b, wt, self.groups)
+        else:
+            if torch.is_grad_enabled() and x.requires_grad:
+                t = t.clone()  # the backward must use the T of this forward, even if a fold follows
+            out = direct_whiten(x, t, state["running_mean"])
         if training:
             self._end_batch()
         return out
