@@ -140,8 +140,50 @@ def check_no_sync(device: torch.device) -> str:
     return "ok: no synchronisation in 5 non-folding steps"
 
 
+#: The GPU-recommended settings (benchmarks/gpu_levers.py: statistics on one forward in five, blocks of 50).
+RECOMMENDED = {"stats_every": 5, "block_size": 50}
+
+
+class BareStatistics:
+    """The floor of gathering statistics: a forward pre-hook on every conv ``convert_model`` would convert that
+    adds ``X^T X`` (the input as it comes, bf16 under autocast, one product) and the column sums to float32
+    buffers, every step, eager, unfused. No transform, no fold."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.handles = [conv.register_forward_pre_hook(self._hook) for _, conv in _target_convs(model)]
+
+    @staticmethod
+    def _hook(module: nn.Module, args) -> None:
+        x = args[0].detach()
+        rows = x.permute(0, 2, 3, 1).reshape(-1, x.shape[1])
+        s2 = getattr(module, "_bare_s2", None)
+        if s2 is None:
+            module._bare_s2 = torch.zeros(x.shape[1], x.shape[1], device=x.device)
+            module._bare_s1 = torch.zeros(x.shape[1], device=x.device)
+            s2 = module._bare_s2
+        s2.add_((rows.t() @ rows).float())
+        module._bare_s1.add_(rows.sum(0).float())
+
+
+def _target_convs(model: nn.Module):
+    """The convs ``convert_model`` would convert by default (those inside residual blocks)."""
+    probe = wl.convert_model(copy.deepcopy(model), "grad")
+    names = {n for n, _ in wl.whitening_layers(probe)}
+    return [(n, m) for n, m in model.named_modules() if n in names]
+
+
+def optimizer_for(name: str, model: nn.Module) -> torch.optim.Optimizer:
+    """SGD with momentum, or the peer optimizers (pytorch-optimizer 4.x: Muon with AdamW on the rest, SOAP with
+    its preconditioner updated every 10 steps), as the runner builds them."""
+    if name in ("muon", "soap"):
+        from whitenlayers.experiment.peers import library_optimizer
+        opts = {"precondition_frequency": 10} if name == "soap" else {}
+        return library_optimizer(name, model, lr=0.02 if name == "muon" else 3e-3, options=opts)
+    return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+
 def timed_steps(variants: Dict[str, nn.Module], make_batch: Callable, device, rounds: int, autocast_dtype) -> Dict[str, List[float]]:
-    opts = {k: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for k, m in variants.items()}
+    opts = {k: optimizer_for(k, m) for k, m in variants.items()}
     times: Dict[str, List[float]] = {k: [] for k in variants}
     names = list(variants)
     for r in range(rounds + 2):
@@ -161,10 +203,10 @@ def timed_steps(variants: Dict[str, nn.Module], make_batch: Callable, device, ro
     return times
 
 
-def peak_memory(model: nn.Module, make_batch: Callable, device, autocast_dtype) -> float:
+def peak_memory(model: nn.Module, make_batch: Callable, device, autocast_dtype, name: str = "plain") -> float:
     if device.type != "cuda":
         return float("nan")
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    opt = optimizer_for(name, model)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats(device)
     x, y = make_batch()
@@ -238,7 +280,17 @@ def step_table(name: str, base: nn.Module, make_batch: Callable, device, rounds:
     variants = {"plain": copy.deepcopy(base)}
     for method in ("grad", "recursive", "direct"):
         variants[method] = wl.convert_model(copy.deepcopy(base), method=method)
-    variants["grad:every5"] = wl.convert_model(copy.deepcopy(base), method="grad", stats_every=5)
+    for method in ("grad", "recursive"):
+        variants[f"{method}:every5,block50"] = wl.convert_model(copy.deepcopy(base), method=method, **RECOMMENDED)
+    bare = copy.deepcopy(base)
+    BareStatistics(bare)
+    variants["bare statistics pass (floor)"] = bare
+    try:
+        import pytorch_optimizer  # noqa: F401
+        variants["muon"] = copy.deepcopy(base)
+        variants["soap"] = copy.deepcopy(base)
+    except ImportError:
+        pass
     for m in variants.values():
         m.to(device)
         if memory_format is not None:
@@ -250,12 +302,64 @@ def step_table(name: str, base: nn.Module, make_batch: Callable, device, rounds:
     rows = []
     for k, v in times.items():
         folds = {}
-        if k in ("grad", "recursive", "grad:every5"):
+        if wl.whitening_layers(variants[k]) and not k.startswith("direct"):
             folds[k] = fold_time(variants[k], device)
-        mem = peak_memory(variants[k], make_batch, device, autocast_dtype)
+        mem = peak_memory(variants[k], make_batch, device, autocast_dtype, k)
         rows.append([name, k, 1e3 * statistics.mean(v), statistics.mean(v) / base_mean,
                      mem / mem_plain if mem_plain == mem_plain else float("nan"),
                      1e3 * folds[k] if k in folds else float("nan")])
+    return rows
+
+
+def compiled_table(device: torch.device, tiny: bool, rounds: int) -> List[List[object]]:
+    """``torch.compile`` of plain and converted CIFAR ResNet-20 (default mode; on CUDA also ``reduce-overhead``):
+    first-step (compile) time, steady step time vs the compiled plain model, dynamo's unique graphs. Tiny mode
+    compiles with the ``eager`` backend (dynamo only: the path is covered, the figures mean nothing)."""
+    from torch._dynamo.utils import counters
+
+    modes = ["default", "reduce-overhead"] if device.type == "cuda" else ["default"]
+    backend = "eager" if tiny else "inductor"
+    batch = 8 if tiny else 128
+    base = wl.models.cifar_resnet(8 if tiny else 20)
+    x = torch.randn(batch, 3, 32, 32, device=device)
+    y = torch.randint(0, 10, (batch,), device=device)
+    rows: List[List[object]] = []
+    for mode in modes:
+        plain_step = float("nan")
+        for name in ("plain", "grad", "recursive", "direct"):
+            model = copy.deepcopy(base) if name == "plain" else wl.convert_model(copy.deepcopy(base), method=name)
+            model.to(device).train()
+            torch._dynamo.reset()
+            counters.clear()
+            kw = {"backend": backend} if tiny else {"mode": None if mode == "default" else mode}
+            compiled = torch.compile(model, **kw)
+            opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+            def step():
+                loss = nn.functional.cross_entropy(compiled(x), y)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+
+            sync(device)
+            t0 = time.perf_counter()
+            step()
+            sync(device)
+            first = time.perf_counter() - t0
+            for _ in range(12):  # a whole block (10) and more: the second graph and the first fold
+                step()
+            times = []
+            for _ in range(max(rounds, 3) * 5):
+                sync(device)
+                t0 = time.perf_counter()
+                step()
+                sync(device)
+                times.append(time.perf_counter() - t0)
+            med = statistics.median(times)
+            if name == "plain":
+                plain_step = med
+            rows.append([mode + (" (eager backend)" if tiny else ""), name, first, 1e3 * med, med / plain_step,
+                         counters["stats"]["unique_graphs"]])
     return rows
 
 
@@ -268,6 +372,8 @@ def main(argv=None) -> Dict[str, object]:
     cuda = torch.cuda.is_available() and not args.tiny
     device = torch.device("cuda" if cuda else "cpu")
     tiny = not cuda
+    if tiny:  # the CPU takes the statistics' two-op path, as CUDA does: every path the GPU runs, covered
+        wl.functional.fused_moments(True).__enter__()
     header = {
         "device": torch.cuda.get_device_name(0) if cuda else "CPU (tiny mode: no meaningful figures)",
         "torch": torch.__version__,
@@ -319,9 +425,12 @@ def main(argv=None) -> Dict[str, object]:
         parts += ["", md_table(["CIFAR ResNet-20, batch 128, block 10", "whitening layers", "kernels/step (block mean)",
                                 "kernels/step (median: no fold)", "extra per layer (block mean)",
                                 "extra per layer (no fold)"], kernels, nd=1)]
+    compiled = compiled_table(device, tiny, rounds)
+    parts += ["", md_table(["torch.compile mode", "variant", "first step s", "median step ms", "step vs compiled plain",
+                            "unique graphs"], compiled, nd=3)]
     text = "\n".join(parts)
     print(text)
-    out = {**header, "checks": checks, "rows": rows, "kernels": kernels, "markdown": text}
+    out = {**header, "checks": checks, "rows": rows, "kernels": kernels, "compiled": compiled, "markdown": text}
     write_json(args.json, out)
     if failed:
         raise SystemExit("gpu.py: a correctness check failed (see the table above)")

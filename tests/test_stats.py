@@ -259,3 +259,27 @@ def test_two_op_statistics_path_trains_like_the_cpu_path(method):
             torch.testing.assert_close(b[key], value, rtol=1e-10, atol=1e-12, msg=key)
         else:
             assert torch.equal(b[key], value), key
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_float32_block_sums_are_accurate_against_a_float64_twin(fused):
+    """The block's sums accumulate in float32 (float64 only from the fold on): on post-ReLU activations with a
+    large mean (summed unshifted after the first block) and on shifted ones, mu, Phi_x and T stay within float32
+    rounding of a float64 layer fed the same inputs (float32 values are exact in float64)."""
+    gen = torch.Generator().manual_seed(0)
+    layer = wl.GradWhitenConv2d(16, 8, 3, padding=1, block_size=10)
+    twin = wl.GradWhitenConv2d(16, 8, 3, padding=1, block_size=10, dtype=torch.float64)
+    scale = torch.linspace(0.2, 3.0, 16).view(1, 16, 1, 1)
+    with wl.functional.fused_moments(fused):
+        for step in range(30):
+            x = torch.relu(torch.randn(32, 16, 8, 8, generator=gen) * scale + 0.5) + (5.0 if step >= 20 else 0.0)
+            layer(x)
+            twin(x.double())
+
+    def rel(a, b):
+        return float((a.double() - b).norm() / b.norm())
+
+    assert int(layer.num_blocks) == 3
+    assert rel(layer.running_mean, twin.running_mean) < 1e-6
+    assert rel(layer.running_cov, twin.running_cov) < 1e-5
+    assert rel(layer.whitening_matrix, twin.whitening_matrix) < 1e-4
