@@ -207,8 +207,9 @@ def ones_for_moments(x: Tensor) -> Tuple[int, ...]:
     return (1, x.shape[0], math.prod(x.shape[2:]))
 
 
-#: Where :func:`accumulate_moments` takes its two-op path (a concatenation and one product): every device but the
-#: CPU, unless :func:`fused_moments` says otherwise.
+#: Where the layers take their fewest-kernel paths (:func:`accumulate_moments`' concatenation and one product;
+#: ``DirectWhiten`` as a 1x1 convolution each way): every device but the CPU, unless :func:`fused_moments` says
+#: otherwise.
 _FUSED_ON_CPU = [False]
 
 
@@ -219,8 +220,9 @@ def fused_moments_on(device: torch.device) -> bool:
 
 @contextlib.contextmanager
 def fused_moments(on_cpu: bool = True) -> Iterator[None]:
-    """Within the block, the CPU takes the two-op path of :func:`accumulate_moments` as CUDA does (or not): what
-    ``benchmarks/hot_path.py`` counts as the GPU's operations, and what the tests check on a CPU."""
+    """Within the block, the CPU takes the fewest-kernel paths as CUDA does (or not): the two-op path of
+    :func:`accumulate_moments` and ``DirectWhiten``'s 1x1 convolutions. What ``benchmarks/hot_path.py`` counts
+    as the GPU's operations, and what the tests check on a CPU."""
     before, _FUSED_ON_CPU[0] = _FUSED_ON_CPU[0], on_cpu
     try:
         yield
