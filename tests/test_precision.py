@@ -254,8 +254,9 @@ def compare_compiled_with_eager(make, steps, hw):
 )
 def test_compiled_small_converted_model_trains_like_eager(method):
     _, n_breaks, n_graphs = compare_compiled_with_eager(lambda: small_converted_model(method), steps=4, hw=8)
-    # the coordinator's call after the forward, once in each of the 2 graphs (first step, every other step)
-    assert (n_breaks, n_graphs) == (2, 2)
+    # the coordinator's call after the forward (counted once, or once per graph, by dynamo's versions); 2 graphs:
+    # the first step and every other step
+    assert 1 <= n_breaks <= 2 and n_graphs == 2, (n_breaks, n_graphs)
 
 
 @pytest.mark.parametrize("method", ["grad", "recursive"])
