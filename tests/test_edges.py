@@ -211,3 +211,35 @@ def test_parametrization_applied_after_conversion_computes_the_weight_once():
     counter.calls = 0
     model(torch.randn(2, 4, 5, 5)).sum().backward()
     assert counter.calls == 1
+
+
+class _SamePadConv(nn.Conv2d):
+    """timm's ``Conv2dSame``: pads by a rule on the input's shape, which ``torch.fx`` cannot trace."""
+
+    def forward(self, x):
+        if x.shape[-1] % 2 == 1:
+            x = nn.functional.pad(x, (0, 1, 0, 1))
+        return super().forward(x)
+
+
+class _BlockWithSamePadConv(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv_pw = nn.Conv2d(c, 2 * c, 1, bias=False)
+        self.bn1 = testing.BatchNormAct2d(2 * c)
+        self.conv_dw = _SamePadConv(2 * c, 2 * c, 3, stride=2, groups=2 * c, bias=False)  # not converted
+        self.bn2 = testing.BatchNormAct2d(2 * c)
+        self.conv_pwl = nn.Conv2d(2 * c, c, 1, bias=False)
+        self.bn3 = testing.BatchNormAct2d(c, apply_act=False)
+
+    def forward(self, x):
+        return self.bn3(self.conv_pwl(self.bn2(self.conv_dw(self.bn1(self.conv_pw(x))))))
+
+
+def test_an_untraceable_module_outside_the_targets_does_not_stop_absorption():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), _BlockWithSamePadConv(4))
+    converted = wl.convert_model(model, "grad", predicate=lambda name, m: type(m) is nn.Conv2d and name != "0")
+    layers = dict(wl.whitening_layers(converted))
+    assert set(layers) == {"1.conv_pw", "1.conv_pwl"}
+    assert all(layer.centring == "absorbed" for layer in layers.values())
+    wl.plain_state_dict(converted.eval())  # exportable: no bias-free layer left centring its input

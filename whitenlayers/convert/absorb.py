@@ -35,9 +35,14 @@ class _DataflowTracer(torch.fx.Tracer):
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         # A BatchNorm subclass with a forward of its own (timm's BatchNormAct2d) is a leaf too: whether it may
-        # absorb is decided by _absorbing_batchnorm_ok, not by tracing into it.
-        return (id(m) in self._leaves or _is_whitening(m) or isinstance(m, _BatchNorm)
-                or super().is_leaf_module(m, module_qualified_name))
+        # absorb is decided by _absorbing_batchnorm_ok, not by tracing into it. So is a module that holds neither
+        # a target nor a BatchNorm: its inside cannot matter here, and its forward may not be traceable (timm's
+        # Conv2dSame pads by a data-dependent rule), which would leave the whole enclosing block centred.
+        if id(m) in self._leaves or _is_whitening(m) or isinstance(m, _BatchNorm):
+            return True
+        if not any(id(s) in self._leaves or isinstance(s, _BatchNorm) for s in m.modules()):
+            return True
+        return super().is_leaf_module(m, module_qualified_name)
 
 
 def _absorbing_batchnorm_ok(layer: nn.Module, bn: nn.Module) -> bool:
