@@ -325,15 +325,16 @@ class WhiteningLayer:
             warnings.warn(f"{self._describe()}: {message}", RuntimeWarning, stacklevel=3)
 
     # ------------------------------------------------------------ accumulators
-    def _reset_accumulators(self) -> None:
-        zero = self._clear_block()
+    def _reset_accumulators(self, device=None) -> None:
+        zero = self._clear_block(device)
         if zero:
             torch._foreach_zero_(zero)
 
-    def _clear_block(self) -> List[Tensor]:
-        """Start an empty block; returns the accumulators the caller must zero (in place: no fresh allocation,
-        and its page faults, at every fold; the fold zeroes those of many layers in one multi-tensor op)."""
-        dev = self.running_mean.device
+    def _clear_block(self, device=None) -> List[Tensor]:
+        """Start an empty block (on ``device``, default the buffers'); returns the accumulators the caller must
+        zero (in place: no fresh allocation, and its page faults, at every fold; the fold zeroes those of many
+        layers in one multi-tensor op)."""
+        dev = self.running_mean.device if device is None else torch.device(device)
         self._acc_batches = 0
         self._gather_next = True
         self._acc_count = 0.0  # rows (samples x positions) gathered: known from shapes, no device op
@@ -403,15 +404,21 @@ class WhiteningLayer:
             return
         self._add_batch(x)
 
-    def _add_batch(self, x: Tensor) -> None:
-        """Add ``x``'s sums about the block's shift to the accumulators (the shift chosen at the block's first
-        gathered batch); count its rows."""
+    def _stats_batch(self, x: Tensor) -> Tensor:
+        """The part of the batch ``x`` the statistics use: detached, float32 (or float64), its leading
+        ``stats_fraction`` of samples."""
         x = x.detach()
         if x.dtype not in (torch.float32, torch.float64):
             x = x.float()
         fraction = self.config.stats_fraction
         if fraction < 1.0 and x.shape[0] > 1:
             x = x[: stats_samples(x.shape[0], x[0].numel() // self.num_features, self.num_features, fraction)]
+        return x
+
+    def _add_batch(self, x: Tensor) -> None:
+        """Add ``x``'s sums about the block's shift to the accumulators (the shift chosen at the block's first
+        gathered batch); count its rows."""
+        x = self._stats_batch(x)
         if self._acc_s1.device != x.device:
             self._reset_accumulators_to(x.device)
         with _no_autocast(x.device):  # under autocast, products would run (and overflow) in fp16/bf16
@@ -442,12 +449,7 @@ class WhiteningLayer:
         if not self._gather_next:  # stats_every > 1: a guard with two values, two graphs at most
             self._traced_rows = 0
             return
-        x = x.detach()
-        if x.dtype not in (torch.float32, torch.float64):
-            x = x.float()
-        fraction = self.config.stats_fraction
-        if fraction < 1.0 and x.shape[0] > 1:
-            x = x[: stats_samples(x.shape[0], x[0].numel() // self.num_features, self.num_features, fraction)]
+        x = self._stats_batch(x)
         with _no_autocast(x.device):
             if self._acc_shift is None:  # the first block's first batch (or after a reset): a second graph, once
                 self._start_block(x, shifted=True)
@@ -492,14 +494,7 @@ class WhiteningLayer:
 
     def _reset_accumulators_to(self, device) -> None:
         if self._acc_s1.is_meta:  # accumulators left on the meta device hold nothing: a new, empty block
-            self._acc_aug = self._acc_s1 = self._acc_s2 = None  # type: ignore[assignment]
-            self._acc_shift = self._acc_shift_x = None
-            old = self.running_mean
-            self.running_mean = torch.empty(0, device=device)  # only the device is read
-            try:
-                self._reset_accumulators()
-            finally:
-                self.running_mean = old
+            self._reset_accumulators(device)
             return
         self._move_accumulators(lambda t: t.to(device))
 
