@@ -1,0 +1,284 @@
+"""Design probes for the GPU hot path (issue 30): what the device's torch offers and what each lever costs.
+
+Run on a CUDA machine (seconds to a minute); it prints one Markdown section per probe:
+
+1. **Statistics on tensor cores**: whether ``torch.mm`` / ``torch.addmm`` take ``out_dtype=torch.float32`` for
+   bf16 operands on this torch, their error against a float64 reference, and the time of one layer's statistics
+   product (the batch with its ones column, ``functional.accumulate_moments``) for ResNet-50's layer shapes at
+   batch 128: float32 SIMT (what the layers do today), TF32, bf16 operands with float32 output.
+2. **The EVD fold**: ``torch.linalg.eigh`` of ResNet-50's 52 covariances (batched by width, as ``fold.py`` does)
+   on CUDA in float32 and float64, on the host in float64 and float32 (all host threads), and a coupled
+   Newton-Schulz inverse square root (10 and 20 iterations, float32 / TF32) for comparison.
+3. **Overlap**: plain ResNet-50 training steps (bf16, batch 128, channels_last) alone, and while a worker
+   thread runs the fold's ``eigh`` (a) on the host in float64, (b) on CUDA on a side stream: the step time
+   and how long the fold took meanwhile. It says whether a fold off the critical path slows training.
+
+    python benchmarks/gpu_probe.py            # on a CUDA machine
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import threading
+import time
+from typing import Callable, Dict, List, Tuple
+
+from _common import md_table, setup
+
+import torch
+from torch import nn
+
+import whitenlayers as wl
+from _resnet50 import resnet50
+
+
+def layer_shapes(batch: int) -> List[Tuple[int, int]]:
+    """(rows P, features M) of each whitening layer's statistics in a converted ResNet-50 at ``batch``."""
+    model = wl.convert_model(resnet50(64), "grad")
+    shapes: List[Tuple[int, int]] = []
+    hooks = [m.register_forward_pre_hook(lambda mod, a: shapes.append((a[0].shape[0] * a[0].shape[2] * a[0].shape[3],
+                                                                        a[0].shape[1])))
+             for _, m in wl.whitening_layers(model)]
+    with torch.no_grad():
+        model.eval()(torch.randn(1, 3, 224, 224))
+    for h in hooks:
+        h.remove()
+    return [(p * batch, m) for p, m in shapes]
+
+
+def cuda_ms(fn: Callable[[], object], reps: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def wall_ms(fn: Callable[[], object], reps: int = 3) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def probe_out_dtype(dev) -> List[List[object]]:
+    rows = []
+    a = torch.randn(4096, 257, device=dev).bfloat16()
+    ref = a.double().t() @ a.double()
+    for name, fn in (("mm(out_dtype=f32)", lambda: torch.mm(a.t(), a, out_dtype=torch.float32)),
+                     ("addmm(out_dtype=f32)", lambda: torch.addmm(torch.zeros(257, 257, device=dev), a.t(), a,
+                                                                  out_dtype=torch.float32))):
+        try:
+            out = fn()
+            err = ((out.double() - ref).norm() / ref.norm()).item()
+            rows.append([name, str(out.dtype), f"{err:.2e}"])
+        except Exception as exc:  # noqa: BLE001 - a probe: report what failed
+            rows.append([name, "FAILED", repr(exc)[:120]])
+    acc = torch.zeros(257, 257, device=dev)
+    try:
+        torch.addmm(acc, a.t(), a, out_dtype=torch.float32, out=acc)
+        torch.addmm(acc, a.t(), a, out_dtype=torch.float32, out=acc)
+        err = ((acc.double() - 2 * ref).norm() / (2 * ref).norm()).item()
+        rows.append(["addmm(acc, out=acc, out_dtype=f32) twice", "float32", f"{err:.2e}"])
+    except Exception as exc:  # noqa: BLE001
+        rows.append(["addmm(acc, out=acc, out_dtype=f32)", "FAILED", repr(exc)[:120]])
+    return rows
+
+
+def probe_stats(dev, shapes) -> List[List[object]]:
+    rows = []
+    ones_cache: Dict[Tuple[int, torch.dtype], torch.Tensor] = {}
+    seen = set()
+    total = {"f32": 0.0, "tf32": 0.0, "bf16": 0.0}
+    for p, m in shapes:
+        x = (torch.randn(p, m, device=dev).relu() + 0.1).bfloat16()
+        acc = torch.zeros(m + 1, m + 1, device=dev)
+
+        def ones(dt):
+            key = (p, dt)
+            if key not in ones_cache:
+                ones_cache[key] = torch.ones(p, 1, device=dev, dtype=dt)
+            return ones_cache[key]
+
+        def f32():
+            a = torch.cat([x.float(), ones(torch.float32)], 1)
+            acc.addmm_(a.t(), a)
+
+        def bf16():
+            a = torch.cat([x, ones(torch.bfloat16)], 1)
+            acc.add_(torch.mm(a.t(), a, out_dtype=torch.float32))
+
+        t32 = cuda_ms(f32, 5)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        ttf = cuda_ms(f32, 5)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        try:
+            tb = cuda_ms(bf16, 5)
+        except Exception:  # noqa: BLE001
+            tb = float("nan")
+        total["f32"] += t32
+        total["tf32"] += ttf
+        total["bf16"] += tb
+        if (p, m) not in seen:
+            seen.add((p, m))
+            rows.append([p, m, t32, ttf, tb])
+    rows.append(["all 52 layers", "", total["f32"], total["tf32"], total["bf16"]])
+    return rows
+
+
+def fold_covs(dev, shapes) -> Dict[int, torch.Tensor]:
+    by: Dict[int, List[torch.Tensor]] = {}
+    g = torch.Generator(device=dev).manual_seed(0)
+    for _, m in shapes:
+        a = torch.randn(4 * m + 8, m, device=dev, generator=g) * torch.linspace(0.1, 3, m, device=dev)
+        by.setdefault(m, []).append(a.t() @ a / a.shape[0])
+    return {m: torch.stack(v) for m, v in by.items()}
+
+
+def newton_schulz(c: torch.Tensor, iters: int) -> torch.Tensor:
+    """Coupled Newton-Schulz inverse square root of SPD ``c`` (batched)."""
+    m = c.shape[-1]
+    norm = c.diagonal(dim1=-2, dim2=-1).sum(-1).view(-1, 1, 1)
+    y = c / norm
+    eye = torch.eye(m, device=c.device, dtype=c.dtype).expand_as(c)
+    z = eye.clone()
+    for _ in range(iters):
+        t = 0.5 * (3 * eye - z @ y)
+        y, z = y @ t, t @ z
+    return z / norm.sqrt()
+
+
+def probe_fold(dev, shapes) -> List[List[object]]:
+    covs = fold_covs(dev, shapes)
+    host64 = {m: c.double().cpu() for m, c in covs.items()}
+    host32 = {m: c.cpu() for m, c in covs.items()}
+    rows = []
+
+    def run(fn, data):
+        def go():
+            for c in data.values():
+                fn(c)
+        return go
+
+    rows.append(["CUDA eigh float32, batched by width", wall_ms(run(torch.linalg.eigh, covs))])
+    c64 = {m: c.double() for m, c in covs.items()}
+    rows.append(["CUDA eigh float64, batched by width", wall_ms(run(torch.linalg.eigh, c64))])
+    rows.append([f"host eigh float64 ({torch.get_num_threads()} threads), batched by width",
+                 wall_ms(run(torch.linalg.eigh, host64))])
+    rows.append([f"host eigh float32 ({torch.get_num_threads()} threads), batched by width",
+                 wall_ms(run(torch.linalg.eigh, host32))])
+    for iters in (10, 20):
+        rows.append([f"CUDA Newton-Schulz inverse sqrt, {iters} iterations, float32",
+                     wall_ms(run(lambda c, it=iters: newton_schulz(c, it), covs))])
+    torch.backends.cuda.matmul.allow_tf32 = True
+    rows.append(["CUDA Newton-Schulz inverse sqrt, 20 iterations, TF32",
+                 wall_ms(run(lambda c: newton_schulz(c, 20), covs))])
+    torch.backends.cuda.matmul.allow_tf32 = False
+    # accuracy of Newton-Schulz (20 its, f32) against the exact inverse square root, the widest width
+    m = max(covs)
+    c = covs[m][:1]
+    lam, vec = torch.linalg.eigh(c.double())
+    exact = (vec * lam.clamp(min=1e-12).rsqrt().unsqueeze(-2)) @ vec.transpose(-1, -2)
+    ns = newton_schulz(c, 20).double()
+    rows.append([f"Newton-Schulz 20 its vs exact C^-1/2, M={m}: relative Frobenius error",
+                 ((ns - exact).norm() / exact.norm()).item()])
+    return rows
+
+
+def probe_overlap(dev, shapes, steps: int) -> List[List[object]]:
+    model = resnet50(64).to(dev).to(memory_format=torch.channels_last).train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x = torch.randn(128, 3, 224, 224, device=dev).to(memory_format=torch.channels_last)
+    y = torch.randint(0, 1000, (128,), device=dev)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    def steps_ms(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+        return 1e3 * (time.perf_counter() - t0) / n
+
+    for _ in range(5):
+        step()
+    covs = fold_covs(dev, shapes)
+    host64 = {m: c.double().cpu() for m, c in covs.items()}
+    rows = [["plain steps alone", steps_ms(steps), float("nan")]]
+    side = torch.cuda.Stream()
+
+    def host_fold(out):
+        t0 = time.perf_counter()
+        for c in host64.values():
+            torch.linalg.eigh(c)
+        out.append(1e3 * (time.perf_counter() - t0))
+
+    def cuda_fold(out):
+        t0 = time.perf_counter()
+        with torch.cuda.stream(side):
+            for c in covs.values():
+                torch.linalg.eigh(c)
+            side.synchronize()
+        out.append(1e3 * (time.perf_counter() - t0))
+
+    for name, fn in (("host float64 eigh in a thread", host_fold), ("CUDA float32 eigh, side stream, thread", cuda_fold)):
+        done: List[float] = []
+        th = threading.Thread(target=fn, args=(done,))
+        torch.cuda.synchronize()
+        th.start()
+        t = steps_ms(steps)
+        th.join()
+        rows.append([f"plain steps while a fold runs: {name}", t, done[0] if done else float("nan")])
+    rows.append(["plain steps alone (again)", steps_ms(steps), float("nan")])
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=12, help="host threads (eigh on the host)")
+    p.add_argument("--steps", type=int, default=20)
+    args = p.parse_args()
+    setup(args.threads, 0)
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_probe.py needs CUDA")
+    dev = torch.device("cuda")
+    print(f"device: {torch.cuda.get_device_name(0)}; torch {torch.__version__}; CUDA {torch.version.cuda}; "
+          f"host threads {torch.get_num_threads()}")
+    shapes = layer_shapes(128)
+    sections = [
+        ("out_dtype", lambda: md_table(["op", "dtype", "rel. error vs float64"], probe_out_dtype(dev))),
+        ("stats", lambda: md_table(["rows P", "features M", "f32 SIMT ms", "TF32 ms", "bf16 -> f32 ms"],
+                                   probe_stats(dev, shapes), nd=3)),
+        ("fold", lambda: md_table(["ResNet-50 fold (52 covariances)", "ms"], probe_fold(dev, shapes), nd=3)),
+        ("overlap", lambda: md_table(["ResNet-50 bf16 batch 128", "step ms", "fold ms meanwhile"],
+                                     probe_overlap(dev, shapes, args.steps), nd=2)),
+    ]
+    for name, fn in sections:
+        t0 = time.perf_counter()
+        try:
+            text = fn()
+        except Exception as exc:  # noqa: BLE001 - keep the other probes
+            text = f"FAILED: {exc!r}"
+        print(f"\n### probe: {name} ({time.perf_counter() - t0:.1f} s)\n\n{text}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
