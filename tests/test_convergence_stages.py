@@ -1,0 +1,64 @@
+"""docs/convergence.py: the fm-schedule stage (issue 30) builds paired runs, and its table reads them."""
+import csv
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _convergence():
+    sys.path.insert(0, os.path.join(REPO, "docs"))
+    import convergence
+    import convergence_tables
+    return convergence, convergence_tables
+
+
+def test_fm_schedule_stage_pairs_the_arms():
+    c, _ = _convergence()
+    runs = dict(c.STAGES["fm-schedule"]())
+    assert len(runs) == 2 * len(c.FM_SCHEDULE_BUDGETS) * len(c.FASHION_SEEDS)
+    ref, gpu = runs["fm-schedule-b2-s3-e1b10"], runs["fm-schedule-b2-s3-e5b50"]
+    opt = lambda args, k: args[args.index(k) + 1]  # noqa: E731
+    for k in ("--epochs", "--seeds", "--val-fraction", "--dataset", "--model", "--width", "--schedule"):
+        assert opt(ref, k) == opt(gpu, k)
+    assert (opt(ref, "--stats-every"), opt(ref, "--block-size")) == ("1", "10")  # the library's defaults, explicit
+    assert (opt(gpu, "--stats-every"), opt(gpu, "--block-size")) == ("5", "50")
+    assert opt(ref, "--methods") == "baseline,grad,recursive" and opt(gpu, "--methods") == "grad,recursive"
+    assert "recursive=0.4" in opt(ref, "--method-lr") and "recursive=0.4" in opt(gpu, "--method-lr")
+    cmd = c.command("fm-schedule-b2-s3-e1b10", ref)
+    assert cmd.count("--seeds") == 1 and opt(cmd, "--threads") == "1"
+
+
+def _write(root, name, seed, curves):
+    d = os.path.join(root, name)
+    os.makedirs(d)
+    with open(os.path.join(d, "metrics.csv"), "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["method", "seed", "epoch", "test_acc", "epoch_time", "cpu_time", "load1"])
+        for method, accs, sec in curves:
+            for e, acc in enumerate(accs, 1):
+                w.writerow([method, seed, e, acc, sec, sec, 1.0])
+    open(os.path.join(d, "summary.md"), "w").close()
+    with open(os.path.join(d, "command.txt"), "w") as fh:
+        fh.write(f"python -m whitenlayers.experiment --out runs/convergence/{name}\n")
+
+
+def test_fm_schedule_table_on_written_runs(tmp_path, monkeypatch):
+    c, ct = _convergence()
+    root = str(tmp_path)
+    monkeypatch.setattr(c, "RUNS", root)
+    monkeypatch.setattr(ct, "RUNS", root)
+    for seed, bump in ((0, 0.0), (1, 0.5), (2, -0.5)):
+        _write(root, f"fm-schedule-b2-s{seed}-e1b10", seed,
+               [("baseline", [80 + bump, 88 + bump], 10.0), ("grad", [84 + bump, 89 + bump], 11.0),
+                ("recursive", [83, 89], 11.0)])
+        _write(root, f"fm-schedule-b2-s{seed}-e5b50", seed,
+               [("grad", [83 + bump, 88.5 + bump], 10.5), ("recursive", [83, 89], 10.5)])
+    _write(root, "fm-schedule-b1-s0-e1b10", 0, [("baseline", [85], 10.0), ("grad", [86], 11.0),
+                                                ("recursive", [86], 11.0)])  # its pair is missing: left out
+    text = c.fm_schedule_table()
+    assert "| 2 | EVD (grad) | 89.00 ± 0.50 | 88.50 ± 0.50 | -0.50 [-0.50, -0.50] | -1.00 [-1.00, -1.00] | " \
+           "+1.00 [+1.00, +1.00] | +0.50 [+0.50, +0.50] | 1.10x [1.10, 1.10] → 1.05x [1.05, 1.05] | 3 |" in text
+    assert "| 2 | recursive | 89.00 ± 0.00 | 89.00 ± 0.00 | +0.00 [+0.00, +0.00] |" in text
+    assert "| 1 | (not run) |" in text
+    assert "runs/convergence/fm-schedule-b2-s0-e5b50" in text
