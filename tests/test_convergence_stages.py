@@ -16,7 +16,7 @@ def _convergence():
 def test_fm_schedule_stage_pairs_the_arms():
     c, _ = _convergence()
     runs = dict(c.STAGES["fm-schedule"]())
-    assert len(runs) == 2 * len(c.FM_SCHEDULE_BUDGETS) * len(c.FASHION_SEEDS)
+    assert len(runs) == 2 * len(c.FM_SCHEDULE_BUDGETS) * len(c.FM_SCHEDULE_SEEDS)
     ref, gpu = runs["fm-schedule-b2-s3-e1b10"], runs["fm-schedule-b2-s3-e5b50"]
     opt = lambda args, k: args[args.index(k) + 1]  # noqa: E731
     for k in ("--epochs", "--seeds", "--val-fraction", "--dataset", "--model", "--width", "--schedule"):
@@ -57,7 +57,8 @@ def test_fm_schedule_table_on_written_runs(tmp_path, monkeypatch):
     _write(root, "fm-schedule-b1-s0-e1b10", 0, [("baseline", [85], 10.0), ("grad", [86], 11.0),
                                                 ("recursive", [86], 11.0)])  # its pair is missing: left out
     text = c.fm_schedule_table()
-    assert "| 2 | EVD (grad) | 89.00 ± 0.50 | 88.50 ± 0.50 | -0.50 [-0.50, -0.50] | -1.00 [-1.00, -1.00] | " \
+    assert "| 2 | EVD (grad) | 89.00 ± 0.50 | 88.50 ± 0.50 | -0.50 [-0.50, -0.50] | 84.00 ± 0.50 → 83.00 ± 0.50 | " \
+           "-1.00 [-1.00, -1.00] | " \
            "+1.00 [+1.00, +1.00] | +0.50 [+0.50, +0.50] | 1.10x [1.10, 1.10] → 1.05x [1.05, 1.05] | 3 |" in text
     assert "| 2 | recursive | 89.00 ± 0.00 | 89.00 ± 0.00 | +0.00 [+0.00, +0.00] |" in text
     assert "| 1 | (not run) |" in text
