@@ -8,8 +8,10 @@ On CUDA:
 3. no host synchronisation on the per-batch path (``torch.cuda.set_sync_debug_mode("error")`` around
    training steps that do not end a block);
 4. training-step time and peak-memory ratios vs the plain model, interleaved: ResNet-50 (the torchvision
-   layout, ``_resnet50.py``; 224x224, batch 64, channels_last, bf16 autocast) and CIFAR ResNet-110
-   (batch 128, fp32); grad, recursive, direct;
+   layout, ``_resnet50.py``; 224x224, batch 128 (``--batch``), channels_last, bf16 autocast) and CIFAR
+   ResNet-110 (batch 128, fp32); grad, recursive, direct with defaults, grad and recursive with the
+   GPU-recommended settings (``stats_every=5, block_size=50``), the bare statistics pass (the floor of gathering
+   statistics on every step), Muon and SOAP (pytorch-optimizer, when installed);
 5. one fold of each model (all its whitening layers), EVD and recursive;
 6. CUDA kernels launched per training step (``torch.profiler``), plain vs each method on CIFAR ResNet-20,
    averaged over one whole block (its fold included) and over the steps that do not fold: the GPU form of
@@ -20,7 +22,11 @@ Without CUDA it runs the same checks on the CPU in a ``--tiny`` configuration (C
 rot); check 3 is CUDA-only.
 
     python benchmarks/gpu.py            # on a CUDA machine
+    python benchmarks/gpu.py --skip compile,kernels --rounds 10    # the step table alone
     python benchmarks/gpu.py --tiny     # CPU, seconds
+
+``benchmarks/gpu_probe.py`` (design probes: low-precision products, eigh on device and host, overlap) and
+``benchmarks/gpu_profile.py`` (where a step or a fold goes, by kernel) complete it on the same machine.
 """
 from __future__ import annotations
 
@@ -311,13 +317,15 @@ def step_table(name: str, base: nn.Module, make_batch: Callable, device, rounds:
     return rows
 
 
-def compiled_table(device: torch.device, tiny: bool, rounds: int) -> List[List[object]]:
+def compiled_table(device: torch.device, tiny: bool, rounds: int,
+                   names=("plain", "grad", "recursive", "direct"), modes=None) -> List[List[object]]:
     """``torch.compile`` of plain and converted CIFAR ResNet-20 (default mode; on CUDA also ``reduce-overhead``):
     first-step (compile) time, steady step time vs the compiled plain model, dynamo's unique graphs. Tiny mode
     compiles with the ``eager`` backend (dynamo only: the path is covered, the figures mean nothing)."""
     from torch._dynamo.utils import counters
 
-    modes = ["default", "reduce-overhead"] if device.type == "cuda" else ["default"]
+    if modes is None:
+        modes = ["default", "reduce-overhead"] if device.type == "cuda" else ["default"]
     backend = "eager" if tiny else "inductor"
     batch = 8 if tiny else 128
     base = wl.models.cifar_resnet(8 if tiny else 20)
@@ -326,7 +334,7 @@ def compiled_table(device: torch.device, tiny: bool, rounds: int) -> List[List[o
     rows: List[List[object]] = []
     for mode in modes:
         plain_step = float("nan")
-        for name in ("plain", "grad", "recursive", "direct"):
+        for name in names:
             model = copy.deepcopy(base) if name == "plain" else wl.convert_model(copy.deepcopy(base), method=name)
             model.to(device).train()
             torch._dynamo.reset()
@@ -368,6 +376,8 @@ def main(argv=None) -> Dict[str, object]:
     add_common_args(p)
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--batch", type=int, default=128, help="ResNet-50's batch (the issue's setting: 128)")
+    p.add_argument("--compile-variants", default="plain,grad,recursive,direct", help="variants of the compiled table")
+    p.add_argument("--compile-modes", default="", help="torch.compile modes (default: default,reduce-overhead on CUDA)")
     p.add_argument("--skip", default="", help="comma-separated sections to skip: resnet50, resnet110, kernels, compile")
     args = p.parse_args(argv)
     setup(args.threads, args.seed)
@@ -432,7 +442,9 @@ def main(argv=None) -> Dict[str, object]:
         parts += ["", md_table(["CIFAR ResNet-20, batch 128, block 10", "whitening layers", "kernels/step (block mean)",
                                 "kernels/step (median: no fold)", "extra per layer (block mean)",
                                 "extra per layer (no fold)"], kernels, nd=1)]
-    compiled = [] if "compile" in skip else compiled_table(device, tiny, rounds)
+    compiled = [] if "compile" in skip else compiled_table(
+        device, tiny, rounds, tuple(args.compile_variants.split(",")),
+        args.compile_modes.split(",") if args.compile_modes else None)
     if compiled:
         parts += ["", md_table(["torch.compile mode", "variant", "first step s", "median step ms", "step vs compiled plain",
                                 "unique graphs"], compiled, nd=3)]

@@ -1,6 +1,7 @@
 """Where a converted ResNet-50's GPU step goes (torch.profiler): top CUDA kernels and CPU ops, one method.
 
     python benchmarks/gpu_profile.py --method recursive      # on a CUDA machine
+    python benchmarks/gpu_profile.py --method grad --fold    # one whole-model fold instead of training steps
 """
 from __future__ import annotations
 
@@ -21,14 +22,36 @@ from _resnet50 import resnet50
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--method", default="recursive")
-    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--stats-every", type=int, default=1)
+    p.add_argument("--block-size", type=int, default=10)
+    p.add_argument("--fold", action="store_true", help="profile one fold of all the layers instead of steps")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--rows", type=int, default=25)
     args = p.parse_args()
     setup(8, 0)
     dev = torch.device("cuda")
     base = resnet50(64)
-    variants = {"plain": copy.deepcopy(base), args.method: wl.convert_model(copy.deepcopy(base), method=args.method)}
+    converted = wl.convert_model(copy.deepcopy(base), method=args.method, stats_every=args.stats_every,
+                                 block_size=args.block_size)
+    if args.fold:
+        from whitenlayers.fold import fold_layers
+        layers = [m.to(dev) for _, m in wl.whitening_layers(converted.to(dev))]
+        for _ in range(2):  # the second fold is profiled (the first block is the special one)
+            for m in layers:
+                m.accumulate(torch.randn(4 * m.num_features + 8, m.num_features, device=dev).relu())
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                fold_layers(layers)
+                torch.cuda.synchronize()
+        print(f"\n=== one fold of {len(layers)} layers ({args.method}): {1e3 * (time.perf_counter() - t0):.1f} ms "
+              "under the profiler ===")
+        ka = prof.key_averages()
+        print(ka.table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=60))
+        print(ka.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
+        return
+    variants = {"plain": copy.deepcopy(base), args.method: converted}
     x = torch.randn(args.batch, 3, 224, 224, device=dev).to(memory_format=torch.channels_last)
     y = torch.randint(0, 1000, (args.batch,), device=dev)
     for name, model in variants.items():

@@ -239,3 +239,70 @@ def test_accumulate_moments_equals_batch_sums(b, m, hw, layout, shifted, fused, 
     torch.testing.assert_close(acc[:m, m], 2 * s1, **tol)
     if fused:  # the two-op path also counts the rows
         assert float(acc[m, m]) == 2 * (x.numel() // m)
+
+
+def _sums_float64(x, shift=None):
+    """``batch_sums`` of ``x`` (any dtype) in float64: the reference of the float32 / low-precision products."""
+    return F.batch_sums(x.double(), None if shift is None else shift.double())
+
+
+@settings(max_examples=30, deadline=None)
+@given(b=st.integers(1, 4), m=st.integers(1, 6), hw=st.sampled_from([(), (3, 2), (4, 4)]),
+       layout=st.sampled_from(["contiguous", "channels_last"]), dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+       splits=st.sampled_from([1, 2, 4]), shifted=st.booleans(), seed=st.integers(0, 2**16))
+def test_accumulate_moments_low_precision_and_split(b, m, hw, layout, dtype, splits, shifted, seed):
+    """CUDA's paths, emulated on the CPU within fused_moments: a bf16 / fp16 batch summed about 0 reaches the product
+    as it is (float32 accumulation of exact products: the float32 sums of the same numbers), a shifted one is
+    converted first; a product split over row chunks (one batched product, the chunks summed) equals the single
+    product. Checked against float64 sums of the same low-precision numbers."""
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn((b, m) + hw, generator=gen) * 2 + 1).to(dtype)
+    if layout == "channels_last" and x.dim() == 4:
+        x = x.contiguous(memory_format=torch.channels_last)
+    shift = torch.randn(m, generator=gen).view((1, m) + (1,) * len(hw)) if shifted else None
+    acc = torch.zeros(m + 1, m + 1)
+    seen = []
+    real = F.moments._gram_add
+    with pytest.MonkeyPatch.context() as mp, F.fused_moments(True):
+        mp.setattr(F.moments, "gram_splits", lambda rows, m1, device: splits if rows % splits == 0 else 1)
+        mp.setattr(F.moments, "_gram_add", lambda acc, a, rows_first: (seen.append(a.dtype),
+                                                                       real(acc, a, rows_first)))
+        F.accumulate_moments(acc, x, shift)
+    assert seen == [torch.float32 if shifted else dtype]  # converted only when shifted
+    s1, s2 = _sums_float64(x, shift)
+    n = x.numel() // m
+    scale = float(s2.diagonal().abs().max()) + 1.0
+    eps = torch.finfo(torch.float32).eps
+    tol = {"rtol": 0.0, "atol": 8 * n * eps * scale}  # float32 sums of n exact products: n ulps of the largest
+    torch.testing.assert_close(acc[:m, :m].double(), s2, **tol)
+    torch.testing.assert_close(acc[:m, m].double(), s1, rtol=0.0, atol=8 * n * eps * (float(s1.abs().max()) + 1.0))
+    assert float(acc[m, m]) == n
+
+
+def test_gram_splits_only_on_cuda_and_for_few_output_tiles():
+    assert F.gram_splits(1 << 20, 65, torch.device("cpu")) == 1
+    if not torch.cuda.is_available():
+        pytest.skip("the CUDA split needs a GPU's multiprocessor count")
+    dev = torch.device("cuda")
+    k = F.gram_splits(128 * 56 * 56, 65, dev)
+    assert k > 1 and (128 * 56 * 56) % k == 0 and (128 * 56 * 56) // k >= 2048
+    assert F.gram_splits(6272, 2049, dev) == 1  # enough output tiles: one product
+    assert F.gram_splits(4097, 65, dev) == 1  # odd rows: no power-of-two chunks
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's low-precision product")
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_accumulate_moments_cuda_bf16_matches_float64(layout):
+    """On CUDA a bf16 batch goes into the product as it is (tensor cores, float32 output), split over chunks for a
+    tall product: the sums match float64 sums of the same bf16 numbers to float32 accuracy."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(64, 32, 28, 28, device="cuda", generator=gen).relu() + 0.5).bfloat16()
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    acc = torch.zeros(33, 33, device="cuda")
+    F.accumulate_moments(acc, x, None)
+    F.accumulate_moments(acc, x, None)
+    s1, s2 = _sums_float64(x)
+    rel = float((acc[:32, :32].double() - 2 * s2).norm() / (2 * s2).norm())
+    assert rel < 1e-5, rel
+    assert float((acc[:32, 32].double() - 2 * s1).norm() / (2 * s1).norm()) < 1e-5

@@ -283,3 +283,37 @@ def test_float32_block_sums_are_accurate_against_a_float64_twin(fused):
     assert rel(layer.running_mean, twin.running_mean) < 1e-6
     assert rel(layer.running_cov, twin.running_cov) < 1e-5
     assert rel(layer.whitening_matrix, twin.whitening_matrix) < 1e-4
+
+
+def test_bf16_batches_reach_the_product_as_they_are_and_match_a_float64_twin():
+    """CUDA's path for bf16 activations, emulated on the CPU (``fused_moments``): a batch summed about 0 reaches
+    the statistics' product in bf16 (no float32 copy of the batch), a shifted one (the first block, and the
+    block after a large mean) in float32. Either way mu, Phi_x and T stay within float32 rounding of a float64
+    layer fed the same bf16 numbers."""
+    gen = torch.Generator().manual_seed(0)
+    layer = wl.GradWhitenConv2d(16, 8, 3, padding=1, block_size=10)
+    twin = wl.GradWhitenConv2d(16, 8, 3, padding=1, block_size=10, dtype=torch.float64)
+    scale = torch.linspace(0.2, 3.0, 16).view(1, 16, 1, 1)
+    seen = []
+    real = wl.functional.moments._gram_add
+    with pytest.MonkeyPatch.context() as mp, wl.functional.fused_moments(True):
+        mp.setattr(wl.functional.moments, "_gram_add", lambda acc, a, rows_first: (seen.append(a.dtype),
+                                                                                   real(acc, a, rows_first)))
+        for step in range(30):
+            x = (torch.relu(torch.randn(32, 16, 8, 8, generator=gen) * scale)
+                 + (5.0 if step >= 20 else 0.0)).bfloat16()
+            with torch.autocast("cpu", dtype=torch.bfloat16):  # as a model under autocast feeds it
+                layer(x)
+            twin(x.double())
+    # block 1: shifted (its first batch's mean); blocks 2 and 3 about 0 (ReLU outputs: mean^2 <= 3 var; block 3's
+    # jump in the mean is summed about 0 still: decided on block 2), so bf16 from batch 11 on
+    seen = [dt for dt in seen if dt != torch.float64]  # the twin's
+    assert seen[:10] == [torch.float32] * 10 and seen[10:] == [torch.bfloat16] * 20
+
+    def rel(a, b):
+        return float((a.double() - b).norm() / b.norm())
+
+    assert int(layer.num_blocks) == 3
+    assert rel(layer.running_mean, twin.running_mean) < 1e-6
+    assert rel(layer.running_cov, twin.running_cov) < 1e-5
+    assert rel(layer.whitening_matrix, twin.whitening_matrix) < 1e-4

@@ -66,6 +66,11 @@ _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 _eager = torch.compiler.disable
 
 
+def _work_dtype(x: Tensor) -> torch.dtype:
+    """The dtype a batch's statistics are computed in: its own when float32 / float64, else float32."""
+    return x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+
+
 def recomputing() -> bool:
     """Whether the current forward runs inside a backward pass, i.e. autograd re-runs it (activation checkpointing).
 
@@ -404,11 +409,11 @@ class WhiteningLayer:
             return
         self._add_batch(x)
 
-    def _stats_batch(self, x: Tensor) -> Tensor:
-        """The part of the batch ``x`` the statistics use: detached, float32 (or float64), its leading
-        ``stats_fraction`` of samples."""
+    def _stats_batch(self, x: Tensor, low_precision: bool = False) -> Tensor:
+        """The part of the batch ``x`` the statistics use: detached, float32 (or float64; ``low_precision``: a
+        bf16 / fp16 batch stays as it is), its leading ``stats_fraction`` of samples."""
         x = x.detach()
-        if x.dtype not in (torch.float32, torch.float64):
+        if x.dtype not in (torch.float32, torch.float64) and not low_precision:
             x = x.float()
         fraction = self.config.stats_fraction
         if fraction < 1.0 and x.shape[0] > 1:
@@ -417,15 +422,17 @@ class WhiteningLayer:
 
     def _add_batch(self, x: Tensor) -> None:
         """Add ``x``'s sums about the block's shift to the accumulators (the shift chosen at the block's first
-        gathered batch); count its rows."""
-        x = self._stats_batch(x)
+        gathered batch); count its rows. A bf16 / fp16 batch summed about 0 reaches the product as it is where
+        the device multiplies it into float32 (``functional.accumulate_moments``); otherwise it is converted to
+        float32 first."""
+        x = self._stats_batch(x, low_precision=self._acc_aug is not None)
         if self._acc_s1.device != x.device:
             self._reset_accumulators_to(x.device)
         with _no_autocast(x.device):  # under autocast, products would run (and overflow) in fp16/bf16
             if self._acc_shift is None:
                 self._start_block(x)
             elif self._acc_shift_x is None and not self._stats_unshifted:  # a block resumed from a checkpoint
-                self._acc_shift_x = self._acc_shift.to(x.dtype).view((1, -1) + (1,) * (x.dim() - 2))
+                self._acc_shift_x = self._acc_shift.to(_work_dtype(x)).view((1, -1) + (1,) * (x.dim() - 2))
             self._add_sums(x, self._acc_shift_x)
             self._acc_count += x.numel() // self.num_features
 
@@ -485,12 +492,13 @@ class WhiteningLayer:
             return
         if x.numel() > 0:
             dims = [0] + list(range(2, x.dim()))
-            first = torch.nan_to_num(x.mean(dims).to(torch.float64), nan=0.0, posinf=0.0, neginf=0.0)
+            first = torch.nan_to_num(x.mean(dims, dtype=_work_dtype(x)).to(torch.float64), nan=0.0, posinf=0.0,
+                                     neginf=0.0)
         else:
             first = torch.zeros(m, dtype=torch.float64, device=x.device)
         in_force = self.running_mean.detach().to(device=x.device, dtype=torch.float64)
         self._acc_shift = torch.where(self.num_blocks.to(x.device) > 0, in_force, first)
-        self._acc_shift_x = self._acc_shift.to(x.dtype).view((1, m) + (1,) * (x.dim() - 2))
+        self._acc_shift_x = self._acc_shift.to(_work_dtype(x)).view((1, m) + (1,) * (x.dim() - 2))
 
     def _reset_accumulators_to(self, device) -> None:
         if self._acc_s1.is_meta:  # accumulators left on the meta device hold nothing: a new, empty block

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch  # noqa: F401  (the namespace of the docstring examples, which run as tests under this module's name)
 
 from .evd import (  # noqa: F401
+    eigh_dtype,
     evd_transform,
     evd_transform_batched,
     evd_transform_grouped,
@@ -58,7 +59,9 @@ from .moments import (  # noqa: F401
     fold_moments,
     fused_moments,
     fused_moments_on,
+    gram_splits,
     grouped_batch_moments,
+    low_precision_products_on,
     ones_for_moments,
     recursive_average,
     scatter_about,
@@ -95,6 +98,8 @@ __all__ = [
     "ones_for_moments",
     "fused_moments",
     "fused_moments_on",
+    "low_precision_products_on",
+    "gram_splits",
     "batch_moments",
     "batch_sums",
     "unshifted_accurate",
@@ -115,6 +120,7 @@ __all__ = [
     "evd_transform",
     "evd_transform_batched",
     "robust_eigh",
+    "eigh_dtype",
     "principal_subspace",
     "RecursiveStep",
     "recursive_step",

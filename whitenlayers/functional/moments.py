@@ -230,6 +230,108 @@ def fused_moments(on_cpu: bool = True) -> Iterator[None]:
         _FUSED_ON_CPU[0] = before
 
 
+#: Low-precision dtypes whose products :func:`accumulate_moments` can take as they are, with float32 output.
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+_LOWP_PRODUCTS: dict = {}  # device type -> (mm with out_dtype works, bmm with out_dtype works)
+
+
+def _probe_out_dtype(device: torch.device) -> Tuple[bool, bool]:
+    """Whether this torch multiplies bf16 operands into a float32 result on ``device`` (``torch.addmm(...,
+    out_dtype=torch.float32, out=acc)``, and ``torch.bmm(..., out_dtype=torch.float32)``): tried once per device
+    type on tiny tensors (CUDA since torch 2.8; the CPU has no such kernel)."""
+    key = device.type
+    if key not in _LOWP_PRODUCTS:
+        ok_mm = ok_bmm = False
+        if device.type == "cuda":
+            a = torch.ones(4, 3, dtype=torch.bfloat16, device=device)
+            acc = torch.zeros(3, 3, device=device)
+            try:
+                torch.addmm(acc, a.t(), a, out_dtype=torch.float32, out=acc)
+                ok_mm = True
+                torch.bmm(a.view(2, 2, 3).transpose(1, 2), a.view(2, 2, 3), out_dtype=torch.float32)
+                ok_bmm = True
+            except (RuntimeError, TypeError, NotImplementedError):
+                pass
+        _LOWP_PRODUCTS[key] = (ok_mm, ok_bmm)
+    return _LOWP_PRODUCTS[key]
+
+
+def low_precision_products_on(device: torch.device) -> bool:
+    """Whether :func:`accumulate_moments` multiplies bf16 / fp16 batches as they are (tensor cores, float32
+    accumulation and output) on ``device``, instead of converting them to float32 first: CUDA with a torch whose
+    ``addmm`` takes ``out_dtype`` (2.8 and later). On the CPU only within :func:`fused_moments`, which takes the
+    CUDA paths: the batch then stays bf16 up to the product, converted there (the CPU has no such product)."""
+    if device.type == "cpu":
+        return _FUSED_ON_CPU[0]
+    return _probe_out_dtype(device)[0] if device.type == "cuda" else False
+
+
+#: A statistics product is split over row chunks (one batched product, the chunks' results summed) so that it has
+#: about this many output tiles per multiprocessor (a tall, skinny ``A^T A`` has few output tiles: a single
+#: product leaves most of a GPU idle).
+_TILES_PER_SM = 2
+_TILE = 128  # rows and columns of an output tile (cuBLAS' large tiles)
+_MIN_CHUNK_ROWS = 2048  # rows per chunk, at least
+_MAX_PARTIAL_ELEMENTS = 1 << 23  # the chunks' results, at most 32 MiB of float32
+_SMS: dict = {}
+
+
+def gram_splits(rows: int, m1: int, device: torch.device) -> int:
+    """How many row chunks :func:`accumulate_moments` splits a ``(rows, m1)`` statistics product into: 1 off CUDA
+    and for products with output tiles enough; else the largest power of two dividing ``rows`` that gives every
+    multiprocessor about ``_TILES_PER_SM`` output tiles, keeps ``_MIN_CHUNK_ROWS`` rows per chunk and the chunks'
+    results within ``_MAX_PARTIAL_ELEMENTS``."""
+    if device.type != "cuda":
+        return 1
+    if device.index not in _SMS:
+        _SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    tiles = -(-m1 // _TILE) ** 2
+    want = -(-_TILES_PER_SM * _SMS[device.index] // tiles)
+    limit = min(want, rows // _MIN_CHUNK_ROWS, _MAX_PARTIAL_ELEMENTS // (m1 * m1))
+    k = 1
+    while 2 * k <= limit and rows % (2 * k) == 0:
+        k *= 2
+    return k
+
+
+_ONES_ROW: "collections.OrderedDict[tuple, Tensor]" = collections.OrderedDict()
+
+
+def _gram_add(acc: Tensor, a: Tensor, rows_first: bool) -> None:
+    """``acc += a^T a`` (``rows_first``: ``a`` is ``(R, M1)``) or ``acc += a a^T`` (``a`` is ``(M1, R)``), ``a``
+    contiguous, in float32 or float64 (``acc``'s dtype) from ``a``'s dtype (bf16 / fp16 operands: float32
+    accumulation and output, :func:`low_precision_products_on`). Split over row chunks where a single product
+    would leave the GPU idle (:func:`gram_splits`): one batched product, then its chunks summed into ``acc`` by one
+    product with a row of ones (three kernels with the concatenation, instead of two)."""
+    lowp = a.dtype != acc.dtype
+    ok_mm, ok_bmm = _probe_out_dtype(a.device) if lowp else (True, True)
+    if lowp and not ok_mm:  # the CPU within fused_moments (the CUDA path, emulated): convert here
+        a, lowp = a.to(acc.dtype), False
+    r, m1 = (a.shape[0], a.shape[1]) if rows_first else (a.shape[1], a.shape[0])
+    k = gram_splits(r, m1, a.device) if (ok_bmm or not lowp) else 1
+    if k > 1:
+        if rows_first:
+            a3 = a.view(k, r // k, m1)
+            left, right = a3.transpose(1, 2), a3
+        else:
+            a3 = a.view(m1, k, r // k).transpose(0, 1)
+            left, right = a3, a3.transpose(1, 2)
+        part = torch.bmm(left, right, out_dtype=acc.dtype) if lowp else torch.bmm(left, right)
+        key = (k, acc.dtype, acc.device)
+        ones = _ONES_ROW.get(key)
+        if ones is None:
+            ones = _ONES_ROW[key] = torch.ones(1, k, dtype=acc.dtype, device=acc.device)
+            while len(_ONES_ROW) > _ONES_KEPT:
+                _ONES_ROW.popitem(last=False)
+        acc.view(1, -1).addmm_(ones, part.view(k, -1))
+        return
+    left, right = (a.t(), a) if rows_first else (a, a.t())
+    if lowp:
+        torch.addmm(acc, left, right, out_dtype=acc.dtype, out=acc)
+    else:
+        acc.addmm_(left, right)
+
+
 def accumulate_moments(acc: Tensor, x: Tensor, shift: Optional[Tensor]) -> None:
     """Add a batch's sums about ``shift`` to an augmented accumulator ``acc`` ``(M + 1, M + 1)``.
 
@@ -243,10 +345,18 @@ def accumulate_moments(acc: Tensor, x: Tensor, shift: Optional[Tensor]) -> None:
     against it. Within a block the sums accumulate in ``acc``'s dtype (float32 for float32 / bf16 / fp16
     inputs): each batch's product is already rounded in that dtype, and adding a block of them costs a
     few more units in the last place, far below the sampling noise of the statistics.
+
+    A bf16 / fp16 batch summed about 0 (``shift`` ``None``) goes into the product as it is where the device
+    multiplies low-precision operands into float32 (:func:`low_precision_products_on`: CUDA): the products of
+    bf16 numbers are exact in float32 and accumulate in float32, so this is the float32 product of the same
+    numbers, on tensor cores, without a float32 copy of the batch. A shifted batch is converted first (``x -
+    shift`` is not a bf16 number). On CUDA a tall, skinny product is split over row chunks
+    (:func:`gram_splits`).
     """
+    if x.dtype != acc.dtype and not (shift is None and x.dtype in LOW_PRECISION and acc.dtype == torch.float32
+                                     and fused_moments_on(x.device) and low_precision_products_on(x.device)):
+        x = x.to(acc.dtype)
     xs = x if shift is None else x - shift
-    if xs.dtype != acc.dtype:
-        xs = xs.to(acc.dtype)
     if not fused_moments_on(xs.device):
         # A CPU is not launch-bound, and there the concatenation (a copy of the batch) costs more than the ops it
         # saves (measured: 1.5x the time of the statistics for 16 to 64 features): the product and the sums of
@@ -259,12 +369,10 @@ def accumulate_moments(acc: Tensor, x: Tensor, shift: Optional[Tensor]) -> None:
     ones = _ones(ones_for_moments(xs), xs.dtype, xs.device)
     rows = _as_rows(xs)
     if rows is not None:  # (P, M): one (M + 1) x (M + 1) product of the rows with a column of ones
-        a = torch.cat([rows, ones], 1)
-        acc.addmm_(a.t(), a)
+        _gram_add(acc, torch.cat([rows, ones], 1), rows_first=True)
         return
     b = xs.flatten(2).transpose(0, 1)  # (M, B, P), a view
-    a = torch.cat([b, ones], 0).flatten(1)  # (M + 1, B * P): the concatenation is the one copy
-    acc.addmm_(a, a.t())
+    _gram_add(acc, torch.cat([b, ones], 0).flatten(1), rows_first=False)  # (M + 1, B * P): the one copy
 
 
 def unshifted_accurate(block: "BlockSummary", max_mean2_var: float) -> bool:
