@@ -101,7 +101,7 @@ def probe_stats(dev, shapes) -> List[List[object]]:
     rows = []
     ones_cache: Dict[Tuple[int, torch.dtype], torch.Tensor] = {}
     seen = set()
-    total = {"f32": 0.0, "tf32": 0.0, "bf16": 0.0}
+    total = {"f32": 0.0, "tf32": 0.0, "bf16": 0.0, "lib": 0.0}
     for p, m in shapes:
         x = (torch.randn(p, m, device=dev).relu() + 0.1).bfloat16()
         acc = torch.zeros(m + 1, m + 1, device=dev)
@@ -120,7 +120,12 @@ def probe_stats(dev, shapes) -> List[List[object]]:
             a = torch.cat([x, ones(torch.bfloat16)], 1)
             acc.add_(torch.mm(a.t(), a, out_dtype=torch.float32))
 
+        def lib():  # the library's path: bf16 as it is, split over row chunks where that fills the GPU
+            wl.functional.accumulate_moments(acc, x, None)
+
         t32 = cuda_ms(f32, 5)
+        tl = cuda_ms(lib, 5)
+        total["lib"] += tl
         torch.backends.cuda.matmul.allow_tf32 = True
         ttf = cuda_ms(f32, 5)
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -133,8 +138,8 @@ def probe_stats(dev, shapes) -> List[List[object]]:
         total["bf16"] += tb
         if (p, m) not in seen:
             seen.add((p, m))
-            rows.append([p, m, t32, ttf, tb])
-    rows.append(["all 52 layers", "", total["f32"], total["tf32"], total["bf16"]])
+            rows.append([p, m, t32, ttf, tb, tl, wl.functional.gram_splits(p, m + 1, dev)])
+    rows.append(["all 52 layers", "", total["f32"], total["tf32"], total["bf16"], total["lib"], ""])
     return rows
 
 
@@ -255,6 +260,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=12, help="host threads (eigh on the host)")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--only", default="", help="comma-separated probes to run: out_dtype, stats, fold, overlap")
     args = p.parse_args()
     setup(args.threads, 0)
     if not torch.cuda.is_available():
@@ -265,13 +271,17 @@ def main() -> None:
     shapes = layer_shapes(128)
     sections = [
         ("out_dtype", lambda: md_table(["op", "dtype", "rel. error vs float64"], probe_out_dtype(dev))),
-        ("stats", lambda: md_table(["rows P", "features M", "f32 SIMT ms", "TF32 ms", "bf16 -> f32 ms"],
+        ("stats", lambda: md_table(["rows P", "features M", "f32 SIMT ms", "TF32 ms", "bf16 -> f32 ms",
+                                    "library ms", "row chunks"],
                                    probe_stats(dev, shapes), nd=3)),
         ("fold", lambda: md_table(["ResNet-50 fold (52 covariances)", "ms"], probe_fold(dev, shapes), nd=3)),
         ("overlap", lambda: md_table(["ResNet-50 bf16 batch 128", "step ms", "fold ms meanwhile"],
                                      probe_overlap(dev, shapes, args.steps), nd=2)),
     ]
+    only = {s for s in args.only.split(",") if s}
     for name, fn in sections:
+        if only and name not in only:
+            continue
         t0 = time.perf_counter()
         try:
             text = fn()
