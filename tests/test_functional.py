@@ -178,6 +178,18 @@ def test_transform_weight_grad_per_tap(s, m, kernel):
     torch.testing.assert_close(out, ref)
 
 
+@given(st.integers(1, 5), st.integers(1, 6), st.sampled_from([(1, 1), (3, 3), (2, 5), (2, 3, 2)]))
+def test_transform_weight_grad_keeps_a_channels_last_layout(s, m, kernel):
+    """A channels_last gradient (a model moved to channels_last) is transformed as the (S * taps, M) matrix it is
+    in memory: the same values, the same layout."""
+    g = torch.randn((s, m) + kernel, dtype=torch.float64)
+    q = torch.randn(m, m, dtype=torch.float64)
+    fmt = torch.channels_last if g.dim() == 4 else torch.channels_last_3d
+    out = F.transform_weight_grad(g.contiguous(memory_format=fmt), q)
+    torch.testing.assert_close(out, torch.einsum("si...,ij->sj...", g, q), rtol=1e-12, atol=1e-12)
+    assert out.is_contiguous(memory_format=fmt)
+
+
 # ----------------------------------------------------------------- the hot path's batch sums
 @settings(max_examples=40, deadline=None)
 @given(st.integers(0, 4), st.sampled_from([1, 2, 3, 6]), st.sampled_from(["2d", "nchw", "channels_last"]),

@@ -65,6 +65,12 @@ def transform_weight_grad(grad: Tensor, q: Tensor) -> Tensor:
     s, m = grad.shape[:2]
     if grad[0, 0].numel() == 1 and grad.is_contiguous():  # a 1x1 kernel: one (S x M) @ (M x M) product
         return (grad.view(s, m) @ q).view(grad.shape)
+    if grad.dim() in (4, 5) and not grad.is_contiguous() and grad.is_contiguous(
+            memory_format=torch.channels_last if grad.dim() == 4 else torch.channels_last_3d):
+        # A channels_last gradient (a model moved to channels_last) is a (S * taps, M) matrix as it lies: one
+        # product, the result in the same layout (no copies).
+        rows = grad.permute((0,) + tuple(range(2, grad.dim())) + (1,))
+        return (rows.reshape(-1, m) @ q).view(rows.shape).permute((0, grad.dim() - 1) + tuple(range(1, grad.dim() - 1)))
     if grad.is_contiguous() and (grad.device.type != "cpu" or m <= _CPU_BMM_MAX_FEATURES):
         # One batched product, Q^T @ grad[s] for each output feature s (Q^T broadcast, not copied): one kernel,
         # the result in the gradient's own layout.

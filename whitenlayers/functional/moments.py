@@ -277,16 +277,29 @@ _SMS: dict = {}
 
 
 def gram_splits(rows: int, m1: int, device: torch.device) -> int:
-    """How many row chunks :func:`accumulate_moments` splits a ``(rows, m1)`` statistics product into: 1 off CUDA
-    and for products with output tiles enough; else the largest power of two dividing ``rows`` that gives every
-    multiprocessor about ``_TILES_PER_SM`` output tiles, keeps ``_MIN_CHUNK_ROWS`` rows per chunk and the chunks'
-    results within ``_MAX_PARTIAL_ELEMENTS``."""
+    """How many row chunks :func:`accumulate_moments` splits a ``(rows, m1)`` statistics product into: 1 off CUDA,
+    else :func:`split_count` for the device's multiprocessors."""
     if device.type != "cuda":
         return 1
     if device.index not in _SMS:
         _SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
-    tiles = -(-m1 // _TILE) ** 2
-    want = -(-_TILES_PER_SM * _SMS[device.index] // tiles)
+    return split_count(rows, m1, _SMS[device.index])
+
+
+def split_count(rows: int, m1: int, processors: int) -> int:
+    """The row chunks of a ``(rows, m1)`` statistics product on a GPU with ``processors`` multiprocessors: 1 for a
+    product with output tiles enough (``_TILE`` x ``_TILE`` each), else the largest power of two dividing ``rows``
+    that gives every multiprocessor about ``_TILES_PER_SM`` output tiles, keeps ``_MIN_CHUNK_ROWS`` rows per chunk
+    and the chunks' results within ``_MAX_PARTIAL_ELEMENTS``.
+
+    Example:
+        >>> split_count(128 * 56 * 56, 65, 132)  # ResNet-50's first layers at batch 128 on an H100
+        128
+        >>> split_count(128 * 7 * 7, 2049, 132)  # its widest: 289 tiles already
+        1
+    """
+    tiles = (-(-m1 // _TILE)) ** 2
+    want = -(-_TILES_PER_SM * processors // tiles)
     limit = min(want, rows // _MIN_CHUNK_ROWS, _MAX_PARTIAL_ELEMENTS // (m1 * m1))
     k = 1
     while 2 * k <= limit and rows % (2 * k) == 0:
