@@ -269,6 +269,8 @@ def main() -> None:
     print(f"device: {torch.cuda.get_device_name(0)}; torch {torch.__version__}; CUDA {torch.version.cuda}; "
           f"host threads {torch.get_num_threads()}")
     shapes = layer_shapes(128)
+    mm_ok, bmm_ok = wl.functional.moments._probe_out_dtype(dev)
+    print(f"bf16 products into float32: addmm(out_dtype) {mm_ok}, bmm(out_dtype) {bmm_ok}")
     sections = [
         ("out_dtype", lambda: md_table(["op", "dtype", "rel. error vs float64"], probe_out_dtype(dev))),
         ("stats", lambda: md_table(["rows P", "features M", "f32 SIMT ms", "TF32 ms", "bf16 -> f32 ms",
