@@ -120,7 +120,7 @@ def probe_stats(dev, shapes) -> List[List[object]]:
             a = torch.cat([x, ones(torch.bfloat16)], 1)
             acc.add_(torch.mm(a.t(), a, out_dtype=torch.float32))
 
-        def lib():  # the library's path: bf16 as it is, split over row chunks where that fills the GPU
+        def lib():  # the library's path (functional.accumulate_moments)
             wl.functional.accumulate_moments(acc, x, None)
 
         t32 = cuda_ms(f32, 5)
@@ -138,8 +138,8 @@ def probe_stats(dev, shapes) -> List[List[object]]:
         total["bf16"] += tb
         if (p, m) not in seen:
             seen.add((p, m))
-            rows.append([p, m, t32, ttf, tb, tl, wl.functional.gram_splits(p, m + 1, dev)])
-    rows.append(["all 52 layers", "", total["f32"], total["tf32"], total["bf16"], total["lib"], ""])
+            rows.append([p, m, t32, ttf, tb, tl])
+    rows.append(["all 52 layers", "", total["f32"], total["tf32"], total["bf16"], total["lib"]])
     return rows
 
 
@@ -269,12 +269,11 @@ def main() -> None:
     print(f"device: {torch.cuda.get_device_name(0)}; torch {torch.__version__}; CUDA {torch.version.cuda}; "
           f"host threads {torch.get_num_threads()}")
     shapes = layer_shapes(128)
-    mm_ok, bmm_ok = wl.functional.moments._probe_out_dtype(dev)
-    print(f"bf16 products into float32: addmm(out_dtype) {mm_ok}, bmm(out_dtype) {bmm_ok}")
+    print(f"bf16 products into float32 (addmm with out_dtype): {wl.functional.low_precision_products_on(dev)}")
     sections = [
         ("out_dtype", lambda: md_table(["op", "dtype", "rel. error vs float64"], probe_out_dtype(dev))),
         ("stats", lambda: md_table(["rows P", "features M", "f32 SIMT ms", "TF32 ms", "bf16 -> f32 ms",
-                                    "library ms", "row chunks"],
+                                    "library ms"],
                                    probe_stats(dev, shapes), nd=3)),
         ("fold", lambda: md_table(["ResNet-50 fold (52 covariances)", "ms"], probe_fold(dev, shapes), nd=3)),
         ("overlap", lambda: md_table(["ResNet-50 bf16 batch 128", "step ms", "fold ms meanwhile"],

@@ -261,12 +261,11 @@ def _sums_float64(x, shift=None):
 @settings(max_examples=30, deadline=None)
 @given(b=st.integers(1, 4), m=st.integers(1, 6), hw=st.sampled_from([(), (3, 2), (4, 4)]),
        layout=st.sampled_from(["contiguous", "channels_last"]), dtype=st.sampled_from([torch.bfloat16, torch.float16]),
-       splits=st.sampled_from([1, 2, 4]), shifted=st.booleans(), seed=st.integers(0, 2**16))
-def test_accumulate_moments_low_precision_and_split(b, m, hw, layout, dtype, splits, shifted, seed):
-    """CUDA's paths, emulated on the CPU within fused_moments: a bf16 / fp16 batch summed about 0 reaches the product
+       shifted=st.booleans(), seed=st.integers(0, 2**16))
+def test_accumulate_moments_low_precision(b, m, hw, layout, dtype, shifted, seed):
+    """CUDA's path, emulated on the CPU within fused_moments: a bf16 / fp16 batch summed about 0 reaches the product
     as it is (float32 accumulation of exact products: the float32 sums of the same numbers), a shifted one is
-    converted first; a product split over row chunks (one batched product, the chunks summed) equals the single
-    product. Checked against float64 sums of the same low-precision numbers."""
+    converted first. Checked against float64 sums of the same low-precision numbers."""
     gen = torch.Generator().manual_seed(seed)
     x = (torch.randn((b, m) + hw, generator=gen) * 2 + 1).to(dtype)
     if layout == "channels_last" and x.dim() == 4:
@@ -276,7 +275,6 @@ def test_accumulate_moments_low_precision_and_split(b, m, hw, layout, dtype, spl
     seen = []
     real = F.moments._gram_add
     with pytest.MonkeyPatch.context() as mp, F.fused_moments(True):
-        mp.setattr(F.moments, "gram_splits", lambda rows, m1, device: splits if rows % splits == 0 else 1)
         mp.setattr(F.moments, "_gram_add", lambda acc, a, rows_first: (seen.append(a.dtype),
                                                                        real(acc, a, rows_first)))
         F.accumulate_moments(acc, x, shift)
@@ -291,22 +289,11 @@ def test_accumulate_moments_low_precision_and_split(b, m, hw, layout, dtype, spl
     assert float(acc[m, m]) == n
 
 
-def test_gram_splits_only_on_cuda_and_for_few_output_tiles():
-    assert F.gram_splits(1 << 20, 65, torch.device("cpu")) == 1
-    if not torch.cuda.is_available():
-        pytest.skip("the CUDA split needs a GPU's multiprocessor count")
-    dev = torch.device("cuda")
-    k = F.gram_splits(128 * 56 * 56, 65, dev)
-    assert k > 1 and (128 * 56 * 56) % k == 0 and (128 * 56 * 56) // k >= 2048
-    assert F.gram_splits(6272, 2049, dev) == 1  # enough output tiles: one product
-    assert F.gram_splits(4097, 65, dev) == 1  # odd rows: no power-of-two chunks
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's low-precision product")
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 def test_accumulate_moments_cuda_bf16_matches_float64(layout):
-    """On CUDA a bf16 batch goes into the product as it is (tensor cores, float32 output), split over chunks for a
-    tall product: the sums match float64 sums of the same bf16 numbers to float32 accuracy."""
+    """On CUDA a bf16 batch goes into the product as it is (tensor cores, float32 output): the sums match float64
+    sums of the same bf16 numbers to float32 accuracy."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = (torch.randn(64, 32, 28, 28, device="cuda", generator=gen).relu() + 0.5).bfloat16()
     if layout == "channels_last":

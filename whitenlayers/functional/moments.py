@@ -232,27 +232,25 @@ def fused_moments(on_cpu: bool = True) -> Iterator[None]:
 
 #: Low-precision dtypes whose products :func:`accumulate_moments` can take as they are, with float32 output.
 LOW_PRECISION = (torch.bfloat16, torch.float16)
-_LOWP_PRODUCTS: dict = {}  # device type -> (mm with out_dtype works, bmm with out_dtype works)
+_LOWP_PRODUCTS: dict = {}  # device type -> (addmm with out_dtype works,)
 
 
-def _probe_out_dtype(device: torch.device) -> Tuple[bool, bool]:
+def _probe_out_dtype(device: torch.device) -> Tuple[bool]:
     """Whether this torch multiplies bf16 operands into a float32 result on ``device`` (``torch.addmm(...,
-    out_dtype=torch.float32, out=acc)``, and ``torch.bmm(..., out_dtype=torch.float32)``): tried once per device
-    type on tiny tensors (CUDA since torch 2.8; the CPU has no such kernel)."""
+    out_dtype=torch.float32, out=acc)``): tried once per device type on tiny tensors (CUDA, torch 2.11 at least;
+    the CPU has no such kernel)."""
     key = device.type
     if key not in _LOWP_PRODUCTS:
-        ok_mm = ok_bmm = False
+        ok = False
         if device.type == "cuda":
             a = torch.ones(4, 3, dtype=torch.bfloat16, device=device)
             acc = torch.zeros(3, 3, device=device)
             try:
                 torch.addmm(acc, a.t(), a, out_dtype=torch.float32, out=acc)
-                ok_mm = True
-                torch.bmm(a.view(2, 2, 3).transpose(1, 2), a.view(2, 2, 3), out_dtype=torch.float32)
-                ok_bmm = True
+                ok = True
             except (RuntimeError, TypeError, NotImplementedError):
                 pass
-        _LOWP_PRODUCTS[key] = (ok_mm, ok_bmm)
+        _LOWP_PRODUCTS[key] = (ok,)
     return _LOWP_PRODUCTS[key]
 
 
@@ -266,78 +264,17 @@ def low_precision_products_on(device: torch.device) -> bool:
     return _probe_out_dtype(device)[0] if device.type == "cuda" else False
 
 
-#: A statistics product is split over row chunks (one batched product, the chunks' results summed) so that it has
-#: about this many output tiles per multiprocessor (a tall, skinny ``A^T A`` has few output tiles: a single
-#: product leaves most of a GPU idle).
-_TILES_PER_SM = 2
-_TILE = 128  # rows and columns of an output tile (cuBLAS' large tiles)
-_MIN_CHUNK_ROWS = 2048  # rows per chunk, at least
-_MAX_PARTIAL_ELEMENTS = 1 << 23  # the chunks' results, at most 32 MiB of float32
-_SMS: dict = {}
-
-
-def gram_splits(rows: int, m1: int, device: torch.device) -> int:
-    """How many row chunks :func:`accumulate_moments` splits a ``(rows, m1)`` statistics product into: 1 off CUDA,
-    else :func:`split_count` for the device's multiprocessors."""
-    if device.type != "cuda":
-        return 1
-    if device.index not in _SMS:
-        _SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
-    return split_count(rows, m1, _SMS[device.index])
-
-
-def split_count(rows: int, m1: int, processors: int) -> int:
-    """The row chunks of a ``(rows, m1)`` statistics product on a GPU with ``processors`` multiprocessors: 1 for a
-    product with output tiles enough (``_TILE`` x ``_TILE`` each), else the largest power of two dividing ``rows``
-    that gives every multiprocessor about ``_TILES_PER_SM`` output tiles, keeps ``_MIN_CHUNK_ROWS`` rows per chunk
-    and the chunks' results within ``_MAX_PARTIAL_ELEMENTS``.
-
-    Example:
-        >>> split_count(128 * 56 * 56, 65, 132)  # ResNet-50's first layers at batch 128 on an H100
-        128
-        >>> split_count(128 * 7 * 7, 2049, 132)  # its widest: 289 tiles already
-        1
-    """
-    tiles = (-(-m1 // _TILE)) ** 2
-    want = -(-_TILES_PER_SM * processors // tiles)
-    limit = min(want, rows // _MIN_CHUNK_ROWS, _MAX_PARTIAL_ELEMENTS // (m1 * m1))
-    k = 1
-    while 2 * k <= limit and rows % (2 * k) == 0:
-        k *= 2
-    return k
-
-
-_ONES_ROW: "collections.OrderedDict[tuple, Tensor]" = collections.OrderedDict()
-
-
 def _gram_add(acc: Tensor, a: Tensor, rows_first: bool) -> None:
-    """``acc += a^T a`` (``rows_first``: ``a`` is ``(R, M1)``) or ``acc += a a^T`` (``a`` is ``(M1, R)``), ``a``
-    contiguous, in float32 or float64 (``acc``'s dtype) from ``a``'s dtype (bf16 / fp16 operands: float32
-    accumulation and output, :func:`low_precision_products_on`). Split over row chunks where a single product
-    would leave the GPU idle (:func:`gram_splits`): one batched product, then its chunks summed into ``acc`` by one
-    product with a row of ones (three kernels with the concatenation, instead of two)."""
+    """``acc += a^T a`` (``rows_first``: ``a`` is ``(R, M1)``) or ``acc += a a^T`` (``a`` is ``(M1, R)``), in
+    ``acc``'s dtype, from ``a``'s dtype: bf16 / fp16 operands with float32 accumulation and output
+    (:func:`low_precision_products_on`), one kernel either way.
+
+    (A split over row chunks, one batched product and a sum of the chunks, was measured on an H100 and dropped:
+    slower on every ResNet-50 shape, 24.2 ms against 17.1 ms for the 52 layers at batch 128;
+    ``benchmarks/RESULTS.md``, "GPU: issue 30 on an H100".)"""
     lowp = a.dtype != acc.dtype
-    ok_mm, ok_bmm = _probe_out_dtype(a.device) if lowp else (True, True)
-    if lowp and not ok_mm:  # the CPU within fused_moments (the CUDA path, emulated): convert here
+    if lowp and not _probe_out_dtype(a.device)[0]:  # the CPU within fused_moments (the CUDA path, emulated)
         a, lowp = a.to(acc.dtype), False
-    r, m1 = (a.shape[0], a.shape[1]) if rows_first else (a.shape[1], a.shape[0])
-    k = gram_splits(r, m1, a.device) if (ok_bmm or not lowp) else 1
-    if k > 1:
-        if rows_first:
-            a3 = a.view(k, r // k, m1)
-            left, right = a3.transpose(1, 2), a3
-        else:
-            a3 = a.view(m1, k, r // k).transpose(0, 1)
-            left, right = a3, a3.transpose(1, 2)
-        part = torch.bmm(left, right, out_dtype=acc.dtype) if lowp else torch.bmm(left, right)
-        key = (k, acc.dtype, acc.device)
-        ones = _ONES_ROW.get(key)
-        if ones is None:
-            ones = _ONES_ROW[key] = torch.ones(1, k, dtype=acc.dtype, device=acc.device)
-            while len(_ONES_ROW) > _ONES_KEPT:
-                _ONES_ROW.popitem(last=False)
-        acc.view(1, -1).addmm_(ones, part.view(k, -1))
-        return
     left, right = (a.t(), a) if rows_first else (a, a.t())
     if lowp:
         torch.addmm(acc, left, right, out_dtype=acc.dtype, out=acc)
@@ -363,8 +300,7 @@ def accumulate_moments(acc: Tensor, x: Tensor, shift: Optional[Tensor]) -> None:
     multiplies low-precision operands into float32 (:func:`low_precision_products_on`: CUDA): the products of
     bf16 numbers are exact in float32 and accumulate in float32, so this is the float32 product of the same
     numbers, on tensor cores, without a float32 copy of the batch. A shifted batch is converted first (``x -
-    shift`` is not a bf16 number). On CUDA a tall, skinny product is split over row chunks
-    (:func:`gram_splits`).
+    shift`` is not a bf16 number).
     """
     if x.dtype != acc.dtype and not (shift is None and x.dtype in LOW_PRECISION and acc.dtype == torch.float32
                                      and fused_moments_on(x.device) and low_precision_products_on(x.device)):
