@@ -1,0 +1,105 @@
+"""Host time a whitening layer adds to a training step (issue 30): the CPU proxy of a GPU step's dispatch cost.
+
+On a GPU a converted ResNet-50's bf16 step at batch 128 is close to CPU-bound (benchmarks/RESULTS.md, "GPU:
+issue 30 on an H100"): every microsecond of Python and every launch a whitening layer adds per step adds to the
+step. This script measures that host time on the CPU, where kernels can be made negligible: the ResNet-50
+layout at width 2, batch 2, 32x32, channels_last, bf16 autocast, the statistics on CUDA's path
+(``functional.fused_moments``), one thread. Variants are interleaved step by step; the figure is
+
+    (median step of the variant - median step of the plain model) / whitening layers,
+
+in microseconds, over whole blocks (folds included) and over the steps that do not fold. Kernel time is not
+zero at this size, so read it as an upper bound of the host time, to compare commits on one machine.
+
+    python benchmarks/host_overhead.py --clock cpu     # a minute; process CPU time, steadier on a shared machine
+    python benchmarks/host_overhead.py --tiny     # CI
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+from typing import Callable, Dict, List
+
+import _common
+from _common import add_common_args, command_line, loadavg, machine_description, md_table, setup, write_json
+
+import torch
+from torch import nn
+
+import whitenlayers as wl
+from _resnet50 import resnet50
+
+#: The variants: method and its settings.
+VARIANTS = {
+    "grad": ("grad", {}),
+    "recursive": ("recursive", {}),
+    "direct": ("direct", {}),
+    "grad:every5,block50": ("grad", {"stats_every": 5, "block_size": 50}),
+    "recursive:every5,block50": ("recursive", {"stats_every": 5, "block_size": 50}),
+}
+
+
+def main(argv=None) -> Dict[str, object]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(p)
+    p.add_argument("--blocks", type=int, default=3, help="whole blocks of 50 steps timed per variant")
+    args = p.parse_args(argv)
+    setup(1 if args.threads == 2 else args.threads, args.seed, args.clock)
+    steps_per_round = 50  # one block of the longest block size; 5 blocks of the default 10
+    rounds = 1 if args.tiny else args.blocks
+    torch.manual_seed(args.seed)
+    base = resnet50(2, num_classes=10)
+    models: Dict[str, nn.Module] = {"plain": copy.deepcopy(base)}
+    for name, (method, kw) in VARIANTS.items():
+        models[name] = wl.convert_model(copy.deepcopy(base), method, **kw)
+    x = torch.randn(2, 3, 32, 32).to(memory_format=torch.channels_last)
+    y = torch.randint(0, 10, (2,))
+    layers = len(wl.whitening_layers(models["grad"]))
+    times: Dict[str, List[float]] = {k: [] for k in models}
+    steppers: Dict[str, Callable[[], None]] = {}
+    for name, model in models.items():
+        model.to(memory_format=torch.channels_last).train()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+        def step(model=model, opt=opt) -> None:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+
+        steppers[name] = step
+    machine = machine_description()
+    names = list(models)
+    with wl.functional.fused_moments(True):
+        for name in names:  # warm-up: one block of 50 each (the first block, its shifted statistics, is behind)
+            for _ in range(5 if args.tiny else steps_per_round):
+                steppers[name]()
+        for r in range(rounds):
+            order = names[r % len(names):] + names[: r % len(names)]
+            for s in range(5 if args.tiny else steps_per_round):
+                for name in order:  # interleaved step by step
+                    t0 = _common._CLOCK()
+                    steppers[name]()
+                    times[name].append(_common._CLOCK() - t0)
+    plain_med = statistics.median(times["plain"])
+    plain_mean = statistics.mean(times["plain"])
+    rows = []
+    for name, t in times.items():
+        rows.append([name, 1e3 * statistics.mean(t), 1e3 * statistics.median(t),
+                     0.0 if name == "plain" else 1e6 * (statistics.mean(t) - plain_mean) / layers,
+                     0.0 if name == "plain" else 1e6 * (statistics.median(t) - plain_med) / layers])
+    table = md_table(["variant", "mean step ms (folds included)", "median step ms (no fold)",
+                      "extra us per layer per step (mean)", "extra us per layer per step (median)"], rows, nd=1)
+    head = (f"Command: `{command_line()}`; {machine.get('cpu', '')}; torch {torch.__version__}; {layers} whitening "
+            f"layers; load before/after {machine['loadavg']} / {loadavg()}")
+    text = head + "\n\n" + table
+    print(text)
+    out = {"rows": rows, "layers": layers, "markdown": text}
+    write_json(args.json, out)
+    return out
+
+
+if __name__ == "__main__":
+    main()
