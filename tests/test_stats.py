@@ -261,6 +261,17 @@ def test_two_op_statistics_path_trains_like_the_cpu_path(method):
             assert torch.equal(b[key], value), key
 
 
+def _assert_float32_close_to_twin(layer, twin, blocks=3):
+    """mu, Phi_x and T of a float32 layer within float32 rounding of its float64 twin (relative Frobenius)."""
+    def rel(a, b):
+        return float((a.double() - b).norm() / b.norm())
+
+    assert int(layer.num_blocks) == blocks
+    assert rel(layer.running_mean, twin.running_mean) < 1e-6
+    assert rel(layer.running_cov, twin.running_cov) < 1e-5
+    assert rel(layer.whitening_matrix, twin.whitening_matrix) < 1e-4
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_float32_block_sums_are_accurate_against_a_float64_twin(fused):
     """The block's sums accumulate in float32 (float64 only from the fold on): on post-ReLU activations with a
@@ -276,13 +287,7 @@ def test_float32_block_sums_are_accurate_against_a_float64_twin(fused):
             layer(x)
             twin(x.double())
 
-    def rel(a, b):
-        return float((a.double() - b).norm() / b.norm())
-
-    assert int(layer.num_blocks) == 3
-    assert rel(layer.running_mean, twin.running_mean) < 1e-6
-    assert rel(layer.running_cov, twin.running_cov) < 1e-5
-    assert rel(layer.whitening_matrix, twin.whitening_matrix) < 1e-4
+    _assert_float32_close_to_twin(layer, twin)
 
 
 def test_bf16_batches_reach_the_product_as_they_are_and_match_a_float64_twin():
@@ -310,10 +315,4 @@ def test_bf16_batches_reach_the_product_as_they_are_and_match_a_float64_twin():
     seen = [dt for dt in seen if dt != torch.float64]  # the twin's
     assert seen[:10] == [torch.float32] * 10 and seen[10:] == [torch.bfloat16] * 20
 
-    def rel(a, b):
-        return float((a.double() - b).norm() / b.norm())
-
-    assert int(layer.num_blocks) == 3
-    assert rel(layer.running_mean, twin.running_mean) < 1e-6
-    assert rel(layer.running_cov, twin.running_cov) < 1e-5
-    assert rel(layer.whitening_matrix, twin.whitening_matrix) < 1e-4
+    _assert_float32_close_to_twin(layer, twin)

@@ -232,10 +232,10 @@ def fused_moments(on_cpu: bool = True) -> Iterator[None]:
 
 #: Low-precision dtypes whose products :func:`accumulate_moments` can take as they are, with float32 output.
 LOW_PRECISION = (torch.bfloat16, torch.float16)
-_LOWP_PRODUCTS: dict = {}  # device type -> (addmm with out_dtype works,)
+_LOWP_PRODUCTS: dict = {}  # device type -> whether addmm takes out_dtype there
 
 
-def _probe_out_dtype(device: torch.device) -> Tuple[bool]:
+def _probe_out_dtype(device: torch.device) -> bool:
     """Whether this torch multiplies bf16 operands into a float32 result on ``device`` (``torch.addmm(...,
     out_dtype=torch.float32, out=acc)``): tried once per device type on tiny tensors (CUDA, torch 2.11 at least;
     the CPU has no such kernel)."""
@@ -250,7 +250,7 @@ def _probe_out_dtype(device: torch.device) -> Tuple[bool]:
                 ok = True
             except (RuntimeError, TypeError, NotImplementedError):
                 pass
-        _LOWP_PRODUCTS[key] = (ok,)
+        _LOWP_PRODUCTS[key] = ok
     return _LOWP_PRODUCTS[key]
 
 
@@ -261,7 +261,7 @@ def low_precision_products_on(device: torch.device) -> bool:
     CUDA paths: the batch then stays bf16 up to the product, converted there (the CPU has no such product)."""
     if device.type == "cpu":
         return _FUSED_ON_CPU[0]
-    return _probe_out_dtype(device)[0] if device.type == "cuda" else False
+    return device.type == "cuda" and _probe_out_dtype(device)
 
 
 def _gram_add(acc: Tensor, a: Tensor, rows_first: bool) -> None:
@@ -273,7 +273,7 @@ def _gram_add(acc: Tensor, a: Tensor, rows_first: bool) -> None:
     slower on every ResNet-50 shape, 24.2 ms against 17.1 ms for the 52 layers at batch 128;
     ``benchmarks/RESULTS.md``, "GPU: issue 30 on an H100".)"""
     lowp = a.dtype != acc.dtype
-    if lowp and not _probe_out_dtype(a.device)[0]:  # the CPU within fused_moments (the CUDA path, emulated)
+    if lowp and not _probe_out_dtype(a.device):  # the CPU within fused_moments (the CUDA path, emulated)
         a, lowp = a.to(acc.dtype), False
     left, right = (a.t(), a) if rows_first else (a, a.t())
     if lowp:
