@@ -231,9 +231,9 @@ class WhiteningLayer:
             if state is None:  # no original forward seen (e.g. state loaded since): what is in force now
                 state = {name: self._buffers[name] for name in self._FORWARD_BUFFERS}
             return False, state
-        state = {name: self._buffers[name] for name in self._FORWARD_BUFFERS}
-        if not _is_compiling():  # a compiled graph replays itself when checkpointed; it never recomputes here
-            self._in_force = state
+        buffers = self._buffers
+        state = {name: buffers[name] for name in self._FORWARD_BUFFERS}
+        self.__dict__["_in_force"] = state  # a plain attribute (Module.__setattr__ costs more than this method)
         # Under torch.inference_mode a training-mode forward gathers nothing and counts nothing: a fold there would
         # store inference tensors as state, which the next training step cannot use (docs/robustness.md).
         return self.training and not torch.is_inference_mode_enabled(), state
@@ -425,16 +425,23 @@ class WhiteningLayer:
         gathered batch); count its rows. A bf16 / fp16 batch summed about 0 reaches the product as it is where
         the device multiplies it into float32 (``functional.accumulate_moments``); otherwise it is converted to
         float32 first."""
-        x = self._stats_batch(x, low_precision=self._acc_aug is not None)
+        aug = self._acc_aug is not None
+        x = self._stats_batch(x, low_precision=aug)
         if self._acc_s1.device != x.device:
             self._reset_accumulators_to(x.device)
-        with _no_autocast(x.device):  # under autocast, products would run (and overflow) in fp16/bf16
-            if self._acc_shift is None:
-                self._start_block(x)
-            elif self._acc_shift_x is None and not self._stats_unshifted:  # a block resumed from a checkpoint
-                self._acc_shift_x = self._acc_shift.to(_work_dtype(x)).view((1, -1) + (1,) * (x.dim() - 2))
+        if (aug and self._acc_shift is not None and (self._acc_shift_x is not None or self._stats_unshifted)
+                and F_w.fused_moments_on(x.device)):
+            # The hot path, within a block: accumulate_moments' two-op path is in place or takes out= or an explicit
+            # dtype, apart from a subtraction and a concatenation, none of which autocast touches: no context.
             self._add_sums(x, self._acc_shift_x)
-            self._acc_count += x.numel() // self.num_features
+        else:
+            with _no_autocast(x.device):  # under autocast, products would run (and overflow) in fp16/bf16
+                if self._acc_shift is None:
+                    self._start_block(x)
+                elif self._acc_shift_x is None and not self._stats_unshifted:  # a block resumed from a checkpoint
+                    self._acc_shift_x = self._acc_shift.to(_work_dtype(x)).view((1, -1) + (1,) * (x.dim() - 2))
+                self._add_sums(x, self._acc_shift_x)
+        self.__dict__["_acc_count"] = self._acc_count + x.numel() // self.num_features  # a plain counter
 
     # ------------------------------------------------------------ torch.compile
     # Inside a compiled graph a layer reads no Python number that changes from step to step (dynamo would guard on
@@ -528,9 +535,12 @@ class WhiteningLayer:
                 return _eager(WhiteningLayer._end_batch)(self)
             self._traced_seen = True  # counted by the coordinator after the graph (a write only: no guard)
             return
-        self._acc_batches += 1
-        self._gather_next = self._acc_batches % self.config.stats_every == 0
-        if self._acc_batches >= self.config.block_size * self.config.accumulation_steps:
+        # Plain counters written straight into the instance dict: Module.__setattr__ (which looks for a parameter,
+        # buffer or submodule of the name first) cost more than the rest of this method, per layer per step.
+        attrs, config = self.__dict__, self.config
+        batches = attrs["_acc_batches"] = self._acc_batches + 1
+        attrs["_gather_next"] = batches % config.stats_every == 0
+        if batches >= config.block_size * config.accumulation_steps:
             self._fold_pending = True
             self._capture_fold_inputs()
             if self._fold_coordinator is not None:

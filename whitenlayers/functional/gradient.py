@@ -59,22 +59,25 @@ def transform_weight_grad(grad: Tensor, q: Tensor) -> Tensor:
     """
     if q.dim() == 3:
         return _grouped_weight_grad(grad, q)
-    q = q.to(grad.dtype)
+    if q.dtype != grad.dtype:
+        q = q.to(grad.dtype)
     if grad.dim() == 2:
         return grad @ q
-    s, m = grad.shape[:2]
-    if grad[0, 0].numel() == 1 and grad.is_contiguous():  # a 1x1 kernel: one (S x M) @ (M x M) product
-        return (grad.view(s, m) @ q).view(grad.shape)
-    if grad.dim() in (4, 5) and not grad.is_contiguous() and grad.is_contiguous(
-            memory_format=torch.channels_last if grad.dim() == 4 else torch.channels_last_3d):
-        # A channels_last gradient (a model moved to channels_last) is a (S * taps, M) matrix as it lies: one
-        # product, the result in the same layout (no copies).
-        rows = grad.permute((0,) + tuple(range(2, grad.dim())) + (1,))
-        return (rows.reshape(-1, m) @ q).view(rows.shape).permute((0, grad.dim() - 1) + tuple(range(1, grad.dim() - 1)))
-    if grad.is_contiguous() and (grad.device.type != "cpu" or m <= _CPU_BMM_MAX_FEATURES):
-        # One batched product, Q^T @ grad[s] for each output feature s (Q^T broadcast, not copied): one kernel,
-        # the result in the gradient's own layout.
-        return torch.bmm(q.t().expand(s, m, m), grad.view(s, m, -1)).view(grad.shape)
+    # The common cases first, each a few Python-level calls: this runs in every layer's backward on every step.
+    s, m = grad.shape[0], grad.shape[1]
+    if grad.is_contiguous():
+        if grad.numel() == s * m:  # a 1x1 kernel: one (S x M) @ (M x M) product
+            return (grad.view(s, m) @ q).view(grad.shape)
+        if grad.device.type != "cpu" or m <= _CPU_BMM_MAX_FEATURES:
+            # One batched product, Q^T @ grad[s] for each output feature s (Q^T broadcast, not copied): one
+            # kernel, the result in the gradient's own layout.
+            return torch.bmm(q.t().expand(s, m, m), grad.view(s, m, -1)).view(grad.shape)
+    else:
+        rows = grad.movedim(1, -1)  # (S, *kernel, M)
+        if rows.is_contiguous():
+            # A channels_last gradient (a model moved to channels_last) is an (S * taps, M) matrix as it lies: one
+            # product (matmul folds the leading dimensions of a contiguous operand), the result in the same layout.
+            return torch.matmul(rows, q).movedim(-1, 1)
     # One (M x M) @ (M x S*K) product on the input-feature axis moved first (a copy of the small weight gradient),
     # written back in the gradient's layout: three ops, but on a CPU faster than the batched product for wide
     # layers.

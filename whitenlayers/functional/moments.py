@@ -315,11 +315,11 @@ def accumulate_moments(acc: Tensor, x: Tensor, shift: Optional[Tensor]) -> None:
         acc[:m, :m].add_(s2)
         acc[:m, m].add_(s1)  # the blocks a fold reads (the ones row and the count corner are left as they are)
         return
-    ones = _ones(ones_for_moments(xs), xs.dtype, xs.device)
     rows = _as_rows(xs)
     if rows is not None:  # (P, M): one (M + 1) x (M + 1) product of the rows with a column of ones
-        _gram_add(acc, torch.cat([rows, ones], 1), rows_first=True)
+        _gram_add(acc, torch.cat([rows, _ones((rows.shape[0], 1), xs.dtype, xs.device)], 1), rows_first=True)
         return
+    ones = _ones((1, xs.shape[0], math.prod(xs.shape[2:])), xs.dtype, xs.device)  # ones_for_moments(xs)
     b = xs.flatten(2).transpose(0, 1)  # (M, B, P), a view
     _gram_add(acc, torch.cat([b, ones], 0).flatten(1), rows_first=False)  # (M + 1, B * P): the one copy
 

@@ -113,24 +113,38 @@ class _GradWhitenMixin(WhiteningLayer):
         # wrapper holds the full bias only during the forward, and autograd may hold it until the backward).
         self.register_buffer("bias_correction", torch.zeros(out_features, device=device, dtype=self.running_mean.dtype))
 
-    def _mean_per_tap(self, mean: Tensor, dtype: torch.dtype) -> Tensor:
-        """``mu`` repeated for every kernel tap, in ``dtype``: ``W.reshape(S, -1) @ mu_k = sum_k W_k mu`` in one
-        product. Cached per mean tensor and version (a fold replaces the mean; an in-place write, e.g. DDP's
+    def _mean_per_tap(self, mean: Tensor, dtype: torch.dtype, taps_last: bool = False) -> Tensor:
+        """``mu`` repeated for every kernel tap, in ``dtype``: ``rows @ mu_k = sum_k W_k mu`` in one product for the
+        weight's rows of :meth:`_weight_rows` (``taps_last``: their tap-major order, each tap's ``C`` channels
+        together). Cached per mean tensor and version (a fold replaces the mean; an in-place write, e.g. DDP's
         buffer broadcast or ``load_state_dict``, bumps its version), so once per block on the hot path."""
         if _is_compiling():  # traced: computed in the graph (fused there), no cache to guard on
-            return self._taps_of(mean, dtype)
-        key = (mean, mean._version, dtype)
+            return self._taps_of(mean, dtype, taps_last)
         cached = self._mean_taps
-        if cached is not None and cached[0] is mean and cached[1:3] == key[1:]:
-            return cached[3]
-        value = self._taps_of(mean, dtype)
+        if (cached is not None and cached[0] is mean and cached[1] == mean._version and cached[2] == dtype
+                and cached[3] == taps_last):
+            return cached[4]
+        value = self._taps_of(mean, dtype, taps_last)
         if not torch.is_inference_mode_enabled():  # never keep an inference tensor
-            self._mean_taps = key + (value,)
+            self._mean_taps = (mean, mean._version, dtype, taps_last, value)
         return value
 
-    def _taps_of(self, mean: Tensor, dtype: torch.dtype) -> Tensor:
+    def _taps_of(self, mean: Tensor, dtype: torch.dtype, taps_last: bool = False) -> Tensor:
         taps = 1 if self.features == "patches" else self.weight[0, 0].numel()  # a patch mean has one entry per tap
-        return mean.to(dtype) if taps == 1 else mean.to(dtype).repeat_interleave(taps)
+        if taps == 1:
+            return mean.to(dtype)
+        return mean.to(dtype).repeat(taps) if taps_last else mean.to(dtype).repeat_interleave(taps)
+
+    @staticmethod
+    def _weight_rows(weight: Tensor) -> Tuple[Tensor, bool]:
+        """The weight as an ``(S, M k)`` matrix of rows without a copy where its layout allows: channel-major
+        (``reshape``, a view of a contiguous weight) or, for a channels_last weight, tap-major (a view of its
+        memory), with whether it is tap-major (:meth:`_mean_per_tap`'s ``taps_last``)."""
+        if weight.dim() > 3 and not weight.is_contiguous():
+            moved = weight.movedim(1, -1)  # (S, *kernel, C): contiguous for a channels_last weight
+            if moved.is_contiguous():
+                return moved.reshape(weight.shape[0], -1), True
+        return weight.reshape(weight.shape[0], -1), False
 
     _mean_taps: Optional[tuple] = None
 
@@ -146,7 +160,8 @@ class _GradWhitenMixin(WhiteningLayer):
         """``s = c - sum_k W_k mu`` (one ``addmv`` for a dense layer), in ``weight``'s dtype."""
         if self.groups != 1:  # grouped conv: each group's outputs see its own channels of the mean
             return comp.to(weight.dtype) - F_w.weight_mean_product(weight, mean)
-        w2, mean_k = weight.reshape(weight.shape[0], -1), self._mean_per_tap(mean, weight.dtype)
+        w2, taps_last = self._weight_rows(weight)
+        mean_k = self._mean_per_tap(mean, weight.dtype, taps_last)
         if torch.onnx.is_in_onnx_export():  # the TorchScript-based exporter has no addmv
             return comp.to(weight.dtype) - w2 @ mean_k
         return torch.addmv(comp.to(weight.dtype), w2, mean_k, alpha=-1)
@@ -296,7 +311,9 @@ class _GradWhitenMixin(WhiteningLayer):
     def _track_absorbed_offset(self, weight: Tensor, bn: _BatchNorm, state: Dict[str, Tensor]) -> None:
         """``d <- (1 - f) d + f s`` with the BatchNorm's factor ``f``, when it updates its running mean now.
 
-        On the per-batch path: two small ops (``addmv``, ``lerp_``) on detached tensors, no ``no_grad`` context.
+        On the per-batch path: one in-place product-accumulate (``addmv_``) on the weight's rows as they lie in
+        memory (:meth:`_weight_rows`: no copy of a channels_last weight), no ``no_grad`` and no autocast context
+        (in-place ops are never autocast: BatchNorm's dtype is kept on every device).
         """
         if not (bn.training and bn.track_running_stats and bn.running_mean is not None):
             return
@@ -310,16 +327,17 @@ class _GradWhitenMixin(WhiteningLayer):
         w = weight.detach()
         if w.dtype != d.dtype:
             w = w.to(d.dtype)
-        # CUDA's autocast would run addmv in bf16/fp16: keep BatchNorm's dtype.
+        if isinstance(factor, float) and self.groups == 1 and not torch.onnx.is_in_onnx_export():
+            # c = 0 for an absorbed layer (it lives in d, _fold_compensation_into_offset): the update
+            # d <- (1 - f) d + f (c - W mu) is one product-accumulate
+            w2, taps_last = self._weight_rows(w)
+            d.addmv_(w2, self._mean_per_tap(state["running_mean"], w2.dtype, taps_last), beta=1.0 - factor,
+                     alpha=-factor)
+            return
+        # CUDA's autocast would run the out-of-place addmv of the offset in bf16/fp16: keep BatchNorm's dtype.
         off = torch.autocast(device_type=d.device.type, enabled=False) if _autocast_enabled(d.device.type) else None
         with off or contextlib.nullcontext():
-            if isinstance(factor, float) and self.groups == 1 and not torch.onnx.is_in_onnx_export():
-                # c = 0 for an absorbed layer (it lives in d, _fold_compensation_into_offset): the update
-                # d <- (1 - f) d + f (c - W mu) is one product-accumulate
-                w2 = w.reshape(w.shape[0], -1)
-                d.addmv_(w2, self._mean_per_tap(state["running_mean"], w2.dtype), beta=1.0 - factor, alpha=-factor)
-            else:
-                d.lerp_(self._offset(w, state["running_mean"], state["bias_correction"]), factor)  # s = c - W mu
+            d.lerp_(self._offset(w, state["running_mean"], state["bias_correction"]), factor)  # s = c - W mu
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
