@@ -34,7 +34,7 @@ import argparse
 import copy
 import statistics
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 from _common import add_common_args, md_table, setup, write_json
 
@@ -188,7 +188,11 @@ def optimizer_for(name: str, model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
 
-def timed_steps(variants: Dict[str, nn.Module], make_batch: Callable, device, rounds: int, autocast_dtype) -> Dict[str, List[float]]:
+def timed_steps(variants: Dict[str, nn.Module], make_batch: Callable, device, rounds: int, autocast_dtype,
+                host: Optional[Dict[str, List[float]]] = None) -> Dict[str, List[float]]:
+    """Seconds per step (the device idle at its start, synchronised at its end), variants interleaved. ``host``:
+    filled with each step's host time, the time until the step's last launch returned (before the final
+    synchronisation): about the step time where the step is host-bound, below it where the device is the limit."""
     opts = {k: optimizer_for(k, m) for k, m in variants.items()}
     times: Dict[str, List[float]] = {k: [] for k in variants}
     names = list(variants)
@@ -203,9 +207,12 @@ def timed_steps(variants: Dict[str, nn.Module], make_batch: Callable, device, ro
             opts[k].zero_grad(set_to_none=True)
             loss.backward()
             opts[k].step()
+            t_host = time.perf_counter()
             sync(device)
             if r >= 2:
                 times[k].append(time.perf_counter() - t0)
+                if host is not None:
+                    host.setdefault(k, []).append(t_host - t0)
     return times
 
 
@@ -281,6 +288,12 @@ def kernel_counts(device: torch.device, tiny: bool) -> List[List[object]]:
     return rows
 
 
+#: The columns of :func:`step_table`'s rows. The median step is one without a fold; its host time is the time the
+#: host took to launch it (close to the median step: the step is host-bound; well below: the device is the limit).
+STEP_COLUMNS = ["model", "variant", "mean step ms", "step vs plain", "peak memory vs plain", "one fold ms",
+                "median step ms", "median host ms"]
+
+
 def step_table(name: str, base: nn.Module, make_batch: Callable, device, rounds: int, autocast_dtype,
                memory_format=None) -> List[List[object]]:
     variants = {"plain": copy.deepcopy(base)}
@@ -302,7 +315,8 @@ def step_table(name: str, base: nn.Module, make_batch: Callable, device, rounds:
         if memory_format is not None:
             m.to(memory_format=memory_format)
         m.train()
-    times = timed_steps(variants, make_batch, device, rounds, autocast_dtype)
+    host: Dict[str, List[float]] = {}
+    times = timed_steps(variants, make_batch, device, rounds, autocast_dtype, host)
     base_mean = statistics.mean(times["plain"])
     mem_plain = peak_memory(variants["plain"], make_batch, device, autocast_dtype)
     rows = []
@@ -313,7 +327,8 @@ def step_table(name: str, base: nn.Module, make_batch: Callable, device, rounds:
         mem = peak_memory(variants[k], make_batch, device, autocast_dtype, k)
         rows.append([name, k, 1e3 * statistics.mean(v), statistics.mean(v) / base_mean,
                      mem / mem_plain if mem_plain == mem_plain else float("nan"),
-                     1e3 * folds[k] if k in folds else float("nan")])
+                     1e3 * folds[k] if k in folds else float("nan"),
+                     1e3 * statistics.median(v), 1e3 * statistics.median(host[k])])
     return rows
 
 
@@ -420,7 +435,7 @@ def main(argv=None) -> Dict[str, object]:
         rows += step_table("ResNet-50" + (" (tiny)" if tiny else f", {hw}px, batch {batch}, bf16, channels_last"),
                            resnet50(width), batch50, device, rounds, torch.bfloat16 if cuda else None,
                            torch.channels_last if cuda else None)
-        print(md_table(["model", "variant", "mean step ms", "step vs plain", "peak memory vs plain", "one fold ms"],
+        print(md_table(STEP_COLUMNS,
                        rows, nd=3), flush=True)
     b110 = 8 if tiny else 128
 
@@ -430,7 +445,7 @@ def main(argv=None) -> Dict[str, object]:
     if "resnet110" not in skip:
         rows += step_table("CIFAR ResNet-" + ("8 (tiny)" if tiny else "110, batch 128, fp32"),
                            wl.models.cifar_resnet(8 if tiny else 110, num_classes=100), batch110, device, rounds, None)
-    table = md_table(["model", "variant", "mean step ms", "step vs plain", "peak memory vs plain", "one fold ms"], rows, nd=3)
+    table = md_table(STEP_COLUMNS, rows, nd=3)
     parts = [f"Device: {header['device']}; torch {header['torch']}; CUDA {header['cuda']}", "",
              md_table(["check", "result"], checks), "", table]
     try:
