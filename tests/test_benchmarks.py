@@ -38,3 +38,13 @@ def test_run_all_tiny(tmp_path):
     text = out.read_text()
     assert "python benchmarks/fold_cost.py --tiny" in text
     assert "torch" in text and "| --- |" in text
+
+
+def test_gpu_session_script_parses_and_names_its_parts(tmp_path):
+    """benchmarks/gpu_session.sh (run on a device machine only): valid shell, and an unknown part is refused."""
+    script = str(BENCH / "gpu_session.sh")
+    assert subprocess.run(["bash", "-n", script]).returncode == 0
+    proc = subprocess.run(["bash", script, "no-such-part"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={"OUT": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 2 and "bench|tests|compile" in proc.stderr
+    assert (tmp_path / "machine.txt").exists()

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The GPU checks of a session that draws a device machine, prepared: one part per device call, each well inside
+# the 10-minute limit of a call (the device time is short: ~15 minutes in all, the machine's start included).
+# Run from the repository root on the device; results go to $OUT (the device tool's output folder).
+#
+#   bash benchmarks/gpu_session.sh bench     # gpu.py (ResNet-50 / ResNet-110 tables, host time per step) and a
+#                                            # profile of the GPU-recommended setting           (~5 minutes)
+#   bash benchmarks/gpu_session.sh tests     # the test suite on CUDA, pytest -n 8             (~4 minutes)
+#   bash benchmarks/gpu_session.sh compile   # torch.compile: ResNet-20, plain and recursive, both modes
+#                                            #                                                  (~5 minutes)
+#
+# Muon and SOAP need pytorch-optimizer, which the device image lacks and cannot download: carry its wheel in
+# .whl/ (git-ignored; `pip download --no-deps pytorch_optimizer==4.1.0 -d .whl`); without it those rows are left
+# out. Each step has its own timeout, so a slow step costs its own output only.
+set -u
+OUT=${OUT:-/tmp/gpu-session}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; git log -1 --format='%H %s';
+  python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'; nproc; uptime; } \
+  > "$OUT/machine.txt" 2>&1
+
+case "${1:-bench}" in
+  bench)
+    timeout 300 python3 benchmarks/gpu.py --threads 8 --rounds 12 --skip compile,kernels --json "$OUT/gpu.json" \
+      > "$OUT/gpu.txt" 2>&1
+    echo "gpu.py exit $?" >> "$OUT/machine.txt"
+    timeout 100 python3 benchmarks/gpu_profile.py --method recursive --stats-every 5 --block-size 50 --steps 10 \
+      > "$OUT/profile_recursive_every5.txt" 2>&1
+    echo "gpu_profile.py exit $?" >> "$OUT/machine.txt"
+    ;;
+  tests)
+    timeout 480 python3 -m pytest -n 8 -q -p no:cacheprovider tests > "$OUT/pytest.txt" 2>&1
+    echo "pytest exit $?" >> "$OUT/machine.txt"
+    ;;
+  compile)
+    timeout 540 python3 benchmarks/gpu.py --threads 8 --rounds 12 --skip resnet50,resnet110,kernels \
+      --compile-variants plain,recursive --compile-modes default,reduce-overhead --json "$OUT/compile.json" > "$OUT/compile.txt" 2>&1
+    echo "gpu.py (compile) exit $?" >> "$OUT/machine.txt"
+    ;;
+  *)
+    echo "usage: bash benchmarks/gpu_session.sh bench|tests|compile" >&2
+    exit 2
+    ;;
+esac
+tail -n 40 "$OUT"/*.txt
