@@ -12,7 +12,14 @@ in microseconds, over whole blocks (folds included) and over the steps that do n
 zero at this size, so read it as an upper bound of the host time, to compare commits on one machine.
 
     python benchmarks/host_overhead.py --clock cpu     # a minute; process CPU time, steadier on a shared machine
+    python benchmarks/host_overhead.py --clock cpu --ablate grad    # where one method's host time goes
     python benchmarks/host_overhead.py --tiny     # CI
+
+``--ablate METHOD`` attributes that method's time (defaults) to the parts of a layer's step: the same converted
+model stepped with one part switched off at a time (the absorbed offset's update, the weight-gradient transform,
+the block's bookkeeping, the statistics), interleaved with the full step and the plain one. A step without a part
+is not a configuration anyone trains (nothing is folded without the bookkeeping); it only says what that part
+costs.
 """
 from __future__ import annotations
 
@@ -44,7 +51,10 @@ def main(argv=None) -> Dict[str, object]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p)
     p.add_argument("--blocks", type=int, default=3, help="whole blocks of 50 steps timed per variant")
+    p.add_argument("--ablate", choices=sorted(VARIANTS), help="attribute one variant's host time to its parts")
     args = p.parse_args(argv)
+    if args.ablate:
+        return ablate(args)
     setup(1 if args.threads == 2 else args.threads, args.seed, args.clock)
     steps_per_round = 50  # one block of the longest block size; 5 blocks of the default 10
     rounds = 1 if args.tiny else args.blocks
@@ -94,6 +104,81 @@ def main(argv=None) -> Dict[str, object]:
                       "extra us per layer per step (mean)", "extra us per layer per step (median)"], rows, nd=1)
     head = (f"Command: `{command_line()}`; {machine.get('cpu', '')}; torch {torch.__version__}; {layers} whitening "
             f"layers; load before/after {machine['loadavg']} / {loadavg()}")
+    text = head + "\n\n" + table
+    print(text)
+    out = {"rows": rows, "layers": layers, "markdown": text}
+    write_json(args.json, out)
+    return out
+
+
+#: The parts of a grad / recursive layer's step that ``--ablate`` switches off, one at a time: method name and the
+#: stand-in that does nothing (or, for the gradient transform, hands the conv its weight as it is).
+PARTS = {
+    "absorbed offset update": ("_track_absorbed_offset", lambda self, w, bn, state: None),
+    "weight-gradient transform": ("_weight_for_forward", lambda self, state: self.weight),
+    "block bookkeeping (_end_batch)": ("_end_batch", lambda self: None),
+    "statistics (_accumulate)": ("_accumulate", lambda self, x: None),
+}
+
+
+def ablate(args) -> Dict[str, object]:
+    from whitenlayers.layers._base import _GradWhitenMixin as layer_class
+
+    setup(1 if args.threads == 2 else args.threads, args.seed, args.clock)
+    method, kw = VARIANTS[args.ablate]
+    if method == "direct":
+        raise SystemExit("--ablate takes a grad or recursive variant (its parts are the grad layers')")
+    torch.manual_seed(args.seed)
+    base = resnet50(2, num_classes=10)
+    x = torch.randn(2, 3, 32, 32).to(memory_format=torch.channels_last)
+    y = torch.randint(0, 10, (2,))
+    plain, converted = copy.deepcopy(base), wl.convert_model(copy.deepcopy(base), method, **kw)
+    layers = len(wl.whitening_layers(converted))
+
+    def stepper(model: nn.Module) -> Callable[[], None]:
+        model.to(memory_format=torch.channels_last).train()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+        def step() -> None:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+
+        return step
+
+    run_plain, run_converted = stepper(plain), stepper(converted)
+    originals = {attr: getattr(layer_class, attr) for attr, _ in PARTS.values()}
+    names = ["plain", "full"] + list(PARTS)
+    times: Dict[str, List[float]] = {k: [] for k in names}
+    steps = 5 if args.tiny else 50 * args.blocks
+    with wl.functional.fused_moments(True):
+        for _ in range(2 if args.tiny else 50):
+            run_plain()
+            run_converted()
+        try:
+            for _ in range(steps):
+                for name in names:
+                    for attr, original in originals.items():
+                        setattr(layer_class, attr, original)
+                    if name in PARTS:
+                        attr, stand_in = PARTS[name]
+                        setattr(layer_class, attr, stand_in)
+                    t0 = _common._CLOCK()
+                    (run_plain if name == "plain" else run_converted)()
+                    times[name].append(_common._CLOCK() - t0)
+        finally:
+            for attr, original in originals.items():
+                setattr(layer_class, attr, original)
+    plain_med, full_med = statistics.median(times["plain"]), statistics.median(times["full"])
+    rows = [[name, 1e3 * statistics.median(t), 1e6 * (statistics.median(t) - plain_med) / layers,
+             0.0 if name in ("plain", "full") else 1e6 * (full_med - statistics.median(t)) / layers]
+            for name, t in times.items()]
+    table = md_table(["step (parts switched off)", "median step ms", "extra us per layer", "the part's us per layer"],
+                     rows, nd=1)
+    head = (f"Command: `{command_line()}`; {machine_description().get('cpu', '')}; torch {torch.__version__}; "
+            f"{args.ablate}, {layers} whitening layers, {steps} steps each, interleaved; load {loadavg()}")
     text = head + "\n\n" + table
     print(text)
     out = {"rows": rows, "layers": layers, "markdown": text}

@@ -48,3 +48,10 @@ def test_gpu_session_script_parses_and_names_its_parts(tmp_path):
                           env={"OUT": str(tmp_path), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 2 and "bench|tests|compile" in proc.stderr
     assert (tmp_path / "machine.txt").exists()
+
+
+def test_host_overhead_ablation_tiny(tmp_path):
+    out = tmp_path / "out.json"
+    _run([str(BENCH / "host_overhead.py"), "--tiny", "--ablate", "recursive", "--json", str(out)], tmp_path)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r[0] for r in rows][:2] == ["plain", "full"] and len(rows) == 6
