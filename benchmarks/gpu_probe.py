@@ -101,10 +101,11 @@ def probe_stats(dev, shapes) -> List[List[object]]:
     rows = []
     ones_cache: Dict[Tuple[int, torch.dtype], torch.Tensor] = {}
     seen = set()
-    total = {"f32": 0.0, "tf32": 0.0, "bf16": 0.0, "lib": 0.0}
+    total = {"f32": 0.0, "tf32": 0.0, "bf16": 0.0, "lib": 0.0, "nocat": 0.0}
     for p, m in shapes:
         x = (torch.randn(p, m, device=dev).relu() + 0.1).bfloat16()
         acc = torch.zeros(m + 1, m + 1, device=dev)
+        s2, s1 = torch.zeros(m, m, device=dev), torch.zeros(m, device=dev)
 
         def ones(dt):
             key = (p, dt)
@@ -123,6 +124,10 @@ def probe_stats(dev, shapes) -> List[List[object]]:
         def lib():  # the library's path (functional.accumulate_moments)
             wl.functional.accumulate_moments(acc, x, None)
 
+        def nocat():  # no concatenation (no copy of the batch): the product and a column sum, two accumulators
+            torch.addmm(s2, x.t(), x, out_dtype=torch.float32, out=s2)
+            s1.add_(x.sum(0, dtype=torch.float32))
+
         t32 = cuda_ms(f32, 5)
         tl = cuda_ms(lib, 5)
         total["lib"] += tl
@@ -133,13 +138,18 @@ def probe_stats(dev, shapes) -> List[List[object]]:
             tb = cuda_ms(bf16, 5)
         except Exception:  # noqa: BLE001
             tb = float("nan")
+        try:
+            tn = cuda_ms(nocat, 5)
+        except Exception:  # noqa: BLE001
+            tn = float("nan")
+        total["nocat"] += tn
         total["f32"] += t32
         total["tf32"] += ttf
         total["bf16"] += tb
         if (p, m) not in seen:
             seen.add((p, m))
-            rows.append([p, m, t32, ttf, tb, tl])
-    rows.append(["all 52 layers", "", total["f32"], total["tf32"], total["bf16"], total["lib"]])
+            rows.append([p, m, t32, ttf, tb, tl, tn])
+    rows.append(["all 52 layers", "", total["f32"], total["tf32"], total["bf16"], total["lib"], total["nocat"]])
     return rows
 
 
@@ -273,7 +283,7 @@ def main() -> None:
     sections = [
         ("out_dtype", lambda: md_table(["op", "dtype", "rel. error vs float64"], probe_out_dtype(dev))),
         ("stats", lambda: md_table(["rows P", "features M", "f32 SIMT ms", "TF32 ms", "bf16 -> f32 ms",
-                                    "library ms"],
+                                    "library ms", "no concatenation ms"],
                                    probe_stats(dev, shapes), nd=3)),
         ("fold", lambda: md_table(["ResNet-50 fold (52 covariances)", "ms"], probe_fold(dev, shapes), nd=3)),
         ("overlap", lambda: md_table(["ResNet-50 bf16 batch 128", "step ms", "fold ms meanwhile"],
