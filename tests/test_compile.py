@@ -101,3 +101,31 @@ def test_compiled_standalone_layer_breaks_the_graph_but_never_recompiles():
         compiled(x).sum().backward()
     assert int(layer.num_blocks) == 3
     assert counters["stats"]["unique_graphs"] <= 4
+
+
+@pytest.mark.parametrize("method", ["grad", "direct"])
+def test_compiled_graphs_mutate_only_static_inputs(method):
+    """What ``mode="reduce-overhead"`` needs on CUDA: every tensor a compiled training forward writes into (the
+    block's accumulators, the absorbed offsets, BatchNorm's running statistics) is a static input of the graph, so
+    that CUDA graph trees do not skip the graph for "mutated inputs" (their check, read off AOTAutograd's metadata
+    here on a CPU)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    seen = []
+
+    def forward_compiler(gm, example_inputs):
+        meta = torch._guards.TracingContext.get().fw_metadata
+        static = set(meta.static_input_indices)
+        mutated = [i for i, info in enumerate(meta.input_info) if info.mutates_data]
+        # the batch itself is an input that is not static: the static set is not simply every input
+        assert len(static & set(range(len(example_inputs)))) < len(example_inputs)
+        seen.append((mutated, [i for i in mutated if i not in static]))
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    model = _model(method)
+    compiled = torch.compile(model, backend=aot_autograd(fw_compiler=forward_compiler))
+    _train(compiled, 4)
+    assert seen and all(mutated for mutated, _ in seen)  # the accumulators are written in the graph
+    assert all(not non_static for _, non_static in seen), seen
