@@ -117,6 +117,24 @@ def test_resnet20_training_matches_centred_layers(method):
     torch.testing.assert_close(a(x), c(x), **TIGHT)
 
 
+@pytest.mark.parametrize("method", ["grad", "recursive"])
+def test_channels_last_absorbed_layers_match_contiguous_centred_ones(method):
+    """A channels_last model's absorbed layers read the weight tap-major for their offset (no copy of the weight):
+    the same trajectory, whitening state and eval outputs as contiguous centred layers, up to float64 rounding."""
+    data = batches(7)
+    a = wl.convert_model(resnet(), method=method, block_size=2).to(memory_format=torch.channels_last)
+    c = wl.convert_model(resnet(), method=method, block_size=2, absorb_centring=False)
+    assert len(absorbed(a)) == 18
+    assert any(m.weight.shape[-1] > 1 and not m.weight.is_contiguous() for _, m in wl.whitening_layers(a))
+    la, lc = train(a, data), train(c, data)
+    torch.testing.assert_close(la, lc, **TIGHT)
+    assert max(float(m.absorbed_offset.abs().max()) for _, m in wl.whitening_layers(a)) > 0.1
+    assert_same_training_state(a, c)
+    a.eval(), c.eval()
+    x = batches(1, seed=5)[0][0]
+    torch.testing.assert_close(a(x.to(memory_format=torch.channels_last)), c(x), **TIGHT)
+
+
 def test_without_the_tracked_offset_eval_would_be_wrong():
     """Why the layer keeps ``d``: BN's running mean averages past offsets, not the one in force now."""
     data = batches(9)
