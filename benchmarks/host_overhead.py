@@ -47,6 +47,36 @@ VARIANTS = {
 }
 
 
+def _inputs(seed: int):
+    """The base model (the ResNet-50 layout at width 2, 10 classes) and one channels_last batch of 2 at 32x32."""
+    torch.manual_seed(seed)
+    base = resnet50(2, num_classes=10)
+    return base, torch.randn(2, 3, 32, 32).to(memory_format=torch.channels_last), torch.randint(0, 10, (2,))
+
+
+def _stepper(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
+    """One training step of ``model`` (channels_last, bf16 autocast, SGD with momentum)."""
+    model.to(memory_format=torch.channels_last).train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+def _report(head: str, table: str, rows: list, layers: int, json_path) -> Dict[str, object]:
+    text = head + "\n\n" + table
+    print(text)
+    out = {"rows": rows, "layers": layers, "markdown": text}
+    write_json(json_path, out)
+    return out
+
+
 def main(argv=None) -> Dict[str, object]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p)
@@ -58,28 +88,13 @@ def main(argv=None) -> Dict[str, object]:
     setup(1 if args.threads == 2 else args.threads, args.seed, args.clock)
     steps_per_round = 50  # one block of the longest block size; 5 blocks of the default 10
     rounds = 1 if args.tiny else args.blocks
-    torch.manual_seed(args.seed)
-    base = resnet50(2, num_classes=10)
+    base, x, y = _inputs(args.seed)
     models: Dict[str, nn.Module] = {"plain": copy.deepcopy(base)}
     for name, (method, kw) in VARIANTS.items():
         models[name] = wl.convert_model(copy.deepcopy(base), method, **kw)
-    x = torch.randn(2, 3, 32, 32).to(memory_format=torch.channels_last)
-    y = torch.randint(0, 10, (2,))
     layers = len(wl.whitening_layers(models["grad"]))
     times: Dict[str, List[float]] = {k: [] for k in models}
-    steppers: Dict[str, Callable[[], None]] = {}
-    for name, model in models.items():
-        model.to(memory_format=torch.channels_last).train()
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-
-        def step(model=model, opt=opt) -> None:
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = nn.functional.cross_entropy(model(x), y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-
-        steppers[name] = step
+    steppers = {name: _stepper(model, x, y) for name, model in models.items()}
     machine = machine_description()
     names = list(models)
     with wl.functional.fused_moments(True):
@@ -104,11 +119,7 @@ def main(argv=None) -> Dict[str, object]:
                       "extra us per layer per step (mean)", "extra us per layer per step (median)"], rows, nd=1)
     head = (f"Command: `{command_line()}`; {machine.get('cpu', '')}; torch {torch.__version__}; {layers} whitening "
             f"layers; load before/after {machine['loadavg']} / {loadavg()}")
-    text = head + "\n\n" + table
-    print(text)
-    out = {"rows": rows, "layers": layers, "markdown": text}
-    write_json(args.json, out)
-    return out
+    return _report(head, table, rows, layers, args.json)
 
 
 #: The parts of a grad / recursive layer's step that ``--ablate`` switches off, one at a time: method name and the
@@ -128,27 +139,10 @@ def ablate(args) -> Dict[str, object]:
     method, kw = VARIANTS[args.ablate]
     if method == "direct":
         raise SystemExit("--ablate takes a grad or recursive variant (its parts are the grad layers')")
-    torch.manual_seed(args.seed)
-    base = resnet50(2, num_classes=10)
-    x = torch.randn(2, 3, 32, 32).to(memory_format=torch.channels_last)
-    y = torch.randint(0, 10, (2,))
+    base, x, y = _inputs(args.seed)
     plain, converted = copy.deepcopy(base), wl.convert_model(copy.deepcopy(base), method, **kw)
     layers = len(wl.whitening_layers(converted))
-
-    def stepper(model: nn.Module) -> Callable[[], None]:
-        model.to(memory_format=torch.channels_last).train()
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-
-        def step() -> None:
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = nn.functional.cross_entropy(model(x), y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-
-        return step
-
-    run_plain, run_converted = stepper(plain), stepper(converted)
+    run_plain, run_converted = _stepper(plain, x, y), _stepper(converted, x, y)
     originals = {attr: getattr(layer_class, attr) for attr, _ in PARTS.values()}
     names = ["plain", "full"] + list(PARTS)
     times: Dict[str, List[float]] = {k: [] for k in names}
@@ -179,11 +173,7 @@ def ablate(args) -> Dict[str, object]:
                      rows, nd=1)
     head = (f"Command: `{command_line()}`; {machine_description().get('cpu', '')}; torch {torch.__version__}; "
             f"{args.ablate}, {layers} whitening layers, {steps} steps each, interleaved; load {loadavg()}")
-    text = head + "\n\n" + table
-    print(text)
-    out = {"rows": rows, "layers": layers, "markdown": text}
-    write_json(args.json, out)
-    return out
+    return _report(head, table, rows, layers, args.json)
 
 
 if __name__ == "__main__":

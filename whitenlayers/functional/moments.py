@@ -201,10 +201,12 @@ def _ones(shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> T
 def ones_for_moments(x: Tensor) -> Tuple[int, ...]:
     """The shape of the ones that :func:`accumulate_moments` appends to ``x``: a column ``(P, 1)`` for a
     ``(P, M)`` view of ``x`` (2-D or channels_last), else a row ``(1, B, P)`` beside ``(M, B, P)``."""
-    rows = _as_rows(x)
-    if rows is not None:
-        return (rows.shape[0], 1)
-    return (1, x.shape[0], math.prod(x.shape[2:]))
+    return _ones_shape(x, _as_rows(x))
+
+
+def _ones_shape(x: Tensor, rows: Optional[Tensor]) -> Tuple[int, ...]:
+    """:func:`ones_for_moments` given ``rows = _as_rows(x)`` (computed once on the hot path)."""
+    return (rows.shape[0], 1) if rows is not None else (1, x.shape[0], math.prod(x.shape[2:]))
 
 
 #: Where the layers take their fewest-kernel paths (:func:`accumulate_moments`' concatenation and one product;
@@ -316,10 +318,10 @@ def accumulate_moments(acc: Tensor, x: Tensor, shift: Optional[Tensor]) -> None:
         acc[:m, m].add_(s1)  # the blocks a fold reads (the ones row and the count corner are left as they are)
         return
     rows = _as_rows(xs)
+    ones = _ones(_ones_shape(xs, rows), xs.dtype, xs.device)
     if rows is not None:  # (P, M): one (M + 1) x (M + 1) product of the rows with a column of ones
-        _gram_add(acc, torch.cat([rows, _ones((rows.shape[0], 1), xs.dtype, xs.device)], 1), rows_first=True)
+        _gram_add(acc, torch.cat([rows, ones], 1), rows_first=True)
         return
-    ones = _ones((1, xs.shape[0], math.prod(xs.shape[2:])), xs.dtype, xs.device)  # ones_for_moments(xs)
     b = xs.flatten(2).transpose(0, 1)  # (M, B, P), a view
     _gram_add(acc, torch.cat([b, ones], 0).flatten(1), rows_first=False)  # (M + 1, B * P): the one copy
 
