@@ -161,6 +161,51 @@ def test_wide_layers_are_not_batched(monkeypatch):
     assert sorted(calls) == sorted([(m_wide, m_wide), (m_wide, m_wide), (2, 4, 4)])
 
 
+def test_wide_layers_batch_off_the_cpu(monkeypatch):
+    """Off the CPU (emulated: ``fused_moments``) every width batches: wide layers of one width share one ``eigh``,
+    at most ``EIGH_BATCH_ELEMENTS`` entries per call, with the same results as one fold per layer."""
+    from whitenlayers.rules import EVDRule
+
+    m_wide = EVDRule.BATCH_MAX_M + 1
+    monkeypatch.setattr(EVDRule, "EIGH_BATCH_ELEMENTS", 2 * m_wide * m_wide)  # two wide matrices per call
+    a = _layers([m_wide, 4, m_wide, m_wide, 4])
+    b = copy.deepcopy(a)
+    calls = []
+    real = torch.linalg.eigh
+
+    def spy(x, *args, **kw):
+        calls.append(tuple(x.shape))
+        return real(x, *args, **kw)
+
+    monkeypatch.setattr(torch.linalg, "eigh", spy)
+    with F.fused_moments(True):
+        fold_layers(a)
+    assert sorted(calls) == sorted([(2, m_wide, m_wide), (1, m_wide, m_wide), (2, 4, 4)])
+    calls.clear()
+    for l in b:  # one layer at a time: one call per matrix
+        fold_layers([l])
+    assert sorted(calls) == sorted([(m_wide, m_wide)] * 3 + [(4, 4)] * 2)
+    _assert_same(a, b)
+
+
+def test_batched_fold_checks_results_with_one_synchronisation(monkeypatch):
+    """A batched EVD fold reads its flags back once per call after the ``eigh`` (the eigenpairs and the
+    transforms together), not once per layer: on a GPU each read stalls the queue."""
+    from whitenlayers.rules import EVDRule
+
+    layers = _layers([EVDRule.BATCH_MAX_M + 1] * 3)
+    reads = []
+    real = torch.Tensor.tolist
+
+    def spy(t, *args):
+        reads.append(tuple(t.shape))
+        return real(t, *args)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", spy)
+    F.evd_transform_batched(torch.stack([l.running_cov for l in layers]), eps=1e-5, gmax=1e3)
+    assert reads == [(3,), (3,)]  # the inputs' finiteness, then the results'
+
+
 def test_fold_chunks_group_by_batch_key_and_bound_their_size():
     """One process folds a batch of layers at a time (their float64 temporaries only), at most
     ``max_elements`` matrix entries per batch, same-width layers together in order of first appearance."""

@@ -123,14 +123,29 @@ class EVDRule(TransformRule):
     #: Widest ``M`` whose eigendecompositions are batched across layers on the CPU. Measured (1 thread, MKL,
     #: process CPU time, median of 5; ``batched / looped``): M=16 0.31, 32 0.45, 64 0.65, 128 1.15,
     #: 256 1.23, 512 1.23, 1024 1.14: the batched call saves per-call overhead for small matrices and costs
-    #: more than one call per matrix from M = 128 on. Not measured on CUDA (no GPU here): kept the same there.
-    #: Grouped layers: the same bound on the block size ``M/G`` for batching across layers (a grouped layer's
-    #: own blocks always share one batched call: no Python loop over groups).
+    #: more than one call per matrix from M = 128 on. Grouped layers: the same bound on the block size ``M/G``
+    #: for batching across layers (a grouped layer's own blocks always share one batched call: no Python loop
+    #: over groups). Other devices (CUDA) batch every width (:meth:`batch_key`).
     BATCH_MAX_M = 64
+    #: Off the CPU, at most this many matrix entries go into one batched ``eigh`` (and its float64
+    #: temporaries): one 2048 x 2048 matrix, four of 1024, ... A fold runs after the model's forward, while
+    #: its activations are alive, so its transient memory adds to the step's peak: this keeps it at what one
+    #: call per layer needs for the widest layers of a ResNet-50.
+    EIGH_BATCH_ELEMENTS = 1 << 22
 
     def batch_key(self, num_features: int, state_dtype: torch.dtype, device: torch.device,
                   groups: int = 1) -> Optional[Hashable]:
-        if num_features // groups > self.BATCH_MAX_M:
+        """Layers of one width (or one block size, grouped), dtype, device, ``eps``, ``gmax`` and ``gains`` share
+        one batched ``eigh``: at every width on a GPU, up to :attr:`BATCH_MAX_M` on the CPU.
+
+        On CUDA a call per layer costs more than its decomposition's own time: torch decomposes the matrices of
+        a batched call one by one above 32 (pytorch#175585) but in C++, with one status check (a host
+        synchronisation) per call; a call per layer adds its Python, its finiteness checks (three host
+        synchronisations) and its launches of the gains and products, each a stall of the GPU (a ResNet-50
+        fold: 45 calls, 159 host synchronisations one by one, 3 stacked). The CPU keeps a call per wide layer,
+        where it is the faster (measured above; :func:`~whitenlayers.functional.fused_moments` takes the GPU's
+        choice on a CPU, for counting)."""
+        if num_features // groups > self.BATCH_MAX_M and not F_w.fused_moments_on(device):
             return None
         c = self.config
         if groups != 1:  # grouped layers with blocks of one size share one batched eigh
@@ -143,7 +158,12 @@ class EVDRule(TransformRule):
         covs = fold.cov.to(work)
         if covs.dim() == 4:  # grouped layers: (L, G, k, k)
             return F_w.evd_transform_grouped_batched(list(covs), eps=c.eps, gmax=c.gmax, gains=c.gains)
-        return F_w.evd_transform_batched(covs, eps=c.eps, gmax=c.gmax, gains=c.gains)
+        per_call = max(1, self.EIGH_BATCH_ELEMENTS // (covs.shape[-1] ** 2)) if covs.shape[-1] > self.BATCH_MAX_M \
+            else covs.shape[0]
+        out: List[Any] = []
+        for start in range(0, covs.shape[0], per_call):
+            out += F_w.evd_transform_batched(covs[start : start + per_call], eps=c.eps, gmax=c.gmax, gains=c.gains)
+        return out
 
     def update(self, fold: Fold, state: Dict[str, Tensor], precomputed: Any = NOT_COMPUTED) -> Optional[RuleResult]:
         c = self.config

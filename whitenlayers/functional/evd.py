@@ -7,7 +7,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from .moments import all_finite, symmetrize
+from .moments import all_finite, finite_each, symmetrize
 from .spectrum import effective_rank
 
 
@@ -126,8 +126,10 @@ def evd_transform_batched(
     of the per-call overhead when many small layers fold together (the fold of
     a whole ResNet, ``benchmarks/fold_cost.py``). Robust per matrix: a
     non-finite matrix gives ``None``; when the batched ``eigh`` raises, or
-    returns non-finite values for some matrices, those matrices go through
-    :func:`evd_transform` one by one (working precision, then float64).
+    gives non-finite eigenpairs or transforms for some matrices, those
+    matrices go through :func:`evd_transform` one by one (working precision,
+    then float64). Two host synchronisations besides the ``eigh``'s own
+    status check: the finiteness of the inputs, and that of the results.
 
     Args:
         covs: covariances ``(k, M, M)``.
@@ -154,17 +156,16 @@ def evd_transform_batched(
             retry = idx
         else:
             assert vec is not None  # set with lam
-            ok = (torch.isfinite(lam).all(-1) & torch.isfinite(vec).flatten(1).all(1)).tolist()
-            good = [j for j, o in enumerate(ok) if o]
-            retry = [idx[j] for j, o in enumerate(ok) if not o]
-            if good:
-                if len(good) < len(idx):
-                    lam, vec = lam[good], vec[good]
-                t, q = _zca_from_eig(lam.flip(-1), vec.flip(-1), eps, gmax, gains)
-                fin = (torch.isfinite(t).flatten(1).all(1) & torch.isfinite(q).flatten(1).all(1)).tolist()
-                for pos, (j, f) in enumerate(zip(good, fin)):
-                    if f:
-                        out[idx[j]] = (t[pos].to(covs.dtype), q[pos].to(covs.dtype))
+            t, q = _zca_from_eig(lam.flip(-1), vec.flip(-1), eps, gmax, gains)
+            # One host synchronisation for the decomposition and the transforms: a matrix whose eigenpairs or
+            # transforms are not finite goes through evd_transform alone (working precision, then float64).
+            ok = finite_each(lam, vec, t, q).tolist()
+            t, q = t.to(covs.dtype), q.to(covs.dtype)  # one conversion per stack; views of it below
+            for j, o in enumerate(ok):
+                if o:
+                    out[idx[j]] = (t[j], q[j])
+                else:
+                    retry.append(idx[j])
     for i in retry:
         out[i] = evd_transform(covs[i], eps=eps, gmax=gmax, gains=gains)
     return out

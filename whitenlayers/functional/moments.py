@@ -216,15 +216,16 @@ _FUSED_ON_CPU = [False]
 
 
 def fused_moments_on(device: torch.device) -> bool:
-    """Whether :func:`accumulate_moments` takes the two-op path on ``device`` (not the CPU, by default)."""
+    """Whether ``device`` takes the fewest-kernel paths (:func:`fused_moments`): not the CPU, by default."""
     return device.type != "cpu" or _FUSED_ON_CPU[0]
 
 
 @contextlib.contextmanager
 def fused_moments(on_cpu: bool = True) -> Iterator[None]:
     """Within the block, the CPU takes the fewest-kernel paths as CUDA does (or not): the two-op path of
-    :func:`accumulate_moments` and ``DirectWhiten``'s 1x1 convolutions. What ``benchmarks/hot_path.py`` counts
-    as the GPU's operations, and what the tests check on a CPU."""
+    :func:`accumulate_moments`, ``DirectWhiten``'s 1x1 convolutions, and at a fold one batched ``eigh`` for
+    EVD layers of any width (``EVDRule.batch_key``). What ``benchmarks/hot_path.py`` counts as the GPU's
+    operations, and what the tests check on a CPU."""
     before, _FUSED_ON_CPU[0] = _FUSED_ON_CPU[0], on_cpu
     try:
         yield
