@@ -64,12 +64,18 @@ def _autocast_enabled(device_type: str) -> bool:
         return torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
 
 
+def _onnx_exporting() -> bool:
+    """``torch.onnx.is_in_onnx_export()``, asked only while tracing (its exporters trace: the TorchScript one with
+    ``torch.jit``, the dynamo one through ``torch.export``): on the per-batch path it costs more than the check."""
+    return (torch.jit.is_tracing() or _is_compiling()) and torch.onnx.is_in_onnx_export()
+
+
 def _check_input(layer: WhiteningLayer, x: Tensor, *, dim: int, ndims: tuple, what: str) -> None:
     if not isinstance(x, Tensor):
         raise TypeError(f"{layer._describe()}: expected a Tensor input, but got {type(x).__name__}")
     if not x.is_floating_point():
         raise TypeError(f"{layer._describe()}: expected a floating-point input, but got dtype={x.dtype}")
-    weight = getattr(layer, "weight", None)
+    weight = layer._parameters.get("weight") if "weight" in layer._parameters else getattr(layer, "weight", None)
     if isinstance(weight, Tensor) and x.dtype != weight.dtype and not _autocast_enabled(x.device.type):
         raise TypeError(
             f"{layer._describe()}: expected an input of dtype {weight.dtype} (the dtype of the layer's weight), "
@@ -162,7 +168,7 @@ class _GradWhitenMixin(WhiteningLayer):
             return comp.to(weight.dtype) - F_w.weight_mean_product(weight, mean)
         w2, taps_last = self._weight_rows(weight)
         mean_k = self._mean_per_tap(mean, weight.dtype, taps_last)
-        if torch.onnx.is_in_onnx_export():  # the TorchScript-based exporter has no addmv
+        if _onnx_exporting():  # the TorchScript-based exporter has no addmv
             return comp.to(weight.dtype) - w2 @ mean_k
         return torch.addmv(comp.to(weight.dtype), w2, mean_k, alpha=-1)
 
@@ -327,7 +333,7 @@ class _GradWhitenMixin(WhiteningLayer):
         w = weight.detach()
         if w.dtype != d.dtype:
             w = w.to(d.dtype)
-        if isinstance(factor, float) and self.groups == 1 and not torch.onnx.is_in_onnx_export():
+        if isinstance(factor, float) and self.groups == 1 and not _onnx_exporting():
             # c = 0 for an absorbed layer (it lives in d, _fold_compensation_into_offset): the update
             # d <- (1 - f) d + f (c - W mu) is one product-accumulate
             w2, taps_last = self._weight_rows(w)
