@@ -101,7 +101,7 @@ def probe_stats(dev, shapes) -> List[List[object]]:
     rows = []
     ones_cache: Dict[Tuple[int, torch.dtype], torch.Tensor] = {}
     seen = set()
-    total = {"f32": 0.0, "tf32": 0.0, "bf16": 0.0, "lib": 0.0, "nocat": 0.0}
+    total = {"f32": 0.0, "tf32": 0.0, "bf16": 0.0, "lib": 0.0, "nocat": 0.0, "aligned": 0.0, "padded": 0.0}
     for p, m in shapes:
         x = (torch.randn(p, m, device=dev).relu() + 0.1).bfloat16()
         acc = torch.zeros(m + 1, m + 1, device=dev)
@@ -128,6 +128,21 @@ def probe_stats(dev, shapes) -> List[List[object]]:
             torch.addmm(s2, x.t(), x, out_dtype=torch.float32, out=s2)
             s1.add_(x.sum(0, dtype=torch.float32))
 
+        # The library's (P, M + 1) bf16 operand has rows of M + 1 elements: not a multiple of 8 (16 bytes), which
+        # cuBLAS's fastest tensor-core kernels need of a leading dimension. Two ways to align it:
+        mp = (m + 1 + 7) // 8 * 8
+        acc_p = torch.zeros(mp, mp, device=dev)
+        tail = torch.zeros(p, mp - m, device=dev, dtype=torch.bfloat16)
+        tail[:, 0] = 1  # a feature of ones, then zero features up to a multiple of 8
+
+        def aligned():  # the same (P, M + 1) operand, concatenated into rows of a padded stride (a view)
+            a = torch.cat([x, ones(torch.bfloat16)], 1, out=torch.empty(p, mp, device=dev, dtype=x.dtype)[:, : m + 1])
+            torch.addmm(acc, a.t(), a, out_dtype=torch.float32, out=acc)
+
+        def padded():  # zero features appended up to a multiple of 8: an (M' x M') product, a few % more work
+            a = torch.cat([x, tail], 1)
+            torch.addmm(acc_p, a.t(), a, out_dtype=torch.float32, out=acc_p)
+
         t32 = cuda_ms(f32, 5)
         tl = cuda_ms(lib, 5)
         total["lib"] += tl
@@ -143,13 +158,22 @@ def probe_stats(dev, shapes) -> List[List[object]]:
         except Exception:  # noqa: BLE001
             tn = float("nan")
         total["nocat"] += tn
+        extra = []
+        for key, fn in (("aligned", aligned), ("padded", padded)):
+            try:
+                t = cuda_ms(fn, 5)
+            except Exception:  # noqa: BLE001
+                t = float("nan")
+            total[key] += t
+            extra.append(t)
         total["f32"] += t32
         total["tf32"] += ttf
         total["bf16"] += tb
         if (p, m) not in seen:
             seen.add((p, m))
-            rows.append([p, m, t32, ttf, tb, tl, tn])
-    rows.append(["all 52 layers", "", total["f32"], total["tf32"], total["bf16"], total["lib"], total["nocat"]])
+            rows.append([p, m, t32, ttf, tb, tl, tn] + extra)
+    rows.append(["all 52 layers", "", total["f32"], total["tf32"], total["bf16"], total["lib"], total["nocat"],
+                 total["aligned"], total["padded"]])
     return rows
 
 
@@ -283,7 +307,7 @@ def main() -> None:
     sections = [
         ("out_dtype", lambda: md_table(["op", "dtype", "rel. error vs float64"], probe_out_dtype(dev))),
         ("stats", lambda: md_table(["rows P", "features M", "f32 SIMT ms", "TF32 ms", "bf16 -> f32 ms",
-                                    "library ms", "no concatenation ms"],
+                                    "library ms", "no concatenation ms", "aligned rows ms", "padded to 8 ms"],
                                    probe_stats(dev, shapes), nd=3)),
         ("fold", lambda: md_table(["ResNet-50 fold (52 covariances)", "ms"], probe_fold(dev, shapes), nd=3)),
         ("overlap", lambda: md_table(["ResNet-50 bf16 batch 128", "step ms", "fold ms meanwhile"],
