@@ -214,6 +214,13 @@ def probe_fold(dev, shapes) -> List[List[object]]:
     rows.append(["CUDA eigh float32, batched by width", wall_ms(run(torch.linalg.eigh, covs))])
     c64 = {m: c.double() for m, c in covs.items()}
     rows.append(["CUDA eigh float64, batched by width", wall_ms(run(torch.linalg.eigh, c64))])
+    try:  # MAGMA's eigh (hybrid host / GPU), where this torch was built with it
+        torch.backends.cuda.preferred_linalg_library("magma")
+        rows.append(["CUDA eigh float64, batched by width, MAGMA", wall_ms(run(torch.linalg.eigh, c64))])
+    except Exception as exc:  # noqa: BLE001
+        rows.append(["CUDA eigh float64, batched by width, MAGMA", f"n/a: {exc!r}"[:120]])
+    finally:
+        torch.backends.cuda.preferred_linalg_library("default")
     rows.append([f"host eigh float64 ({torch.get_num_threads()} threads), batched by width",
                  wall_ms(run(torch.linalg.eigh, host64))])
     rows.append([f"host eigh float32 ({torch.get_num_threads()} threads), batched by width",
@@ -234,6 +241,67 @@ def probe_fold(dev, shapes) -> List[List[object]]:
     rows.append([f"Newton-Schulz 20 its vs exact C^-1/2, M={m}: relative Frobenius error",
                  ((ns - exact).norm() / exact.norm()).item()])
     return rows
+
+
+def probe_library_fold(dev, width: int = 64, reps: int = 3) -> List[List[object]]:
+    """The library's whole-model fold of a converted ResNet-50 (grad, statistics of one bf16 forward), with one
+    batched ``eigh`` per width (the GPU's path since e47ff80) and with one ``eigh`` per layer wider than
+    ``EVDRule.BATCH_MAX_M`` (the CPU's choice, the GPU's before), alternated; wall clock, synchronised."""
+    from whitenlayers.fold import fold_layers
+    from whitenlayers.rules import EVDRule
+
+    torch.manual_seed(0)
+    model = wl.convert_model(resnet50(width), "grad", block_size=10**9).to(dev)
+    model = model.to(memory_format=torch.channels_last).train()
+    layers = [layer for _, layer in wl.whitening_layers(model)]
+    x = torch.randn(16, 3, 64, 64, device=dev).to(memory_format=torch.channels_last)
+    batched_key = EVDRule.batch_key
+
+    def per_layer_key(self, num_features, state_dtype, device, groups=1):
+        if num_features // groups > self.BATCH_MAX_M:
+            return None
+        return batched_key(self, num_features, state_dtype, device, groups)
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    calls: List[int] = []
+    real_eigh = torch.linalg.eigh
+
+    def counted_eigh(*args, **kwargs):
+        calls.append(1)
+        return real_eigh(*args, **kwargs)
+
+    def one(per_layer: bool) -> Tuple[float, int]:
+        with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16):
+            model(x)  # the block's statistics
+        sync()
+        calls.clear()
+        if per_layer:
+            EVDRule.batch_key = per_layer_key  # type: ignore[method-assign]
+        torch.linalg.eigh = counted_eigh
+        try:
+            t0 = time.perf_counter()
+            fold_layers(layers)
+            sync()
+            return 1e3 * (time.perf_counter() - t0), len(calls)
+        finally:
+            EVDRule.batch_key = batched_key  # type: ignore[method-assign]
+            torch.linalg.eigh = real_eigh
+
+    one(False)  # warm-up: the first block's fold, and each path once
+    one(True)
+    times: Dict[bool, List[float]] = {False: [], True: []}
+    counts: Dict[bool, int] = {}
+    for _ in range(reps):
+        for per_layer in (True, False):
+            ms, n = one(per_layer)
+            times[per_layer].append(ms)
+            counts[per_layer] = n
+    return [[f"one eigh per layer wider than {EVDRule.BATCH_MAX_M} (before e47ff80)", counts[True],
+             statistics.median(times[True])],
+            ["one batched eigh per width (now)", counts[False], statistics.median(times[False])]]
 
 
 def probe_overlap(dev, shapes, steps: int) -> List[List[object]]:
@@ -294,7 +362,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=12, help="host threads (eigh on the host)")
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--only", default="", help="comma-separated probes to run: out_dtype, stats, fold, overlap")
+    p.add_argument("--only", default="", help="comma-separated probes to run: out_dtype, stats, fold, libfold, overlap")
     args = p.parse_args()
     setup(args.threads, 0)
     if not torch.cuda.is_available():
@@ -310,6 +378,8 @@ def main() -> None:
                                     "library ms", "no concatenation ms", "aligned rows ms", "padded to 8 ms"],
                                    probe_stats(dev, shapes), nd=3)),
         ("fold", lambda: md_table(["ResNet-50 fold (52 covariances)", "ms"], probe_fold(dev, shapes), nd=3)),
+        ("libfold", lambda: md_table(["library fold of a converted ResNet-50 (grad, 52 layers)", "eigh calls",
+                                      "ms (median)"], probe_library_fold(dev), nd=2)),
         ("overlap", lambda: md_table(["ResNet-50 bf16 batch 128", "step ms", "fold ms meanwhile"],
                                      probe_overlap(dev, shapes, args.steps), nd=2)),
     ]

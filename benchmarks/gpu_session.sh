@@ -4,7 +4,8 @@
 # Run from the repository root on the device; results go to $OUT (the device tool's output folder).
 #
 #   bash benchmarks/gpu_session.sh bench     # gpu.py (ResNet-50 / ResNet-110 tables, host time per step) and a
-#                                            # profile of the GPU-recommended setting, the statistics probe (~8 min)
+#                                            # profile of the GPU-recommended setting, the statistics and fold
+#                                            # probes (the library's fold with and without batched eigh) (~9 min)
 #   bash benchmarks/gpu_session.sh tests     # the test suite on CUDA, pytest -n 8             (~4 minutes)
 #   bash benchmarks/gpu_session.sh compile   # torch.compile: ResNet-20, plain and recursive, both modes
 #                                            #                                                  (~5 minutes)
@@ -32,7 +33,7 @@ case "${1:-bench}" in
     timeout 100 python3 benchmarks/gpu_profile.py --method recursive --stats-every 5 --block-size 50 --steps 10 \
       > "$OUT/profile_recursive_every5.txt" 2>&1
     echo "gpu_profile.py exit $?" >> "$OUT/machine.txt"
-    timeout 60 python3 benchmarks/gpu_probe.py --only stats > "$OUT/probe_stats.txt" 2>&1
+    timeout 120 python3 benchmarks/gpu_probe.py --only stats,libfold,fold > "$OUT/probe_stats.txt" 2>&1
     echo "gpu_probe.py exit $?" >> "$OUT/machine.txt"
     ;;
   tests)

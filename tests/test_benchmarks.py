@@ -55,3 +55,21 @@ def test_host_overhead_ablation_tiny(tmp_path):
     _run([str(BENCH / "host_overhead.py"), "--tiny", "--ablate", "recursive", "--json", str(out)], tmp_path)
     rows = json.loads(out.read_text())["rows"]
     assert [r[0] for r in rows][:2] == ["plain", "full"] and len(rows) == 6
+
+
+def test_gpu_probe_library_fold_compares_the_two_eigh_paths(monkeypatch):
+    """gpu_probe.py's library-fold probe (CUDA only in the script) runs on a CPU taking the GPU's paths: the
+    per-layer path makes one ``eigh`` call per wide layer, the batched one fewer, and the probe restores both."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import torch
+
+    import whitenlayers as wl
+    from whitenlayers.rules import EVDRule
+
+    gpu_probe = pytest.importorskip("gpu_probe")
+    before = (EVDRule.batch_key, torch.linalg.eigh)
+    with wl.functional.fused_moments(True):
+        rows = gpu_probe.probe_library_fold(torch.device("cpu"), width=8, reps=1)
+    assert (EVDRule.batch_key, torch.linalg.eigh) == before
+    (_, per_layer_calls, _), (_, batched_calls, _) = rows
+    assert batched_calls < per_layer_calls
