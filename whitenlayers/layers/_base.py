@@ -75,7 +75,8 @@ def _check_input(layer: WhiteningLayer, x: Tensor, *, dim: int, ndims: tuple, wh
         raise TypeError(f"{layer._describe()}: expected a Tensor input, but got {type(x).__name__}")
     if not x.is_floating_point():
         raise TypeError(f"{layer._describe()}: expected a floating-point input, but got dtype={x.dtype}")
-    weight = layer._parameters.get("weight") if "weight" in layer._parameters else getattr(layer, "weight", None)
+    params = cast(Any, layer)._parameters
+    weight = params["weight"] if "weight" in params else getattr(layer, "weight", None)
     if isinstance(weight, Tensor) and x.dtype != weight.dtype and not _autocast_enabled(x.device.type):
         raise TypeError(
             f"{layer._describe()}: expected an input of dtype {weight.dtype} (the dtype of the layer's weight), "
