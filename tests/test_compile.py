@@ -129,3 +129,74 @@ def test_compiled_graphs_mutate_only_static_inputs(method):
     _train(compiled, 4)
     assert seen and all(mutated for mutated, _ in seen)  # the accumulators are written in the graph
     assert all(not non_static for _, non_static in seen), seen
+
+
+def _fold_addresses(model, steps: int, compiled=None):
+    """Train ``steps`` steps; after each, the data pointers of every whitening layer's forward buffers."""
+    gen = torch.Generator().manual_seed(0)
+    run = compiled if compiled is not None else model
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    layers = [layer for _, layer in wl.whitening_layers(model)]
+    seen = [{name: set() for name in layer._FORWARD_BUFFERS} for layer in layers]
+    for _ in range(steps):
+        x = torch.randn(4, 3, 8, 8, generator=gen, dtype=torch.float64) + 0.5
+        y = torch.randint(0, 10, (4,), generator=gen)
+        opt.zero_grad()
+        Fn.cross_entropy(run(x), y).backward()
+        opt.step()
+        for layer, addresses in zip(layers, seen):
+            for name in addresses:
+                addresses[name].add(layer._buffers[name].data_ptr())
+    return layers, seen
+
+
+@pytest.mark.parametrize("method", ["grad", "direct"])
+def test_compiled_layers_keep_their_forward_buffers_at_two_addresses(method):
+    """Under torch.compile a fold writes a forward buffer's new value into the tensor it held two folds before
+    (nothing else holds that one by then), so CUDA graph trees (``mode="reduce-overhead"``), which read buffers
+    at fixed addresses and record again when one moves, see two addresses per buffer over any number of
+    blocks instead of a new one per block; the training itself is unchanged."""
+    torch._dynamo.reset()
+    model = _model(method)
+    compiled = torch.compile(model, backend="aot_eager")
+    layers, seen = _fold_addresses(model, 13, compiled)  # 4 folds
+    assert all(int(layer.num_blocks) == 4 and layer.__dict__.get("_double_buffered") for layer in layers)
+    assert all(len(addresses) <= 2 for per_layer in seen for addresses in per_layer.values()), seen
+    eager = _model(method)  # new tensors at every fold, as before
+    _, eager_seen = _fold_addresses(eager, 13)
+    assert any(len(addresses) > 2 for per_layer in eager_seen for addresses in per_layer.values())
+    for (key, a), (_, b) in zip(model.state_dict().items(), eager.state_dict().items()):
+        if a.is_floating_point():
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=key)
+        else:
+            assert torch.equal(a, b), key
+
+
+def test_a_spare_buffer_something_else_holds_is_never_written():
+    """The two-address scheme writes into the spare only when nothing holds it: a tensor kept by the user (a
+    reference, a view) or by an autograd graph still to be run keeps its values, and the fold takes a new tensor."""
+    model = _model("grad")
+    layers = [layer for _, layer in wl.whitening_layers(model)]
+    for layer in layers:
+        layer.__dict__["_double_buffered"] = True  # what a compiled forward sets (the coordinator, outside the graph)
+    first = layers[0]
+    kept = first.grad_transform  # held by a reference from before the first fold
+    kept_values = kept.clone()
+    view = layers[1].running_mean[:]  # held by a view
+    view_values = view.clone()
+    _train(model, 12)  # 4 folds
+    assert int(first.num_blocks) == 4
+    assert torch.equal(kept, kept_values) and first.grad_transform is not kept
+    assert torch.equal(view, view_values)
+    # an autograd graph that saved the transform: its forward's Q_s stays as it was until its backward
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 3, 8, 8, generator=gen, dtype=torch.float64) + 0.5
+    pending = model(x).sum()  # a graph holding the Q_s in force now (ctx of the weight-gradient transform)
+    held = first.grad_transform
+    held_values = held.clone()
+    with torch.no_grad():
+        for _ in range(6):  # two more folds (forwards only: the pending graph's parameters stay as they are)
+            model(x)
+    assert int(first.num_blocks) == 6
+    assert torch.equal(held, held_values)  # `held` became a spare, then a candidate for writing: still held
+    pending.backward()

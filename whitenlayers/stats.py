@@ -63,6 +63,16 @@ __all__ = ["WhiteningLayer", "recomputing"]
 
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
 _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
+
+
+def _unshared(t: Tensor) -> bool:
+    """Whether no autograd graph and no view holds ``t`` (its tensor's C++ use count is its one Python object's,
+    its storage's is the tensor's and the temporary storage object's); ``False`` where this torch cannot tell."""
+    use_count = getattr(t, "_use_count", None)
+    storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None or storage_use_count is None:
+        return False
+    return use_count() == 1 and storage_use_count(t.untyped_storage()._cdata) == 2
 _eager = torch.compiler.disable
 
 
@@ -217,8 +227,8 @@ class WhiteningLayer:
     # ------------------------------------------------------------------ forward
     def _forward_state(self) -> Tuple[bool, Dict[str, Tensor]]:
         """Begin a forward: whether it is a training batch (gathers statistics, counts toward the block), and the
-        buffers it reads (:attr:`_FORWARD_BUFFERS`, by reference: a fold replaces buffers, it never writes
-        into them).
+        buffers it reads (:attr:`_FORWARD_BUFFERS`, by reference: a fold never writes into a buffer that a forward
+        or a backward may still read, :meth:`_set_fold_buffer`).
 
         A forward recomputed inside a backward (activation checkpointing, :func:`recomputing`) is not a batch: it
         reads the buffers of the layer's last original forward, so its output and the transform its backward uses
@@ -241,7 +251,7 @@ class WhiteningLayer:
     def __getstate__(self) -> Dict[str, Any]:
         # The buffers of the last forward and the weight of a fold under way are transient: not pickled or copied.
         state = dict(self.__dict__)
-        for transient in ("_in_force", "_fold_weight", "_mean_taps", "_pointwise_cache"):
+        for transient in ("_in_force", "_fold_weight", "_mean_taps", "_pointwise_cache", "_spares"):
             state.pop(transient, None)
         if state.get("_acc_aug") is not None:  # views of it: made again on load (a pickle would copy them apart)
             state.pop("_acc_s1", None)
@@ -483,6 +493,7 @@ class WhiteningLayer:
         """The coordinator, outside the graph, after a compiled forward that called this layer: what
         :meth:`_add_batch` and :meth:`_end_batch` count in eager mode."""
         self._traced_seen = False
+        self.__dict__["_double_buffered"] = True  # its folds keep the forward's buffers at two addresses each
         self._acc_count += self._traced_rows
         self._traced_rows = 0
         self._end_batch()
@@ -620,10 +631,10 @@ class WhiteningLayer:
             self._warn_once("transform", self.rule.failure_message)
         self.clamped_steps += int(outcome.clamped)
         for name, value in outcome.buffers.items():
-            setattr(self, name, value)
+            self._set_fold_buffer(name, value)
         self._stats_unshifted = unshifted
         self._on_mean_change(delta)
-        self.running_mean = mean.clone(memory_format=torch.contiguous_format)
+        self._set_fold_buffer("running_mean", mean, owned=False)
         # The next block's shift, as its first gathered batch would choose it (_start_block after a counted fold):
         # chosen here, a compiled graph needs no second variant for a block's first batch.
         self._acc_shift = (torch.zeros(self.num_features, dtype=torch.float64, device=self.running_mean.device)
@@ -647,6 +658,35 @@ class WhiteningLayer:
         use the new transform). DDP re-reads reassigned buffers before each sync.
         """
         setattr(self, name, self._stored(name, value))
+
+    def _set_fold_buffer(self, name: str, value: Tensor, owned: bool = True) -> None:
+        """Set buffer ``name`` to a fold's new ``value`` (``owned``: a tensor of its own, else copied first).
+
+        A fold never writes into a tensor that a forward or a backward may still read (:meth:`_replace_buffer`).
+        A layer that runs inside compiled graphs (``torch.compile``) keeps each of its forward's buffers
+        (:attr:`_FORWARD_BUFFERS`) to two tensors: the new value goes into the tensor the buffer held before the
+        previous fold (the spare) when nothing else holds that tensor any more (no other Python reference, no
+        autograd graph that saved it, no view), and the tensor the buffer held becomes the next spare. CUDA
+        graph trees (``mode="reduce-overhead"``) read a buffer as a static input at a fixed address and record
+        the graph again when the address changes: two addresses are two recordings in all, where a new tensor at
+        every fold is a new recording at every block. Eager layers take the new tensor (no spare kept: no
+        memory spent).
+        """
+        if not (self.__dict__.get("_double_buffered") and name in self._FORWARD_BUFFERS):
+            setattr(self, name, value if owned else value.clone(memory_format=torch.contiguous_format))
+            return
+        spares: Dict[str, Tensor] = self.__dict__.setdefault("_spares", {})
+        old = self._buffers.get(name)
+        spare = spares.pop(name, None)
+        # Python references to the spare: `spare` and getrefcount's argument, nothing else.
+        if (spare is not None and sys.getrefcount(spare) == 2 and _unshared(spare) and spare.shape == value.shape
+                and spare.dtype == value.dtype and spare.device == value.device):
+            value = spare.copy_(value)
+        elif not owned:
+            value = value.clone(memory_format=torch.contiguous_format)
+        setattr(self, name, value)
+        if old is not None and old is not value:
+            spares[name] = old
 
     def _on_mean_change(self, delta: Tensor) -> None:
         """Hook for layers that must keep their function when the mean in force changes by ``delta`` (float64)."""
@@ -768,6 +808,7 @@ class WhiteningLayer:
         if "_acc_s1" in self.__dict__:
             self._move_accumulators(fn)
         self._acc_shift_x = None  # the shift as batches subtract it: made again from _acc_shift at the next batch
+        self.__dict__.pop("_spares", None)  # the next folds' spares on the new device / dtype
         self._in_force = None
         self._mean_taps = None
         self._pointwise_cache = None

@@ -449,7 +449,7 @@ class _GradWhitenMixin(WhiteningLayer):
         if absorbed is not None:  # c lives in d for an absorbed layer (c - d is what the function uses)
             absorbed.sub_(comp.to(absorbed.dtype))
             return
-        self.bias_correction = self.bias_correction + comp.to(self.bias_correction.dtype)
+        self._set_fold_buffer("bias_correction", self.bias_correction + comp.to(self.bias_correction.dtype))
 
     @torch.no_grad()
     def _fold_compensation_into_offset(self) -> None:
