@@ -10,8 +10,9 @@ On CUDA:
 4. training-step time and peak-memory ratios vs the plain model, interleaved: ResNet-50 (the torchvision
    layout, ``_resnet50.py``; 224x224, batch 128 (``--batch``), channels_last, bf16 autocast) and CIFAR
    ResNet-110 (batch 128, fp32); grad, recursive, direct with defaults, grad and recursive with the
-   GPU-recommended settings (``stats_every=5, block_size=50``), the bare statistics pass (the floor of gathering
-   statistics on every step), Muon and SOAP (pytorch-optimizer, when installed);
+   GPU-recommended settings (``stats_every=5, block_size=50``), recursive with statistics on every forward from
+   a quarter of its samples (``stats_fraction=0.25, block_size=50``), the bare statistics pass (the floor of
+   gathering statistics on every step), Muon and SOAP (pytorch-optimizer, when installed);
 5. one fold of each model (all its whitening layers), EVD and recursive;
 6. CUDA kernels launched per training step (``torch.profiler``), plain vs each method on CIFAR ResNet-20,
    averaged over one whole block (its fold included) and over the steps that do not fold: the GPU form of
@@ -301,6 +302,10 @@ def step_table(name: str, base: nn.Module, make_batch: Callable, device, rounds:
         variants[method] = wl.convert_model(copy.deepcopy(base), method=method)
     for method in ("grad", "recursive"):
         variants[f"{method}:every5,block50"] = wl.convert_model(copy.deepcopy(base), method=method, **RECOMMENDED)
+    # statistics on every forward, from a quarter of its samples (stats_fraction: T within the sampling noise of
+    # full statistics, RESULTS.md "Sub-sampled statistics"): the other schedule a GPU user could pick
+    variants["recursive:frac25,block50"] = wl.convert_model(copy.deepcopy(base), method="recursive",
+                                                            stats_fraction=0.25, block_size=50)
     bare = copy.deepcopy(base)
     BareStatistics(bare)
     variants["bare statistics pass (floor)"] = bare
