@@ -27,7 +27,7 @@ fi
 
 case "${1:-bench}" in
   bench)
-    timeout 300 python3 benchmarks/gpu.py --threads 8 --rounds 12 --skip compile,kernels --json "$OUT/gpu.json" \
+    timeout 300 python3 benchmarks/gpu.py --threads 8 --rounds 10 --skip compile,kernels --json "$OUT/gpu.json" \
       > "$OUT/gpu.txt" 2>&1
     echo "gpu.py exit $?" >> "$OUT/machine.txt"
     timeout 100 python3 benchmarks/gpu_profile.py --method recursive --stats-every 5 --block-size 50 --steps 10 \
