@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
+import types
 from typing import Callable, Dict, List
 
 import _common
@@ -36,6 +37,7 @@ from torch import nn
 
 import whitenlayers as wl
 from _resnet50 import resnet50
+from whitenlayers.autograd import grad_transformed
 
 #: The variants: method and its settings.
 VARIANTS = {
@@ -132,6 +134,25 @@ PARTS = {
 }
 
 
+def _essential_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """A grad / recursive conv's per-batch work with none of the library's Python around it (no checks, no
+    bookkeeping, no fold, no autocast handling): the statistics' two ops, the weight-gradient Function, the
+    absorbed offset's ``addmv_`` and the convolution. What an eager layer cannot go below (``--ablate``'s last
+    row); not a layer anyone can train with."""
+    if self._centring_ref is None or self._acc_aug is None:
+        return type(self).forward(self, x)
+    wl.functional.accumulate_moments(self._acc_aug, x.detach(), None)
+    w = grad_transformed(self.weight, self.grad_transform)
+    rows, taps_last = self._weight_rows(w.detach())
+    self._buffers["absorbed_offset"].addmv_(rows, self._mean_per_tap(self.running_mean, rows.dtype, taps_last),
+                                            beta=0.9, alpha=-0.1)
+    return self._conv_forward(x, w, None)
+
+
+#: ``--ablate``'s row of :func:`_essential_forward`.
+ESSENTIAL = "essential ops only (no library Python around them)"
+
+
 def ablate(args) -> Dict[str, object]:
     from whitenlayers.layers._base import _GradWhitenMixin as layer_class
 
@@ -142,15 +163,23 @@ def ablate(args) -> Dict[str, object]:
     base, x, y = _inputs(args.seed)
     plain, converted = copy.deepcopy(base), wl.convert_model(copy.deepcopy(base), method, **kw)
     layers = len(wl.whitening_layers(converted))
+    essential = copy.deepcopy(converted)
     run_plain, run_converted = _stepper(plain, x, y), _stepper(converted, x, y)
+    run_essential = _stepper(essential, x, y)
+    with wl.functional.fused_moments(True):
+        run_essential()  # a first batch: the accumulators exist from here on
+    for _, layer in wl.whitening_layers(essential):
+        layer.forward = types.MethodType(_essential_forward, layer)
     originals = {attr: getattr(layer_class, attr) for attr, _ in PARTS.values()}
-    names = ["plain", "full"] + list(PARTS)
+    names = ["plain", "full"] + list(PARTS) + [ESSENTIAL]
+    runners = {"plain": run_plain, ESSENTIAL: run_essential}
     times: Dict[str, List[float]] = {k: [] for k in names}
     steps = 5 if args.tiny else 50 * args.blocks
     with wl.functional.fused_moments(True):
         for _ in range(2 if args.tiny else 50):
             run_plain()
             run_converted()
+            run_essential()
         try:
             for _ in range(steps):
                 for name in names:
@@ -160,14 +189,14 @@ def ablate(args) -> Dict[str, object]:
                         attr, stand_in = PARTS[name]
                         setattr(layer_class, attr, stand_in)
                     t0 = _common._CLOCK()
-                    (run_plain if name == "plain" else run_converted)()
+                    runners.get(name, run_converted)()
                     times[name].append(_common._CLOCK() - t0)
         finally:
             for attr, original in originals.items():
                 setattr(layer_class, attr, original)
     plain_med, full_med = statistics.median(times["plain"]), statistics.median(times["full"])
     rows = [[name, 1e3 * statistics.median(t), 1e6 * (statistics.median(t) - plain_med) / layers,
-             0.0 if name in ("plain", "full") else 1e6 * (full_med - statistics.median(t)) / layers]
+             0.0 if name in ("plain", "full", ESSENTIAL) else 1e6 * (full_med - statistics.median(t)) / layers]
             for name, t in times.items()]
     table = md_table(["step (parts switched off)", "median step ms", "extra us per layer", "the part's us per layer"],
                      rows, nd=1)

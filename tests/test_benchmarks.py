@@ -54,7 +54,7 @@ def test_host_overhead_ablation_tiny(tmp_path):
     out = tmp_path / "out.json"
     _run([str(BENCH / "host_overhead.py"), "--tiny", "--ablate", "recursive", "--json", str(out)], tmp_path)
     rows = json.loads(out.read_text())["rows"]
-    assert [r[0] for r in rows][:2] == ["plain", "full"] and len(rows) == 6
+    assert [r[0] for r in rows][:2] == ["plain", "full"] and len(rows) == 7 and rows[-1][0].startswith("essential")
 
 
 def test_gpu_probe_library_fold_compares_the_two_eigh_paths(monkeypatch):
