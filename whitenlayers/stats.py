@@ -65,6 +65,18 @@ _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
 _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 
 
+def _sole_refcount() -> int:
+    """``sys.getrefcount`` of a tensor held by one local variable only, taken as :meth:`_set_fold_buffer` takes
+    its spare (popped from a dict): the baseline on this interpreter (versions count the caller's own
+    references differently); a tensor anything else holds counts more."""
+    spares = {"spare": torch.empty(0)}
+    spare = spares.pop("spare")
+    return sys.getrefcount(spare)
+
+
+_SOLE_REFCOUNT = _sole_refcount()
+
+
 def _unshared(t: Tensor) -> bool:
     """Whether no autograd graph and no view holds ``t`` (its tensor's C++ use count is its one Python object's,
     its storage's is the tensor's and the temporary storage object's); ``False`` where this torch cannot tell."""
@@ -678,9 +690,9 @@ class WhiteningLayer:
         spares: Dict[str, Tensor] = self.__dict__.setdefault("_spares", {})
         old = self._buffers.get(name)
         spare = spares.pop(name, None)
-        # Python references to the spare: `spare` and getrefcount's argument, nothing else.
-        if (spare is not None and sys.getrefcount(spare) == 2 and _unshared(spare) and spare.shape == value.shape
-                and spare.dtype == value.dtype and spare.device == value.device):
+        # no Python reference to the spare but `spare` (the refcount of a tensor held by one local variable)
+        if (spare is not None and sys.getrefcount(spare) == _SOLE_REFCOUNT and _unshared(spare)
+                and spare.shape == value.shape and spare.dtype == value.dtype and spare.device == value.device):
             value = spare.copy_(value)
         elif not owned:
             value = value.clone(memory_format=torch.contiguous_format)
