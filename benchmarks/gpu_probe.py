@@ -101,7 +101,8 @@ def probe_stats(dev, shapes) -> List[List[object]]:
     rows = []
     ones_cache: Dict[Tuple[int, torch.dtype], torch.Tensor] = {}
     seen = set()
-    total = {"f32": 0.0, "tf32": 0.0, "bf16": 0.0, "lib": 0.0, "nocat": 0.0, "aligned": 0.0, "padded": 0.0}
+    total = {"f32": 0.0, "tf32": 0.0, "bf16": 0.0, "lib": 0.0, "nocat": 0.0, "aligned": 0.0, "padded": 0.0,
+             "shifted": 0.0}
     for p, m in shapes:
         x = (torch.randn(p, m, device=dev).relu() + 0.1).bfloat16()
         acc = torch.zeros(m + 1, m + 1, device=dev)
@@ -123,6 +124,11 @@ def probe_stats(dev, shapes) -> List[List[object]]:
 
         def lib():  # the library's path (functional.accumulate_moments)
             wl.functional.accumulate_moments(acc, x, None)
+
+        shift = x[:1024].float().mean(0, keepdim=True)
+
+        def lib_shifted():  # a layer that sums about a shift (its block's mean^2 > 3 var): converted to float32 first
+            wl.functional.accumulate_moments(acc, x, shift)
 
         def nocat():  # no concatenation (no copy of the batch): the product and a column sum, two accumulators
             torch.addmm(s2, x.t(), x, out_dtype=torch.float32, out=s2)
@@ -159,7 +165,7 @@ def probe_stats(dev, shapes) -> List[List[object]]:
             tn = float("nan")
         total["nocat"] += tn
         extra = []
-        for key, fn in (("aligned", aligned), ("padded", padded)):
+        for key, fn in (("aligned", aligned), ("padded", padded), ("shifted", lib_shifted)):
             try:
                 t = cuda_ms(fn, 5)
             except Exception:  # noqa: BLE001
@@ -173,7 +179,7 @@ def probe_stats(dev, shapes) -> List[List[object]]:
             seen.add((p, m))
             rows.append([p, m, t32, ttf, tb, tl, tn] + extra)
     rows.append(["all 52 layers", "", total["f32"], total["tf32"], total["bf16"], total["lib"], total["nocat"],
-                 total["aligned"], total["padded"]])
+                 total["aligned"], total["padded"], total["shifted"]])
     return rows
 
 
@@ -375,7 +381,8 @@ def main() -> None:
     sections = [
         ("out_dtype", lambda: md_table(["op", "dtype", "rel. error vs float64"], probe_out_dtype(dev))),
         ("stats", lambda: md_table(["rows P", "features M", "f32 SIMT ms", "TF32 ms", "bf16 -> f32 ms",
-                                    "library ms", "no concatenation ms", "aligned rows ms", "padded to 8 ms"],
+                                    "library ms", "no concatenation ms", "aligned rows ms", "padded to 8 ms",
+                                    "library, shifted ms"],
                                    probe_stats(dev, shapes), nd=3)),
         ("fold", lambda: md_table(["ResNet-50 fold (52 covariances)", "ms"], probe_fold(dev, shapes), nd=3)),
         ("libfold", lambda: md_table(["library fold of a converted ResNet-50 (grad, 52 layers)", "eigh calls",
