@@ -85,6 +85,8 @@ def _unshared(t: Tensor) -> bool:
     if use_count is None or storage_use_count is None:
         return False
     return use_count() == 1 and storage_use_count(t.untyped_storage()._cdata) == 2
+
+
 _eager = torch.compiler.disable
 
 
