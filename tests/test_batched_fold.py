@@ -141,6 +141,19 @@ def test_batched_fold_counts_failures_per_layer(monkeypatch):
     assert all(int(l.num_blocks) == 2 for l in layers)
 
 
+def _eigh_shapes(monkeypatch) -> list:
+    """The shapes ``torch.linalg.eigh`` is called with from now on (the list fills as the test runs)."""
+    calls: list = []
+    real = torch.linalg.eigh
+
+    def spy(x, *args, **kw):
+        calls.append(tuple(x.shape))
+        return real(x, *args, **kw)
+
+    monkeypatch.setattr(torch.linalg, "eigh", spy)
+    return calls
+
+
 def test_wide_layers_are_not_batched(monkeypatch):
     """Above ``EVDRule.BATCH_MAX_M`` one ``eigh`` per matrix is cheaper on the CPU than a batched call."""
     from whitenlayers.rules import EVDRule
@@ -149,14 +162,7 @@ def test_wide_layers_are_not_batched(monkeypatch):
     layers = [wl.GradWhitenLinear(m, 2, block_size=10**6) for m in (m_wide, m_wide, 4, 4)]
     for l in layers:
         l(torch.randn(3 * l.num_features, l.num_features) + 1)
-    calls = []
-    real = torch.linalg.eigh
-
-    def spy(x, *a, **k):
-        calls.append(tuple(x.shape))
-        return real(x, *a, **k)
-
-    monkeypatch.setattr(torch.linalg, "eigh", spy)
+    calls = _eigh_shapes(monkeypatch)
     fold_layers(layers)
     assert sorted(calls) == sorted([(m_wide, m_wide), (m_wide, m_wide), (2, 4, 4)])
 
@@ -170,14 +176,7 @@ def test_wide_layers_batch_off_the_cpu(monkeypatch):
     monkeypatch.setattr(EVDRule, "EIGH_BATCH_ELEMENTS", 2 * m_wide * m_wide)  # two wide matrices per call
     a = _layers([m_wide, 4, m_wide, m_wide, 4])
     b = copy.deepcopy(a)
-    calls = []
-    real = torch.linalg.eigh
-
-    def spy(x, *args, **kw):
-        calls.append(tuple(x.shape))
-        return real(x, *args, **kw)
-
-    monkeypatch.setattr(torch.linalg, "eigh", spy)
+    calls = _eigh_shapes(monkeypatch)
     with F.fused_moments(True):
         fold_layers(a)
     assert sorted(calls) == sorted([(2, m_wide, m_wide), (1, m_wide, m_wide), (2, 4, 4)])

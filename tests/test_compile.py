@@ -29,7 +29,7 @@ def _model(method: str, **kwargs) -> torch.nn.Module:
     return wl.convert_model(model, method, block_size=3, **kwargs)
 
 
-def _train(model, steps: int, seed: int = 0) -> torch.Tensor:
+def _train(model, steps: int, seed: int = 0, after_step=None) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     losses = []
@@ -41,7 +41,20 @@ def _train(model, steps: int, seed: int = 0) -> torch.Tensor:
         loss.backward()
         opt.step()
         losses.append(loss.detach())
+        if after_step is not None:
+            after_step()
     return torch.stack(losses)
+
+
+def _assert_same_state(model, eager) -> None:
+    """Compiled against eager, float64: they differ by the order of a few float64 sums (the compiled path always
+    sums about a shift, eager may sum unshifted), ~1e-15 relative; 1e-9 leaves room for the steps. Counters
+    exactly."""
+    for (key, a), (_, b) in zip(model.state_dict().items(), eager.state_dict().items()):
+        if a.is_floating_point():
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=key)
+        else:
+            assert torch.equal(a, b), key
 
 
 def _compiled_run(method: str, steps: int, **kwargs):
@@ -76,11 +89,7 @@ def test_compiled_converted_model_has_one_graph_per_step_kind_and_trains_like_ea
     # float64 and the same statistics: compiled and eager differ by the order of a few float64 sums (the compiled
     # path always sums about a shift, eager may sum unshifted), ~1e-15 relative; 1e-9 leaves room for the steps
     torch.testing.assert_close(losses, eager_losses, rtol=1e-9, atol=1e-12)
-    for (key, a), (_, b) in zip(model.state_dict().items(), eager.state_dict().items()):
-        if a.is_floating_point():
-            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=key)
-        else:
-            assert torch.equal(a, b), key
+    _assert_same_state(model, eager)
 
 
 def test_compiled_stats_every_adds_one_graph_at_most():
@@ -133,20 +142,15 @@ def test_compiled_graphs_mutate_only_static_inputs(method):
 
 def _fold_addresses(model, steps: int, compiled=None):
     """Train ``steps`` steps; after each, the data pointers of every whitening layer's forward buffers."""
-    gen = torch.Generator().manual_seed(0)
-    run = compiled if compiled is not None else model
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     layers = [layer for _, layer in wl.whitening_layers(model)]
     seen = [{name: set() for name in layer._FORWARD_BUFFERS} for layer in layers]
-    for _ in range(steps):
-        x = torch.randn(4, 3, 8, 8, generator=gen, dtype=torch.float64) + 0.5
-        y = torch.randint(0, 10, (4,), generator=gen)
-        opt.zero_grad()
-        Fn.cross_entropy(run(x), y).backward()
-        opt.step()
+
+    def record() -> None:
         for layer, addresses in zip(layers, seen):
             for name in addresses:
                 addresses[name].add(layer._buffers[name].data_ptr())
+
+    _train(compiled if compiled is not None else model, steps, after_step=record)
     return layers, seen
 
 
@@ -165,11 +169,7 @@ def test_compiled_layers_keep_their_forward_buffers_at_two_addresses(method):
     eager = _model(method)  # new tensors at every fold, as before
     _, eager_seen = _fold_addresses(eager, 13)
     assert any(len(addresses) > 2 for per_layer in eager_seen for addresses in per_layer.values())
-    for (key, a), (_, b) in zip(model.state_dict().items(), eager.state_dict().items()):
-        if a.is_floating_point():
-            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=key)
-        else:
-            assert torch.equal(a, b), key
+    _assert_same_state(model, eager)
 
 
 def test_a_spare_buffer_something_else_holds_is_never_written():
