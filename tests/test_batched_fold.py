@@ -188,8 +188,8 @@ def test_wide_layers_batch_off_the_cpu(monkeypatch):
 
 
 def test_batched_fold_checks_results_with_one_synchronisation(monkeypatch):
-    """A batched EVD fold reads its flags back once per call after the ``eigh`` (the eigenpairs and the
-    transforms together), not once per layer: on a GPU each read stalls the queue."""
+    """A batched EVD fold reads its flags back once per call after the ``eigh`` (the inputs, the eigenpairs and
+    the transforms together), not once per layer: on a GPU each read stalls the queue."""
     from whitenlayers.rules import EVDRule
 
     layers = _layers([EVDRule.BATCH_MAX_M + 1] * 3)
@@ -202,7 +202,68 @@ def test_batched_fold_checks_results_with_one_synchronisation(monkeypatch):
 
     monkeypatch.setattr(torch.Tensor, "tolist", spy)
     F.evd_transform_batched(torch.stack([l.running_cov for l in layers]), eps=1e-5, gmax=1e3)
-    assert reads == [(3,), (3,)]  # the inputs' finiteness, then the results'
+    assert reads == [(2, 3)]  # the inputs' finiteness and the results', one read
+
+
+def test_nonfinite_matrix_never_reaches_eigh(monkeypatch):
+    """A non-finite covariance in a batch gives ``None`` without being decomposed: the batched call sees the
+    identity in its place (LAPACK's behaviour on NaN is not something to rely on)."""
+    g = torch.Generator().manual_seed(2)
+    z = torch.randn(3, 5, 30, generator=g)
+    covs = z @ z.transpose(1, 2) / 30
+    covs[1, 2, 3] = float("inf")
+    seen = []
+    real = torch.linalg.eigh
+
+    def spy(x, *args, **kw):
+        seen.append(bool(torch.isfinite(x).all()))
+        return real(x, *args, **kw)
+
+    monkeypatch.setattr(torch.linalg, "eigh", spy)
+    out = F.evd_transform_batched(covs, eps=1e-5, gmax=10.0)
+    assert seen == [True]
+    assert out[1] is None and out[0] is not None and out[2] is not None
+
+
+def _fold_reads(layers, monkeypatch):
+    """Host reads (``tolist``, ``item``-like scalar reads) during one ``fold_layers`` of ``layers``."""
+    reads = []
+    real_tolist = torch.Tensor.tolist
+
+    def tolist(t, *args):
+        reads.append("tolist")
+        return real_tolist(t, *args)
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Items(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ == "_local_scalar_dense":
+                reads.append("item")
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+    with Items():
+        fold_layers(layers)
+    monkeypatch.undo()
+    return reads
+
+
+@pytest.mark.parametrize("method", ["grad", "recursive"])
+def test_fold_reads_flags_few_times_per_stack(method, monkeypatch):
+    """One process: a stack of same-width layers reads its flags to the host twice (the block sums' finiteness
+    with the first-block flags; the moments' finiteness with the next block's shift choice) plus once in the
+    rule (EVD: the decomposition's check, besides ``eigh``'s own status; recursive: the step's finiteness and
+    clamps): on a GPU each read waits for the queue. A regression (a read per layer, or per phase) shows here."""
+    torch.manual_seed(0)
+    cls = wl.GradWhitenConv2d if method == "grad" else wl.RecursiveWhitenConv2d
+    layers = [cls(m, 4, 3, padding=1, bias=False, block_size=10**6) for m in (3, 5, 3, 5, 3)]
+    for l in layers:
+        l(torch.randn(4, l.num_features, 5, 5))
+    fold_layers(layers)  # the first block
+    for l in layers:
+        l(torch.randn(4, l.num_features, 5, 5) + 1)
+    assert _fold_reads(layers, monkeypatch) == ["tolist"] * (3 * 2)  # two stacks (widths 3 and 5)
 
 
 def test_fold_chunks_group_by_batch_key_and_bound_their_size():

@@ -158,8 +158,8 @@ def fold_layers(layers: Iterable["WhiteningLayer"], *, strategy: str = "auto",
                 _fold_all(chunk, *_local_summaries(chunk))
             return
         owners = _owners(layers, world, strategy)
-        summaries, nonfinite = _global_summaries(layers, owners, group)
-        _fold_all(layers, summaries, nonfinite, owners, group)
+        summaries, nonfinite, firsts = _global_summaries(layers, owners, group)
+        _fold_all(layers, summaries, nonfinite, firsts, owners, group)
 
 
 #: At most this many matrix entries (``groups * M^2`` summed over the layers) are folded together in one process.
@@ -235,8 +235,9 @@ def _owners(layers: Sequence["WhiteningLayer"], world: int, strategy: str) -> Op
 
 
 def _global_summaries(layers: Sequence["WhiteningLayer"], owners: Optional[Sequence[int]], group
-                      ) -> Tuple[List[BlockSummary], List[int]]:
-    """The global block of each layer (all ranks' samples) and its non-finite batch count, summed over ranks.
+                      ) -> Tuple[List[BlockSummary], List[int], List[bool]]:
+    """The global block of each layer (all ranks' samples), its non-finite batch count, summed over ranks, and
+    whether it is the layer's first block (:func:`_first_blocks`, read in the same host synchronisation).
 
     Phase 1, one ``all_reduce`` for all layers: counts, sums, powers and non-finite batch counts, so every
     rank has every layer's global count and mean. Phase 2: each rank's scatter about the global mean (which
@@ -259,7 +260,8 @@ def _global_summaries(layers: Sequence["WhiteningLayer"], owners: Optional[Seque
         summaries.append(BlockSummary(n, mean, None, flat[pos + 1 + m : pos + 1 + 2 * m]))  # type: ignore[arg-type]
         bounds.append(pos + 1 + 2 * m)
         pos += 2 + 2 * m
-    nonfinite = [int(v) for v in flat[torch.tensor(bounds, device=flat.device)].tolist()]
+    counts, firsts = _read_with_firsts(flat[torch.tensor(bounds, device=flat.device)], layers)
+    nonfinite = [int(v) for v in counts]
     scatters = [F_w.scatter_about(*sums_i, s.mean, inplace=True) for sums_i, s in zip(sums, summaries)]
     if owners is None:
         flat2 = torch.cat([x.reshape(-1) for x in scatters])
@@ -280,12 +282,13 @@ def _global_summaries(layers: Sequence["WhiteningLayer"], owners: Optional[Seque
             work.wait()
     for i in mine:
         summaries[i] = summaries[i]._replace(scatter=F_w.symmetrize(scatters[i].view(sums[i][3].shape)))
-    return summaries, nonfinite
+    return summaries, nonfinite, firsts
 
 
-def _local_summaries(layers: Sequence["WhiteningLayer"]) -> Tuple[List[BlockSummary], List[int]]:
-    """This process's block of each layer (layers of one :func:`_stack_key`) and whether its sums are non-finite:
-    the summaries computed stacked (one set of operations for all the layers), one host synchronisation."""
+def _local_summaries(layers: Sequence["WhiteningLayer"]) -> Tuple[List[BlockSummary], List[int], List[bool]]:
+    """This process's block of each layer (layers of one :func:`_stack_key`), whether its sums are non-finite and
+    whether it is the layer's first block: the summaries computed stacked (one set of operations for all the
+    layers), the flags read in one host synchronisation."""
     f64 = torch.float64
     dev = layers[0]._acc_s1.device
     count = torch.tensor([layer._acc_count for layer in layers], dtype=f64, device=dev)
@@ -294,8 +297,16 @@ def _local_summaries(layers: Sequence["WhiteningLayer"]) -> Tuple[List[BlockSumm
     s1 = torch.stack([layer._acc_s1 for layer in layers]).to(f64)  # the block's sums, in float64 from here on
     s2 = torch.stack([layer._acc_s2 for layer in layers]).to(f64)
     block = F_w.summarize_block(count, shift, s1, s2)
-    finite = F_w.finite_each(s1, s2)
-    return _unstack(block, len(layers)), [int(not ok) for ok in finite.tolist()]
+    finite, firsts = _read_with_firsts(F_w.finite_each(s1, s2), layers)
+    return _unstack(block, len(layers)), [int(not ok) for ok in finite], firsts
+
+
+def _read_with_firsts(flags: Tensor, layers: Sequence["WhiteningLayer"]) -> Tuple[List[float], List[bool]]:
+    """``flags`` (one value per layer) read to the host together with whether each layer folds its first block
+    (``num_blocks == 0``): one host synchronisation for both."""
+    blocks = torch.stack([layer.num_blocks for layer in layers]).to(device=flags.device, dtype=torch.float64)
+    values, counted = torch.stack([flags.to(torch.float64), blocks]).tolist()
+    return values, [n == 0 for n in counted]
 
 
 def _unstack(block: BlockSummary, n: int) -> List[BlockSummary]:
@@ -311,27 +322,26 @@ def _own(t: Tensor) -> Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def _begin(layers: Sequence["WhiteningLayer"], nonfinite: Sequence[int]) -> List[bool]:
-    """Every rank, before anything is written: count the non-finite blocks, clear the accumulators (one
-    multi-tensor op), and whether each layer folds its first block (one host synchronisation)."""
-    firsts = [int(n) == 0 for n in torch.stack([layer.num_blocks for layer in layers]).tolist()]
+def _begin(layers: Sequence["WhiteningLayer"], nonfinite: Sequence[int]) -> None:
+    """Every rank, before anything is written: count the non-finite blocks and clear the accumulators (one
+    multi-tensor op). No host synchronisation."""
     zero: List[Tensor] = []
     for layer, bad in zip(layers, nonfinite):
         zero += layer._begin_fold(bad)
     if zero:
         torch._foreach_zero_(zero)
-    return firsts
 
 
 def _new_means(layers: Sequence["WhiteningLayer"], blocks: Sequence[BlockSummary], firsts: Sequence[bool]
-               ) -> Tuple[Tensor, Tensor, List[bool]]:
+               ) -> Tuple[Tensor, Tensor, Tensor]:
     """Every rank, layers of one stack key: the new means ``mu(i)`` (float64, stacked), their change
-    ``mu(i) - mu(i-1)`` and whether each layer may sum its next block unshifted (one host synchronisation)."""
+    ``mu(i) - mu(i-1)`` and whether each layer may sum its next block unshifted (a bool tensor on the device,
+    read later with other flags: no host synchronisation here)."""
     block = BlockSummary(torch.stack([b.count for b in blocks]), torch.stack([b.mean for b in blocks]),
                          None, torch.stack([b.power for b in blocks]))  # type: ignore[arg-type]  # scatter unused
     prev = torch.stack([layer.running_mean for layer in layers]).to(torch.float64)
     mu = F_w.fold_mean(prev, block, layers[0].config.alpha, list(firsts))
-    unshifted = F_w.unshifted_accurate_each(block, UNSHIFTED_MAX_MEAN2_VAR).tolist()
+    unshifted = F_w.unshifted_accurate_each(block, UNSHIFTED_MAX_MEAN2_VAR)
     return mu, mu - prev, unshifted
 
 
@@ -342,9 +352,11 @@ UNSHIFTED_MAX_MEAN2_VAR = 3.0
 
 
 def _outcomes(layers: Sequence["WhiteningLayer"], blocks: Sequence[BlockSummary], firsts: Sequence[bool],
-              nonfinite: Sequence[int], mus: Tensor) -> List[FoldOutcome]:
+              nonfinite: Sequence[int], mus: Tensor, unshifted: Tensor) -> Tuple[List[FoldOutcome], List[bool]]:
     """The outcomes of layers of one stack key (on the rank that folds them): their moments stacked, the
-    transforms in one batched rule call where the rule batches, ``Q_s`` smoothed stacked. Changes nothing."""
+    transforms in one batched rule call where the rule batches, ``Q_s`` smoothed stacked; and ``unshifted``
+    (:func:`_new_means`' flags of these layers) read in the same host synchronisation as the moments'
+    finiteness. Changes nothing."""
     lead = layers[0]
     config, rule = lead.config, lead.rule
     block = _stack(blocks)
@@ -352,7 +364,7 @@ def _outcomes(layers: Sequence["WhiteningLayer"], blocks: Sequence[BlockSummary]
     block_cov = F_w.block_covariance(block, mus)
     cov = F_w.recursive_average(cov_prev, block_cov, config.alpha, list(firsts))
     finite = F_w.finite_each(mus, cov)
-    flags = torch.stack([finite, block.count > 0]).tolist()
+    flags = torch.stack([finite, block.count > 0, unshifted.to(finite.device)]).tolist()
     status: List[Optional[int]] = []
     for k, bad in enumerate(nonfinite):
         if bad:
@@ -388,7 +400,7 @@ def _outcomes(layers: Sequence["WhiteningLayer"], blocks: Sequence[BlockSummary]
     if qs is not None:
         for j, (k, _) in enumerate(done):
             out[k].buffers["grad_transform"] = _own(qs[j])
-    return out
+    return out, flags[2]
 
 
 def _transforms(layers: Sequence["WhiteningLayer"], stacked: Fold) -> List[Optional[RuleResult]]:
@@ -472,7 +484,7 @@ def _coalesced(tensors: Sequence[Tensor], works: list, collective) -> List[Tenso
 
 @torch.no_grad()
 def _fold_all(layers: Sequence["WhiteningLayer"], summaries: Sequence[BlockSummary], nonfinite: Sequence[int],
-              owners: Optional[Sequence[int]] = None, group=None) -> None:
+              firsts: Sequence[bool], owners: Optional[Sequence[int]] = None, group=None) -> None:
     """Fold each layer from its global block: on every rank (``owners`` is ``None``) or on its owner rank,
     which then broadcasts the outcome (see :func:`fold_layers`); every rank writes every outcome.
 
@@ -480,7 +492,8 @@ def _fold_all(layers: Sequence["WhiteningLayer"], summaries: Sequence[BlockSumma
     transforms in one :meth:`~whitenlayers.rules.TransformRule.compute_batched` call where the rule batches
     (EVD: one batched ``eigh`` per width, dtype, device, ``eps``, ``gmax``, ``gains``; same results as one call
     per layer to float tolerance, with the same per-layer fallbacks and failure counts). The moments are the same
-    to the last bit stacked or alone (elementwise operations only).
+    to the last bit stacked or alone (elementwise operations only). Host synchronisations per stack: the
+    summaries' (before this), the moments' flags (:func:`_outcomes`) and the rule's own.
     """
     index = {id(layer): i for i, layer in enumerate(layers)}
     chunks = [[index[id(layer)] for layer in chunk] for chunk in _fold_chunks(layers)]
@@ -490,17 +503,22 @@ def _fold_all(layers: Sequence["WhiteningLayer"], summaries: Sequence[BlockSumma
     rank = 0 if owners is None else dist.get_rank(group)
     computed: Dict[int, FoldOutcome] = {}
     for idx in chunks:
-        firsts_c = _begin([layers[i] for i in idx], [nonfinite[i] for i in idx])
-        mu, delta, flags = _new_means([layers[i] for i in idx], [summaries[i] for i in idx], firsts_c)
+        firsts_c = [firsts[i] for i in idx]
+        _begin([layers[i] for i in idx], [nonfinite[i] for i in idx])
+        mu, delta, flags_t = _new_means([layers[i] for i in idx], [summaries[i] for i in idx], firsts_c)
         stored = mu.to(layers[idx[0]].running_mean.dtype)  # one conversion per stack
-        for j, i in enumerate(idx):
-            stored_means[i], deltas[i], unshifted[i] = stored[j], delta[j], flags[j]
         mine = [j for j, i in enumerate(idx) if owners is None or owners[i] == rank]
+        flags: List[bool] = []
         if mine:
-            outcomes = _outcomes([layers[idx[j]] for j in mine], [summaries[idx[j]] for j in mine],
-                                 [firsts_c[j] for j in mine], [nonfinite[idx[j]] for j in mine],
-                                 mu if len(mine) == len(idx) else mu[mine])
+            outcomes, flags = _outcomes([layers[idx[j]] for j in mine], [summaries[idx[j]] for j in mine],
+                                        [firsts_c[j] for j in mine], [nonfinite[idx[j]] for j in mine],
+                                        mu if len(mine) == len(idx) else mu[mine],
+                                        flags_t if len(mine) == len(idx) else flags_t[mine])
             computed.update(zip([idx[j] for j in mine], outcomes))
+        if len(mine) < len(idx):  # layers other ranks fold (owner strategy): their flags read here
+            flags = flags_t.tolist()
+        for j, i in enumerate(idx):
+            stored_means[i], deltas[i], unshifted[i] = stored[j], delta[j], bool(flags[j])
     for src in ([None] if owners is None else range(dist.get_world_size(group))):
         idx = [i for i in range(len(layers)) if src is None or cast("Sequence[int]", owners)[i] == src]
         if not idx:

@@ -51,6 +51,7 @@ from .fold import (
     FoldOutcome,
     _fold_all,
     _no_autocast,
+    _read_with_firsts,
     fold_layers,
 )
 from .functional import BlockSummary, stats_samples
@@ -610,7 +611,8 @@ class WhiteningLayer:
 
     def _fold(self, block: BlockSummary) -> None:
         """Fold this layer alone on ``block`` (already summed over ranks): every step here, nothing sent."""
-        _fold_all([self], [block], [int(self._block_nonfinite())])
+        nonfinite, firsts = _read_with_firsts(self._block_nonfinite().view(1), [self])  # one host synchronisation
+        _fold_all([self], [block], [int(nonfinite[0])], firsts)
 
     def _begin_fold(self, nonfinite: int) -> List[Tensor]:
         """Count the ranks whose block had non-finite sums (``nonfinite``) and start an empty block; returns the

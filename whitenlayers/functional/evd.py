@@ -128,8 +128,10 @@ def evd_transform_batched(
     non-finite matrix gives ``None``; when the batched ``eigh`` raises, or
     gives non-finite eigenpairs or transforms for some matrices, those
     matrices go through :func:`evd_transform` one by one (working precision,
-    then float64). Two host synchronisations besides the ``eigh``'s own
-    status check: the finiteness of the inputs, and that of the results.
+    then float64). A non-finite matrix never reaches ``eigh``: the batched
+    call decomposes the identity in its place. One host synchronisation
+    besides the ``eigh``'s own status check: the finiteness of the inputs and
+    that of the results, read together.
 
     Args:
         covs: covariances ``(k, M, M)``.
@@ -144,28 +146,25 @@ def evd_transform_batched(
     if k == 0:
         return out
     work = eigh_dtype(covs)
-    idx = [i for i, ok in enumerate(torch.isfinite(covs).flatten(1).all(1).tolist()) if ok]
-    retry: List[int] = []
-    if idx:
-        sub = covs[idx] if len(idx) < k else covs
-        try:
-            lam, vec = torch.linalg.eigh(symmetrize(sub.to(work)))
-        except RuntimeError:  # torch.linalg.LinAlgError is a RuntimeError
-            lam = vec = None
-        if lam is None:
-            retry = idx
-        else:
-            assert vec is not None  # set with lam
-            t, q = _zca_from_eig(lam.flip(-1), vec.flip(-1), eps, gmax, gains)
-            # One host synchronisation for the decomposition and the transforms: a matrix whose eigenpairs or
-            # transforms are not finite goes through evd_transform alone (working precision, then float64).
-            ok = finite_each(lam, vec, t, q).tolist()
-            t, q = t.to(covs.dtype), q.to(covs.dtype)  # one conversion per stack; views of it below
-            for j, o in enumerate(ok):
-                if o:
-                    out[idx[j]] = (t[j], q[j])
-                else:
-                    retry.append(idx[j])
+    finite_in = torch.isfinite(covs).flatten(1).all(1)  # on the device: read below with the results' check
+    eye = torch.eye(covs.shape[-1], dtype=covs.dtype, device=covs.device)
+    try:
+        lam, vec = torch.linalg.eigh(symmetrize(torch.where(finite_in.view(-1, 1, 1), covs, eye).to(work)))
+    except RuntimeError:  # torch.linalg.LinAlgError is a RuntimeError
+        lam = vec = None
+    if lam is None:
+        retry = list(range(k))  # evd_transform: None for a non-finite matrix, else working precision, float64
+    else:
+        assert vec is not None  # set with lam
+        t, q = _zca_from_eig(lam.flip(-1), vec.flip(-1), eps, gmax, gains)
+        # One host synchronisation for the inputs, the decomposition and the transforms: a finite matrix whose
+        # eigenpairs or transforms are not finite goes through evd_transform alone (working precision, float64).
+        ok_in, ok = torch.stack([finite_in, finite_each(lam, vec, t, q)]).tolist()
+        t, q = t.to(covs.dtype), q.to(covs.dtype)  # one conversion per stack; views of it below
+        retry = [j for j in range(k) if ok_in[j] and not ok[j]]
+        for j in range(k):
+            if ok_in[j] and ok[j]:
+                out[j] = (t[j], q[j])
     for i in retry:
         out[i] = evd_transform(covs[i], eps=eps, gmax=gmax, gains=gains)
     return out

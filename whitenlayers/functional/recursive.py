@@ -213,7 +213,8 @@ def principal_subspace_grouped(phi_y: Tensor, *, c_rel: float, c_abs: float) -> 
     v = (phi_y @ w.unsqueeze(-1)).squeeze(-1) / torch.clamp(count, min=1).to(phi_y.dtype)
     norm = torch.linalg.vector_norm(v, dim=-1, keepdim=True)
     ok = (count > 0) & (norm > 0) & torch.isfinite(norm)
-    e = torch.nn.functional.one_hot(mp, k).to(phi_y.dtype)
+    # e_m' as a comparison (one_hot checks its indices' range on the host: two synchronisations per call)
+    e = (torch.arange(k, device=mp.device) == mp.unsqueeze(-1)).to(phi_y.dtype)
     return torch.where(ok, v / torch.where(ok, norm, torch.ones_like(norm)), e)
 
 
