@@ -17,6 +17,7 @@ together after the model's forward. Both are plumbing: users reach them through
 """
 from __future__ import annotations
 
+import itertools
 import warnings
 from typing import (
     TYPE_CHECKING,
@@ -317,9 +318,34 @@ def _stack(blocks: Sequence[BlockSummary]) -> BlockSummary:
     return BlockSummary(*(torch.stack(ts) for ts in zip(*blocks)))
 
 
-def _own(t: Tensor) -> Tensor:
-    """A tensor of its own (a slice of a stack would keep the whole stack alive, and checkpoint it)."""
-    return t.clone(memory_format=torch.contiguous_format)
+def _own_all(tensors: Sequence[Tensor]) -> List[Tensor]:
+    """Contiguous tensors of their own with the values of ``tensors`` (a slice of a stack would keep the whole
+    stack alive, and checkpoint it): one multi-tensor clone for all of them (on CUDA a few fused launches where a
+    clone per tensor was a launch each), a clone per tensor where torch has no ``_foreach_clone``."""
+    if not tensors:
+        return []
+    foreach = getattr(torch, "_foreach_clone", None)
+    if foreach is not None:
+        return list(foreach(list(tensors), memory_format=torch.contiguous_format))
+    return [t.clone(memory_format=torch.contiguous_format) for t in tensors]
+
+
+def _stored_all(items: Sequence[Tuple["WhiteningLayer", str, Tensor]]) -> List[Tensor]:
+    """``layer._stored(name, value)`` for each item: ``value`` in the buffer's device and dtype, a contiguous
+    tensor of its own. A conversion already makes one; the rest are cloned together (:func:`_own_all`)."""
+    out: List[Optional[Tensor]] = []
+    pending: List[Tuple[int, Tensor]] = []
+    for layer, name, value in items:
+        old = getattr(layer, name)
+        new = value.detach().to(device=old.device, dtype=old.dtype)
+        if new.data_ptr() == value.data_ptr() or not new.is_contiguous():
+            pending.append((len(out), new))
+            out.append(None)
+        else:
+            out.append(new)
+    for (i, _), t in zip(pending, _own_all([t for _, t in pending])):
+        out[i] = t
+    return cast(List[Tensor], out)
 
 
 def _begin(layers: Sequence["WhiteningLayer"], nonfinite: Sequence[int]) -> None:
@@ -391,15 +417,24 @@ def _outcomes(layers: Sequence["WhiteningLayer"], blocks: Sequence[BlockSummary]
         prev = torch.stack([layers[k].grad_transform for k, _ in done])
         beta = cast("Union[EVDConfig, RecursiveConfig]", config).beta  # the configs of layers with a Q_s
         qs = F_w.smooth_grad_transform(prev, gram, beta).to(lead.grad_transform.dtype)
+    # The new buffers as stored, every one a tensor of its own: one multi-tensor clone for the whole stack.
+    items: List[Tuple["WhiteningLayer", str, Tensor]] = []
     for k, result in zip(todo, results):
-        new = {"running_cov": _own(cov_stored[k])}
+        items.append((layers[k], "running_cov", cov_stored[k]))
         if result is not None:
-            new["whitening_matrix"] = layers[k]._stored("whitening_matrix", result.transform)
-            new.update({name: layers[k]._stored(name, value) for name, value in result.buffers.items()})
+            items.append((layers[k], "whitening_matrix", result.transform))
+            items += [(layers[k], name, value) for name, value in result.buffers.items()]
+    if qs is not None:
+        items += [(layers[k], "grad_transform", qs[j]) for j, (k, _) in enumerate(done)]
+    stored = iter(zip(items, _stored_all(items)))
+    for k, result in zip(todo, results):
+        n = 1 if result is None else 2 + len(result.buffers)
+        new = {name: value for (_, name, _), value in itertools.islice(stored, n)}
         out[k] = FoldOutcome(FAILED if result is None else FOLDED, result is not None and bool(result.clamped), new)
     if qs is not None:
-        for j, (k, _) in enumerate(done):
-            out[k].buffers["grad_transform"] = _own(qs[j])
+        for k, _ in done:
+            (_, name, _), value = next(stored)
+            out[k].buffers[name] = value
     return out, flags[2]
 
 
@@ -498,6 +533,7 @@ def _fold_all(layers: Sequence["WhiteningLayer"], summaries: Sequence[BlockSumma
     index = {id(layer): i for i, layer in enumerate(layers)}
     chunks = [[index[id(layer)] for layer in chunk] for chunk in _fold_chunks(layers)]
     stored_means: List[Tensor] = [torch.empty(0)] * len(layers)  # the new means as the buffers store them
+    shifts: List[Tensor] = [torch.empty(0)] * len(layers)  # the next block's shifts
     deltas: List[Tensor] = [torch.empty(0)] * len(layers)
     unshifted: List[bool] = [False] * len(layers)
     rank = 0 if owners is None else dist.get_rank(group)
@@ -507,6 +543,11 @@ def _fold_all(layers: Sequence["WhiteningLayer"], summaries: Sequence[BlockSumma
         _begin([layers[i] for i in idx], [nonfinite[i] for i in idx])
         mu, delta, flags_t = _new_means([layers[i] for i in idx], [summaries[i] for i in idx], firsts_c)
         stored = mu.to(layers[idx[0]].running_mean.dtype)  # one conversion per stack
+        # The next block's shift, as its first gathered batch would choose it: 0 where it may sum unshifted, else
+        # the new mean as stored (a resumed checkpoint makes it again from the buffer). The means and the shifts
+        # as tensors of their own, cloned together.
+        shift = torch.where(flags_t.view(-1, 1), 0.0, stored.to(torch.float64))
+        owned = _own_all(list(stored.unbind(0)) + list(shift.unbind(0)))
         mine = [j for j, i in enumerate(idx) if owners is None or owners[i] == rank]
         flags: List[bool] = []
         if mine:
@@ -518,7 +559,8 @@ def _fold_all(layers: Sequence["WhiteningLayer"], summaries: Sequence[BlockSumma
         if len(mine) < len(idx):  # layers other ranks fold (owner strategy): their flags read here
             flags = flags_t.tolist()
         for j, i in enumerate(idx):
-            stored_means[i], deltas[i], unshifted[i] = stored[j], delta[j], bool(flags[j])
+            stored_means[i], shifts[i], deltas[i] = owned[j], owned[len(idx) + j], delta[j]
+            unshifted[i] = bool(flags[j])
     for src in ([None] if owners is None else range(dist.get_world_size(group))):
         idx = [i for i in range(len(layers)) if src is None or cast("Sequence[int]", owners)[i] == src]
         if not idx:
@@ -528,7 +570,8 @@ def _fold_all(layers: Sequence["WhiteningLayer"], summaries: Sequence[BlockSumma
             outs = _broadcast_outcomes([layers[i] for i in idx], outs, src, group)
         counted = [layers[i].num_blocks for i, outcome in zip(idx, outs)
                    # every outcome computed here (replicated) or received from src
-                   if layers[i]._fold_finish(cast(FoldOutcome, outcome), stored_means[i], deltas[i], unshifted[i])]
+                   if layers[i]._fold_finish(cast(FoldOutcome, outcome), stored_means[i], deltas[i], unshifted[i],
+                                             shifts[i])]
         if counted:
             torch._foreach_add_(counted, 1)
 

@@ -231,6 +231,7 @@ class RecursiveRule(TransformRule):
         t_new, gram = step.transform.reshape(t_prev.shape), step.gram.reshape(t_prev.shape)
         finite = F_w.finite_each(t_new, gram)
         flags = torch.stack([finite, over.view(len(states), groups).any(-1)]).tolist()
+        power = power.to(state_dtype)  # as its buffer stores it: one conversion per stack, not one per layer
         return [RuleResult(t_new[i], gram[i], {"running_cov_whitened": phi_y[i], "running_power": power[i],
                                                "whitening_gram": gram[i]}, bool(flags[1][i]))
                 if flags[0][i] else None for i in range(len(states))]

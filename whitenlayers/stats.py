@@ -365,12 +365,15 @@ class WhiteningLayer:
         zero (in place: no fresh allocation, and its page faults, at every fold; the fold zeroes those of many
         layers in one multi-tensor op)."""
         dev = self.running_mean.device if device is None else torch.device(device)
-        self._acc_batches = 0
-        self._gather_next = True
-        self._acc_count = 0.0  # rows (samples x positions) gathered: known from shapes, no device op
-        self._acc_shift: Optional[Tensor] = None
-        self._acc_shift_x: Optional[Tensor] = None  # the shift as the batches subtract it (None: unshifted)
-        self._fold_pending = False
+        # Plain attributes, written straight into the instance dict (as in _end_batch): at every fold, per layer.
+        self.__dict__.update(
+            _acc_batches=0,
+            _gather_next=True,
+            _acc_count=0.0,  # rows (samples x positions) gathered: known from shapes, no device op
+            _acc_shift=None,
+            _acc_shift_x=None,  # the shift as the batches subtract it (None: unshifted)
+            _fold_pending=False,
+        )
         zero = []
         if self.groups == 1:  # one augmented accumulator (functional.accumulate_moments); s1, s2 are its views
             aug, m1 = self.__dict__.get("_acc_aug"), self.num_features + 1
@@ -390,6 +393,15 @@ class WhiteningLayer:
         else:
             self._acc_s2 = torch.zeros(self._block_shape, dtype=torch.float64, device=dev)
         return zero
+
+    # The current block's plain state (:meth:`_clear_block` resets it; written through the instance dict).
+    #: The block's shift ``k`` (float64; ``None``: chosen at its first gathered batch).
+    _acc_shift: Optional[Tensor] = None
+    #: The shift as the batches subtract it (their dtype and rank; ``None``: unshifted, or not made yet).
+    _acc_shift_x: Optional[Tensor] = None
+    _acc_batches: int
+    _acc_count: float
+    _fold_pending: bool
 
     #: ``groups=1``: the block's sums, ``(M + 1, M + 1)`` (``s2``, ``s1`` and the row count; ``_acc_s1`` and
     #: ``_acc_s2`` are views of it). ``None`` for grouped layers (float64 ``_acc_s1``, ``_acc_s2`` of their own).
@@ -631,10 +643,11 @@ class WhiteningLayer:
         return [(name, tuple(getattr(self, name).shape)) for name in names]
 
     @torch.no_grad()
-    def _fold_finish(self, outcome: FoldOutcome, mean: Tensor, delta: Tensor, unshifted: bool) -> bool:
+    def _fold_finish(self, outcome: FoldOutcome, mean: Tensor, delta: Tensor, unshifted: bool, shift: Tensor) -> bool:
         """Write a fold's ``outcome`` (a skipped fold, a failed transform: the previous one is kept, and
-        counted), the new mean ``mean`` (as stored; a slice of the fold's stack, copied here), the bias
-        compensation for the mean's change ``delta`` (float64) and whether the next block sums unshifted.
+        counted), the new mean ``mean`` (as stored, a tensor of its own), the bias compensation for the mean's
+        change ``delta`` (float64), whether the next block sums unshifted and that block's shift ``shift``
+        (float64, a tensor of its own: 0 when ``unshifted``, else ``mean``).
         ``outcome.buffers`` are taken as they are (fresh tensors, :meth:`_stored`). Returns whether the block
         counts (the caller adds it to ``num_blocks``, many layers in one op); ``False`` for a skipped fold."""
         if outcome.status in SKIP_MESSAGES:
@@ -645,17 +658,15 @@ class WhiteningLayer:
         if outcome.status == FAILED:
             self.eig_failures += 1
             self._warn_once("transform", self.rule.failure_message)
-        self.clamped_steps += int(outcome.clamped)
         for name, value in outcome.buffers.items():
             self._set_fold_buffer(name, value)
-        self._stats_unshifted = unshifted
         self._on_mean_change(delta)
-        self._set_fold_buffer("running_mean", mean, owned=False)
-        # The next block's shift, as its first gathered batch would choose it (_start_block after a counted fold):
-        # chosen here, a compiled graph needs no second variant for a block's first batch.
-        self._acc_shift = (torch.zeros(self.num_features, dtype=torch.float64, device=self.running_mean.device)
-                           if unshifted else self.running_mean.to(torch.float64))
-        self._acc_shift_x = None
+        self._set_fold_buffer("running_mean", mean)
+        # Plain attributes, written straight into the instance dict (as in _end_batch). The next block's shift, as
+        # its first gathered batch would choose it (_start_block after a counted fold): chosen here, a compiled
+        # graph needs no second variant for a block's first batch.
+        self.__dict__.update(clamped_steps=self.clamped_steps + int(outcome.clamped), _stats_unshifted=unshifted,
+                             _acc_shift=shift, _acc_shift_x=None)
         return True
 
     def _stored(self, name: str, value: Tensor) -> Tensor:
@@ -675,8 +686,8 @@ class WhiteningLayer:
         """
         setattr(self, name, self._stored(name, value))
 
-    def _set_fold_buffer(self, name: str, value: Tensor, owned: bool = True) -> None:
-        """Set buffer ``name`` to a fold's new ``value`` (``owned``: a tensor of its own, else copied first).
+    def _set_fold_buffer(self, name: str, value: Tensor) -> None:
+        """Set buffer ``name`` to a fold's new ``value``, a tensor of its own.
 
         A fold never writes into a tensor that a forward or a backward may still read (:meth:`_replace_buffer`).
         A layer that runs inside compiled graphs (``torch.compile``) keeps each of its forward's buffers
@@ -689,7 +700,7 @@ class WhiteningLayer:
         memory spent).
         """
         if not (self.__dict__.get("_double_buffered") and name in self._FORWARD_BUFFERS):
-            setattr(self, name, value if owned else value.clone(memory_format=torch.contiguous_format))
+            setattr(self, name, value)
             return
         spares: Dict[str, Tensor] = self.__dict__.setdefault("_spares", {})
         old = self._buffers.get(name)
@@ -698,8 +709,6 @@ class WhiteningLayer:
         if (spare is not None and sys.getrefcount(spare) == _SOLE_REFCOUNT and _unshared(spare)
                 and spare.shape == value.shape and spare.dtype == value.dtype and spare.device == value.device):
             value = spare.copy_(value)
-        elif not owned:
-            value = value.clone(memory_format=torch.contiguous_format)
         setattr(self, name, value)
         if old is not None and old is not value:
             spares[name] = old

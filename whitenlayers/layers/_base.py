@@ -441,7 +441,8 @@ class _GradWhitenMixin(WhiteningLayer):
     def _on_mean_change(self, delta: Tensor) -> None:
         # ERRATA 8 (docs/PAPER.md): c(i) = c(i-) + sum W (mu(i) - mu(i-1)) keeps z unchanged. A new tensor, never
         # written in place: a forward still to be recomputed (activation checkpointing) holds the old one.
-        w, self._fold_weight = self._fold_weight, None
+        w = self._fold_weight
+        self.__dict__["_fold_weight"] = None  # a plain attribute: no Module.__setattr__ lookups, per layer per fold
         if w is None:
             w = self._weight_matrix(self._full_weight()).to(torch.float64)
         comp = F_w.weight_mean_product(w, delta)
