@@ -62,8 +62,14 @@ VARIANTS: Dict[str, Tuple[str, Dict[str, object]]] = {
 }
 
 
+#: Multi-tensor ops that torch implements as a composite (a loop of one op per tensor, no fused kernel, on CUDA
+#: too): counted once per tensor, as the kernels they launch.
+PER_TENSOR_OPS = ("_foreach_clone",)
+
+
 class OpCounter(TorchDispatchMode):
-    """Counts non-view ATen ops by name, separately inside and outside the folds."""
+    """Counts non-view ATen ops by name, separately inside and outside the folds (a composite multi-tensor op,
+    :data:`PER_TENSOR_OPS`, once per tensor of its list)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -72,7 +78,8 @@ class OpCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not func.is_view:
-            self.counts[self.phase][func.__name__] += 1
+            per_tensor = func.overloadpacket.__name__ in PER_TENSOR_OPS
+            self.counts[self.phase][func.__name__] += len(args[0]) if per_tensor else 1
         return func(*args, **(kwargs or {}))
 
     def __enter__(self):

@@ -46,3 +46,17 @@ def test_no_host_synchronisation_outside_the_folds(counts):
     outside the folds (the folds, once per block, synchronise)."""
     assert all(r["syncs_per_step"] == 0 for r in counts.values()), {k: r["syncs_per_step"] for k, r in counts.items()}
     assert counts["grad"]["fold_syncs_per_step"] > 0  # the counter sees them where they are
+
+
+def test_a_composite_multi_tensor_op_counts_once_per_tensor():
+    """``torch._foreach_clone`` is one dispatch but a copy per tensor (a composite, on CUDA too): the counter
+    counts what it launches, so batching Python calls into it cannot lower the pinned counts by itself."""
+    import torch
+
+    tensors = [torch.zeros(3), torch.ones(2), torch.zeros(4)]
+    counter = hot_path.OpCounter()
+    with counter:
+        torch._foreach_clone(tensors)
+        torch._foreach_zero_(tensors)  # a fused multi-tensor kernel on CUDA: one
+    assert counter.counts["step"]["_foreach_clone.default"] == 3
+    assert counter.counts["step"]["_foreach_zero_.default"] == 1

@@ -320,8 +320,9 @@ def _stack(blocks: Sequence[BlockSummary]) -> BlockSummary:
 
 def _own_all(tensors: Sequence[Tensor]) -> List[Tensor]:
     """Contiguous tensors of their own with the values of ``tensors`` (a slice of a stack would keep the whole
-    stack alive, and checkpoint it): one multi-tensor clone for all of them (on CUDA a few fused launches where a
-    clone per tensor was a launch each), a clone per tensor where torch has no ``_foreach_clone``."""
+    stack alive, and checkpoint it), in one call (``torch._foreach_clone``: one dispatch for the list, a copy
+    per tensor inside ATen, where a clone each from Python cost its own call and checks), a clone per tensor
+    where torch has no ``_foreach_clone``."""
     if not tensors:
         return []
     foreach = getattr(torch, "_foreach_clone", None)
