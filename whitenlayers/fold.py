@@ -238,7 +238,7 @@ def _owners(layers: Sequence["WhiteningLayer"], world: int, strategy: str) -> Op
 def _global_summaries(layers: Sequence["WhiteningLayer"], owners: Optional[Sequence[int]], group
                       ) -> Tuple[List[BlockSummary], List[int], List[bool]]:
     """The global block of each layer (all ranks' samples), its non-finite batch count, summed over ranks, and
-    whether it is the layer's first block (:func:`_first_blocks`, read in the same host synchronisation).
+    whether it is the layer's first block (:func:`_read_with_firsts`: one host synchronisation for both).
 
     Phase 1, one ``all_reduce`` for all layers: counts, sums, powers and non-finite batch counts, so every
     rank has every layer's global count and mean. Phase 2: each rank's scatter about the global mean (which
