@@ -13,7 +13,13 @@ zero at this size, so read it as an upper bound of the host time, to compare com
 
     python benchmarks/host_overhead.py --clock cpu     # a minute; process CPU time, steadier on a shared machine
     python benchmarks/host_overhead.py --clock cpu --ablate grad    # where one method's host time goes
+    python benchmarks/host_overhead.py --clock cpu --folds     # host time of one whole-model fold
     python benchmarks/host_overhead.py --tiny     # CI
+
+``--folds`` times ``fold_layers`` itself: each method's model with ``block_size=2`` (a fold every other
+step), methods interleaved step by step, the time of each fold of all 52 layers (process CPU time with
+``--clock cpu``) after a warm-up; median ms per fold and us per layer. A fold on a CPU pays nothing for its reads
+to the host; on a GPU each one also waits for the queue (``hot_path.py`` counts them).
 
 ``--ablate METHOD`` attributes that method's time (defaults) to the parts of a layer's step: the same converted
 model stepped with one part switched off at a time (the absorbed offset's update, the weight-gradient transform,
@@ -36,6 +42,7 @@ import torch
 from torch import nn
 
 import whitenlayers as wl
+import whitenlayers.fold as fold_mod
 from _resnet50 import resnet50
 from whitenlayers.autograd import grad_transformed
 
@@ -84,9 +91,12 @@ def main(argv=None) -> Dict[str, object]:
     add_common_args(p)
     p.add_argument("--blocks", type=int, default=3, help="whole blocks of 50 steps timed per variant")
     p.add_argument("--ablate", choices=sorted(VARIANTS), help="attribute one variant's host time to its parts")
+    p.add_argument("--folds", action="store_true", help="time whole-model folds instead of steps")
     args = p.parse_args(argv)
     if args.ablate:
         return ablate(args)
+    if args.folds:
+        return fold_host_time(args)
     setup(1 if args.threads == 2 else args.threads, args.seed, args.clock)
     steps_per_round = 50  # one block of the longest block size; 5 blocks of the default 10
     rounds = 1 if args.tiny else args.blocks
@@ -119,6 +129,48 @@ def main(argv=None) -> Dict[str, object]:
                      0.0 if name == "plain" else 1e6 * (statistics.median(t) - plain_med) / layers])
     table = md_table(["variant", "mean step ms (folds included)", "median step ms (no fold)",
                       "extra us per layer per step (mean)", "extra us per layer per step (median)"], rows, nd=1)
+    head = (f"Command: `{command_line()}`; {machine.get('cpu', '')}; torch {torch.__version__}; {layers} whitening "
+            f"layers; load before/after {machine['loadavg']} / {loadavg()}")
+    return _report(head, table, rows, layers, args.json)
+
+
+def fold_host_time(args) -> Dict[str, object]:
+    """``--folds``: the host time of one fold of the whole model, per method (see the module docstring)."""
+    setup(1 if args.threads == 2 else args.threads, args.seed, args.clock)
+    base, x, y = _inputs(args.seed)
+    methods = ("grad", "recursive", "direct")
+    models = {m: wl.convert_model(copy.deepcopy(base), m, block_size=2) for m in methods}
+    layers = len(wl.whitening_layers(models["grad"]))
+    steppers = {m: _stepper(model, x, y) for m, model in models.items()}
+    times: Dict[str, List[float]] = {m: [] for m in methods}
+    current: List[str] = []
+    real = fold_mod.fold_layers
+
+    def timed(*a, **kw):
+        t0 = _common._CLOCK()
+        try:
+            return real(*a, **kw)
+        finally:
+            times[current[0]].append(_common._CLOCK() - t0)
+
+    machine = machine_description()
+    fold_mod.fold_layers = timed
+    try:
+        with wl.functional.fused_moments(True):
+            for m in methods:  # warm-up: 10 folds each
+                current[:] = [m]
+                for _ in range(20):
+                    steppers[m]()
+            for t in times.values():
+                t.clear()
+            for _ in range(4 if args.tiny else 40 * args.blocks):
+                for m in methods:  # interleaved step by step: a fold every other step
+                    current[:] = [m]
+                    steppers[m]()
+    finally:
+        fold_mod.fold_layers = real
+    rows = [[m, len(t), 1e3 * statistics.median(t), 1e6 * statistics.median(t) / layers] for m, t in times.items()]
+    table = md_table(["method", "folds timed", "median ms per fold", "us per layer"], rows, nd=2)
     head = (f"Command: `{command_line()}`; {machine.get('cpu', '')}; torch {torch.__version__}; {layers} whitening "
             f"layers; load before/after {machine['loadavg']} / {loadavg()}")
     return _report(head, table, rows, layers, args.json)

@@ -57,6 +57,15 @@ def test_host_overhead_ablation_tiny(tmp_path):
     assert [r[0] for r in rows][:2] == ["plain", "full"] and len(rows) == 7 and rows[-1][0].startswith("essential")
 
 
+def test_host_overhead_folds_tiny(tmp_path):
+    """``--folds`` times whole-model folds of each method: at least one per method, each a positive time."""
+    out = tmp_path / "out.json"
+    _run([str(BENCH / "host_overhead.py"), "--tiny", "--folds", "--json", str(out)], tmp_path)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r[0] for r in rows] == ["grad", "recursive", "direct"]
+    assert all(r[1] >= 1 and r[2] > 0 for r in rows)  # folds timed, ms per fold
+
+
 def test_gpu_probe_library_fold_compares_the_two_eigh_paths(monkeypatch):
     """gpu_probe.py's library-fold probe (CUDA only in the script) runs on a CPU taking the GPU's paths: the
     per-layer path makes one ``eigh`` call per wide layer, the batched one fewer, and the probe restores both."""
