@@ -17,7 +17,6 @@ together after the model's forward. Both are plumbing: users reach them through
 """
 from __future__ import annotations
 
-import itertools
 import warnings
 from typing import (
     TYPE_CHECKING,
@@ -332,8 +331,9 @@ def _own_all(tensors: Sequence[Tensor]) -> List[Tensor]:
 
 
 def _stored_all(items: Sequence[Tuple["WhiteningLayer", str, Tensor]]) -> List[Tensor]:
-    """``layer._stored(name, value)`` for each item: ``value`` in the buffer's device and dtype, a contiguous
-    tensor of its own. A conversion already makes one; the rest are cloned together (:func:`_own_all`)."""
+    """For each ``(layer, name, value)``: ``value`` as the layer's buffer ``name`` stores it (its device and dtype),
+    a contiguous tensor of its own (never aliasing ``value``). A conversion already makes one; the rest are
+    cloned together (:func:`_own_all`)."""
     out: List[Optional[Tensor]] = []
     pending: List[Tuple[int, Tensor]] = []
     for layer, name, value in items:
@@ -419,23 +419,19 @@ def _outcomes(layers: Sequence["WhiteningLayer"], blocks: Sequence[BlockSummary]
         beta = cast("Union[EVDConfig, RecursiveConfig]", config).beta  # the configs of layers with a Q_s
         qs = F_w.smooth_grad_transform(prev, gram, beta).to(lead.grad_transform.dtype)
     # The new buffers as stored, every one a tensor of its own: one multi-tensor clone for the whole stack.
-    items: List[Tuple["WhiteningLayer", str, Tensor]] = []
+    items: List[Tuple[int, str, Tensor]] = []
     for k, result in zip(todo, results):
-        items.append((layers[k], "running_cov", cov_stored[k]))
+        items.append((k, "running_cov", cov_stored[k]))
         if result is not None:
-            items.append((layers[k], "whitening_matrix", result.transform))
-            items += [(layers[k], name, value) for name, value in result.buffers.items()]
+            items.append((k, "whitening_matrix", result.transform))
+            items += [(k, name, value) for name, value in result.buffers.items()]
     if qs is not None:
-        items += [(layers[k], "grad_transform", qs[j]) for j, (k, _) in enumerate(done)]
-    stored = iter(zip(items, _stored_all(items)))
+        items += [(k, "grad_transform", qs[j]) for j, (k, _) in enumerate(done)]
+    new: Dict[int, Dict[str, Tensor]] = {k: {} for k in todo}
+    for (k, name, _), value in zip(items, _stored_all([(layers[k], name, value) for k, name, value in items])):
+        new[k][name] = value
     for k, result in zip(todo, results):
-        n = 1 if result is None else 2 + len(result.buffers)
-        new = {name: value for (_, name, _), value in itertools.islice(stored, n)}
-        out[k] = FoldOutcome(FAILED if result is None else FOLDED, result is not None and bool(result.clamped), new)
-    if qs is not None:
-        for k, _ in done:
-            (_, name, _), value = next(stored)
-            out[k].buffers[name] = value
+        out[k] = FoldOutcome(FAILED if result is None else FOLDED, result is not None and bool(result.clamped), new[k])
     return out, flags[2]
 
 

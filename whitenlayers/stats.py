@@ -647,9 +647,9 @@ class WhiteningLayer:
         """Write a fold's ``outcome`` (a skipped fold, a failed transform: the previous one is kept, and
         counted), the new mean ``mean`` (as stored, a tensor of its own), the bias compensation for the mean's
         change ``delta`` (float64), whether the next block sums unshifted and that block's shift ``shift``
-        (float64, a tensor of its own: 0 when ``unshifted``, else ``mean``).
-        ``outcome.buffers`` are taken as they are (fresh tensors, :meth:`_stored`). Returns whether the block
-        counts (the caller adds it to ``num_blocks``, many layers in one op); ``False`` for a skipped fold."""
+        (float64, a tensor of its own: 0 when ``unshifted``, else ``mean``). ``outcome.buffers`` are taken as
+        they are (tensors of their own, ``fold._stored_all``). Returns whether the block counts (the caller adds
+        it to ``num_blocks``, many layers in one op); ``False`` for a skipped fold."""
         if outcome.status in SKIP_MESSAGES:
             self.skipped_folds += 1
             if SKIP_MESSAGES[outcome.status]:
@@ -669,35 +669,20 @@ class WhiteningLayer:
                              _acc_shift=shift, _acc_shift_x=None)
         return True
 
-    def _stored(self, name: str, value: Tensor) -> Tensor:
-        """``value`` as buffer ``name`` stores it (its device and dtype), contiguous, a tensor of its own (never
-        aliasing ``value``)."""
-        old = getattr(self, name)
-        new = value.detach().to(device=old.device, dtype=old.dtype).contiguous()
-        return new.clone() if new.data_ptr() == value.data_ptr() else new
-
-    def _replace_buffer(self, name: str, value: Tensor) -> None:
-        """Set a buffer to a new tensor instead of writing into the old one.
-
-        A backward still to come may hold the old tensor: ``torch.compile``
-        saves the buffer itself for the backward rather than the forward's
-        clone of it, and an in-place update would make that backward fail (or
-        use the new transform). DDP re-reads reassigned buffers before each sync.
-        """
-        setattr(self, name, self._stored(name, value))
-
     def _set_fold_buffer(self, name: str, value: Tensor) -> None:
         """Set buffer ``name`` to a fold's new ``value``, a tensor of its own.
 
-        A fold never writes into a tensor that a forward or a backward may still read (:meth:`_replace_buffer`).
-        A layer that runs inside compiled graphs (``torch.compile``) keeps each of its forward's buffers
-        (:attr:`_FORWARD_BUFFERS`) to two tensors: the new value goes into the tensor the buffer held before the
-        previous fold (the spare) when nothing else holds that tensor any more (no other Python reference, no
-        autograd graph that saved it, no view), and the tensor the buffer held becomes the next spare. CUDA
-        graph trees (``mode="reduce-overhead"``) read a buffer as a static input at a fixed address and record
-        the graph again when the address changes: two addresses are two recordings in all, where a new tensor at
-        every fold is a new recording at every block. Eager layers take the new tensor (no spare kept: no
-        memory spent).
+        A fold never writes into a tensor that a forward or a backward may still read: a backward still to come
+        may hold the old tensor (``torch.compile`` saves the buffer itself for the backward rather than the
+        forward's clone of it, and an in-place update would make that backward fail, or use the new transform);
+        DDP re-reads reassigned buffers before each sync. A layer that runs inside compiled graphs
+        (``torch.compile``) keeps each of its forward's buffers (:attr:`_FORWARD_BUFFERS`) to two tensors: the
+        new value goes into the tensor the buffer held before the previous fold (the spare) when nothing else
+        holds that tensor any more (no other Python reference, no autograd graph that saved it, no view), and
+        the tensor the buffer held becomes the next spare. CUDA graph trees (``mode="reduce-overhead"``) read a
+        buffer as a static input at a fixed address and record the graph again when the address changes: two
+        addresses are two recordings in all, where a new tensor at every fold is a new recording at every block.
+        Eager layers take the new tensor (no spare kept: no memory spent).
         """
         if not (self.__dict__.get("_double_buffered") and name in self._FORWARD_BUFFERS):
             setattr(self, name, value)
