@@ -236,6 +236,24 @@ def test_public_block_api_feeds_times_and_discards_blocks():
         layer.accumulate(torch.randn(3, 5))
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_batch_of_another_rank_mid_block_is_summed_about_the_block_shift(fused):
+    """A block's shift is kept as its first batch subtracts it (rank 4 for a convolution's input); a batch of
+    another rank in the same block (``accumulate`` of ``(P, M)`` rows, as ``benchmarks/gpu.py`` times a fold) is
+    summed about the same shift, not broadcast against it (which made a ``(1, M, P, M)`` tensor)."""
+    gen = torch.Generator().manual_seed(0)
+    layer = wl.GradWhitenConv2d(3, 4, 3, padding=1, block_size=10)
+    x = torch.randn(4, 3, 5, 5, generator=gen) * torch.tensor([1.0, 2.0, 0.5]).view(1, 3, 1, 1) + 3
+    rows = torch.randn(40, 3, generator=gen) + 3
+    with wl.functional.fused_moments(fused):
+        layer(x)  # the first block: shifted by this batch's mean, kept as (1, 3, 1, 1)
+        layer.accumulate(rows)
+        summary = layer.block_statistics()
+    every = torch.cat([x.permute(0, 2, 3, 1).reshape(-1, 3), rows]).double()
+    assert float(summary.count) == every.shape[0]
+    torch.testing.assert_close(summary.mean, every.mean(0), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("method", ["grad", "recursive", "direct"])
 def test_two_op_statistics_path_trains_like_the_cpu_path(method):
     """The statistics' two-op path (a concatenation with ones and one product, what CUDA runs) and the CPU path

@@ -466,8 +466,9 @@ class WhiteningLayer:
         x = self._stats_batch(x, low_precision=aug)
         if self._acc_s1.device != x.device:
             self._reset_accumulators_to(x.device)
-        if (aug and self._acc_shift is not None and (self._acc_shift_x is not None or self._stats_unshifted)
-                and F_w.fused_moments_on(x.device)):
+        shift_x = self._acc_shift_x  # made for the rank of the block's first batch: made again for another rank
+        if (aug and self._acc_shift is not None and F_w.fused_moments_on(x.device)
+                and (self._stats_unshifted or (shift_x is not None and shift_x.dim() == x.dim()))):
             # The hot path, within a block: accumulate_moments' two-op path is in place or takes out= or an explicit
             # dtype, apart from a subtraction and a concatenation, none of which autocast touches: no context.
             self._add_sums(x, self._acc_shift_x)
@@ -475,7 +476,8 @@ class WhiteningLayer:
             with _no_autocast(x.device):  # under autocast, products would run (and overflow) in fp16/bf16
                 if self._acc_shift is None:
                     self._start_block(x)
-                elif self._acc_shift_x is None and not self._stats_unshifted:  # a block resumed from a checkpoint
+                elif not self._stats_unshifted and (shift_x is None or shift_x.dim() != x.dim()):
+                    # a block resumed from a checkpoint, or a batch of another rank than the block's first
                     self._acc_shift_x = self._acc_shift.to(_work_dtype(x)).view((1, -1) + (1,) * (x.dim() - 2))
                 self._add_sums(x, self._acc_shift_x)
         self.__dict__["_acc_count"] = self._acc_count + x.numel() // self.num_features  # a plain counter
