@@ -4,8 +4,11 @@ Run on a CUDA machine (seconds to a minute); it prints one Markdown section per 
 
 1. **Statistics on tensor cores**: whether ``torch.mm`` / ``torch.addmm`` take ``out_dtype=torch.float32`` for
    bf16 operands on this torch, their error against a float64 reference, and the time of one layer's statistics
-   product (the batch with its ones column, ``functional.accumulate_moments``) for ResNet-50's layer shapes at
-   batch 128: float32 SIMT (what the layers do today), TF32, bf16 operands with float32 output.
+   for ResNet-50's layer shapes at batch 128: the batch with a column of ones in one product (float32 SIMT,
+   TF32, bf16 operands with float32 output: the library's path before), the library's
+   (``functional.accumulate_moments`` into ``moments_accumulator``: ``x^T x`` and ``x^T 1``, no copy), each of
+   its two products alone, the column sums as a reduction instead, the batch padded to 8 features, and a
+   shifted batch.
 2. **The EVD fold**: ``torch.linalg.eigh`` of ResNet-50's 52 covariances (batched by width, as ``fold.py`` does)
    on CUDA in float32 and float64, on the host in float64 and float32 (all host threads), and a coupled
    Newton-Schulz inverse square root (10 and 20 iterations, float32 / TF32) for comparison.
@@ -18,6 +21,7 @@ Run on a CUDA machine (seconds to a minute); it prints one Markdown section per 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import threading
 import time
@@ -101,12 +105,13 @@ def probe_stats(dev, shapes) -> List[List[object]]:
     rows = []
     ones_cache: Dict[Tuple[int, torch.dtype], torch.Tensor] = {}
     seen = set()
-    total = {"f32": 0.0, "tf32": 0.0, "bf16": 0.0, "lib": 0.0, "nocat": 0.0, "aligned": 0.0, "padded": 0.0,
-             "shifted": 0.0}
+    keys = ("f32", "tf32", "cat", "lib", "gram", "colmm", "colsum", "padded", "shifted")
+    total = dict.fromkeys(keys, 0.0)
     for p, m in shapes:
         x = (torch.randn(p, m, device=dev).relu() + 0.1).bfloat16()
-        acc = torch.zeros(m + 1, m + 1, device=dev)
-        s2, s1 = torch.zeros(m, m, device=dev), torch.zeros(m, device=dev)
+        acc = torch.zeros(m + 1, m + 1, device=dev)  # contiguous: rows of M + 1 elements
+        lib_acc = wl.functional.moments_accumulator(m, device=dev)  # the layers' accumulator: aligned rows
+        s2, s1 = lib_acc[:m, :m], lib_acc[:m, m:]
 
         def ones(dt):
             key = (p, dt)
@@ -118,68 +123,62 @@ def probe_stats(dev, shapes) -> List[List[object]]:
             a = torch.cat([x.float(), ones(torch.float32)], 1)
             acc.addmm_(a.t(), a)
 
-        def bf16():
+        def cat():  # the library before: the batch with a column of ones, one (M + 1) x (M + 1) product
             a = torch.cat([x, ones(torch.bfloat16)], 1)
-            acc.add_(torch.mm(a.t(), a, out_dtype=torch.float32))
+            torch.addmm(acc, a.t(), a, out_dtype=torch.float32, out=acc)
 
         def lib():  # the library's path (functional.accumulate_moments)
-            wl.functional.accumulate_moments(acc, x, None)
+            wl.functional.accumulate_moments(lib_acc, x, None)
 
         shift = x[:1024].float().mean(0, keepdim=True)
 
-        def lib_shifted():  # a layer that sums about a shift (its block's mean^2 > 3 var): converted to float32 first
-            wl.functional.accumulate_moments(acc, x, shift)
+        def lib_shifted():  # a layer that sums about a shift (its block's mean^2 > 7 var): converted to float32 first
+            wl.functional.accumulate_moments(lib_acc, x, shift)
 
-        def nocat():  # no concatenation (no copy of the batch): the product and a column sum, two accumulators
+        def gram():  # the library's first product alone: x^T x into the aligned (M, M) block
             torch.addmm(s2, x.t(), x, out_dtype=torch.float32, out=s2)
-            s1.add_(x.sum(0, dtype=torch.float32))
 
-        # The library's (P, M + 1) bf16 operand has rows of M + 1 elements: not a multiple of 8 (16 bytes), which
-        # cuBLAS's fastest tensor-core kernels need of a leading dimension. Two ways to align it:
+        def colmm():  # its second: the column sums as x^T 1 (a product with N = 1)
+            torch.addmm(s1, x.t(), ones(torch.bfloat16), out_dtype=torch.float32, out=s1)
+
+        def colsum():  # the alternative: a column reduction and an add (two kernels)
+            s1.add_(x.sum(0, dtype=torch.float32).unsqueeze(1))
+
         mp = (m + 1 + 7) // 8 * 8
         acc_p = torch.zeros(mp, mp, device=dev)
         tail = torch.zeros(p, mp - m, device=dev, dtype=torch.bfloat16)
         tail[:, 0] = 1  # a feature of ones, then zero features up to a multiple of 8
 
-        def aligned():  # the same (P, M + 1) operand, concatenated into rows of a padded stride (a view)
-            a = torch.cat([x, ones(torch.bfloat16)], 1, out=torch.empty(p, mp, device=dev, dtype=x.dtype)[:, : m + 1])
-            torch.addmm(acc, a.t(), a, out_dtype=torch.float32, out=acc)
-
         def padded():  # zero features appended up to a multiple of 8: an (M' x M') product, a few % more work
             a = torch.cat([x, tail], 1)
             torch.addmm(acc_p, a.t(), a, out_dtype=torch.float32, out=acc_p)
 
-        t32 = cuda_ms(f32, 5)
-        tl = cuda_ms(lib, 5)
-        total["lib"] += tl
+        got = {"f32": cuda_ms(f32, 5)}
         torch.backends.cuda.matmul.allow_tf32 = True
-        ttf = cuda_ms(f32, 5)
+        got["tf32"] = cuda_ms(f32, 5)
         torch.backends.cuda.matmul.allow_tf32 = False
-        try:
-            tb = cuda_ms(bf16, 5)
-        except Exception:  # noqa: BLE001
-            tb = float("nan")
-        try:
-            tn = cuda_ms(nocat, 5)
-        except Exception:  # noqa: BLE001
-            tn = float("nan")
-        total["nocat"] += tn
-        extra = []
-        for key, fn in (("aligned", aligned), ("padded", padded), ("shifted", lib_shifted)):
+        for key, fn in (("cat", cat), ("lib", lib), ("gram", gram), ("colmm", colmm), ("colsum", colsum),
+                        ("padded", padded), ("shifted", lib_shifted)):
             try:
-                t = cuda_ms(fn, 5)
+                got[key] = cuda_ms(fn, 5)
             except Exception:  # noqa: BLE001
-                t = float("nan")
-            total[key] += t
-            extra.append(t)
-        total["f32"] += t32
-        total["tf32"] += ttf
-        total["bf16"] += tb
+                got[key] = float("nan")
+        for key in keys:
+            total[key] += got[key]
         if (p, m) not in seen:
             seen.add((p, m))
-            rows.append([p, m, t32, ttf, tb, tl, tn] + extra)
-    rows.append(["all 52 layers", "", total["f32"], total["tf32"], total["bf16"], total["lib"], total["nocat"],
-                 total["aligned"], total["padded"], total["shifted"]])
+            rows.append([p, m] + [got[k] for k in keys])
+    rows.append(["all 52 layers", ""] + [total[k] for k in keys])
+    # the library's sums against float64 sums of the same bf16 numbers (the widest layer)
+    p, m = shapes[-1]
+    x = (torch.randn(p, m, device=dev).relu() + 0.1).bfloat16()
+    lib_acc = wl.functional.moments_accumulator(m, device=dev)
+    wl.functional.accumulate_moments(lib_acc, x, None)
+    ref = x.double()
+    err2 = float((lib_acc[:m, :m].double() - ref.t() @ ref).norm() / (ref.t() @ ref).norm())
+    err1 = float((lib_acc[:m, m].double() - ref.sum(0)).norm() / ref.sum(0).norm())
+    rows.append([f"library vs float64, M={m}: rel. error of s2 / s1", "", f"{err2:.2e} / {err1:.2e}"]
+                + [""] * (len(keys) - 1))
     return rows
 
 
@@ -220,13 +219,6 @@ def probe_fold(dev, shapes) -> List[List[object]]:
     rows.append(["CUDA eigh float32, batched by width", wall_ms(run(torch.linalg.eigh, covs))])
     c64 = {m: c.double() for m, c in covs.items()}
     rows.append(["CUDA eigh float64, batched by width", wall_ms(run(torch.linalg.eigh, c64))])
-    try:  # MAGMA's eigh (hybrid host / GPU), where this torch was built with it
-        torch.backends.cuda.preferred_linalg_library("magma")
-        rows.append(["CUDA eigh float64, batched by width, MAGMA", wall_ms(run(torch.linalg.eigh, c64))])
-    except Exception as exc:  # noqa: BLE001
-        rows.append(["CUDA eigh float64, batched by width, MAGMA", f"n/a: {exc!r}"[:120]])
-    finally:
-        torch.backends.cuda.preferred_linalg_library("default")
     # A fold after the first sees a covariance close to the last one: rotated into the last eigenbasis it is
     # nearly diagonal. Does cuSOLVER's eigh get faster on it (two products and one more back)?
     prev = {}
@@ -241,6 +233,30 @@ def probe_fold(dev, shapes) -> List[List[object]]:
             q @ v
 
     rows.append(["CUDA eigh float64 of Q_prev^T C Q_prev (near-diagonal), rotated back", wall_ms(rotated)])
+    # Jacobi methods converge in few sweeps on a nearly diagonal matrix: cuSOLVER's gesvdj (an SPD matrix's SVD is
+    # its EVD), on the rotated covariance, float64 and float32
+    for dt in (torch.float64, torch.float32):
+        rot = {m: (prev[m].transpose(-1, -2) @ c @ prev[m]).to(dt) for m, c in c64.items()}
+
+        def jacobi(rot=rot):
+            for m, a in rot.items():
+                u, sv, _ = torch.linalg.svd(a, full_matrices=False, driver="gesvdj")
+                prev[m].to(dt) @ u
+
+        try:
+            rows.append([f"CUDA svd gesvdj {str(dt)[6:]} of Q_prev^T C Q_prev (Jacobi), rotated back",
+                         wall_ms(jacobi)])
+        except Exception as exc:  # noqa: BLE001
+            rows.append([f"CUDA svd gesvdj {str(dt)[6:]}", f"n/a: {exc!r}"[:120]])
+    if os.environ.get("PROBE_FOLD_SHORT"):  # the host and MAGMA rows are known (RESULTS.md): skipped when short
+        return rows
+    try:  # MAGMA's eigh (hybrid host / GPU), where this torch was built with it
+        torch.backends.cuda.preferred_linalg_library("magma")
+        rows.append(["CUDA eigh float64, batched by width, MAGMA", wall_ms(run(torch.linalg.eigh, c64))])
+    except Exception as exc:  # noqa: BLE001
+        rows.append(["CUDA eigh float64, batched by width, MAGMA", f"n/a: {exc!r}"[:120]])
+    finally:
+        torch.backends.cuda.preferred_linalg_library("default")
     rows.append([f"host eigh float64 ({torch.get_num_threads()} threads), batched by width",
                  wall_ms(run(torch.linalg.eigh, host64))])
     rows.append([f"host eigh float32 ({torch.get_num_threads()} threads), batched by width",
@@ -394,9 +410,9 @@ def main() -> None:
     print(f"bf16 products into float32 (addmm with out_dtype): {wl.functional.low_precision_products_on(dev)}")
     sections = [
         ("out_dtype", lambda: md_table(["op", "dtype", "rel. error vs float64"], probe_out_dtype(dev))),
-        ("stats", lambda: md_table(["rows P", "features M", "f32 SIMT ms", "TF32 ms", "bf16 -> f32 ms",
-                                    "library ms", "no concatenation ms", "aligned rows ms", "padded to 8 ms",
-                                    "library, shifted ms"],
+        ("stats", lambda: md_table(["rows P", "features M", "f32 SIMT ms", "TF32 ms",
+                                    "bf16 with ones column ms (before)", "library ms", "x^T x ms", "x^T 1 ms",
+                                    "column sum + add ms", "padded to 8 ms", "library, shifted ms"],
                                    probe_stats(dev, shapes), nd=3)),
         ("fold", lambda: md_table(["ResNet-50 fold (52 covariances)", "ms"], probe_fold(dev, shapes), nd=3)),
         ("libfold", lambda: md_table(["library fold of a converted ResNet-50 (grad, 52 layers)", "eigh calls",

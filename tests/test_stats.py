@@ -318,10 +318,10 @@ def test_bf16_batches_reach_the_product_as_they_are_and_match_a_float64_twin():
     twin = wl.GradWhitenConv2d(16, 8, 3, padding=1, block_size=10, dtype=torch.float64)
     scale = torch.linspace(0.2, 3.0, 16).view(1, 16, 1, 1)
     seen = []
-    real = wl.functional.moments._gram_add
+    real = wl.functional.moments._product_add
     with pytest.MonkeyPatch.context() as mp, wl.functional.fused_moments(True):
-        mp.setattr(wl.functional.moments, "_gram_add", lambda acc, a, rows_first: (seen.append(a.dtype),
-                                                                                   real(acc, a, rows_first)))
+        mp.setattr(wl.functional.moments, "_product_add", lambda out, left, right: (seen.append(left.dtype),
+                                                                                    real(out, left, right)))
         for step in range(30):
             x = (torch.relu(torch.randn(32, 16, 8, 8, generator=gen) * scale)
                  + (5.0 if step >= 20 else 0.0)).bfloat16()

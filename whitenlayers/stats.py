@@ -55,6 +55,7 @@ from .fold import (
     fold_layers,
 )
 from .functional import BlockSummary, stats_samples
+from .functional.moments import _ACC_ROW_ALIGN
 from .rules import TransformRule, rule_for
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -379,9 +380,9 @@ class WhiteningLayer:
             aug, m1 = self.__dict__.get("_acc_aug"), self.num_features + 1
             dtype = self._acc_dtype()
             if aug is not None and aug.device == dev and aug.shape == (m1, m1) and aug.dtype == dtype:
-                zero.append(aug)
+                zero.append(aug if aug._base is None else aug._base)  # its storage, padding too: a dense tensor
             else:
-                self._set_accumulator(torch.zeros(m1, m1, dtype=dtype, device=dev))
+                self._set_accumulator(F_w.moments_accumulator(self.num_features, dtype, dev))
             return zero
         s1, s2 = getattr(self, "_acc_s1", None), getattr(self, "_acc_s2", None)
         if s1 is not None and s1.device == dev and s1.shape == (self.num_features,):
@@ -563,8 +564,13 @@ class WhiteningLayer:
                 new = fn(old)
                 self.__dict__[name] = new if new.dtype == old.dtype else old.to(device=new.device)
         aug = self._acc_aug
-        if aug is not None:  # a float32 <-> float64 cast of the layer: the block's sums follow its statistics
-            self._set_accumulator(aug if aug.dtype == self._acc_dtype() else aug.to(self._acc_dtype()))
+        if aug is not None:
+            # A float32 <-> float64 cast of the layer (the block's sums follow its statistics), or a move that
+            # copied the accumulator contiguous: again as moments_accumulator's aligned rows.
+            if aug.dtype != self._acc_dtype() or aug.stride(0) % _ACC_ROW_ALIGN:
+                new = F_w.moments_accumulator(self.num_features, self._acc_dtype(), aug.device)
+                aug = new.copy_(aug)
+            self._set_accumulator(aug)
 
     def _end_batch(self) -> None:
         """Count one training forward; fold (or ask the coordinator to) at the block's end."""
@@ -878,7 +884,7 @@ class WhiteningLayer:
         self._acc_shift_x = None  # set from the shift at the next gathered batch (its dtype and rank)
         if self.groups == 1:  # the augmented accumulator, in its own dtype (exact for sums it had written)
             m = self.num_features
-            aug = torch.zeros(m + 1, m + 1, dtype=self._acc_dtype(), device=dev)
+            aug = F_w.moments_accumulator(m, self._acc_dtype(), dev)
             aug[:m, :m] = state["acc_s2"]
             aug[:m, m] = state["acc_s1"]
             aug[m, :m] = state["acc_s1"]

@@ -267,39 +267,65 @@ def low_precision_products_on(device: torch.device) -> bool:
     return device.type == "cuda" and _probe_out_dtype(device)
 
 
-def _gram_add(acc: Tensor, a: Tensor, rows_first: bool) -> None:
-    """``acc += a^T a`` (``rows_first``: ``a`` is ``(R, M1)``) or ``acc += a a^T`` (``a`` is ``(M1, R)``), in
-    ``acc``'s dtype, from ``a``'s dtype: bf16 / fp16 operands with float32 accumulation and output
-    (:func:`low_precision_products_on`), one kernel either way.
-
-    (A split over row chunks, one batched product and a sum of the chunks, was measured on an H100 and dropped:
-    slower on every ResNet-50 shape, 24.2 ms against 17.1 ms for the 52 layers at batch 128;
-    ``benchmarks/RESULTS.md``, "GPU: issue 30 on an H100".)"""
-    lowp = a.dtype != acc.dtype
-    if lowp and not _probe_out_dtype(a.device):  # the CPU within fused_moments (the CUDA path, emulated)
-        a, lowp = a.to(acc.dtype), False
-    left, right = (a.t(), a) if rows_first else (a, a.t())
-    if lowp:
-        torch.addmm(acc, left, right, out_dtype=acc.dtype, out=acc)
+def _product_add(out: Tensor, left: Tensor, right: Tensor) -> None:
+    """``out += left @ right`` in ``out``'s dtype, one kernel: bf16 / fp16 operands with float32 accumulation and
+    output where the device has that product (:func:`low_precision_products_on`), else operands already in
+    ``out``'s dtype. ``out`` may be a strided view (a block of the accumulator). On the CPU within
+    :func:`fused_moments` (CUDA's path, emulated) low-precision operands are converted here, where CUDA's product
+    takes them as they are."""
+    if left.dtype == out.dtype:
+        out.addmm_(left, right)
+    elif _probe_out_dtype(left.device):
+        torch.addmm(out, left, right, out_dtype=out.dtype, out=out)
     else:
-        acc.addmm_(left, right)
+        out.addmm_(left.to(out.dtype), right.to(out.dtype))
+
+
+#: Row length of :func:`moments_accumulator`'s storage: a multiple of this many elements (32 bytes in float32).
+_ACC_ROW_ALIGN = 8
+
+
+def moments_accumulator(num_features: int, dtype: torch.dtype = torch.float32,
+                        device: Optional[Union[str, torch.device]] = None) -> Tensor:
+    """A zeroed ``(M + 1, M + 1)`` accumulator for :func:`accumulate_moments`, whose rows start at multiples of
+    8 elements (a view of ``(M + 1, M')`` storage, ``M'`` rounded up): the ``(M, M)`` block the statistics'
+    product writes then has aligned rows, which cuBLAS's fastest tensor-core kernels need (a product into an
+    ``(M + 1) x (M + 1)`` contiguous matrix took 2-3x as long on an H100; ``benchmarks/RESULTS.md``). Any
+    ``(M + 1, M + 1)`` tensor works with :func:`accumulate_moments`; this one is the fast one.
+
+    Args:
+        num_features: ``M`` >= 1.
+        dtype: the accumulator's dtype (float32, or float64 for float64 inputs).
+        device: where it lives.
+
+    Example:
+        >>> acc = moments_accumulator(3)
+        >>> acc.shape, acc.stride()
+        (torch.Size([4, 4]), (8, 1))
+    """
+    m1 = num_features + 1
+    return torch.zeros(m1, -(-m1 // _ACC_ROW_ALIGN) * _ACC_ROW_ALIGN, dtype=dtype, device=device)[:, :m1]
 
 
 def accumulate_moments(acc: Tensor, x: Tensor, shift: Optional[Tensor]) -> None:
     """Add a batch's sums about ``shift`` to an augmented accumulator ``acc`` ``(M + 1, M + 1)``.
 
-    ``acc[:M, :M] += sum (x - k)(x - k)^T`` and ``acc[:M, M] += sum (x - k)`` (the two-op path also adds
-    ``acc[M, :M]`` and the row count ``acc[M, M]``, which nothing reads). Two-op path: the batch with a
-    feature of ones appended (:func:`ones_for_moments`, kept per shape) is multiplied by itself in
-    one product that accumulates into ``acc``
-    (``addmm_``, in ``acc``'s dtype). The layers' hot path: one concatenation and one product (a
-    subtraction before them when ``shift`` is not ``None``), where :func:`batch_sums` plus float64
-    accumulation took five operations. ``x`` is ``(B, M)`` or ``(B, M, *spatial)``; ``shift`` broadcasts
-    against it. Within a block the sums accumulate in ``acc``'s dtype (float32 for float32 / bf16 / fp16
-    inputs): each batch's product is already rounded in that dtype, and adding a block of them costs a
-    few more units in the last place, far below the sampling noise of the statistics.
+    ``acc[:M, :M] += sum (x - k)(x - k)^T`` and ``acc[:M, M] += sum (x - k)``; ``acc[M, :]`` is left alone
+    (nothing reads it). ``x`` is ``(B, M)`` or ``(B, M, *spatial)``; ``shift`` broadcasts against it. Within a
+    block the sums accumulate in ``acc``'s dtype (float32 for float32 / bf16 / fp16 inputs): each batch's product
+    is already rounded in that dtype, and adding a block of them costs a few more units in the last place, far
+    below the sampling noise of the statistics.
 
-    A bf16 / fp16 batch summed about 0 (``shift`` ``None``) goes into the product as it is where the device
+    The layers' hot path on a GPU (and on the CPU within :func:`fused_moments`), two kernels and no copy of the
+    batch for rows ``(P, M)`` (2-D or channels_last input): the product ``x^T x`` into ``acc[:M, :M]`` and the
+    column sums as the product ``x^T 1`` into ``acc[:M, M]``, both accumulating in place (a subtraction first
+    when ``shift`` is not ``None``). Fastest with :func:`moments_accumulator`'s aligned rows. (The batch with a
+    column of ones appended, one ``(M + 1) x (M + 1)`` product, was 2.4x the time on an H100: the concatenation
+    copies the batch, and rows of ``M + 1`` elements keep cuBLAS off its fastest kernels.) A contiguous
+    ``(B, M, *spatial)`` batch has no such view: it is copied once, with a row of ones, as ``(M + 1, B * P)``,
+    and multiplied by itself.
+
+    A bf16 / fp16 batch summed about 0 (``shift`` ``None``) goes into the products as it is where the device
     multiplies low-precision operands into float32 (:func:`low_precision_products_on`: CUDA): the products of
     bf16 numbers are exact in float32 and accumulate in float32, so this is the float32 product of the same
     numbers, on tensor cores, without a float32 copy of the batch. A shifted batch is converted first (``x -
@@ -309,22 +335,21 @@ def accumulate_moments(acc: Tensor, x: Tensor, shift: Optional[Tensor]) -> None:
                                      and fused_moments_on(x.device) and low_precision_products_on(x.device)):
         x = x.to(acc.dtype)
     xs = x if shift is None else x - shift
+    m = xs.shape[1]
     if not fused_moments_on(xs.device):
-        # A CPU is not launch-bound, and there the concatenation (a copy of the batch) costs more than the ops it
-        # saves (measured: 1.5x the time of the statistics for 16 to 64 features): the product and the sums of
-        # batch_sums, added into the accumulator's blocks.
-        m = xs.shape[1]
+        # A CPU is not launch-bound: the product and the sums of batch_sums, added into the accumulator's blocks.
         s1, s2 = batch_sums(xs, None)
         acc[:m, :m].add_(s2)
         acc[:m, m].add_(s1)  # the blocks a fold reads (the ones row and the count corner are left as they are)
         return
     rows = _as_rows(xs)
-    ones = _ones(_ones_shape(xs, rows), xs.dtype, xs.device)
-    if rows is not None:  # (P, M): one (M + 1) x (M + 1) product of the rows with a column of ones
-        _gram_add(acc, torch.cat([rows, ones], 1), rows_first=True)
+    if rows is not None:  # (P, M): two products into the accumulator's blocks, no copy of the batch
+        _product_add(acc[:m, :m], rows.t(), rows)
+        _product_add(acc[:m, m:], rows.t(), _ones((rows.shape[0], 1), rows.dtype, rows.device))
         return
     b = xs.flatten(2).transpose(0, 1)  # (M, B, P), a view
-    _gram_add(acc, torch.cat([b, ones], 0).flatten(1), rows_first=False)  # (M + 1, B * P): the one copy
+    a = torch.cat([b, _ones((1, xs.shape[0], b.shape[2]), xs.dtype, xs.device)], 0).flatten(1)  # the one copy
+    _product_add(acc, a, a.t())
 
 
 def unshifted_accurate(block: "BlockSummary", max_mean2_var: float) -> bool:
