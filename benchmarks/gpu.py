@@ -12,7 +12,10 @@ On CUDA:
    ResNet-110 (batch 128, fp32); grad, recursive, direct with defaults, grad and recursive with the
    GPU-recommended settings (``stats_every=5, block_size=50``), recursive with statistics on every forward from
    a quarter of its samples (``stats_fraction=0.25, block_size=50``), the bare statistics pass (the floor of
-   gathering statistics on every step), Muon and SOAP (pytorch-optimizer, when installed);
+   gathering statistics on every step), Muon and SOAP (pytorch-optimizer, when installed). The timed rounds
+   start after ``--warmup`` untimed ones (52: past every variant's first block, whose statistics are summed about
+   a shift in float32, a transient of the first 10 or 50 steps); with ``--rounds`` a multiple of 50 each
+   variant's mean step holds its folds in proportion (one per block), the median step is one without a fold;
 5. one fold of each model (all its whitening layers), EVD and recursive;
 6. CUDA kernels launched per training step (``torch.profiler``), plain vs each method on CIFAR ResNet-20,
    averaged over one whole block (its fold included) and over the steps that do not fold: the GPU form of
@@ -23,7 +26,7 @@ Without CUDA it runs the same checks on the CPU in a ``--tiny`` configuration (C
 rot); check 3 is CUDA-only.
 
     python benchmarks/gpu.py            # on a CUDA machine
-    python benchmarks/gpu.py --skip compile,kernels --rounds 10    # the step table alone
+    python benchmarks/gpu.py --skip compile,kernels --rounds 50    # the step table alone
     python benchmarks/gpu.py --tiny     # CPU, seconds
 
 ``benchmarks/gpu_probe.py`` (design probes: low-precision products, eigh on device and host, overlap) and
@@ -190,14 +193,15 @@ def optimizer_for(name: str, model: nn.Module) -> torch.optim.Optimizer:
 
 
 def timed_steps(variants: Dict[str, nn.Module], make_batch: Callable, device, rounds: int, autocast_dtype,
-                host: Optional[Dict[str, List[float]]] = None) -> Dict[str, List[float]]:
-    """Seconds per step (the device idle at its start, synchronised at its end), variants interleaved. ``host``:
-    filled with each step's host time, the time until the step's last launch returned (before the final
-    synchronisation): about the step time where the step is host-bound, below it where the device is the limit."""
+                host: Optional[Dict[str, List[float]]] = None, warmup: int = 2) -> Dict[str, List[float]]:
+    """Seconds per step (the device idle at its start, synchronised at its end), variants interleaved, after
+    ``warmup`` untimed rounds. ``host``: filled with each step's host time, the time until the step's last launch
+    returned (before the final synchronisation): about the step time where the step is host-bound, below it where
+    the device is the limit."""
     opts = {k: optimizer_for(k, m) for k, m in variants.items()}
     times: Dict[str, List[float]] = {k: [] for k in variants}
     names = list(variants)
-    for r in range(rounds + 2):
+    for r in range(rounds + warmup):
         order = names[r % len(names):] + names[: r % len(names)]
         for k in order:
             x, y = make_batch()
@@ -210,7 +214,7 @@ def timed_steps(variants: Dict[str, nn.Module], make_batch: Callable, device, ro
             opts[k].step()
             t_host = time.perf_counter()
             sync(device)
-            if r >= 2:
+            if r >= warmup:
                 times[k].append(time.perf_counter() - t0)
                 if host is not None:
                     host.setdefault(k, []).append(t_host - t0)
@@ -296,7 +300,7 @@ STEP_COLUMNS = ["model", "variant", "mean step ms", "step vs plain", "peak memor
 
 
 def step_table(name: str, base: nn.Module, make_batch: Callable, device, rounds: int, autocast_dtype,
-               memory_format=None) -> List[List[object]]:
+               memory_format=None, warmup: int = 2) -> List[List[object]]:
     variants = {"plain": copy.deepcopy(base)}
     for method in ("grad", "recursive", "direct"):
         variants[method] = wl.convert_model(copy.deepcopy(base), method=method)
@@ -321,7 +325,7 @@ def step_table(name: str, base: nn.Module, make_batch: Callable, device, rounds:
             m.to(memory_format=memory_format)
         m.train()
     host: Dict[str, List[float]] = {}
-    times = timed_steps(variants, make_batch, device, rounds, autocast_dtype, host)
+    times = timed_steps(variants, make_batch, device, rounds, autocast_dtype, host, warmup)
     base_mean = statistics.mean(times["plain"])
     mem_plain = peak_memory(variants["plain"], make_batch, device, autocast_dtype)
     rows = []
@@ -397,6 +401,9 @@ def main(argv=None) -> Dict[str, object]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p)
     p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=RECOMMENDED["block_size"] + 2,
+                   help="untimed rounds first: past every variant's first block (its statistics are summed about a "
+                        "shift, in float32: a transient, not the steady state; 2 measures it)")
     p.add_argument("--batch", type=int, default=128, help="ResNet-50's batch (the issue's setting: 128)")
     p.add_argument("--compile-variants", default="plain,grad,recursive,direct", help="variants of the compiled table")
     p.add_argument("--compile-modes", default="", help="torch.compile modes (default: default,reduce-overhead on CUDA)")
@@ -425,6 +432,7 @@ def main(argv=None) -> Dict[str, object]:
     checks.append(["no host sync on the per-batch path", check_no_sync(device)])
     rows: List[List[object]] = []
     rounds = 1 if tiny else args.rounds
+    warmup = 2 if tiny else args.warmup
     skip = {s for s in args.skip.split(",") if s}
     if tiny:
         hw, batch, width = 32, 2, 4
@@ -441,7 +449,7 @@ def main(argv=None) -> Dict[str, object]:
     if "resnet50" not in skip:
         rows += step_table("ResNet-50" + (" (tiny)" if tiny else f", {hw}px, batch {batch}, bf16, channels_last"),
                            resnet50(width), batch50, device, rounds, torch.bfloat16 if cuda else None,
-                           torch.channels_last if cuda else None)
+                           torch.channels_last if cuda else None, warmup)
         print(md_table(STEP_COLUMNS,
                        rows, nd=3), flush=True)
     b110 = 8 if tiny else 128
@@ -451,7 +459,8 @@ def main(argv=None) -> Dict[str, object]:
 
     if "resnet110" not in skip:
         rows += step_table("CIFAR ResNet-" + ("8 (tiny)" if tiny else "110, batch 128, fp32"),
-                           wl.models.cifar_resnet(8 if tiny else 110, num_classes=100), batch110, device, rounds, None)
+                           wl.models.cifar_resnet(8 if tiny else 110, num_classes=100), batch110, device, rounds, None,
+                           warmup=warmup)
     table = md_table(STEP_COLUMNS, rows, nd=3)
     parts = [f"Device: {header['device']}; torch {header['torch']}; CUDA {header['cuda']}", "",
              md_table(["check", "result"], checks), "", table]

@@ -27,7 +27,7 @@ import statistics
 import time
 from typing import Callable, Dict, Iterator, List
 
-from _common import md_table, setup
+from _common import md_table, setup, write_json
 
 import torch
 from torch import nn
@@ -222,6 +222,7 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="CPU, seconds: no meaningful figures")
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--threads", type=int, default=8)
+    p.add_argument("--json", default=None, help="also write the tables here")
     args = p.parse_args()
     setup(args.threads, 0)
     cuda = torch.cuda.is_available() and not args.tiny
@@ -231,13 +232,15 @@ def main() -> None:
     if not cuda:  # the CPU takes CUDA's statistics path (every path the GPU runs, covered)
         wl.functional.fused_moments(True).__enter__()
     with patched():
-        print("\n### host time per call\n")
-        print(md_table(["op", "host us per call", "wall us per call (device included)"],
-                       host_per_call(device, not cuda), nd=1), flush=True)
-        print("\n### ResNet-50 step with parts switched off (recursive, defaults)\n")
-        print(md_table(["variant", "median step ms", "vs plain", "median host ms", "GPU busy ms per step",
-                        "waiting host calls per step"], step_parts(device, not cuda, 1 if not cuda else args.rounds),
-                       nd=2), flush=True)
+        calls = md_table(["op", "host us per call", "wall us per call (device included)"],
+                         host_per_call(device, not cuda), nd=1)
+        print(f"\n### host time per call\n\n{calls}", flush=True)
+        parts = md_table(["variant", "median step ms", "vs plain", "median host ms", "GPU busy ms per step",
+                          "waiting host calls per step"], step_parts(device, not cuda, 1 if not cuda else args.rounds),
+                         nd=2)
+        print(f"\n### ResNet-50 step with parts switched off (recursive, defaults)\n\n{parts}", flush=True)
+    write_json(args.json, {"device": name, "torch": torch.__version__,
+                           "markdown": f"{calls}\n\n{parts}"})
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@
 #   bash benchmarks/gpu_session.sh tests     # the test suite on CUDA, pytest -n 8             (~4 minutes)
 #   bash benchmarks/gpu_session.sh short     # one call when little device time is left (~8 minutes): the
 #                                            # statistics and fold probes (host rows skipped), the CUDA test,
-#                                            # gpu.py's tables (10 rounds) and kernel counts, one profile
+#                                            # gpu.py's tables (50 rounds) and kernel counts, one profile
 #   bash benchmarks/gpu_session.sh compile   # torch.compile: ResNet-20, plain and recursive, both modes
 #                                            #                                                  (~5 minutes)
 #
@@ -30,7 +30,7 @@ fi
 
 case "${1:-bench}" in
   bench)
-    timeout 300 python3 benchmarks/gpu.py --threads 8 --rounds 10 --skip compile,kernels --json "$OUT/gpu.json" \
+    timeout 300 python3 benchmarks/gpu.py --threads 8 --rounds 50 --skip compile,kernels --json "$OUT/gpu.json" \
       > "$OUT/gpu.txt" 2>&1
     echo "gpu.py exit $?" >> "$OUT/machine.txt"
     timeout 100 python3 benchmarks/gpu_profile.py --method recursive --stats-every 5 --block-size 50 --steps 10 \
@@ -46,7 +46,7 @@ case "${1:-bench}" in
     echo "gpu_probe.py fold exit $?" >> "$OUT/machine.txt"
     timeout 60 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_functional.py -k cuda > "$OUT/pytest.txt" 2>&1
     echo "pytest exit $?" >> "$OUT/machine.txt"
-    timeout 300 python3 benchmarks/gpu.py --threads 8 --rounds 10 --skip compile --json "$OUT/gpu.json" \
+    timeout 300 python3 benchmarks/gpu.py --threads 8 --rounds 50 --skip compile --json "$OUT/gpu.json" \
       > "$OUT/gpu.txt" 2>&1
     echo "gpu.py exit $?" >> "$OUT/machine.txt"
     timeout 50 python3 benchmarks/gpu_profile.py --method recursive --steps 10 > "$OUT/profile_recursive.txt" 2>&1
@@ -62,7 +62,7 @@ case "${1:-bench}" in
     echo "gpu.py (compile) exit $?" >> "$OUT/machine.txt"
     ;;
   *)
-    echo "usage: bash benchmarks/gpu_session.sh bench|tests|compile" >&2
+    echo "usage: bash benchmarks/gpu_session.sh bench|short|tests|compile" >&2
     exit 2
     ;;
 esac

@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 SCRIPTS = ["fold_cost.py", "fold_scale.py", "gpu.py", "layer_step.py", "crossover.py", "step_time.py", "block_size.py", "ablation.py",
-           "hot_path.py", "compile_step.py", "host_overhead.py"]
+           "hot_path.py", "compile_step.py", "host_overhead.py", "gpu_host.py"]
 
 
 def _run(args, tmp_path, timeout=600):
@@ -46,7 +46,7 @@ def test_gpu_session_script_parses_and_names_its_parts(tmp_path):
     assert subprocess.run(["bash", "-n", script]).returncode == 0
     proc = subprocess.run(["bash", script, "no-such-part"], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={"OUT": str(tmp_path), "PATH": "/usr/bin:/bin"})
-    assert proc.returncode == 2 and "bench|tests|compile" in proc.stderr
+    assert proc.returncode == 2 and "bench|short|tests|compile" in proc.stderr
     assert (tmp_path / "machine.txt").exists()
 
 
