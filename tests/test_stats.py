@@ -254,6 +254,36 @@ def test_a_batch_of_another_rank_mid_block_is_summed_about_the_block_shift(fused
     torch.testing.assert_close(summary.mean, every.mean(0), rtol=1e-6, atol=1e-6)
 
 
+def test_block_sums_keep_aligned_rows_through_casts_copies_and_checkpoints():
+    """The partial block's accumulator has moments_accumulator's aligned rows (what CUDA's statistics product is
+    fast on) from the start, after a cast (float64 and back: `.to` copies a strided view contiguous), a deepcopy and
+    a checkpoint round trip, and its sums survive each."""
+    import copy
+
+    torch.manual_seed(0)
+    layer = wl.GradWhitenConv2d(5, 4, 3, padding=1, block_size=100)
+    layer(torch.randn(3, 5, 4, 4) + 1)
+    before = layer.block_statistics()
+
+    def check(lay, dtype=torch.float32):
+        acc = lay._acc_aug
+        assert acc.shape == (6, 6) and acc.stride(0) % 8 == 0 and acc.dtype == dtype
+        assert lay._acc_s2.data_ptr() == acc.data_ptr()  # the fold's views are views of it
+        got = lay.block_statistics()
+        assert float(got.count) == float(before.count)
+        torch.testing.assert_close(got.mean, before.mean)
+        torch.testing.assert_close(got.scatter, before.scatter)
+
+    check(layer)
+    check(layer._apply(lambda t: t.clone()))  # what a move to another device does: a strided view copied contiguous
+    check(layer.double(), torch.float64)
+    check(layer.float())
+    check(copy.deepcopy(layer))
+    fresh = wl.GradWhitenConv2d(5, 4, 3, padding=1, block_size=100)
+    fresh.load_state_dict(layer.state_dict())
+    check(fresh)
+
+
 @pytest.mark.parametrize("method", ["grad", "recursive", "direct"])
 def test_two_op_statistics_path_trains_like_the_cpu_path(method):
     """The statistics' two-op path (a concatenation with ones and one product, what CUDA runs) and the CPU path
