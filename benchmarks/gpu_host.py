@@ -11,7 +11,10 @@ GPU time; a converted model adds per-layer host work, and its step can become ho
    bookkeeping). For each, the median step and host time (until the step's last launch returned) and, from
    ``torch.profiler`` over steps that do not fold, the GPU's busy time per step (the sum of kernel times) and the
    host calls that wait for the device (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, ``cudaMemcpy``
-   without ``Async``, ``cudaMalloc``, ``cudaFree``) per step.
+   without ``Async``, ``cudaMalloc``, ``cudaFree``) per step, and the host time spent inside the statistics'
+   calls (``functional.accumulate_moments``) and inside the weight-gradient transform's backward
+   (``functional.transform_weight_grad``) per step: in isolation a statistics call is tens of microseconds; if
+   the step's calls add up to much more, the host waits inside them (a full launch queue, a synchronisation).
 
 Switching a part off changes what is computed: these variants exist to attribute time, not to train.
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import copy
 import statistics
 import time
@@ -33,6 +37,7 @@ import torch
 from torch import nn
 
 import whitenlayers as wl
+import whitenlayers.autograd as wl_autograd
 import whitenlayers.layers._base as layers_base
 from _resnet50 import resnet50
 
@@ -40,14 +45,26 @@ F_m = wl.functional.moments
 
 #: The parts the variants switch off (read by the wrappers below at every call).
 OFF = {"stats": False, "transform": False, "colsum": False}
+#: Host seconds spent inside the statistics' calls and the gradient transform's backward, since the last reset.
+SPENT = {"stats": 0.0, "backward": 0.0}
 _REAL_ACC = wl.functional.accumulate_moments
 _REAL_PRODUCT = F_m._product_add
 _REAL_TRANSFORM = layers_base.grad_transformed
+_REAL_GRAD = wl_autograd.transform_weight_grad
 
 
 def _accumulate(acc, x, shift):
     if not OFF["stats"]:
+        t0 = time.perf_counter()
         _REAL_ACC(acc, x, shift)
+        SPENT["stats"] += time.perf_counter() - t0
+
+
+def _grad(grad, q):
+    t0 = time.perf_counter()
+    out = _REAL_GRAD(grad, q)
+    SPENT["backward"] += time.perf_counter() - t0
+    return out
 
 
 def _product(out, left, right):
@@ -66,12 +83,14 @@ def patched() -> Iterator[None]:
     wl.functional.accumulate_moments = _accumulate
     F_m._product_add = _product
     layers_base.grad_transformed = _transform
+    wl_autograd.transform_weight_grad = _grad
     try:
         yield
     finally:
         wl.functional.accumulate_moments = _REAL_ACC
         F_m._product_add = _REAL_PRODUCT
         layers_base.grad_transformed = _REAL_TRANSFORM
+        wl_autograd.transform_weight_grad = _REAL_GRAD
 
 
 def sync(device) -> None:
@@ -137,7 +156,7 @@ WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaMa
          "cudaEventSynchronize")
 
 
-def step_parts(device, tiny: bool, rounds: int) -> List[List[object]]:
+def step_parts(device, tiny: bool, rounds: int, trace: str = "") -> List[List[object]]:
     cuda = device.type == "cuda"
     hw, batch, width = (32, 2, 4) if tiny else (224, 128, 64)
     base = resnet50(width)
@@ -173,10 +192,12 @@ def step_parts(device, tiny: bool, rounds: int) -> List[List[object]]:
 
     times: Dict[str, List[float]] = {k: [] for k in variants}
     host: Dict[str, List[float]] = {k: [] for k in variants}
+    inside: Dict[str, List[List[float]]] = {k: [] for k in variants}
     names = list(variants)
     for r in range(rounds + 2):
         for k in names[r % len(names):] + names[: r % len(names)]:
             sync(device)
+            SPENT.update(stats=0.0, backward=0.0)
             t0 = time.perf_counter()
             step(k)
             t1 = time.perf_counter()
@@ -184,6 +205,7 @@ def step_parts(device, tiny: bool, rounds: int) -> List[List[object]]:
             if r >= 2:
                 times[k].append(time.perf_counter() - t0)
                 host[k].append(t1 - t0)
+                inside[k].append([SPENT["stats"], SPENT["backward"]])
     busy: Dict[str, float] = {}
     waits: Dict[str, float] = {}
     if cuda:
@@ -201,6 +223,8 @@ def step_parts(device, tiny: bool, rounds: int) -> List[List[object]]:
                     step(k)
                     sync(device)
                 n += 1
+                if trace and k in ("plain", "recursive"):  # the last profiled step: a timeline to open in Perfetto
+                    prof.export_chrome_trace(os.path.join(trace, f"trace_{k}.json"))
                 for e in prof.events():
                     if e.device_type == torch.autograd.DeviceType.CUDA:
                         kernel_us += e.device_time
@@ -213,7 +237,8 @@ def step_parts(device, tiny: bool, rounds: int) -> List[List[object]]:
     for k in names:
         med = statistics.median(times[k])
         rows.append([k, 1e3 * med, med / plain, 1e3 * statistics.median(host[k]), busy.get(k, float("nan")),
-                     waits.get(k, float("nan"))])
+                     waits.get(k, float("nan")), 1e3 * statistics.median(v[0] for v in inside[k]),
+                     1e3 * statistics.median(v[1] for v in inside[k])])
     return rows
 
 
@@ -223,6 +248,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--threads", type=int, default=8)
     p.add_argument("--json", default=None, help="also write the tables here")
+    p.add_argument("--trace", default="", help="a folder: write a chrome trace of one step that does not fold, "
+                                               "plain and recursive (CUDA only)")
     args = p.parse_args()
     setup(args.threads, 0)
     cuda = torch.cuda.is_available() and not args.tiny
@@ -236,7 +263,8 @@ def main() -> None:
                          host_per_call(device, not cuda), nd=1)
         print(f"\n### host time per call\n\n{calls}", flush=True)
         parts = md_table(["variant", "median step ms", "vs plain", "median host ms", "GPU busy ms per step",
-                          "waiting host calls per step"], step_parts(device, not cuda, 1 if not cuda else args.rounds),
+                          "waiting host calls per step", "host ms in the statistics' calls",
+                          "host ms in the gradient transform's backward"], step_parts(device, not cuda, 1 if not cuda else args.rounds, args.trace),
                          nd=2)
         print(f"\n### ResNet-50 step with parts switched off (recursive, defaults)\n\n{parts}", flush=True)
     write_json(args.json, {"device": name, "torch": torch.__version__,

@@ -7,9 +7,10 @@
 #                                            # profile of the GPU-recommended setting, the statistics and fold
 #                                            # probes (the library's fold with and without batched eigh) (~9 min)
 #   bash benchmarks/gpu_session.sh tests     # the test suite on CUDA, pytest -n 8             (~4 minutes)
-#   bash benchmarks/gpu_session.sh short     # one call when little device time is left (~8 minutes): the
-#                                            # statistics and fold probes (host rows skipped), the CUDA test,
-#                                            # gpu.py's tables (50 rounds) and kernel counts, one profile
+#   bash benchmarks/gpu_session.sh short     # one call when little device time is left (~6 minutes): the
+#                                            # statistics probe, the CUDA test,
+#                                            # gpu.py's tables (50 rounds) and kernel counts, the host
+#                                            # attribution (gpu_host.py) with two step timelines
 #   bash benchmarks/gpu_session.sh compile   # torch.compile: ResNet-20, plain and recursive, both modes
 #                                            #                                                  (~5 minutes)
 #
@@ -42,15 +43,13 @@ case "${1:-bench}" in
   short)
     timeout 40 python3 benchmarks/gpu_probe.py --only stats > "$OUT/probe_stats.txt" 2>&1
     echo "gpu_probe.py stats exit $?" >> "$OUT/machine.txt"
-    PROBE_FOLD_SHORT=1 timeout 60 python3 benchmarks/gpu_probe.py --only fold > "$OUT/probe_fold.txt" 2>&1
-    echo "gpu_probe.py fold exit $?" >> "$OUT/machine.txt"
     timeout 60 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_functional.py -k cuda > "$OUT/pytest.txt" 2>&1
     echo "pytest exit $?" >> "$OUT/machine.txt"
-    timeout 300 python3 benchmarks/gpu.py --threads 8 --rounds 50 --skip compile --json "$OUT/gpu.json" \
+    timeout 330 python3 benchmarks/gpu.py --threads 8 --rounds 50 --skip compile --json "$OUT/gpu.json" \
       > "$OUT/gpu.txt" 2>&1
     echo "gpu.py exit $?" >> "$OUT/machine.txt"
-    timeout 50 python3 benchmarks/gpu_profile.py --method recursive --steps 10 > "$OUT/profile_recursive.txt" 2>&1
-    echo "gpu_profile.py exit $?" >> "$OUT/machine.txt"
+    timeout 90 python3 benchmarks/gpu_host.py --rounds 30 --trace "$OUT" > "$OUT/host.txt" 2>&1
+    echo "gpu_host.py exit $?" >> "$OUT/machine.txt"
     ;;
   tests)
     timeout 480 python3 -m pytest -n 8 -q -p no:cacheprovider tests > "$OUT/pytest.txt" 2>&1
