@@ -4,7 +4,9 @@ On an H100 the plain bf16 ResNet-50 step (batch 128) launches its kernels in ~25
 GPU time; a converted model adds per-layer host work, and its step can become host-bound. Two parts, one run:
 
 1. **Host time per call** of the operations a whitening layer issues on a step that does not fold, on CUDA with
-   small operands (kernels of a few microseconds: the host is the limit), microseconds per call.
+   small operands (kernels of a few microseconds: the host is the limit), microseconds per call; and of the
+   statistics' calls at ResNet-50's real shapes, each call timed alone (does a call's host cost grow with its
+   size?).
 2. **The step with parts switched off**, ResNet-50 (224 px, batch 128, bf16 autocast, channels_last), variants
    interleaved: plain; recursive as it is; its statistics' column sums as a reduction instead of the product
    ``x^T 1``; its statistics off; its statistics and weight-gradient transform off (what is left is the layer's
@@ -152,6 +154,40 @@ def host_per_call(device, tiny: bool) -> List[List[object]]:
     return rows
 
 
+def host_at_real_shapes(device, tiny: bool) -> List[List[object]]:
+    """Host microseconds of one statistics call at ResNet-50's real shapes (batch 128), each call timed alone
+    (median of 40, no synchronisation between them: the launch queue never fills), beside the GPU time per call:
+    whether the host cost of a call depends on its size (a cuBLAS heuristic, a workspace), which small operands
+    cannot show."""
+    shapes = [(401408, 64), (401408, 256), (100352, 128), (25088, 1024), (6272, 2048)]
+    if tiny:
+        shapes = [(256, 8), (64, 32)]
+    lowp = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rows = []
+    for p, m in shapes:
+        x = (torch.randn(p, m, device=device).relu() + 0.1).to(lowp)
+        ones = torch.ones(p, 1, device=device, dtype=lowp)
+        acc = wl.functional.moments_accumulator(m, device=device)
+        s2, s1 = acc[:m, :m], acc[:m, m:]
+        calls = {"accumulate_moments": lambda: wl.functional.accumulate_moments(acc, x, None),
+                 "x^T x (addmm into the block)": lambda: F_m._product_add(s2, x.t(), x),
+                 "x^T 1 (addmm, N = 1)": lambda: F_m._product_add(s1, x.t(), ones)}
+        for name, fn in calls.items():
+            for _ in range(3):
+                fn()
+            sync(device)
+            host = []
+            t_all = time.perf_counter()
+            for _ in range(40):
+                t0 = time.perf_counter()
+                fn()
+                host.append(time.perf_counter() - t0)
+            sync(device)
+            wall = (time.perf_counter() - t_all) / 40
+            rows.append([p, m, name, 1e6 * statistics.median(host), 1e6 * max(host), 1e3 * wall])
+    return rows
+
+
 WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaMalloc", "cudaFree",
          "cudaEventSynchronize")
 
@@ -262,13 +298,16 @@ def main() -> None:
         calls = md_table(["op", "host us per call", "wall us per call (device included)"],
                          host_per_call(device, not cuda), nd=1)
         print(f"\n### host time per call\n\n{calls}", flush=True)
+        real = md_table(["rows P", "features M", "call", "host us (median)", "host us (max)",
+                         "wall ms per call (device included)"], host_at_real_shapes(device, not cuda), nd=1)
+        print(f"\n### host time per statistics call at ResNet-50's shapes\n\n{real}", flush=True)
         parts = md_table(["variant", "median step ms", "vs plain", "median host ms", "GPU busy ms per step",
                           "waiting host calls per step", "host ms in the statistics' calls",
                           "host ms in the gradient transform's backward"], step_parts(device, not cuda, 1 if not cuda else args.rounds, args.trace),
                          nd=2)
         print(f"\n### ResNet-50 step with parts switched off (recursive, defaults)\n\n{parts}", flush=True)
     write_json(args.json, {"device": name, "torch": torch.__version__,
-                           "markdown": f"{calls}\n\n{parts}"})
+                           "markdown": f"{calls}\n\n{real}\n\n{parts}"})
 
 
 if __name__ == "__main__":
