@@ -471,7 +471,8 @@ class WhiteningLayer:
         if (aug and self._acc_shift is not None and F_w.fused_moments_on(x.device)
                 and (self._stats_unshifted or (shift_x is not None and shift_x.dim() == x.dim()))):
             # The hot path, within a block: accumulate_moments' two-op path is in place or takes out= or an explicit
-            # dtype, apart from a subtraction and a concatenation, none of which autocast touches: no context.
+            # dtype, apart from a subtraction and (a contiguous NC... batch) a concatenation, none of which autocast
+            # touches: no context.
             self._add_sums(x, self._acc_shift_x)
         else:
             with _no_autocast(x.device):  # under autocast, products would run (and overflow) in fp16/bf16

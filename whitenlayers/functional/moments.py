@@ -199,8 +199,9 @@ def _ones(shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> T
 
 
 def ones_for_moments(x: Tensor) -> Tuple[int, ...]:
-    """The shape of the ones that :func:`accumulate_moments` appends to ``x``: a column ``(P, 1)`` for a
-    ``(P, M)`` view of ``x`` (2-D or channels_last), else a row ``(1, B, P)`` beside ``(M, B, P)``."""
+    """The shape of the ones :func:`accumulate_moments` uses with ``x``: a column ``(P, 1)`` for a ``(P, M)`` view
+    of ``x`` (2-D or channels_last; the column sums as the product ``x^T 1``), else a row ``(1, B, P)`` appended to
+    ``(M, B, P)``."""
     return _ones_shape(x, _as_rows(x))
 
 
@@ -320,7 +321,7 @@ def accumulate_moments(acc: Tensor, x: Tensor, shift: Optional[Tensor]) -> None:
     batch for rows ``(P, M)`` (2-D or channels_last input): the product ``x^T x`` into ``acc[:M, :M]`` and the
     column sums as the product ``x^T 1`` into ``acc[:M, M]``, both accumulating in place (a subtraction first
     when ``shift`` is not ``None``). Fastest with :func:`moments_accumulator`'s aligned rows. (The batch with a
-    column of ones appended, one ``(M + 1) x (M + 1)`` product, was 2.4x the time on an H100: the concatenation
+    column of ones appended, one ``(M + 1) x (M + 1)`` product, was 2.3x the time on an H100: the concatenation
     copies the batch, and rows of ``M + 1`` elements keep cuBLAS off its fastest kernels.) A contiguous
     ``(B, M, *spatial)`` batch has no such view: it is copied once, with a row of ones, as ``(M + 1, B * P)``,
     and multiplied by itself.
