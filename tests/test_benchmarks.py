@@ -46,8 +46,18 @@ def test_gpu_session_script_parses_and_names_its_parts(tmp_path):
     assert subprocess.run(["bash", "-n", script]).returncode == 0
     proc = subprocess.run(["bash", script, "no-such-part"], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={"OUT": str(tmp_path), "PATH": "/usr/bin:/bin"})
-    assert proc.returncode == 2 and "bench|short|tests|compile" in proc.stderr
+    assert proc.returncode == 2 and "bench|short|tests|compile|compile50" in proc.stderr
     assert (tmp_path / "machine.txt").exists()
+
+
+def test_gpu_compiled_resnet50_tiny(tmp_path):
+    """gpu.py's compiled table on the step table's ResNet-50 (``--compile-model resnet50``; CUDA graphs on a GPU):
+    plain and recursive each compile, the converted model in 2 graphs."""
+    out = tmp_path / "out.json"
+    _run([str(BENCH / "gpu.py"), "--tiny", "--skip", "resnet50,resnet110,kernels", "--compile-model", "resnet50",
+          "--compile-variants", "plain,recursive", "--json", str(out)], tmp_path)
+    rows = json.loads(out.read_text())["compiled"]
+    assert [r[1] for r in rows] == ["plain", "recursive"] and rows[1][-1] == 2
 
 
 def test_host_overhead_ablation_tiny(tmp_path):
