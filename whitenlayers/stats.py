@@ -55,7 +55,7 @@ from .fold import (
     fold_layers,
 )
 from .functional import BlockSummary, stats_samples
-from .functional.moments import _ACC_ROW_ALIGN
+from .functional.moments import _as_moments_accumulator
 from .rules import TransformRule, rule_for
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -568,10 +568,7 @@ class WhiteningLayer:
         if aug is not None:
             # A float32 <-> float64 cast of the layer (the block's sums follow its statistics), or a move that
             # copied the accumulator contiguous: again as moments_accumulator's aligned rows.
-            if aug.dtype != self._acc_dtype() or aug.stride(0) % _ACC_ROW_ALIGN:
-                new = F_w.moments_accumulator(self.num_features, self._acc_dtype(), aug.device)
-                aug = new.copy_(aug)
-            self._set_accumulator(aug)
+            self._set_accumulator(_as_moments_accumulator(aug, self._acc_dtype()))
 
     def _end_batch(self) -> None:
         """Count one training forward; fold (or ask the coordinator to) at the block's end."""

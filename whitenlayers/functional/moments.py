@@ -308,6 +308,14 @@ def moments_accumulator(num_features: int, dtype: torch.dtype = torch.float32,
     return torch.zeros(m1, -(-m1 // _ACC_ROW_ALIGN) * _ACC_ROW_ALIGN, dtype=dtype, device=device)[:, :m1]
 
 
+def _as_moments_accumulator(acc: Tensor, dtype: torch.dtype) -> Tensor:
+    """``acc`` itself where it has :func:`moments_accumulator`'s aligned rows and ``dtype``, else a copy that has
+    them (after a cast, or a move that copied the strided view contiguous)."""
+    if acc.dtype == dtype and acc.stride(1) == 1 and acc.stride(0) % _ACC_ROW_ALIGN == 0:
+        return acc
+    return moments_accumulator(acc.shape[0] - 1, dtype, acc.device).copy_(acc)
+
+
 def accumulate_moments(acc: Tensor, x: Tensor, shift: Optional[Tensor]) -> None:
     """Add a batch's sums about ``shift`` to an augmented accumulator ``acc`` ``(M + 1, M + 1)``.
 
@@ -344,12 +352,14 @@ def accumulate_moments(acc: Tensor, x: Tensor, shift: Optional[Tensor]) -> None:
         acc[:m, m].add_(s1)  # the blocks a fold reads (the ones row and the count corner are left as they are)
         return
     rows = _as_rows(xs)
+    ones = _ones(_ones_shape(xs, rows), xs.dtype, xs.device)
     if rows is not None:  # (P, M): two products into the accumulator's blocks, no copy of the batch
-        _product_add(acc[:m, :m], rows.t(), rows)
-        _product_add(acc[:m, m:], rows.t(), _ones((rows.shape[0], 1), rows.dtype, rows.device))
+        rows_t = rows.t()
+        _product_add(acc[:m, :m], rows_t, rows)
+        _product_add(acc[:m, m:], rows_t, ones)
         return
     b = xs.flatten(2).transpose(0, 1)  # (M, B, P), a view
-    a = torch.cat([b, _ones((1, xs.shape[0], b.shape[2]), xs.dtype, xs.device)], 0).flatten(1)  # the one copy
+    a = torch.cat([b, ones], 0).flatten(1)  # (M + 1, B * P): the one copy
     _product_add(acc, a, a.t())
 
 
