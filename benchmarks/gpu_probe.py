@@ -7,8 +7,10 @@ Run on a CUDA machine (seconds to a minute); it prints one Markdown section per 
    for ResNet-50's layer shapes at batch 128: the batch with a column of ones in one product (float32 SIMT,
    TF32, bf16 operands with float32 output: the library's path before), the library's
    (``functional.accumulate_moments`` into ``moments_accumulator``: ``x^T x`` and ``x^T 1``, no copy), each of
-   its two products alone, the column sums as a reduction instead, the batch padded to 8 features, and a
-   shifted batch.
+   its two products alone, the column sums as a reduction instead, the batch padded to 8 features, a
+   shifted batch (converted to float32: eager layers), and a compiled layer's split of a shifted batch
+   (``functional.accumulate_moments_split``: two bf16 numbers per float32 difference, two tensor-core products),
+   eagerly and under inductor.
 2. **The EVD fold**: ``torch.linalg.eigh`` of ResNet-50's 52 covariances (batched by width, as ``fold.py`` does)
    on CUDA in float32 and float64, on the host in float64 and float32 (all host threads), and a coupled
    Newton-Schulz inverse square root (10 and 20 iterations, float32 / TF32) for comparison.
@@ -105,7 +107,7 @@ def probe_stats(dev, shapes) -> List[List[object]]:
     rows = []
     ones_cache: Dict[Tuple[int, torch.dtype], torch.Tensor] = {}
     seen = set()
-    keys = ("f32", "tf32", "cat", "lib", "gram", "colmm", "colsum", "padded", "shifted")
+    keys = ("f32", "tf32", "cat", "lib", "gram", "colmm", "colsum", "padded", "shifted", "split")
     total = dict.fromkeys(keys, 0.0)
     for p, m in shapes:
         x = (torch.randn(p, m, device=dev).relu() + 0.1).bfloat16()
@@ -135,6 +137,11 @@ def probe_stats(dev, shapes) -> List[List[object]]:
         def lib_shifted():  # a layer that sums about a shift (its block's mean^2 > 7 var): converted to float32 first
             wl.functional.accumulate_moments(lib_acc, x, shift)
 
+        shift4 = shift.view(1, m)
+
+        def split():  # a compiled layer's path for a shifted bf16 batch, run eagerly (its kernels unfused)
+            wl.functional.accumulate_moments_split(lib_acc, x, shift4)
+
         def gram():  # the library's first product alone: x^T x into the aligned (M, M) block
             torch.addmm(s2, x.t(), x, out_dtype=torch.float32, out=s2)
 
@@ -158,11 +165,12 @@ def probe_stats(dev, shapes) -> List[List[object]]:
         got["tf32"] = cuda_ms(f32, 5)
         torch.backends.cuda.matmul.allow_tf32 = False
         for key, fn in (("cat", cat), ("lib", lib), ("gram", gram), ("colmm", colmm), ("colsum", colsum),
-                        ("padded", padded), ("shifted", lib_shifted)):
+                        ("padded", padded), ("shifted", lib_shifted), ("split", split)):
             try:
                 got[key] = cuda_ms(fn, 5)
-            except Exception:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001
                 got[key] = float("nan")
+                print(f"stats probe {key} (P={p}, M={m}) failed: {exc!r}"[:400], flush=True)
         for key in keys:
             total[key] += got[key]
         if (p, m) not in seen:
@@ -179,6 +187,34 @@ def probe_stats(dev, shapes) -> List[List[object]]:
     err1 = float((lib_acc[:m, m].double() - ref.sum(0)).norm() / ref.sum(0).norm())
     rows.append([f"library vs float64, M={m}: rel. error of s2 / s1", "", f"{err2:.2e} / {err1:.2e}"]
                 + [""] * (len(keys) - 1))
+    return rows
+
+
+def probe_split_compiled(dev, shapes) -> List[List[object]]:
+    """A compiled layer's statistics of a shifted bf16 batch (``accumulate_moments_split`` under inductor: the
+    subtraction, the split and the column sums fused) beside the eager layers' paths, for the first four distinct
+    widths (one inductor compilation each)."""
+    rows = []
+    fn = torch.compile(wl.functional.accumulate_moments_split, dynamic=False)
+    done = set()
+    for p, m in shapes:
+        if m in done or len(done) >= 4:
+            continue
+        done.add(m)
+        x = (torch.randn(p, m, device=dev).relu() + 0.1).bfloat16()
+        acc = wl.functional.moments_accumulator(m, device=dev)
+        shift = x[:1024].float().mean(0, keepdim=True)
+        got = []
+        for f in (lambda: wl.functional.accumulate_moments(acc, x, None),
+                  lambda: wl.functional.accumulate_moments(acc, x, shift),
+                  lambda: wl.functional.accumulate_moments_split(acc, x, shift),
+                  lambda: fn(acc, x, shift)):
+            try:
+                got.append(cuda_ms(f, 5))
+            except Exception as exc:  # noqa: BLE001
+                got.append(float("nan"))
+                print(f"split probe (P={p}, M={m}) failed: {exc!r}"[:600], flush=True)
+        rows.append([p, m] + got)
     return rows
 
 
@@ -398,7 +434,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=12, help="host threads (eigh on the host)")
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--only", default="", help="comma-separated probes to run: out_dtype, stats, fold, libfold, overlap")
+    p.add_argument("--only", default="", help="comma-separated probes to run: out_dtype, stats, split, fold, libfold, overlap")
     args = p.parse_args()
     setup(args.threads, 0)
     if not torch.cuda.is_available():
@@ -412,8 +448,12 @@ def main() -> None:
         ("out_dtype", lambda: md_table(["op", "dtype", "rel. error vs float64"], probe_out_dtype(dev))),
         ("stats", lambda: md_table(["rows P", "features M", "f32 SIMT ms", "TF32 ms",
                                     "bf16 with ones column ms (before)", "library ms", "x^T x ms", "x^T 1 ms",
-                                    "column sum + add ms", "padded to 8 ms", "library, shifted ms"],
+                                    "column sum + add ms", "padded to 8 ms", "library, shifted ms",
+                                    "split (eager, unfused) ms"],
                                    probe_stats(dev, shapes), nd=3)),
+        ("split", lambda: md_table(["rows P", "features M", "unshifted bf16 (eager) ms", "shifted, float32 (eager) ms",
+                                    "split (eager, unfused) ms", "split (inductor) ms"],
+                                   probe_split_compiled(dev, shapes), nd=3)),
         ("fold", lambda: md_table(["ResNet-50 fold (52 covariances)", "ms"], probe_fold(dev, shapes), nd=3)),
         ("libfold", lambda: md_table(["library fold of a converted ResNet-50 (grad, 52 layers)", "eigh calls",
                                       "ms (median)"], probe_library_fold(dev), nd=2)),

@@ -39,12 +39,14 @@ case "${1:-bench}" in
     timeout 100 python3 benchmarks/gpu_profile.py --method recursive --stats-every 5 --block-size 50 --steps 10 \
       > "$OUT/profile_recursive_every5.txt" 2>&1
     echo "gpu_profile.py exit $?" >> "$OUT/machine.txt"
-    timeout 120 python3 benchmarks/gpu_probe.py --only stats,libfold,fold > "$OUT/probe_stats.txt" 2>&1
+    timeout 240 python3 benchmarks/gpu_probe.py --only stats,split,libfold,fold > "$OUT/probe_stats.txt" 2>&1
     echo "gpu_probe.py exit $?" >> "$OUT/machine.txt"
     ;;
   short)
     timeout 40 python3 benchmarks/gpu_probe.py --only stats > "$OUT/probe_stats.txt" 2>&1
     echo "gpu_probe.py stats exit $?" >> "$OUT/machine.txt"
+    timeout 120 python3 benchmarks/gpu_probe.py --only split > "$OUT/probe_split.txt" 2>&1  # a compiled layer's stats
+    echo "gpu_probe.py split exit $?" >> "$OUT/machine.txt"
     timeout 60 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_functional.py -k cuda > "$OUT/pytest.txt" 2>&1
     echo "pytest exit $?" >> "$OUT/machine.txt"
     timeout 330 python3 benchmarks/gpu.py --threads 8 --rounds 50 --skip compile --json "$OUT/gpu.json" \

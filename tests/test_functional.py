@@ -315,3 +315,63 @@ def test_accumulate_moments_cuda_bf16_matches_float64(layout):
     rel = float((acc[:32, :32].double() - 2 * s2).norm() / (2 * s2).norm())
     assert rel < 1e-5, rel
     assert float((acc[:32, 32].double() - 2 * s1).norm() / (2 * s1).norm()) < 1e-5
+
+
+@settings(max_examples=40, deadline=None)
+@given(b=st.integers(1, 4), m=st.integers(1, 6), hw=st.sampled_from([(), (3, 2), (4, 4)]),
+       layout=st.sampled_from(["contiguous", "channels_last"]), dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+       offset=st.sampled_from([0.0, 0.3, 5.0, 100.0]), seed=st.integers(0, 2**16))
+def test_accumulate_moments_split_matches_float64(b, m, hw, layout, dtype, offset, seed):
+    """A compiled layer's statistics of a bf16 / fp16 batch about a float32 shift (CUDA's products emulated on the
+    CPU): the float32 differences split in two bf16 numbers leave at most 2^-18 of each difference out of the
+    products, so the sums are float64's of the same differences to that and float32's accumulation. Post-ReLU
+    batches far from and near the shift; the shift near, not at, the batch mean (as a block's shift is)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.relu(torch.randn((b, m) + hw, generator=gen) * 2) + offset).to(dtype)
+    if layout == "channels_last" and x.dim() == 4:
+        x = x.contiguous(memory_format=torch.channels_last)
+    dims = [0] + list(range(2, x.dim()))
+    shift = (x.float().mean(dims) + 0.1 * torch.randn(m, generator=gen)).view((1, m) + (1,) * len(hw))
+    acc = F.moments_accumulator(m)
+    with F.fused_moments(True):
+        F.accumulate_moments_split(acc, x, shift)
+        F.accumulate_moments_split(acc, x, shift)
+    d = x.float() - shift  # the float32 differences both paths start from
+    s1, s2 = (2 * s for s in F.batch_sums(d.double(), None))
+    n = 2 * x.numel() // m
+    scale = float(s2.diagonal().abs().max()) + 1e-30  # bounds |sum d_i d_j| (Cauchy-Schwarz)
+    eps = torch.finfo(torch.float32).eps
+    atol = (8 * n * eps + 4 * 2.0 ** -18) * scale
+    torch.testing.assert_close(acc[:m, :m].double(), s2, rtol=0.0, atol=atol)
+    torch.testing.assert_close(acc[:m, m].double(), s1, rtol=0.0,
+                               atol=8 * n * eps * (float(d.double().abs().sum(dims).max()) + 1e-30))
+    if F.moments._as_rows(x) is not None:  # the split's products (else accumulate_moments' concatenation, float32)
+        assert not acc[m].any() and not acc._base[:, m + 1:].any()  # nothing else written
+
+
+def test_accumulate_moments_split_is_accurate_where_one_bf16_rounding_is_not():
+    """Why two bf16 numbers per difference: ``x - shift`` rounded to bf16 once is biased (its rounding is the same
+    for every element of a binade of the discrete bf16 inputs), ~1e-3 of the covariance on post-ReLU activations;
+    the split is within ~1e-5 (benchmarks/stats_precision.py has the table)."""
+    gen = torch.Generator().manual_seed(0)
+    m = 32
+    x = (torch.relu(torch.randn(16384, m, generator=gen) * torch.linspace(0.2, 3.0, m)) + 0.3).bfloat16()
+    mean = x.double().mean(0)
+    cov = (x.double() - mean).t() @ (x.double() - mean) / x.shape[0]
+    shift = (mean + 0.05 * torch.randn(m, generator=gen, dtype=torch.float64)).float().view(1, m)
+
+    def errors(acc, k):
+        n, s1, s2 = x.shape[0], acc[:m, m].double(), acc[:m, :m].double()
+        mu = k.double().view(m) + s1 / n
+        c = s2 / n - torch.outer(s1 / n, s1 / n)
+        return float((mu - mean).norm() / mean.norm()), float((c - cov).norm() / cov.norm())
+
+    split, once = F.moments_accumulator(m), F.moments_accumulator(m)
+    with F.fused_moments(True):
+        F.accumulate_moments_split(split, x, shift)
+        # the rejected alternative: x - shift in bf16 (the shift a bf16 number), its products taken as they are
+        F.accumulate_moments(once, x - shift.bfloat16(), None)
+    mu_err, cov_err = errors(split, shift)
+    assert mu_err < 1e-6 and cov_err < 2e-5, (mu_err, cov_err)
+    once_mu, once_cov = errors(once, shift.bfloat16())
+    assert once_cov > 50 * cov_err and once_mu > 50 * mu_err, (once_mu, once_cov, mu_err, cov_err)

@@ -55,7 +55,7 @@ from .fold import (
     fold_layers,
 )
 from .functional import BlockSummary, stats_samples
-from .functional.moments import _as_moments_accumulator
+from .functional.moments import LOW_PRECISION, _as_moments_accumulator, low_precision_products_known
 from .rules import TransformRule, rule_for
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -90,6 +90,13 @@ def _unshared(t: Tensor) -> bool:
 
 
 _eager = torch.compiler.disable
+
+
+def _try_low_precision_products(device: torch.device) -> None:
+    """Try, once per process, whether ``device`` multiplies bf16 / fp16 operands into float32, where the layers are
+    built or moved (outside any traced graph: a compiled layer only reads the answer)."""
+    if device.type == "cuda" and not _is_compiling():
+        F_w.low_precision_products_on(device)
 
 
 def _work_dtype(x: Tensor) -> torch.dtype:
@@ -238,6 +245,7 @@ class WhiteningLayer:
         self.clamped_steps = 0
         self._warned: set = set()
         self._fold_coordinator: Optional[FoldCoordinator] = None
+        _try_low_precision_products(self.running_mean.device)
         self._reset_accumulators()
 
     # ------------------------------------------------------------------ forward
@@ -504,13 +512,22 @@ class WhiteningLayer:
         if not self._gather_next:  # stats_every > 1: a guard with two values, two graphs at most
             self._traced_rows = 0
             return
-        x = self._stats_batch(x)
+        # A bf16 / fp16 batch, where the device multiplies it into float32 (tried before the trace): its float32
+        # differences from the shift split in two low-precision numbers, multiplied on tensor cores
+        # (functional.accumulate_moments_split; the float32 product of every layer would run on SIMT cores).
+        aug = self._acc_aug
+        lowp = (aug is not None and aug.dtype == torch.float32 and x.dtype in LOW_PRECISION
+                and F_w.fused_moments_on(x.device) and low_precision_products_known(x.device))
+        x = self._stats_batch(x, low_precision=lowp)
         with _no_autocast(x.device):
             if self._acc_shift is None:  # the first block's first batch (or after a reset): a second graph, once
                 self._start_block(x, shifted=True)
             # the shift as x subtracts it, made in the graph (one small cast; no attribute that may be None)
-            shift_x = cast(Tensor, self._acc_shift).to(x.dtype).view((1, -1) + (1,) * (x.dim() - 2))
-            self._add_sums(x, shift_x)
+            shift_x = cast(Tensor, self._acc_shift).to(_work_dtype(x)).view((1, -1) + (1,) * (x.dim() - 2))
+            if lowp:
+                F_w.accumulate_moments_split(cast(Tensor, aug), x, shift_x)
+            else:
+                self._add_sums(x, shift_x)
         self._traced_rows = x.numel() // self.num_features
 
     def _accumulate_eager(self, x: Tensor) -> None:
@@ -824,6 +841,7 @@ class WhiteningLayer:
         if "_acc_s1" in self.__dict__:
             self._move_accumulators(fn)
         self._acc_shift_x = None  # the shift as batches subtract it: made again from _acc_shift at the next batch
+        _try_low_precision_products(self.running_mean.device)
         self.__dict__.pop("_spares", None)  # the next folds' spares on the new device / dtype
         self._in_force = None
         self._mean_taps = None
