@@ -364,3 +364,27 @@ def test_bf16_batches_reach_the_product_as_they_are_and_match_a_float64_twin():
     assert seen[:10] == [torch.float32] * 10 and seen[10:] == [torch.bfloat16] * 20
 
     _assert_float32_close_to_twin(layer, twin)
+
+
+@pytest.mark.parametrize("method", ["grad", "recursive", "direct"])
+def test_a_buffer_registration_hook_sees_every_buffer_a_fold_replaces(method):
+    """A fold writes its new buffers straight into the layer's ``_buffers`` (cheaper than ``setattr``), except
+    where a global buffer registration hook is installed: that hook must still see every replaced buffer."""
+    model = wl.convert_model(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3)), method, include_stem=True,
+                              block_size=1)
+    (_, layer), = wl.whitening_layers(model)
+    before = {name: t for name, t in layer.named_buffers()}
+    seen = []
+    handle = torch.nn.modules.module.register_module_buffer_registration_hook(
+        lambda module, name, tensor: seen.append(name) if module is layer else None)
+    try:
+        model(torch.randn(2, 3, 8, 8) + 1)  # one block: one fold
+    finally:
+        handle.remove()
+    replaced = {name for name, t in layer.named_buffers() if t is not before[name]}
+    assert {"running_mean", "running_cov", "whitening_matrix"} <= replaced
+    assert replaced <= set(seen)
+    # and without a hook the buffers are replaced all the same (not written in place)
+    before = {name: t for name, t in layer.named_buffers()}
+    model(torch.randn(2, 3, 8, 8) + 1)
+    assert {name for name, t in layer.named_buffers() if t is not before[name]} == replaced

@@ -155,7 +155,7 @@ def fold_layers(layers: Iterable["WhiteningLayer"], *, strategy: str = "auto",
             # summary, moments, new transform: several M x M matrices per layer) are held for that batch only,
             # not for every layer of the model at once (ConvNeXt-B / DenseNet-161 with targets="all": gigabytes).
             for chunk in _fold_chunks(layers):
-                _fold_all(chunk, *_local_summaries(chunk))
+                _fold_all(chunk, *_local_summaries(chunk), one_stack=True)
             return
         owners = _owners(layers, world, strategy)
         summaries, nonfinite, firsts = _global_summaries(layers, owners, group)
@@ -441,7 +441,9 @@ def _transforms(layers: Sequence["WhiteningLayer"], stacked: Fold) -> List[Optio
     if not layers:
         return []
     lead = layers[0]
-    states = [dict(layer.named_buffers(recurse=False)) for layer in layers]
+    # Each layer's buffers by name (its ``_buffers``, read as ``named_buffers(recurse=False)`` reads them, without
+    # that generator's bookkeeping: this runs per layer per fold).
+    states = [{k: v for k, v in layer._buffers.items() if v is not None} for layer in layers]
     if len(layers) > 1 and lead._rule_batch_key() is not None:
         pre = lead.rule.compute_batched(stacked, states, lead.running_mean.dtype)
     else:
@@ -516,7 +518,8 @@ def _coalesced(tensors: Sequence[Tensor], works: list, collective) -> List[Tenso
 
 @torch.no_grad()
 def _fold_all(layers: Sequence["WhiteningLayer"], summaries: Sequence[BlockSummary], nonfinite: Sequence[int],
-              firsts: Sequence[bool], owners: Optional[Sequence[int]] = None, group=None) -> None:
+              firsts: Sequence[bool], owners: Optional[Sequence[int]] = None, group=None, *,
+              one_stack: bool = False) -> None:
     """Fold each layer from its global block: on every rank (``owners`` is ``None``) or on its owner rank,
     which then broadcasts the outcome (see :func:`fold_layers`); every rank writes every outcome.
 
@@ -525,10 +528,14 @@ def _fold_all(layers: Sequence["WhiteningLayer"], summaries: Sequence[BlockSumma
     (EVD: one batched ``eigh`` per width, dtype, device, ``eps``, ``gmax``, ``gains``; same results as one call
     per layer to float tolerance, with the same per-layer fallbacks and failure counts). The moments are the same
     to the last bit stacked or alone (elementwise operations only). Host synchronisations per stack: the
-    summaries' (before this), the moments' flags (:func:`_outcomes`) and the rule's own.
+    summaries' (before this), the moments' flags (:func:`_outcomes`) and the rule's own. ``one_stack``: the
+    layers are already one of :func:`_fold_chunks`' batches (not split again).
     """
-    index = {id(layer): i for i, layer in enumerate(layers)}
-    chunks = [[index[id(layer)] for layer in chunk] for chunk in _fold_chunks(layers)]
+    if one_stack:
+        chunks = [list(range(len(layers)))]
+    else:
+        index = {id(layer): i for i, layer in enumerate(layers)}
+        chunks = [[index[id(layer)] for layer in chunk] for chunk in _fold_chunks(layers)]
     stored_means: List[Tensor] = [torch.empty(0)] * len(layers)  # the new means as the buffers store them
     shifts: List[Tensor] = [torch.empty(0)] * len(layers)  # the next block's shifts
     deltas: List[Tensor] = [torch.empty(0)] * len(layers)

@@ -90,6 +90,9 @@ def _unshared(t: Tensor) -> bool:
 
 
 _eager = torch.compiler.disable
+#: ``Module``'s global buffer registration hooks (torch 2.0+), which a buffer written past ``setattr`` would skip.
+_buffer_registration_hooks: Dict[int, Any] = getattr(torch.nn.modules.module, "_global_buffer_registration_hooks",
+                                                     {})
 
 
 def _try_low_precision_products(device: torch.device) -> None:
@@ -708,7 +711,7 @@ class WhiteningLayer:
         Eager layers take the new tensor (no spare kept: no memory spent).
         """
         if not (self.__dict__.get("_double_buffered") and name in self._FORWARD_BUFFERS):
-            setattr(self, name, value)
+            self._replace_buffer(name, value)
             return
         spares: Dict[str, Tensor] = self.__dict__.setdefault("_spares", {})
         old = self._buffers.get(name)
@@ -717,9 +720,19 @@ class WhiteningLayer:
         if (spare is not None and sys.getrefcount(spare) == _SOLE_REFCOUNT and _unshared(spare)
                 and spare.shape == value.shape and spare.dtype == value.dtype and spare.device == value.device):
             value = spare.copy_(value)
-        setattr(self, name, value)
+        self._replace_buffer(name, value)
         if old is not None and old is not value:
             spares[name] = old
+
+    def _replace_buffer(self, name: str, value: Tensor) -> None:
+        """``self.<name> = value`` for an existing buffer: straight into ``_buffers`` (what ``Module.__setattr__``
+        ends in, after lookups that cost more than the rest of a fold's write; ~7 writes per layer per fold),
+        through ``setattr`` where a buffer registration hook is installed
+        (``torch.nn.modules.module.register_module_buffer_registration_hook``), which must see the write."""
+        if _buffer_registration_hooks:
+            setattr(self, name, value)
+        else:
+            self._buffers[name] = value
 
     def _on_mean_change(self, delta: Tensor) -> None:
         """Hook for layers that must keep their function when the mean in force changes by ``delta`` (float64)."""
