@@ -411,6 +411,9 @@ def compiled_table(device: torch.device, tiny: bool, rounds: int,
             # again if a buffer had moved); the median is a step that does neither
             rows.append([mode + (" (eager backend)" if tiny else ""), name, first, 1e3 * med, med / plain_step,
                          1e3 * mean, mean / plain_mean, counters["stats"]["unique_graphs"]])
+            # each row as it is measured: a run cut short by its timeout keeps what it had
+            print("compiled row:", " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in rows[-1]),
+                  flush=True)
     return rows
 
 
