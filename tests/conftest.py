@@ -13,3 +13,10 @@ from hypothesis import settings
 settings.register_profile("deterministic", derandomize=True, print_blob=True)
 settings.register_profile("explore", derandomize=False, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
+
+if os.environ.get("WHITENLAYERS_TEST_FUSED") == "1":
+    # CUDA's fewest-kernel paths emulated on the CPU for the whole suite (functional.fused_moments): a local check
+    # of the GPU's code paths for sessions without a GPU, not a CI configuration.
+    from whitenlayers.functional import moments as _moments
+
+    _moments._FUSED_ON_CPU[0] = True

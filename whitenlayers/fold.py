@@ -310,7 +310,9 @@ def _read_with_firsts(flags: Tensor, layers: Sequence["WhiteningLayer"]) -> Tupl
 
 
 def _unstack(block: BlockSummary, n: int) -> List[BlockSummary]:
-    return [BlockSummary(*(t[i] for t in block)) for i in range(n)]
+    """The ``n`` layers' summaries of a stacked ``block``: one ``unbind`` per field (a call per field, not one
+    indexing call per field and layer)."""
+    return [BlockSummary(*fields) for fields in zip(*(t.unbind(0) for t in block))]
 
 
 def _stack(blocks: Sequence[BlockSummary]) -> BlockSummary:
@@ -337,8 +339,10 @@ def _stored_all(items: Sequence[Tuple["WhiteningLayer", str, Tensor]]) -> List[T
     out: List[Optional[Tensor]] = []
     pending: List[Tuple[int, Tensor]] = []
     for layer, name, value in items:
-        old = getattr(layer, name)
-        new = value.detach().to(device=old.device, dtype=old.dtype)
+        old = cast(Tensor, layer._buffers[name])  # a buffer the layer holds (read without Module.__getattr__)
+        new = value.detach() if value.requires_grad else value  # a fold runs under no_grad: a call saved per item
+        if new.dtype != old.dtype or new.device != old.device:
+            new = new.to(device=old.device, dtype=old.dtype)
         if new.data_ptr() == value.data_ptr() or not new.is_contiguous():
             pending.append((len(out), new))
             out.append(None)
@@ -420,13 +424,14 @@ def _outcomes(layers: Sequence["WhiteningLayer"], blocks: Sequence[BlockSummary]
         qs = F_w.smooth_grad_transform(prev, gram, beta).to(lead.grad_transform.dtype)
     # The new buffers as stored, every one a tensor of its own: one multi-tensor clone for the whole stack.
     items: List[Tuple[int, str, Tensor]] = []
+    covs_stored = cov_stored.unbind(0)
     for k, result in zip(todo, results):
-        items.append((k, "running_cov", cov_stored[k]))
+        items.append((k, "running_cov", covs_stored[k]))
         if result is not None:
             items.append((k, "whitening_matrix", result.transform))
             items += [(k, name, value) for name, value in result.buffers.items()]
     if qs is not None:
-        items += [(k, "grad_transform", qs[j]) for j, (k, _) in enumerate(done)]
+        items += [(k, "grad_transform", q) for q, (k, _) in zip(qs.unbind(0), done)]
     new: Dict[int, Dict[str, Tensor]] = {k: {} for k in todo}
     for (k, name, _), value in zip(items, _stored_all([(layers[k], name, value) for k, name, value in items])):
         new[k][name] = value
@@ -448,8 +453,9 @@ def _transforms(layers: Sequence["WhiteningLayer"], stacked: Fold) -> List[Optio
         pre = lead.rule.compute_batched(stacked, states, lead.running_mean.dtype)
     else:
         pre = [NOT_COMPUTED] * len(layers)
-    folds = [Fold(BlockSummary(*(t[i] for t in stacked.block)), stacked.mean[i], stacked.cov[i],
-                  stacked.block_cov[i], cast(List[bool], stacked.first)[i]) for i in range(len(layers))]
+    folds = [Fold(block, mean, cov, block_cov, first) for block, mean, cov, block_cov, first in
+             zip(_unstack(stacked.block, len(layers)), stacked.mean.unbind(0), stacked.cov.unbind(0),
+                 stacked.block_cov.unbind(0), cast(List[bool], stacked.first))]
     return [lead.rule.update(fold, state, p) for fold, state, p in zip(folds, states, pre)]
 
 
@@ -562,8 +568,8 @@ def _fold_all(layers: Sequence["WhiteningLayer"], summaries: Sequence[BlockSumma
             computed.update(zip([idx[j] for j in mine], outcomes))
         if len(mine) < len(idx):  # layers other ranks fold (owner strategy): their flags read here
             flags = flags_t.tolist()
-        for j, i in enumerate(idx):
-            stored_means[i], shifts[i], deltas[i] = owned[j], owned[len(idx) + j], delta[j]
+        for j, (i, d) in enumerate(zip(idx, delta.unbind(0))):
+            stored_means[i], shifts[i], deltas[i] = owned[j], owned[len(idx) + j], d
             unshifted[i] = bool(flags[j])
     for src in ([None] if owners is None else range(dist.get_world_size(group))):
         idx = [i for i in range(len(layers)) if src is None or cast("Sequence[int]", owners)[i] == src]

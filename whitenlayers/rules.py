@@ -232,9 +232,11 @@ class RecursiveRule(TransformRule):
         finite = F_w.finite_each(t_new, gram)
         flags = torch.stack([finite, over.view(len(states), groups).any(-1)]).tolist()
         power = power.to(state_dtype)  # as its buffer stores it: one conversion per stack, not one per layer
-        return [RuleResult(t_new[i], gram[i], {"running_cov_whitened": phi_y[i], "running_power": power[i],
-                                               "whitening_gram": gram[i]}, bool(flags[1][i]))
-                if flags[0][i] else None for i in range(len(states))]
+        # one unbind per stacked result (a call each, not one indexing call per layer and result)
+        return [RuleResult(t, q, {"running_cov_whitened": y, "running_power": p, "whitening_gram": q}, bool(over))
+                if ok else None
+                for t, q, y, p, ok, over in zip(t_new.unbind(0), gram.unbind(0), phi_y.unbind(0), power.unbind(0),
+                                                flags[0], flags[1])]
 
     def update(self, fold: Fold, state: Dict[str, Tensor], precomputed: Any = NOT_COMPUTED) -> Optional[RuleResult]:
         if precomputed is NOT_COMPUTED:  # one layer: a stack of one

@@ -162,9 +162,9 @@ def evd_transform_batched(
         ok_in, ok = torch.stack([finite_in, finite_each(lam, vec, t, q)]).tolist()
         t, q = t.to(covs.dtype), q.to(covs.dtype)  # one conversion per stack; views of it below
         retry = [j for j in range(k) if ok_in[j] and not ok[j]]
-        for j in range(k):
+        for j, (tj, qj) in enumerate(zip(t.unbind(0), q.unbind(0))):  # one unbind each, not an index per layer
             if ok_in[j] and ok[j]:
-                out[j] = (t[j], q[j])
+                out[j] = (tj, qj)
     for i in retry:
         out[i] = evd_transform(covs[i], eps=eps, gmax=gmax, gains=gains)
     return out
