@@ -11,6 +11,8 @@ optimizer step and the folds), after one warm-up block, and reports per model an
   ``Tensor.tolist()`` calls (a device-to-host copy on CUDA, no ATen op on the CPU, so counted by a patch)
   per step, inside and outside the folds (the CPU-only accuracy check of the unshifted product is one; on CUDA
   that path is never taken);
+* the view ops of the folds per whitening layer and step (no kernel, but a dispatch each: host time on a GPU,
+  where a fold's per-layer Python shows as indexing calls per layer);
 * the largest op groups per whitening layer (what a regression shows first);
 * step-time ratios against the plain model, interleaved round by round in one process (``--timing-depths``).
 
@@ -69,15 +71,19 @@ PER_TENSOR_OPS = ("_foreach_clone",)
 
 class OpCounter(TorchDispatchMode):
     """Counts non-view ATen ops by name, separately inside and outside the folds (a composite multi-tensor op,
-    :data:`PER_TENSOR_OPS`, once per tensor of its list)."""
+    :data:`PER_TENSOR_OPS`, once per tensor of its list), and view ops apart (:attr:`views`: no kernel, but a
+    dispatch of host time each)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.counts = {"step": collections.Counter(), "fold": collections.Counter()}
+        self.views = {"step": 0, "fold": 0}
         self.phase = "step"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not func.is_view:
+        if func.is_view:
+            self.views[self.phase] += 1
+        else:
             per_tensor = func.overloadpacket.__name__ in PER_TENSOR_OPS
             self.counts[self.phase][func.__name__] += len(args[0]) if per_tensor else 1
         return func(*args, **(kwargs or {}))
@@ -161,6 +167,7 @@ def count_variant(model: str, name: str, blocks: int = 1, block_size: int = 10) 
     syncs = {k: sum(c[name] for name in SYNCS) / steps for k, c in counter.counts.items()}
     return {"model": model, "variant": name, "layers": layers, "steps": steps,
             "ops_per_step": total["step"] + total["fold"], "fold_ops_per_step": total["fold"],
+            "fold_views_per_step": counter.views["fold"] / steps,
             "median_nonfold_step_ops": statistics.median(per_step),
             "syncs_per_step": syncs["step"], "fold_syncs_per_step": syncs["fold"],
             "by_op": {k: (counter.counts["step"][k] + counter.counts["fold"][k]) / steps
@@ -184,10 +191,12 @@ def count_table(models: List[str], names: List[str]) -> Tuple[List[Dict[str, obj
                 groups.append([model, name, ", ".join(f"{k.split('.')[0]} {v:.1f}" for k, v in top)])
     table = md_table(["model", "variant", "whitening layers", "ops per step", "extra ops per layer",
                       "of which fold, per layer", "extra ops per layer, median step that does not fold",
-                      "host syncs per step (outside folds)", "host syncs in folds"],
+                      "host syncs per step (outside folds)", "host syncs in folds",
+                      "view ops in folds, per layer and step"],
                      [[r["model"], r["variant"], r["layers"], r["ops_per_step"], r["extra_per_layer"],
                        (r["fold_ops_per_step"] / r["layers"]) if r["layers"] else 0.0, r["extra_per_layer_nonfold"],
-                       r["syncs_per_step"], r["fold_syncs_per_step"]] for r in rows], nd=1)
+                       r["syncs_per_step"], r["fold_syncs_per_step"],
+                       (r["fold_views_per_step"] / r["layers"]) if r["layers"] else 0.0] for r in rows], nd=1)
     return rows, table, md_table(["model", "variant", "largest extra op groups per layer and step"], groups)
 
 
