@@ -11,8 +11,8 @@ optimizer step and the folds), after one warm-up block, and reports per model an
   ``Tensor.tolist()`` calls (a device-to-host copy on CUDA, no ATen op on the CPU, so counted by a patch)
   per step, inside and outside the folds (the CPU-only accuracy check of the unshifted product is one; on CUDA
   that path is never taken);
-* the view ops of the folds per whitening layer and step (no kernel, but a dispatch each: host time on a GPU,
-  where a fold's per-layer Python shows as indexing calls per layer);
+* view ops (no kernel, but a dispatch each: host time on a GPU) per whitening layer: inside the folds per step
+  (a fold's per-layer indexing shows here) and on the median step that does not fold (the hot path's slicing);
 * the largest op groups per whitening layer (what a regression shows first);
 * step-time ratios against the plain model, interleaved round by round in one process (``--timing-depths``).
 
@@ -154,12 +154,15 @@ def count_variant(model: str, name: str, blocks: int = 1, block_size: int = 10) 
     counter = OpCounter()
     undo = _folding(counter)
     per_step = []  # non-view ops of each step outside its fold
+    per_step_views = []  # and its view ops
     try:
         with counter, F_w.fused_moments(FUSED[0]):
             for i in range(blocks * block_size):
                 before = sum(v for k, v in counter.counts["step"].items() if k != TOLIST)
+                views = counter.views["step"]
                 step(i)
                 per_step.append(sum(v for k, v in counter.counts["step"].items() if k != TOLIST) - before)
+                per_step_views.append(counter.views["step"] - views)
     finally:
         undo()
     steps = blocks * block_size
@@ -169,6 +172,7 @@ def count_variant(model: str, name: str, blocks: int = 1, block_size: int = 10) 
             "ops_per_step": total["step"] + total["fold"], "fold_ops_per_step": total["fold"],
             "fold_views_per_step": counter.views["fold"] / steps,
             "median_nonfold_step_ops": statistics.median(per_step),
+            "median_nonfold_step_views": statistics.median(per_step_views),
             "syncs_per_step": syncs["step"], "fold_syncs_per_step": syncs["fold"],
             "by_op": {k: (counter.counts["step"][k] + counter.counts["fold"][k]) / steps
                       for k in set(counter.counts["step"]) | set(counter.counts["fold"])}}
@@ -184,6 +188,8 @@ def count_table(models: List[str], names: List[str]) -> Tuple[List[Dict[str, obj
             r["extra_per_layer"] = (r["ops_per_step"] - plain["ops_per_step"]) / n if n else 0.0
             r["extra_per_layer_nonfold"] = ((r["median_nonfold_step_ops"] - plain["median_nonfold_step_ops"]) / n
                                             if n else 0.0)
+            r["extra_views_per_layer_nonfold"] = ((r["median_nonfold_step_views"]
+                                                   - plain["median_nonfold_step_views"]) / n if n else 0.0)
             rows.append(r)
             if n:
                 diff = {k: (v - plain["by_op"].get(k, 0.0)) / n for k, v in r["by_op"].items()}
@@ -192,11 +198,12 @@ def count_table(models: List[str], names: List[str]) -> Tuple[List[Dict[str, obj
     table = md_table(["model", "variant", "whitening layers", "ops per step", "extra ops per layer",
                       "of which fold, per layer", "extra ops per layer, median step that does not fold",
                       "host syncs per step (outside folds)", "host syncs in folds",
-                      "view ops in folds, per layer and step"],
+                      "view ops in folds, per layer and step", "extra view ops per layer, median step that does not fold"],
                      [[r["model"], r["variant"], r["layers"], r["ops_per_step"], r["extra_per_layer"],
                        (r["fold_ops_per_step"] / r["layers"]) if r["layers"] else 0.0, r["extra_per_layer_nonfold"],
                        r["syncs_per_step"], r["fold_syncs_per_step"],
-                       (r["fold_views_per_step"] / r["layers"]) if r["layers"] else 0.0] for r in rows], nd=1)
+                       (r["fold_views_per_step"] / r["layers"]) if r["layers"] else 0.0,
+                       r["extra_views_per_layer_nonfold"]] for r in rows], nd=1)
     return rows, table, md_table(["model", "variant", "largest extra op groups per layer and step"], groups)
 
 

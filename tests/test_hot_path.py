@@ -28,6 +28,10 @@ NONFOLD_PINS = {"grad": 4.0, "recursive": 4.0, "direct": 6.0, "grad:every5": 4.0
 #: 3.8, 2.4 before the fold unbound its stacks).
 FOLD_VIEW_PINS = {"grad": 1.1, "recursive": 1.8, "direct": 1.1}
 
+#: variant -> most extra view ops per whitening layer on the median step that does not fold (NCHW ResNet-20:
+#: detaches, the statistics' and the gradient transform's reshapes). Measured: 12.0, 12.0, 7.0, 7.0.
+NONFOLD_VIEW_PINS = {"grad": 13.0, "recursive": 13.0, "direct": 8.0, "grad:every5": 8.0}
+
 
 @pytest.fixture(scope="module")
 def counts():
@@ -50,6 +54,11 @@ def test_extra_ops_per_layer_on_a_step_that_does_not_fold(counts, variant):
 def test_view_ops_per_layer_in_the_folds_stay_pinned(counts, variant):
     assert 0 < counts[variant]["fold_views_per_step"] / counts[variant]["layers"] <= FOLD_VIEW_PINS[variant], \
         counts[variant]["fold_views_per_step"]
+
+
+@pytest.mark.parametrize("variant", sorted(NONFOLD_VIEW_PINS))
+def test_extra_view_ops_per_layer_on_a_step_that_does_not_fold(counts, variant):
+    assert 0 < counts[variant]["extra_views_per_layer_nonfold"] <= NONFOLD_VIEW_PINS[variant], counts[variant]
 
 
 def test_no_host_synchronisation_outside_the_folds(counts):

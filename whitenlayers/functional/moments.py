@@ -376,7 +376,8 @@ def _as_moments_accumulator(acc: Tensor, dtype: torch.dtype) -> Tensor:
     return moments_accumulator(acc.shape[0] - 1, dtype, acc.device).copy_(acc)
 
 
-def accumulate_moments(acc: Tensor, x: Tensor, shift: Optional[Tensor]) -> None:
+def accumulate_moments(acc: Tensor, x: Tensor, shift: Optional[Tensor],
+                       blocks: Optional[Tuple[Tensor, Tensor]] = None) -> None:
     """Add a batch's sums about ``shift`` to an augmented accumulator ``acc`` ``(M + 1, M + 1)``.
 
     ``acc[:M, :M] += sum (x - k)(x - k)^T`` and ``acc[:M, M] += sum (x - k)``; ``acc[M, :]`` is left alone
@@ -414,9 +415,10 @@ def accumulate_moments(acc: Tensor, x: Tensor, shift: Optional[Tensor]) -> None:
     rows = _as_rows(xs)
     ones = _ones(_ones_shape(xs, rows), xs.dtype, xs.device)
     if rows is not None:  # (P, M): two products into the accumulator's blocks, no copy of the batch
+        s2, s1 = (acc[:m, :m], acc[:m, m:]) if blocks is None else blocks
         rows_t = rows.t()
-        _product_add(acc[:m, :m], rows_t, rows)
-        _product_add(acc[:m, m:], rows_t, ones)
+        _product_add(s2, rows_t, rows)
+        _product_add(s1, rows_t, ones)
         return
     b = xs.flatten(2).transpose(0, 1)  # (M, B, P), a view
     a = torch.cat([b, ones], 0).flatten(1)  # (M + 1, B * P): the one copy
