@@ -388,3 +388,35 @@ def test_a_buffer_registration_hook_sees_every_buffer_a_fold_replaces(method):
     before = {name: t for name, t in layer.named_buffers()}
     model(torch.randn(2, 3, 8, 8) + 1)
     assert {name for name, t in layer.named_buffers() if t is not before[name]} == replaced
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "double"])
+def test_a_copied_or_cast_layer_sums_into_its_own_accumulator(how):
+    """The eager hot path writes into the accumulator's blocks as sliced once per accumulator: a copy, a pickle
+    or a float64 cast of a copy of a layer mid-block (CUDA's two-product path, channels_last batches) sums its
+    next batch into its own accumulator, and the original's block is left as it was."""
+    import copy
+    import pickle
+
+    g = torch.Generator().manual_seed(0)
+    x1, x2 = (torch.randn(3, 4, 5, 5, generator=g, dtype=torch.float64).to(memory_format=torch.channels_last)
+              for _ in range(2))
+    dtype = torch.float32 if how == "double" else torch.float64
+    x1 = x1.to(dtype)  # float32 values, exactly float64 too (the reference's first batch)
+    with wl.functional.fused_moments(True):
+        layer = wl.GradWhitenConv2d(4, 2, 3, padding=1, block_size=100).to(dtype)
+        layer(x1)
+        before = layer.block_statistics()
+        other = {"deepcopy": copy.deepcopy, "pickle": lambda m: pickle.loads(pickle.dumps(m)),
+                 "double": lambda m: copy.deepcopy(m).double()}[how](layer)
+        other(x2)
+        ref = wl.GradWhitenConv2d(4, 2, 3, padding=1, block_size=100).double()
+        ref(x1.double())
+        ref(x2)
+        got, want = other.block_statistics(), ref.block_statistics()
+        assert float(got.count) == float(want.count) == 2 * 3 * 25
+        tol = 1e-5 if how == "double" else 1e-12  # float32 sums of the first batch, cast with the layer
+        torch.testing.assert_close(got.mean, want.mean, rtol=tol, atol=tol)
+        torch.testing.assert_close(got.scatter, want.scatter, rtol=tol, atol=tol * 100)
+        after = layer.block_statistics()
+        assert float(after.count) == float(before.count) and torch.equal(after.scatter, before.scatter)
