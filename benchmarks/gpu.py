@@ -189,7 +189,10 @@ def optimizer_for(name: str, model: nn.Module) -> torch.optim.Optimizer:
         from whitenlayers.experiment.peers import library_optimizer
         opts = {"precondition_frequency": 10} if name == "soap" else {}
         return library_optimizer(name, model, lr=0.02 if name == "muon" else 3e-3, options=opts)
-    return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    if name.endswith(":deferred"):  # the weight-gradient transform at the optimizer's step (wl.defer_grad_transform)
+        wl.defer_grad_transform(model, opt)
+    return opt
 
 
 def timed_steps(variants: Dict[str, nn.Module], make_batch: Callable, device, rounds: int, autocast_dtype,
@@ -306,10 +309,10 @@ def step_table(name: str, base: nn.Module, make_batch: Callable, device, rounds:
         variants[method] = wl.convert_model(copy.deepcopy(base), method=method)
     for method in ("grad", "recursive"):
         variants[f"{method}:every5,block50"] = wl.convert_model(copy.deepcopy(base), method=method, **RECOMMENDED)
-    # statistics on every forward, from a quarter of its samples (stats_fraction: T within the sampling noise of
-    # full statistics, RESULTS.md "Sub-sampled statistics"): the other schedule a GPU user could pick
-    variants["recursive:frac25,block50"] = wl.convert_model(copy.deepcopy(base), method="recursive",
-                                                            stats_fraction=0.25, block_size=50)
+    # the weight-gradient transform at the optimizer's step, not in the backward (no Python autograd node per
+    # layer): defaults otherwise (optimizer_for defers it by the name)
+    for method in ("grad", "recursive"):
+        variants[f"{method}:deferred"] = wl.convert_model(copy.deepcopy(base), method=method)
     bare = copy.deepcopy(base)
     BareStatistics(bare)
     variants["bare statistics pass (floor)"] = bare

@@ -53,7 +53,15 @@ VARIANTS = {
     "direct": ("direct", {}),
     "grad:every5,block50": ("grad", {"stats_every": 5, "block_size": 50}),
     "recursive:every5,block50": ("recursive", {"stats_every": 5, "block_size": 50}),
+    # the weight-gradient transform at the optimizer's step (wl.defer_grad_transform), defaults otherwise
+    "grad:deferred": ("grad", {"defer": True}),
+    "recursive:deferred": ("recursive", {"defer": True}),
 }
+
+
+def _convert_kw(kw: Dict[str, object]) -> Dict[str, object]:
+    """A variant's ``convert_model`` arguments (``defer`` is the stepper's)."""
+    return {k: v for k, v in kw.items() if k != "defer"}
 
 
 def _inputs(seed: int):
@@ -63,10 +71,13 @@ def _inputs(seed: int):
     return base, torch.randn(2, 3, 32, 32).to(memory_format=torch.channels_last), torch.randint(0, 10, (2,))
 
 
-def _stepper(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
-    """One training step of ``model`` (channels_last, bf16 autocast, SGD with momentum)."""
+def _stepper(model: nn.Module, x: torch.Tensor, y: torch.Tensor, defer: bool = False) -> Callable[[], None]:
+    """One training step of ``model`` (channels_last, bf16 autocast, SGD with momentum; ``defer``: the
+    weight-gradient transform at the optimizer's step, ``wl.defer_grad_transform``)."""
     model.to(memory_format=torch.channels_last).train()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    if defer:
+        wl.defer_grad_transform(model, opt)
 
     def step() -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -90,7 +101,8 @@ def main(argv=None) -> Dict[str, object]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p)
     p.add_argument("--blocks", type=int, default=3, help="whole blocks of 50 steps timed per variant")
-    p.add_argument("--ablate", choices=sorted(VARIANTS), help="attribute one variant's host time to its parts")
+    p.add_argument("--ablate", choices=sorted(k for k, (_, kw) in VARIANTS.items() if "defer" not in kw),
+                   help="attribute one variant's host time to its parts")
     p.add_argument("--folds", action="store_true", help="time whole-model folds instead of steps")
     args = p.parse_args(argv)
     if args.ablate:
@@ -103,10 +115,11 @@ def main(argv=None) -> Dict[str, object]:
     base, x, y = _inputs(args.seed)
     models: Dict[str, nn.Module] = {"plain": copy.deepcopy(base)}
     for name, (method, kw) in VARIANTS.items():
-        models[name] = wl.convert_model(copy.deepcopy(base), method, **kw)
+        models[name] = wl.convert_model(copy.deepcopy(base), method, **_convert_kw(kw))
     layers = len(wl.whitening_layers(models["grad"]))
     times: Dict[str, List[float]] = {k: [] for k in models}
-    steppers = {name: _stepper(model, x, y) for name, model in models.items()}
+    steppers = {name: _stepper(model, x, y, VARIANTS.get(name, ("", {}))[1].get("defer", False))
+                for name, model in models.items()}
     machine = machine_description()
     names = list(models)
     with wl.functional.fused_moments(True):

@@ -19,6 +19,7 @@ from .convert import (
     to_plain_model,
     whitening_layers,
 )
+from .deferred import DeferredGradTransform, defer_grad_transform
 from .diagnostics import Diagnostics, collect_diagnostics, layer_diagnostics
 from .layers import (
     DirectWhiten,
@@ -59,6 +60,8 @@ __all__ = [
     "load_plain_state_dict",
     "plain_state_dict",
     "DirectWhitenWrapper",
+    "DeferredGradTransform",
+    "defer_grad_transform",
     "Diagnostics",
     "collect_diagnostics",
     "layer_diagnostics",

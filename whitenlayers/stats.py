@@ -278,7 +278,8 @@ class WhiteningLayer:
     def __getstate__(self) -> Dict[str, Any]:
         # The buffers of the last forward and the weight of a fold under way are transient: not pickled or copied.
         state = dict(self.__dict__)
-        for transient in ("_in_force", "_fold_weight", "_mean_taps", "_pointwise_cache", "_spares"):
+        for transient in ("_in_force", "_fold_weight", "_mean_taps", "_pointwise_cache", "_spares", "_deferred_grad",
+                          "_deferred_q"):  # a copy is stepped by no optimizer of the deferral (defer_grad_transform)
             state.pop(transient, None)
         if state.get("_acc_aug") is not None:  # views of it: made again on load (a pickle would copy them apart)
             state.pop("_acc_s1", None)

@@ -367,6 +367,13 @@ class _GradWhitenMixin(WhiteningLayer):
     def _weight_for_forward(self, state: Dict[str, Tensor]) -> Tensor:
         w = self.weight
         if torch.is_grad_enabled() and w.requires_grad:
+            if self.__dict__.get("_deferred_grad") and not _is_compiling():
+                # whitenlayers.defer_grad_transform: the backward leaves the weight gradient as it is, and the
+                # optimizer's step pre-hook multiplies it by the Q_s in force at the first forward since the
+                # gradient was last cleared (None) or transformed: the Q_s of this step's backward(s).
+                if self.__dict__.get("_deferred_q") is None or w.grad is None:
+                    self.__dict__["_deferred_q"] = state["grad_transform"]
+                return w
             # The backward uses the Q_s in force now, even if a fold follows: a fold replaces the buffer, it never
             # writes into it.
             if self.features == "patches":  # Q acts on the flattened C k^2 axis
