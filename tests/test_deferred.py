@@ -196,3 +196,28 @@ def test_ddp_deferred_is_bit_identical_across_ranks_and_trains_like_the_default(
         if deferred[0][k].is_floating_point():
             # the default transforms each rank's gradient before the all-reduce, the deferral the reduced one
             torch.testing.assert_close(deferred[0][k], default[0][k], rtol=0, atol=1e-12, msg=lambda m: f"{k}: {m}")
+
+
+def test_grad_scaler_steps_the_deferred_transform_like_the_default():
+    """``GradScaler.step`` unscales the gradients and checks them for infinities, then calls ``optimizer.step()``,
+    whose pre-hook transforms them. The default transforms the scaled gradients in the backward instead: both are
+    linear, so the updates agree to float32 rounding (a training loop with the scaler runs unchanged)."""
+    batches = _batches(6)
+
+    def run(defer: bool) -> nn.Module:
+        model = _model("grad").float()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        deferral = wl.defer_grad_transform(model, opt) if defer else None
+        for x, y in batches:
+            opt.zero_grad()
+            scaler.scale(F.cross_entropy(model(x.float()), y)).backward()
+            scaler.step(opt)
+            scaler.update()
+        if deferral is not None:
+            deferral.remove()
+        return model
+
+    a, b = run(False), run(True)
+    for (k, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
