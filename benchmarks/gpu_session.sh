@@ -9,7 +9,8 @@
 #   bash benchmarks/gpu_session.sh tests     # the test suite on CUDA, pytest -n 8             (~4 minutes)
 #   bash benchmarks/gpu_session.sh short     # one call when little device time is left (~6 minutes): the
 #                                            # statistics probe, the CUDA test,
-#                                            # gpu.py's tables (50 rounds) and kernel counts, the host
+#                                            # gpu.py's tables (50 rounds; the deferred weight-gradient
+#                                            # transform's rows among them) and kernel counts, the host
 #                                            # attribution (gpu_host.py) with two step timelines
 #   bash benchmarks/gpu_session.sh compile   # torch.compile: ResNet-20, plain and recursive, both modes
 #                                            #                                                  (~5 minutes)
