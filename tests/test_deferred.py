@@ -221,3 +221,26 @@ def test_grad_scaler_steps_the_deferred_transform_like_the_default():
     a, b = run(False), run(True)
     for (k, p), q in zip(a.named_parameters(), b.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_activation_checkpointing_recomputes_with_the_deferred_weight(use_reentrant):
+    """A recomputed forward (activation checkpointing) is not a new batch: with the deferral it hands the conv the
+    weight as it is, as the original forward did, and the step transforms with the original forward's ``Q_s``."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):  # the whole converted model recomputed in the backward
+            return checkpoint(self.inner, x, use_reentrant=use_reentrant)
+
+    # both checkpointed: a recomputed BatchNorm updates its running statistics again (PyTorch's behaviour), and
+    # an absorbed offset follows it, in either run
+    batches = [(x.requires_grad_(use_reentrant), y) for x, y in _batches(9)]
+    a = _train(Checkpointed(_model("grad")), batches, defer=False)
+    b = _train(Checkpointed(_model("grad")), batches, defer=True)
+    assert all(int(layer.num_blocks) == 3 for _, layer in wl.whitening_layers(b))
+    _assert_same_training(a, b)
