@@ -205,10 +205,16 @@ def test_ddp_deferred_is_bit_identical_across_ranks_and_trains_like_the_default(
                                        msg=lambda m: f"{k}: {m}")
 
 
-def test_grad_scaler_steps_the_deferred_transform_like_the_default():
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_grad_scaler_steps_the_deferred_transform_like_the_default(set_to_none):
     """``GradScaler.step`` unscales the gradients and checks them for infinities, then calls ``optimizer.step()``,
     whose pre-hook transforms them. The default transforms the scaled gradients in the backward instead: both are
-    linear, so the updates agree to float32 rounding (a training loop with the scaler runs unchanged)."""
+    linear, so the updates agree to float32 rounding (a training loop with the scaler runs unchanged).
+
+    The third step's loss is infinite, so the scaler skips that step (no pre-hook runs), and its forward ends a
+    block: the next step's gradient must get the new ``Q_s``, also when ``zero_grad(set_to_none=False)`` leaves the
+    gradients in place (a deferral that kept the ``Q_s`` of the first forward since the gradient was cleared took
+    the skipped step's)."""
     batches = _batches(6)
 
     def run(defer: bool) -> nn.Module:
@@ -216,16 +222,19 @@ def test_grad_scaler_steps_the_deferred_transform_like_the_default():
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
         deferral = wl.defer_grad_transform(model, opt) if defer else None
-        for x, y in batches:
-            opt.zero_grad()
-            scaler.scale(F.cross_entropy(model(x.float()), y)).backward()
+        for i, (x, y) in enumerate(batches):
+            opt.zero_grad(set_to_none=set_to_none)
+            loss = F.cross_entropy(model(x.float()), y) * (float("inf") if i == 2 else 1.0)
+            scaler.scale(loss).backward()
             scaler.step(opt)
             scaler.update()
+        assert scaler.get_scale() == 2.0**9  # the one skipped step halved it
         if deferral is not None:
             deferral.remove()
         return model
 
     a, b = run(False), run(True)
+    assert all(int(layer.num_blocks) == 2 for _, layer in wl.whitening_layers(b))
     for (k, p), q in zip(a.named_parameters(), b.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
 

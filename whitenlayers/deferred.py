@@ -101,10 +101,11 @@ def defer_grad_transform(model: nn.Module, *optimizers: torch.optim.Optimizer) -
 
     * between ``backward()`` and ``step()`` the weight gradients are the untransformed ones: gradient clipping,
       logging or anything else there sees those;
-    * the ``Q_s`` is the one in force at the forward that first used the weight since its gradient was cleared
-      (``zero_grad``) or transformed, for every backward until the next step. That is the default's ``Q_s`` unless
-      a fold falls between the forwards of one optimizer step: set the layers' ``accumulation_steps`` to the number
-      of backward passes per step (then blocks end on step boundaries);
+    * the ``Q_s`` is the one in force at the layer's last forward (with gradients enabled) before the step, for
+      the whole gradient the step applies. That is the default's ``Q_s`` unless a fold falls between the forwards
+      of one optimizer step: set the layers' ``accumulation_steps`` to the number of backward passes per step
+      (then blocks end on step boundaries). A step that ``GradScaler`` skips changes nothing here, however the
+      gradients are cleared;
     * optimizers stepped with a closure (LBFGS) are refused, and so are sharded gradients (FSDP), whose shape is
       not the weight's; under DDP the reduced gradient is transformed (the same on every rank);
     * a layer running inside a ``torch.compile``'d graph keeps the default transform in its backward.

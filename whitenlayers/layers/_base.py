@@ -369,10 +369,10 @@ class _GradWhitenMixin(WhiteningLayer):
         if torch.is_grad_enabled() and w.requires_grad:
             if self.__dict__.get("_deferred_grad") and not _is_compiling():
                 # whitenlayers.defer_grad_transform: the backward leaves the weight gradient as it is, and the
-                # optimizer's step pre-hook multiplies it by the Q_s in force at the first forward since the
-                # gradient was last cleared (None) or transformed: the Q_s of this step's backward(s).
-                if self.__dict__.get("_deferred_q") is None or w.grad is None:
-                    self.__dict__["_deferred_q"] = state["grad_transform"]
+                # optimizer's step pre-hook multiplies it by the Q_s of the layer's last forward before the step
+                # (a recomputed forward reads its original forward's). Nothing here depends on how the gradient
+                # was cleared, or on whether the last step ran: a step that GradScaler skipped leaves no stale Q_s.
+                self.__dict__["_deferred_q"] = state["grad_transform"]
                 return w
             # The backward uses the Q_s in force now, even if a fold follows: a fold replaces the buffer, it never
             # writes into it.
