@@ -148,18 +148,7 @@ def test_bad_uses_are_refused_with_the_reason():
     head = torch.optim.SGD(model[-1].parameters(), lr=0.1)  # steps the linear head only
     with pytest.raises(ValueError, match="no optimizer given steps the weight of 2 whitening layer"):
         wl.defer_grad_transform(model, head)
-    opt = torch.optim.LBFGS(model.parameters())
     x, y = _batches(1)[0]
-
-    def closure():
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        return loss
-
-    with wl.defer_grad_transform(model, opt):
-        with pytest.raises(RuntimeError, match="closure"):
-            opt.step(closure)
     # a gradient that is not the weight's shape (FSDP1's flat shard of it) is refused at the step
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with wl.defer_grad_transform(model, opt):
@@ -174,6 +163,84 @@ def test_bad_uses_are_refused_with_the_reason():
                 deferral_module.transform_gradients([layer])
         finally:
             layer._parameters["weight"] = weight
+
+
+def _train_with_closures(model: nn.Module, batches, defer: bool, how: str) -> nn.Module:
+    """``opt.step(closure)``: SGD with momentum, the closure passed by position or keyword, or LBFGS (several calls
+    of the closure per step)."""
+    if how == "lbfgs":
+        opt: torch.optim.Optimizer = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=3, history_size=4)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    deferral = wl.defer_grad_transform(model, opt) if defer else None
+    calls = 0
+    for x, y in batches:
+        def closure():
+            nonlocal calls
+            calls += 1
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            return loss
+
+        opt.step(closure=closure) if how == "keyword" else opt.step(closure)
+    assert calls > len(batches) if how == "lbfgs" else calls == len(batches)
+    if deferral is not None:
+        deferral.remove()
+    return model
+
+
+@pytest.mark.parametrize("how", ["positional", "keyword", "lbfgs"])
+def test_closure_steps_train_like_the_default(how):
+    """A step with a closure computes the gradients inside the step, after the step's pre-hook: each call of the
+    closure transforms what its backward left. LBFGS calls it several times per step (and each call is a training
+    forward: folds fall inside the steps); the comparison fails if the closure's gradients are not transformed."""
+    batches = _batches(6)
+    a = _train_with_closures(_model("grad"), batches, defer=False, how=how)
+    b = _train_with_closures(_model("grad"), batches, defer=True, how=how)
+    assert all(int(layer.num_blocks) >= 2 for _, layer in wl.whitening_layers(b))
+    _assert_same_training(a, b)
+    c = _model("grad")
+    for _, layer in wl.whitening_layers(c):
+        layer.__dict__["_deferred_grad"] = True  # deferred, but never transformed: not the same training
+    _train_with_closures(c, batches, defer=False, how=how)
+    assert (c[0].weight - a[0].weight).abs().max() > 1e-4
+
+
+def test_lightning_automatic_optimization_trains_like_the_default(tmp_path):
+    """Lightning steps every optimizer with a closure (its training step, backward and gradient clipping): with
+    the deferral set up in ``configure_optimizers`` it trains like the default. The clipping threshold is not
+    reached here: clipping sees the untransformed gradients, so a reached threshold clips another norm than the
+    default's (docs/training.md)."""
+    L = pytest.importorskip("lightning")
+
+    class Module(L.LightningModule):
+        def __init__(self, defer: bool) -> None:
+            super().__init__()
+            self.net, self.defer = _model("grad"), defer
+
+        def training_step(self, batch, _):
+            return F.cross_entropy(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+            if self.defer:
+                self.deferral = wl.defer_grad_transform(self.net, opt)
+            return opt
+
+    data = _batches(6)
+    loader = torch.utils.data.DataLoader(list(zip(*[torch.cat(t) for t in zip(*data)])), batch_size=8)
+
+    def fit(defer: bool) -> nn.Module:
+        module = Module(defer)
+        L.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+                  gradient_clip_val=10.0).fit(module, loader)
+        return module.net
+
+    a, b = fit(False), fit(True)
+    assert all(int(layer.num_blocks) == 2 for _, layer in wl.whitening_layers(b))
+    _assert_same_training(a, b)
 
 
 def _ddp_deferred(rank: int, world: int, defer: bool) -> dict:

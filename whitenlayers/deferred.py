@@ -29,13 +29,29 @@ class DeferredGradTransform:
         #: per optimizer: the deferred layers whose weight it steps
         self._stepped: Dict[int, List[WhiteningLayer]] = {}
 
-    def _pre_step(self, optimizer: torch.optim.Optimizer, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+    def _pre_step(self, optimizer: torch.optim.Optimizer, args: Tuple[Any, ...],
+                  kwargs: Dict[str, Any]) -> Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]]:
         # args: the optimizer itself, then step's own (a closure)
-        if any(a is not None for a in args[1:]) or kwargs.get("closure") is not None:
-            raise RuntimeError(
-                "defer_grad_transform: an optimizer step with a closure re-computes the gradients inside the step, "
-                "after this hook has run; use the default transform in the backward with such optimizers (LBFGS)")
-        transform_gradients(self._stepped.get(id(optimizer), []))
+        layers = self._stepped.get(id(optimizer), [])
+        closure = kwargs.get("closure")
+        positional = closure is None and len(args) > 1 and args[1] is not None
+        if positional:
+            closure = args[1]
+        if closure is None:
+            transform_gradients(layers)
+            return None
+
+        # A step with a closure (LBFGS; Lightning's automatic optimization passes one to every optimizer) computes
+        # the gradients inside the step, after this hook: each call of the closure transforms what its backward
+        # left, before the optimizer reads it.
+        def closure_then_transform() -> Any:
+            loss = closure()
+            transform_gradients(layers)
+            return loss
+
+        if positional:
+            return (args[0], closure_then_transform) + tuple(args[2:]), kwargs
+        return args, {**kwargs, "closure": closure_then_transform}
 
     def remove(self) -> None:
         """End the deferral: the layers transform their gradients in the backward again. Gradients still waiting
@@ -106,8 +122,11 @@ def defer_grad_transform(model: nn.Module, *optimizers: torch.optim.Optimizer) -
       of one optimizer step: set the layers' ``accumulation_steps`` to the number of backward passes per step
       (then blocks end on step boundaries). A step that ``GradScaler`` skips changes nothing here, however the
       gradients are cleared;
-    * optimizers stepped with a closure (LBFGS) are refused, and so are sharded gradients (FSDP), whose shape is
-      not the weight's; under DDP the reduced gradient is transformed (the same on every rank);
+    * a step with a closure (LBFGS, Lightning's automatic optimization) transforms the gradients after each call
+      of the closure, inside the step: anything the closure does after its ``backward()`` (Lightning clips the
+      gradients there) sees the untransformed ones;
+    * sharded gradients (FSDP), whose shape is not the weight's, are refused; under DDP the reduced gradient is
+      transformed (the same on every rank);
     * a layer running inside a ``torch.compile``'d graph keeps the default transform in its backward.
 
     Args:
