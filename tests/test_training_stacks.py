@@ -416,6 +416,34 @@ def test_hugging_face_trainer_checkpoints_resume_mid_block(tmp_path):
     assert_same(whitening_state(resumed), whitening_state(straight), rtol=1e-6, atol=1e-7)
 
 
+def test_hugging_face_trainer_with_the_deferred_transform_trains_like_the_default(tmp_path):
+    """The Trainer steps Accelerate's ``AcceleratedOptimizer``, a wrapper whose own step runs no optimizer hooks:
+    ``defer_grad_transform`` given the wrapper (from a callback) hooks the optimizer inside it. Float32, two code
+    paths (the transform before or after the gradient's accumulation): a few float32 ulps apart."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+
+    class Defer(transformers.TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+            assert not isinstance(optimizer, torch.optim.SGD)  # the wrapper
+            self.deferral = wl.defer_grad_transform(model, optimizer)
+
+    def fit(defer):
+        model = hf_resnet(block_size=2)
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / str(defer)), max_steps=5, save_strategy="no", report_to=[], use_cpu=True,
+            seed=0, per_device_train_batch_size=4, learning_rate=0.05, disable_tqdm=True,
+            dataloader_num_workers=0, max_grad_norm=1e9)
+        callbacks = [Defer()] if defer else []
+        transformers.Trainer(model=model, args=args, train_dataset=_Images(), callbacks=callbacks).train()
+        return model
+
+    default, deferred = fit(False), fit(True)
+    assert int(wl.whitening_layers(deferred)[0][1].num_blocks) == 2
+    assert_same(dict(deferred.named_parameters()), dict(default.named_parameters()), rtol=1e-5, atol=1e-6)
+    assert_same(whitening_state(deferred), whitening_state(default), rtol=1e-5, atol=1e-6)
+
+
 def test_lightning_checkpoint_resumes_mid_block(tmp_path):
     L = pytest.importorskip("lightning")
 

@@ -96,6 +96,23 @@ def transform_gradients(layers: Sequence[WhiteningLayer]) -> None:
         grad.copy_(new)  # in place: a DDP bucket view, or any wrapper's, stays linked
 
 
+def _innermost(optimizer: Any) -> torch.optim.Optimizer:
+    """The optimizer whose ``step`` runs the hooks: a wrapper's own (Hugging Face Accelerate's
+    ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``) passes the step on to the optimizer it wraps, and
+    never initialised ``Optimizer``'s hooks."""
+    inner = optimizer
+    for _ in range(8):  # wrappers of wrappers, not a cycle
+        wrapped = getattr(inner, "optimizer", None) or getattr(inner, "_optimizer", None)
+        if not isinstance(wrapped, torch.optim.Optimizer) or wrapped is inner:
+            break
+        inner = wrapped
+    if not isinstance(inner, torch.optim.Optimizer) or not hasattr(inner, "_optimizer_step_pre_hooks"):
+        raise TypeError(
+            f"defer_grad_transform: expected torch.optim.Optimizer instances (or a wrapper holding one as "
+            f"`.optimizer`), but got {type(optimizer).__name__}, whose step runs no optimizer step hooks")
+    return inner
+
+
 def _weight_shape(layer: Any) -> Tuple[int, ...]:
     """The shape of the layer's whole weight (a sharded wrapper may hold a flat piece of it instead)."""
     if hasattr(layer, "kernel_size"):
@@ -132,7 +149,9 @@ def defer_grad_transform(model: nn.Module, *optimizers: torch.optim.Optimizer) -
     Args:
         model: a model converted by :func:`~whitenlayers.convert_model`, or any module holding grad / recursive
             whitening layers.
-        *optimizers: the optimizers that step those layers' weights, together every one of them.
+        *optimizers: the optimizers that step those layers' weights, together every one of them. A wrapper
+            (Hugging Face Accelerate's ``AcceleratedOptimizer``, which the ``Trainer`` uses; Lightning's
+            ``LightningOptimizer``) stands for the optimizer it wraps.
 
     Returns:
         A :class:`DeferredGradTransform`; its ``remove()`` (or leaving it as a context manager) goes back to the
@@ -152,6 +171,7 @@ def defer_grad_transform(model: nn.Module, *optimizers: torch.optim.Optimizer) -
     layers: List[Any] = [m for m in model.modules() if isinstance(m, WhiteningLayer) and "grad_transform" in m._buffers]
     if not layers:
         raise ValueError(f"defer_grad_transform: {type(model).__name__} has no grad or recursive whitening layer")
+    optimizers = tuple(_innermost(opt) for opt in optimizers)
     deferral = DeferredGradTransform(layers, optimizers)
     stepped: Set[int] = set()
     for opt in optimizers:
