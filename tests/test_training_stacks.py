@@ -575,6 +575,37 @@ def _fsdp_worker(rank, world, flavour):
     return out
 
 
+def _fsdp_deferral_worker(rank, world, flavour):
+    model = fsdp_net(False)
+    if flavour == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        model = FSDP(model, device_id=torch.device("cpu"))
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in [m for _, m in wl.whitening_layers(model)]:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    try:
+        wl.defer_grad_transform(model, opt)
+    except ValueError as e:
+        return str(e)
+    return "not refused"
+
+
+@pytest.mark.parametrize("flavour", ["fsdp1", "fsdp2"])
+def test_fsdp_refuses_the_deferred_transform_up_front(flavour):
+    """At the optimizer's step FSDP leaves each rank a shard of each weight gradient: ``defer_grad_transform``
+    refuses a sharded model when it is called, naming what shards it (not at the first step, nor as a missing
+    optimizer)."""
+    results = run_distributed(_fsdp_deferral_worker, flavour)
+    for message in results:
+        assert "is sharded" in message, message
+        assert ("FullyShardedDataParallel" if flavour == "fsdp1" else "fully_shard") in message, message
+
+
 @pytest.mark.parametrize("flavour", ["fsdp1", "fsdp2", "fsdp2-no-reshard"])
 def test_fsdp_trains_like_one_process(flavour):
     """Two gloo ranks, each half of the batch, folds included: every parameter and whitening buffer equals one

@@ -96,6 +96,18 @@ def transform_gradients(layers: Sequence[WhiteningLayer]) -> None:
         grad.copy_(new)  # in place: a DDP bucket view, or any wrapper's, stays linked
 
 
+def _sharding(model: nn.Module, layers: Sequence[Any]) -> Optional[str]:
+    """What shards the layers' weights, if anything does: an FSDP1 wrapper in the model, or DTensor weights (FSDP2's
+    ``fully_shard``, tensor parallelism)."""
+    for module in model.modules():
+        if type(module).__name__ == "FullyShardedDataParallel":
+            return "FullyShardedDataParallel"
+    for layer in layers:
+        if hasattr(layer.weight, "to_local"):
+            return f"the weight of {layer._describe()} is a {type(layer.weight).__name__}, as fully_shard makes it"
+    return None
+
+
 def _innermost(optimizer: Any) -> torch.optim.Optimizer:
     """The optimizer whose ``step`` runs the hooks: a wrapper's own (Hugging Face Accelerate's
     ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``) passes the step on to the optimizer it wraps, and
@@ -142,7 +154,8 @@ def defer_grad_transform(model: nn.Module, *optimizers: torch.optim.Optimizer) -
     * a step with a closure (LBFGS, Lightning's automatic optimization) transforms the gradients after each call
       of the closure, inside the step: anything the closure does after its ``backward()`` (Lightning clips the
       gradients there) sees the untransformed ones;
-    * sharded gradients (FSDP), whose shape is not the weight's, are refused; under DDP the reduced gradient is
+    * a sharded model (FSDP1's wrapper, FSDP2's ``fully_shard``) is refused here, and a gradient whose shape is
+      not the weight's at the step; under DDP the reduced gradient is
       transformed (the same on every rank);
     * a layer running inside a ``torch.compile``'d graph keeps the default transform in its backward.
 
@@ -171,6 +184,12 @@ def defer_grad_transform(model: nn.Module, *optimizers: torch.optim.Optimizer) -
     layers: List[Any] = [m for m in model.modules() if isinstance(m, WhiteningLayer) and "grad_transform" in m._buffers]
     if not layers:
         raise ValueError(f"defer_grad_transform: {type(model).__name__} has no grad or recursive whitening layer")
+    sharding = _sharding(model, layers)
+    if sharding is not None:
+        raise ValueError(
+            f"defer_grad_transform: {type(model).__name__} is sharded ({sharding}): at the optimizer's step each rank "
+            f"holds only a shard of each weight gradient; use the default transform in the backward, which "
+            f"transforms each gradient before it is sharded")
     optimizers = tuple(_innermost(opt) for opt in optimizers)
     deferral = DeferredGradTransform(layers, optimizers)
     stepped: Set[int] = set()
