@@ -2,6 +2,7 @@
 the smoothing of ``Q``; dense, grouped and batched. Part of :mod:`whitenlayers.functional`."""
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Sequence, Tuple, Union
 
 import torch
@@ -201,21 +202,22 @@ def principal_subspace_grouped(phi_y: Tensor, *, c_rel: float, c_abs: float) -> 
         phi_y: the diagonal blocks ``(G, k, k)`` of ``Phi_y``.
         c_rel, c_abs: the :class:`~whitenlayers.RecursiveConfig` fields of those names.
     """
-    g, k = phi_y.shape[0], phi_y.shape[-1]
+    k = phi_y.shape[-1]
+    # Few operations (a fold runs this once per stack of layers, each operation a dispatch of host time on a GPU)
     xi = torch.linalg.vector_norm(phi_y, dim=-2)  # column norms (G, k)
-    mp = torch.argmax(xi, dim=-1)  # (G,)
-    col = torch.gather(phi_y, 2, mp.view(g, 1, 1).expand(g, k, 1)).squeeze(-1)  # phi[:, :, m']
-    c = (phi_y.transpose(-1, -2) @ col.unsqueeze(-1)).squeeze(-1)
-    thresh = torch.clamp(c_rel * torch.gather(xi, 1, mp.view(g, 1)) * xi, min=c_abs)
-    sel = c.abs() >= thresh
-    w = torch.where(sel, 1.0 / torch.where(sel, c, torch.ones_like(c)), torch.zeros_like(c))
+    mp = torch.argmax(xi, dim=-1, keepdim=True)  # (G, 1)
+    col = torch.gather(phi_y, 2, mp.unsqueeze(-1).expand(-1, k, 1))  # phi[:, :, m'] as a column (G, k, 1)
+    c = (phi_y.transpose(-1, -2) @ col).squeeze(-1)
+    thresh = torch.clamp(torch.gather(xi, 1, mp) * c_rel * xi, min=c_abs)
+    sel = c.abs() >= thresh  # |c_m| >= c_abs > 0 where selected: the reciprocal is finite there
     count = sel.sum(-1, keepdim=True)
-    v = (phi_y @ w.unsqueeze(-1)).squeeze(-1) / torch.clamp(count, min=1).to(phi_y.dtype)
+    v = (phi_y @ torch.where(sel, c.reciprocal(), 0.0).unsqueeze(-1)).squeeze(-1) / torch.clamp(count, min=1)
     norm = torch.linalg.vector_norm(v, dim=-1, keepdim=True)
-    ok = (count > 0) & (norm > 0) & torch.isfinite(norm)
+    # no coherent set: v = 0, so norm = 0; a non-finite phi_y: norm NaN or inf (isfinite would be four operations)
+    ok = (norm > 0) & (norm < math.inf)
     # e_m' as a comparison (one_hot checks its indices' range on the host: two synchronisations per call)
-    e = (torch.arange(k, device=mp.device) == mp.unsqueeze(-1)).to(phi_y.dtype)
-    return torch.where(ok, v / torch.where(ok, norm, torch.ones_like(norm)), e)
+    e = (torch.arange(k, device=mp.device) == mp).to(phi_y.dtype)
+    return torch.where(ok, v / norm, e)  # where() takes e wherever v / norm is not a unit vector
 
 
 def recursive_step_grouped(
@@ -276,18 +278,24 @@ def recursive_step_blocks(
             names.
     """
     v = principal_subspace_grouped(phi_y, c_rel=c_rel, c_abs=c_abs)  # (G, k)
-    lam_e = (v * (phi_y @ v.unsqueeze(-1)).squeeze(-1)).sum(-1)  # (G,)
+    vv = v.unsqueeze(-1)  # columns (G, k, 1)
+    lam_e = (vv.transpose(-1, -2) @ (phi_y @ vv)).view(-1)  # v^T Phi_y v, (G,)
     g = delta * mean_power / torch.clamp(lam_e, min=eps)
     over = g > 1.0
     g = torch.clamp(g, max=1.0)
     a = (torch.sqrt(g) - 1.0).view(-1, 1, 1)
-    t_vec = (t_prev.transpose(-1, -2) @ v.unsqueeze(-1)).squeeze(-1)  # (G, k)
-    vv, tt = v.unsqueeze(-1), t_vec.unsqueeze(-1)  # columns
-    eye = torch.eye(t_prev.shape[-1], dtype=t_prev.dtype, device=t_prev.device)
-    t_new = gamma * (t_prev + a * (vv * tt.transpose(-1, -2))) + (1.0 - gamma) * eye
-    c1 = gamma * gamma * a * (a + 2.0)
-    c2 = gamma * (1.0 - gamma) * a
-    q_new = (gamma * gamma * q_prev + gamma * (1.0 - gamma) * (t_prev + t_prev.transpose(-1, -2))
-             + tt * (c1 * tt + c2 * vv).transpose(-1, -2) + c2 * (vv * tt.transpose(-1, -2))
-             + (1.0 - gamma) ** 2 * eye)
+    tt = t_prev.transpose(-1, -2) @ vv  # t_e = T^T v, (G, k, 1)
+    # The formulas of recursive_step as batched rank-one updates (baddbmm of a column by a row) and in-place
+    # diagonal adds: few operations per stack, no identity matrix.
+    mix = gamma * (1.0 - gamma)
+    av = vv * a
+    t_new = torch.baddbmm(t_prev, av, tt.transpose(-1, -2), beta=gamma, alpha=gamma)
+    t_new.diagonal(dim1=-2, dim2=-1).add_(1.0 - gamma)
+    c2v = av * mix  # c2 v, c2 = gamma (1 - gamma) a
+    c1 = (a + 2.0) * a * (gamma * gamma)
+    q_new = q_prev * (gamma * gamma)
+    q_new.add_(t_prev, alpha=mix).add_(t_prev.transpose(-1, -2), alpha=mix)
+    q_new.baddbmm_(tt, torch.addcmul(c2v, c1, tt).transpose(-1, -2))  # c1 t t^T + c2 t v^T
+    q_new.baddbmm_(c2v, tt.transpose(-1, -2))  # c2 v t^T
+    q_new.diagonal(dim1=-2, dim2=-1).add_((1.0 - gamma) ** 2)
     return RecursiveStep(t_new, symmetrize(q_new), v, lam_e, g, False), over
