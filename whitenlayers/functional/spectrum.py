@@ -11,12 +11,6 @@ from .moments import symmetrize
 # --------------------------------------------------------------------------
 # Diagnostics: rank and whiteness
 # --------------------------------------------------------------------------
-def _normalized_spectrum(eigenvalues: Tensor) -> Tensor:
-    lam = torch.clamp(eigenvalues, min=0.0)
-    total = lam.sum(-1, keepdim=True)
-    return torch.where(total > 0, lam / torch.where(total > 0, total, torch.ones_like(total)), torch.zeros_like(lam))
-
-
 def effective_rank(eigenvalues: Tensor) -> Tensor:
     """Effective rank ``M_s = exp(-sum lam_m log lam_m)`` of a spectrum (ERRATA 1).
 
@@ -36,12 +30,12 @@ def effective_rank(eigenvalues: Tensor) -> Tensor:
     >>> float(effective_rank(torch.tensor([3.0, 0.0, 0.0])))
     1.0
     """
-    p = _normalized_spectrum(eigenvalues.to(torch.float64))
-    plogp = torch.where(p > 0, p * torch.log(torch.where(p > 0, p, torch.ones_like(p))), torch.zeros_like(p))
-    ent = -plogp.sum(-1)
-    rank = torch.exp(ent)
-    allzero = p.sum(-1) == 0
-    return torch.where(allzero, torch.ones_like(rank), rank).to(eigenvalues.dtype)
+    # Few operations: a fold computes this once per stack of layers, each operation a dispatch of host time on a
+    # GPU. lam / sum(lam) is 0 / 0 = NaN for an all-zero spectrum (and NaN where the spectrum is not finite): taken
+    # as 0, whose entropy is 0 (xlogy: 0 log 0 := 0), so the rank is exp(0) = 1, the convention.
+    lam = torch.clamp(eigenvalues.to(torch.float64), min=0.0)
+    p = torch.nan_to_num(lam / lam.sum(-1, keepdim=True), nan=0.0)
+    return torch.exp(-torch.xlogy(p, p).sum(-1)).to(eigenvalues.dtype)
 
 
 def normalized_rank(cov: Tensor) -> Tensor:
