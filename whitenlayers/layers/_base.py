@@ -455,7 +455,7 @@ class _GradWhitenMixin(WhiteningLayer):
         comp = F_w.weight_mean_product(w, delta)
         absorbed = self._buffers.get("absorbed_offset")
         if absorbed is not None:  # c lives in d for an absorbed layer (c - d is what the function uses)
-            absorbed.sub_(comp.to(absorbed.dtype))
+            absorbed.sub_(comp)  # float64 comp: computed in float64, rounded once into d's dtype (one op, no copy)
             return
         self._set_fold_buffer("bias_correction", self.bias_correction + comp.to(self.bias_correction.dtype))
 
