@@ -155,8 +155,7 @@ def defer_grad_transform(model: nn.Module, *optimizers: torch.optim.Optimizer) -
       of the closure, inside the step: anything the closure does after its ``backward()`` (Lightning clips the
       gradients there) sees the untransformed ones;
     * a sharded model (FSDP1's wrapper, FSDP2's ``fully_shard``) is refused here, and a gradient whose shape is
-      not the weight's at the step; under DDP the reduced gradient is
-      transformed (the same on every rank);
+      not the weight's at the step; under DDP the reduced gradient is transformed (the same on every rank);
     * a layer running inside a ``torch.compile``'d graph keeps the default transform in its backward.
 
     Args:
