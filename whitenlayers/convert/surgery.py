@@ -8,6 +8,7 @@ from typing import (
     Any,
     Dict,
     Iterator,
+    List,
     Optional,
     Tuple,
     Union,
@@ -332,43 +333,68 @@ def convert_model(
         >>> type(model.layer1[0].conv1).__name__, model.layer1[0].conv1.layer_name
         ('GradWhitenConv2d', 'layer1.0.conv1')
     """
-    method_spec = get_method(method)
-    check_strategy(fold_strategy, "fold_strategy")
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        raise ValueError("convert_model: convert the model before wrapping it in DistributedDataParallel")
-    method_spec.check_kwargs(f"convert_model(method={method!r})", layer_kwargs)
-    _check_existing(model, method, layer_kwargs)
+    _check_arguments(model, method, fold_strategy, layer_kwargs)
     target_spec = TargetSpec(targets, predicate, block_types, include_linear, include_stem, include_classifier,
                              max_features, example_input)
     # Reading a parametrized weight (shapes, dtypes) must not advance a parametrization's training step (spectral
     # norm's power iteration): they run in eval mode while the model is converted.
     with _parametrizations_in_eval(model):
         plan = _plan(model, target_spec)
-
         selected = [(name, module) for name, module, decision in plan if decision.status == "to convert"]
         patch_stem = _patch_stem(plan, method, include_stem, max_features) if stem_patches else None
-        absorbers = absorbing_batchnorms(model, selected) if (absorb_centring and method != "direct") else {}
         # Build every new layer first, so an error leaves the model untouched.
-        new_by_id: Dict[int, nn.Module] = {}
-        for name, module in selected:
-            kwargs = dict(layer_kwargs, features="patches") if module is patch_stem else layer_kwargs
-            new_by_id[id(module)] = _make_layer(method, module, name, kwargs)
-        for key, (bn, parent) in absorbers.items():
-            cast("_GradWhitenMixin", new_by_id[key]).absorb_centring(cast(_BatchNorm, bn), parent=parent)
-        decisions = [d._replace(status="converted") if d.status == "to convert" else d for _, _, d in plan]
-        result = ConversionReport(method, decisions)
+        new_by_id = _build_layers(method, selected, patch_stem, layer_kwargs)
+        if absorb_centring and method != "direct":
+            _absorb_centrings(model, selected, new_by_id)
+        result = ConversionReport(method, [d._replace(status="converted") if d.status == "to convert" else d
+                                           for _, _, d in plan])
         _warn_left_out(result, targets=targets, predicate=predicate, include_linear=include_linear,
                        model_has_whitening=bool(whitening_layers(model)))
         if id(model) in new_by_id:  # a bare layer passed as the model
             new_root = new_by_id[id(model)]
             return (new_root, result) if report else new_root
-        if new_by_id:
-            for parent in list(model.modules()):
-                for child_name, child in list(parent._modules.items()):
-                    if child is not None and id(child) in new_by_id and not _is_whitening(parent):
-                        setattr(parent, child_name, new_by_id[id(child)])
+        _swap_in(model, new_by_id)
         _install_coordinator(model, fold_strategy)
         return (model, result) if report else model
+
+
+def _check_arguments(model: nn.Module, method: str, fold_strategy: str, layer_kwargs: Dict[str, Any]) -> None:
+    """:func:`convert_model`'s checks before anything is built: a known method and strategy, keyword arguments
+    that method takes, a model not wrapped in DDP yet, no whitening of another kind already in it."""
+    method_spec = get_method(method)
+    check_strategy(fold_strategy, "fold_strategy")
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        raise ValueError("convert_model: convert the model before wrapping it in DistributedDataParallel")
+    method_spec.check_kwargs(f"convert_model(method={method!r})", layer_kwargs)
+    _check_existing(model, method, layer_kwargs)
+
+
+def _build_layers(method: str, selected: List[Tuple[str, nn.Module]], patch_stem: Optional[nn.Module],
+                  layer_kwargs: Dict[str, Any]) -> Dict[int, nn.Module]:
+    """The new layer of every selected module, by the module's ``id`` (the stem whitens its patches when it is
+    ``patch_stem``); nothing in the model is replaced yet."""
+    new_by_id: Dict[int, nn.Module] = {}
+    for name, module in selected:
+        kwargs = dict(layer_kwargs, features="patches") if module is patch_stem else layer_kwargs
+        new_by_id[id(module)] = _make_layer(method, module, name, kwargs)
+    return new_by_id
+
+
+def _absorb_centrings(model: nn.Module, selected: List[Tuple[str, nn.Module]],
+                      new_by_id: Dict[int, nn.Module]) -> None:
+    """Let each BatchNorm that alone consumes a new layer's output absorb that layer's centring."""
+    for key, (bn, parent) in absorbing_batchnorms(model, selected).items():
+        cast("_GradWhitenMixin", new_by_id[key]).absorb_centring(cast(_BatchNorm, bn), parent=parent)
+
+
+def _swap_in(model: nn.Module, new_by_id: Dict[int, nn.Module]) -> None:
+    """Put each new layer in its module's place in every parent that holds it (not inside a whitening layer)."""
+    if not new_by_id:
+        return
+    for parent in list(model.modules()):
+        for child_name, child in list(parent._modules.items()):
+            if child is not None and id(child) in new_by_id and not _is_whitening(parent):
+                setattr(parent, child_name, new_by_id[id(child)])
 
 
 @contextlib.contextmanager

@@ -1,0 +1,282 @@
+"""A whitening layer's block: its accumulators, and its side of a fold.
+
+A block starts empty (:meth:`~_BlockMixin._clear_block`), gathers the sums of ``block_size`` training forwards
+(:mod:`whitenlayers.stats.step`) and ends in a fold: :mod:`whitenlayers.fold` computes the new moments and
+transform for stacks of layers at once from each layer's :meth:`~_BlockMixin._block_sums`; the layer's part is
+:meth:`~_BlockMixin._begin_fold` (counters, an empty block) and :meth:`~_BlockMixin._fold_finish` (the outcome
+written into its buffers, the bias compensation). The public block API (:meth:`~_BlockMixin.fold`,
+:meth:`~_BlockMixin.accumulate`, ...) is here too. Part of :mod:`whitenlayers.stats`.
+"""
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Any, Dict, Hashable, List, Optional, Tuple, cast
+
+import torch
+from torch import Tensor
+
+from .. import functional as F_w
+from ..fold import FAILED, SKIP_MESSAGES, FoldOutcome, _fold_all, _read_with_firsts, fold_layers
+from ..functional import BlockSummary
+from ..functional.moments import _as_moments_accumulator
+from ._core import _LayerCore
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .layer import WhiteningLayer
+
+def _sole_refcount() -> int:
+    """``sys.getrefcount`` of a tensor held by one local variable only, taken as :meth:`_set_fold_buffer` takes
+    its spare (popped from a dict): the baseline on this interpreter (versions count the caller's own
+    references differently); a tensor anything else holds counts more."""
+    spares = {"spare": torch.empty(0)}
+    spare = spares.pop("spare")
+    return sys.getrefcount(spare)
+
+
+_SOLE_REFCOUNT = _sole_refcount()
+
+
+def _unshared(t: Tensor) -> bool:
+    """Whether no autograd graph and no view holds ``t`` (its tensor's C++ use count is its one Python object's,
+    its storage's is the tensor's and the temporary storage object's); ``False`` where this torch cannot tell."""
+    use_count = getattr(t, "_use_count", None)
+    storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None or storage_use_count is None:
+        return False
+    return use_count() == 1 and storage_use_count(t.untyped_storage()._cdata) == 2
+
+
+#: ``Module``'s global buffer registration hooks (torch 2.0+), which a buffer written past ``setattr`` would skip.
+_buffer_registration_hooks: Dict[int, Any] = getattr(torch.nn.modules.module, "_global_buffer_registration_hooks",
+                                                     {})
+
+
+class _BlockMixin(_LayerCore):
+    """The block of :class:`~whitenlayers.stats.WhiteningLayer` and its side of a fold (this module's docstring)."""
+
+    # ------------------------------------------------------------ accumulators
+    def _reset_accumulators(self, device=None) -> None:
+        zero = self._clear_block(device)
+        if zero:
+            torch._foreach_zero_(zero)
+
+    def _clear_block(self, device=None) -> List[Tensor]:
+        """Start an empty block (on ``device``, default the buffers'); returns the accumulators the caller must
+        zero (in place: no fresh allocation, and its page faults, at every fold; the fold zeroes those of many
+        layers in one multi-tensor op)."""
+        dev = self.running_mean.device if device is None else torch.device(device)
+        # Plain attributes, written straight into the instance dict (as in _end_batch): at every fold, per layer.
+        self.__dict__.update(
+            _acc_batches=0,
+            _gather_next=True,
+            _acc_count=0.0,  # rows (samples x positions) gathered: known from shapes, no device op
+            _acc_shift=None,
+            _acc_shift_x=None,  # the shift as the batches subtract it (None: unshifted)
+            _fold_pending=False,
+        )
+        zero = []
+        if self.groups == 1:  # one augmented accumulator (functional.accumulate_moments); s1, s2 are its views
+            aug, m1 = self.__dict__.get("_acc_aug"), self.num_features + 1
+            dtype = self._acc_dtype()
+            if aug is not None and aug.device == dev and aug.shape == (m1, m1) and aug.dtype == dtype:
+                zero.append(aug if aug._base is None else aug._base)  # its storage, padding too: a dense tensor
+            else:
+                self._set_accumulator(F_w.moments_accumulator(self.num_features, dtype, dev))
+            return zero
+        s1, s2 = getattr(self, "_acc_s1", None), getattr(self, "_acc_s2", None)
+        if s1 is not None and s1.device == dev and s1.shape == (self.num_features,):
+            zero.append(s1)
+        else:
+            self._acc_s1 = torch.zeros(self.num_features, dtype=torch.float64, device=dev)
+        if s2 is not None and s2.device == dev and tuple(s2.shape) == self._block_shape:
+            zero.append(s2)
+        else:
+            self._acc_s2 = torch.zeros(self._block_shape, dtype=torch.float64, device=dev)
+        return zero
+
+    def _set_accumulator(self, aug: Tensor) -> None:
+        self._acc_aug = aug
+        self._acc_s2 = aug[:-1, :-1]
+        self._acc_s1 = aug[:-1, -1]
+        # The blocks the eager hot path's two products write into, sliced once here (Python indexing costs
+        # about a microsecond per slice, four per layer per step): s2 and s1 as a column.
+        self._acc_blocks = (self._acc_s2, aug[:-1, -1:])
+
+    def _reset_accumulators_to(self, device) -> None:
+        if self._acc_s1.is_meta:  # accumulators left on the meta device hold nothing: a new, empty block
+            self._reset_accumulators(device)
+            return
+        self._move_accumulators(lambda t: t.to(device))
+
+    def _move_accumulators(self, fn) -> None:
+        """Apply ``fn`` (a move, ``to_empty``) to the partial block's tensors, keeping their dtypes."""
+        sums = ("_acc_aug",) if self._acc_aug is not None else ("_acc_s1", "_acc_s2")
+        names = ("_acc_shift", "_acc_shift_x") + sums
+        for name in names:
+            old = self.__dict__.get(name)
+            if old is not None:
+                new = fn(old)
+                self.__dict__[name] = new if new.dtype == old.dtype else old.to(device=new.device)
+        aug = self._acc_aug
+        if aug is not None:
+            # A float32 <-> float64 cast of the layer (the block's sums follow its statistics), or a move that
+            # copied the accumulator contiguous: again as moments_accumulator's aligned rows.
+            self._set_accumulator(_as_moments_accumulator(aug, self._acc_dtype()))
+
+    def _fold_now(self) -> None:
+        """Fold this layer alone, now (not at the end of the forward that ended its block)."""
+        self._fold_weight = None
+        fold_layers([cast("WhiteningLayer", self)])
+
+    def _block_sums(self) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        """This rank's block: ``(count, shift, s1, s2)``, the shifted sums (float64)."""
+        shift = self._acc_shift if self._acc_shift is not None else torch.zeros_like(self._acc_s1)
+        count = torch.tensor(self._acc_count, dtype=torch.float64, device=self._acc_s1.device)
+        return count, shift, self._acc_s1.to(torch.float64), self._acc_s2.to(torch.float64)
+
+    def _block_nonfinite(self) -> Tensor:
+        """``1.0`` when this rank's block sums are not finite (a batch with non-finite values, or products that
+        overflow the input's precision), else ``0.0``: float64, on the device (checked once per block)."""
+        return ((self._acc_s1.sum() + self._acc_s2.sum()) * 0 != 0).to(torch.float64)  # x * 0: NaN for NaN, Inf
+
+    def _block_summary(self) -> BlockSummary:
+        return F_w.summarize_block(*self._block_sums())
+
+    # -------------------------------------------------------------------- fold
+    # :mod:`whitenlayers.fold` computes a fold for stacks of layers (moments, transforms, Q_s) from the layers'
+    # blocks and buffers; the layer's part: _begin_fold (every rank: counters, an empty block) and _fold_finish
+    # (every rank: writes the outcome, counters, bias compensation).
+    def _rule_batch_key(self) -> Optional[Hashable]:
+        if self.groups != 1:
+            return self.rule.batch_key(self.num_features, self.running_mean.dtype, self.running_mean.device,
+                                       groups=self.groups)
+        return self.rule.batch_key(self.num_features, self.running_mean.dtype, self.running_mean.device)
+
+    def _fold(self, block: BlockSummary) -> None:
+        """Fold this layer alone on ``block`` (already summed over ranks): every step here, nothing sent."""
+        layers = [cast("WhiteningLayer", self)]
+        nonfinite, firsts = _read_with_firsts(self._block_nonfinite().view(1), layers)  # one host synchronisation
+        _fold_all(layers, [block], [int(nonfinite[0])], firsts)
+
+    def _begin_fold(self, nonfinite: int) -> List[Tensor]:
+        """Count the ranks whose block had non-finite sums (``nonfinite``) and start an empty block; returns the
+        accumulators to zero. Read the block's sums before."""
+        if nonfinite:
+            self.nonfinite_blocks += nonfinite
+            self._warn_once("nonfinite", "a block with non-finite activations (or second moments that overflow "
+                                         "the input's precision) was dropped: its fold was skipped and the "
+                                         "transform kept")
+        return self._clear_block()
+
+    def _outcome_layout(self) -> List[Tuple[str, Tuple[int, ...]]]:
+        """``(name, shape)`` of the buffers a fold's outcome may hold (:meth:`_fold_outcome`), in a fixed order."""
+        names = ["running_cov", "whitening_matrix"] + (["grad_transform"] if hasattr(self, "grad_transform") else [])
+        names += list(self.rule.initial_buffers(self.num_features, {"device": "meta"}, groups=self.groups))
+        return [(name, tuple(getattr(self, name).shape)) for name in names]
+
+    @torch.no_grad()
+    def _fold_finish(self, outcome: FoldOutcome, mean: Tensor, delta: Tensor, unshifted: bool, shift: Tensor) -> bool:
+        """Write a fold's ``outcome`` (a skipped fold, a failed transform: the previous one is kept, and
+        counted), the new mean ``mean`` (as stored, a tensor of its own), the bias compensation for the mean's
+        change ``delta`` (float64), whether the next block sums unshifted and that block's shift ``shift``
+        (float64, a tensor of its own: 0 when ``unshifted``, else ``mean``). ``outcome.buffers`` are taken as
+        they are (tensors of their own, ``fold._stored_all``). Returns whether the block counts (the caller adds
+        it to ``num_blocks``, many layers in one op); ``False`` for a skipped fold."""
+        if outcome.status in SKIP_MESSAGES:
+            self.skipped_folds += 1
+            if SKIP_MESSAGES[outcome.status]:
+                self._warn_once("skip", cast(str, SKIP_MESSAGES[outcome.status]))
+            return False
+        if outcome.status == FAILED:
+            self.eig_failures += 1
+            self._warn_once("transform", self.rule.failure_message)
+        for name, value in outcome.buffers.items():
+            self._set_fold_buffer(name, value)
+        self._on_mean_change(delta)
+        self._set_fold_buffer("running_mean", mean)
+        # Plain attributes, written straight into the instance dict (as in _end_batch). The next block's shift, as
+        # its first gathered batch would choose it (_start_block after a counted fold): chosen here, a compiled
+        # graph needs no second variant for a block's first batch.
+        self.__dict__.update(clamped_steps=self.clamped_steps + int(outcome.clamped), _stats_unshifted=unshifted,
+                             _acc_shift=shift, _acc_shift_x=None)
+        return True
+
+    def _set_fold_buffer(self, name: str, value: Tensor) -> None:
+        """Set buffer ``name`` to a fold's new ``value``, a tensor of its own.
+
+        A fold never writes into a tensor that a forward or a backward may still read: a backward still to come
+        may hold the old tensor (``torch.compile`` saves the buffer itself for the backward rather than the
+        forward's clone of it, and an in-place update would make that backward fail, or use the new transform);
+        DDP re-reads reassigned buffers before each sync. A layer that runs inside compiled graphs
+        (``torch.compile``) keeps each of its forward's buffers (:attr:`_FORWARD_BUFFERS`) to two tensors: the
+        new value goes into the tensor the buffer held before the previous fold (the spare) when nothing else
+        holds that tensor any more (no other Python reference, no autograd graph that saved it, no view), and
+        the tensor the buffer held becomes the next spare. CUDA graph trees (``mode="reduce-overhead"``) read a
+        buffer as a static input at a fixed address and record the graph again when the address changes: two
+        addresses are two recordings in all, where a new tensor at every fold is a new recording at every block.
+        Eager layers take the new tensor (no spare kept: no memory spent).
+        """
+        if not (self.__dict__.get("_double_buffered") and name in self._FORWARD_BUFFERS):
+            self._replace_buffer(name, value)
+            return
+        spares: Dict[str, Tensor] = self.__dict__.setdefault("_spares", {})
+        old = self._buffers.get(name)
+        spare = spares.pop(name, None)
+        # no Python reference to the spare but `spare` (the refcount of a tensor held by one local variable)
+        if (spare is not None and sys.getrefcount(spare) == _SOLE_REFCOUNT and _unshared(spare)
+                and spare.shape == value.shape and spare.dtype == value.dtype and spare.device == value.device):
+            value = spare.copy_(value)
+        self._replace_buffer(name, value)
+        if old is not None and old is not value:
+            spares[name] = old
+
+    def _replace_buffer(self, name: str, value: Tensor) -> None:
+        """``self.<name> = value`` for an existing buffer: straight into ``_buffers`` (what ``Module.__setattr__``
+        ends in, after lookups that cost more than the rest of a fold's write; ~7 writes per layer per fold),
+        through ``setattr`` where a buffer registration hook is installed
+        (``torch.nn.modules.module.register_module_buffer_registration_hook``), which must see the write."""
+        if _buffer_registration_hooks:
+            setattr(self, name, value)
+        else:
+            self._buffers[name] = value
+
+    def _on_mean_change(self, delta: Tensor) -> None:
+        """Hook for layers that must keep their function when the mean in force changes by ``delta`` (float64)."""
+
+    # ------------------------------------------------------------- public API
+    def fold(self, block: Optional[BlockSummary] = None) -> None:
+        """Fold the current (possibly partial) block now, as if the block had ended.
+
+        Either way the layer starts a new, empty block.
+
+        Args:
+            block: a block summary to fold instead of the accumulated block (from :meth:`block_statistics`,
+                e.g. to time one layer's fold on the same block again and again); nothing is summed across
+                ranks then. Default ``None``: the accumulated block, summed across ranks under
+                ``torch.distributed``.
+        """
+        if block is None:
+            self._fold_now()
+        else:
+            self._fold(block)
+
+    def accumulate(self, x: Tensor) -> None:
+        """Add ``x`` (features on dim 1: ``(N, M)`` or ``(N, M, *positions)``) to the current block's statistics,
+        as a training forward does, without counting a batch toward ``block_size`` (see :meth:`fold`).
+
+        Args:
+            x: the features, ``(N, M)`` or ``(N, M, *positions)`` with ``M = num_features``: every sample and
+                position is one observation (a conv layer's input before padding, or its unfolded patches).
+        """
+        if x.dim() < 2 or x.shape[1] != self.num_features:
+            raise ValueError(f"{self._describe()}: accumulate expects features on dim 1 ({self.num_features}), but "
+                             f"got shape {tuple(x.shape)}")
+        self._accumulate(x)
+
+    def block_statistics(self) -> BlockSummary:
+        """This rank's current block as a :class:`~whitenlayers.functional.BlockSummary` (count, mean, scatter)."""
+        return self._block_summary()
+
+    def discard_block(self) -> None:
+        """Drop the current partial block (its statistics and its batch count); the state in force is kept."""
+        self._reset_accumulators()

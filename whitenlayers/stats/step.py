@@ -1,0 +1,244 @@
+"""The per-step path of a whitening layer: what a training forward runs when no fold is due.
+
+A training forward begins with :meth:`~_PerStepMixin._forward_state` (the buffers it reads; a recomputed
+forward reads its original's), adds the batch's sums to the block's accumulators (:meth:`~_PerStepMixin._accumulate`:
+one product and one sum about the block's shift, no host synchronisation) and ends with
+:meth:`~_PerStepMixin._end_batch` (counts the batch; at the block's end, asks for a fold). Under ``torch.compile``
+the graph holds the tensor work only and the model's fold coordinator does the counting outside it. Everything
+else a layer does (the fold, checkpoints, casts) is in the other modules of :mod:`whitenlayers.stats`.
+Part of :mod:`whitenlayers.stats`.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Dict, Optional, Tuple, cast
+
+import torch
+from torch import Tensor
+
+from .. import functional as F_w
+from ..fold import _no_autocast, fold_layers
+from ..functional import stats_samples
+from ..functional.moments import LOW_PRECISION, low_precision_products_known
+from ._core import _is_compiling, _LayerCore
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .layer import WhiteningLayer
+
+__all__ = ["recomputing"]
+
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+_eager = torch.compiler.disable
+
+
+def _work_dtype(x: Tensor) -> torch.dtype:
+    """The dtype a batch's statistics are computed in: its own when float32 / float64, else float32."""
+    return x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def recomputing() -> bool:
+    """Whether the current forward runs inside a backward pass, i.e. autograd re-runs it (activation checkpointing).
+
+    Both kinds of :func:`torch.utils.checkpoint.checkpoint` recompute a
+    segment's forward while the autograd engine executes the backward; an
+    original forward never runs there. Inside a compiled graph this is
+    ``False`` (compiled checkpointing replays the graph, not the module).
+    """
+    if _graph_task_id is None or _is_compiling():
+        return False
+    return _graph_task_id() != -1
+
+
+class _PerStepMixin(_LayerCore):
+    """The per-step path of :class:`~whitenlayers.stats.WhiteningLayer` (this module's docstring)."""
+
+    # ------------------------------------------------------------------ forward
+    def _forward_state(self) -> Tuple[bool, Dict[str, Tensor]]:
+        """Begin a forward: whether it is a training batch (gathers statistics, counts toward the block), and the
+        buffers it reads (:attr:`_FORWARD_BUFFERS`, by reference: a fold never writes into a buffer that a forward
+        or a backward may still read, :meth:`_set_fold_buffer`).
+
+        A forward recomputed inside a backward (activation checkpointing, :func:`recomputing`) is not a batch: it
+        reads the buffers of the layer's last original forward, so its output and the transform its backward uses
+        are those of that forward even if a fold came in between (the fold follows the model's forward).
+        """
+        if _is_compiling():  # traced: no recomputation to track, and inference_mode cannot be traced
+            return self.training, {name: self._buffers[name] for name in self._FORWARD_BUFFERS}
+        if recomputing():
+            state = self._in_force
+            if state is None:  # no original forward seen (e.g. state loaded since): what is in force now
+                state = {name: self._buffers[name] for name in self._FORWARD_BUFFERS}
+            return False, state
+        buffers = self._buffers
+        state = {name: buffers[name] for name in self._FORWARD_BUFFERS}
+        self.__dict__["_in_force"] = state  # a plain attribute (Module.__setattr__ costs more than this method)
+        # Under torch.inference_mode a training-mode forward gathers nothing and counts nothing: a fold there would
+        # store inference tensors as state, which the next training step cannot use (docs/robustness.md).
+        return self.training and not torch.is_inference_mode_enabled(), state
+
+    def _add_sums(self, x: Tensor, shift_x: Optional[Tensor]) -> None:
+        """Add the batch ``x``'s sums about ``shift_x`` (``None``: about 0) to the block's accumulators."""
+        if self._acc_aug is not None:
+            F_w.accumulate_moments(self._acc_aug, x, shift_x)
+            return
+        s1, s2 = F_w.batch_sums(x, shift_x, self.groups)
+        self._acc_s1.add_(s1)  # float64 accumulators: one mixed-dtype add each
+        self._acc_s2.add_(s2)
+
+    def _gathers_now(self) -> bool:
+        """Whether this training forward gathers statistics: the first of every ``stats_every`` of the block."""
+        return self._acc_batches % self.config.stats_every == 0
+
+    def _accumulate(self, x: Tensor) -> None:
+        """Add one batch (``x`` with features on dim 1) to the block's sums.
+
+        The hot path: the batch's sums about the block's shift (one product, one sum; a subtraction unless the
+        layer sums unshifted) added to float64 accumulators. No host synchronisation, no per-batch checks: a
+        non-finite batch makes its block's sums non-finite, and the fold drops that block (counted).
+        """
+        if self.frozen:
+            return
+        if _is_compiling():
+            return self._accumulate_traced(x)
+        if self._fold_pending:  # a requested fold whose coordinator never ran
+            self._fold_now()
+        if not self._gathers_now():
+            return
+        self._add_batch(x)
+
+    def _stats_batch(self, x: Tensor, low_precision: bool = False) -> Tensor:
+        """The part of the batch ``x`` the statistics use: detached, float32 (or float64; ``low_precision``: a
+        bf16 / fp16 batch stays as it is), its leading ``stats_fraction`` of samples."""
+        x = x.detach()
+        if x.dtype not in (torch.float32, torch.float64) and not low_precision:
+            x = x.float()
+        fraction = self.config.stats_fraction
+        if fraction < 1.0 and x.shape[0] > 1:
+            x = x[: stats_samples(x.shape[0], x[0].numel() // self.num_features, self.num_features, fraction)]
+        return x
+
+    def _add_batch(self, x: Tensor) -> None:
+        """Add ``x``'s sums about the block's shift to the accumulators (the shift chosen at the block's first
+        gathered batch); count its rows. A bf16 / fp16 batch summed about 0 reaches the product as it is where
+        the device multiplies it into float32 (``functional.accumulate_moments``); otherwise it is converted to
+        float32 first."""
+        aug = self._acc_aug is not None
+        x = self._stats_batch(x, low_precision=aug)
+        if self._acc_s1.device != x.device:
+            self._reset_accumulators_to(x.device)
+        shift_x = self._acc_shift_x  # made for the rank of the block's first batch: made again for another rank
+        if (aug and self._acc_shift is not None and F_w.fused_moments_on(x.device)
+                and (self._stats_unshifted or (shift_x is not None and shift_x.dim() == x.dim()))):
+            # The hot path, within a block: accumulate_moments' two-op path is in place or takes out= or an explicit
+            # dtype, apart from a subtraction and (a contiguous NC... batch) a concatenation, none of which autocast
+            # touches: no context. Eager only (_accumulate traces elsewhere): the accumulator's blocks as sliced
+            # once (_set_accumulator).
+            F_w.accumulate_moments(cast(Tensor, self._acc_aug), x, self._acc_shift_x, self._acc_blocks)
+        else:
+            with _no_autocast(x.device):  # under autocast, products would run (and overflow) in fp16/bf16
+                if self._acc_shift is None:
+                    self._start_block(x)
+                elif not self._stats_unshifted and (shift_x is None or shift_x.dim() != x.dim()):
+                    # a block resumed from a checkpoint, or a batch of another rank than the block's first
+                    self._acc_shift_x = self._acc_shift.to(_work_dtype(x)).view((1, -1) + (1,) * (x.dim() - 2))
+                self._add_sums(x, self._acc_shift_x)
+        self.__dict__["_acc_count"] = self._acc_count + x.numel() // self.num_features  # a plain counter
+
+    # ------------------------------------------------------------ torch.compile
+    # Inside a compiled graph a layer reads no Python number that changes from step to step (dynamo would guard on
+    # it and recompile at every step of a block). The graph holds the tensor work only: the batch's sums added to
+    # the accumulators (always about a shift, the mean in force, never the unshifted product: no per-layer flag that
+    # could change between blocks). It writes down, as Python attributes that it never reads, that the layer was
+    # called and how many rows it gathered; the model's FoldCoordinator, a forward hook that runs outside the graph
+    # (torch.compiler.disable), then counts the batch, keeps the block's row count and folds at the block's end, as
+    # an eager layer does for itself. A layer without a coordinator (built alone, not by convert_model) leaves the
+    # graph for that bookkeeping: a graph break per layer, still no recompilation.
+    _traced_seen = False
+    _traced_rows = 0
+    #: Whether the next training forward gathers statistics (``stats_every``), kept by the eager bookkeeping.
+    _gather_next = True
+
+    def _accumulate_traced(self, x: Tensor) -> None:
+        if self._fold_coordinator is None:
+            return _eager(_PerStepMixin._accumulate_eager)(self, x)
+        if not self._gather_next:  # stats_every > 1: a guard with two values, two graphs at most
+            self._traced_rows = 0
+            return
+        # A bf16 / fp16 batch, where the device multiplies it into float32 (tried before the trace): its float32
+        # differences from the shift split in two low-precision numbers, multiplied on tensor cores
+        # (functional.accumulate_moments_split; the float32 product of every layer would run on SIMT cores).
+        aug = self._acc_aug
+        lowp = (aug is not None and aug.dtype == torch.float32 and x.dtype in LOW_PRECISION
+                and F_w.fused_moments_on(x.device) and low_precision_products_known(x.device))
+        x = self._stats_batch(x, low_precision=lowp)
+        with _no_autocast(x.device):
+            if self._acc_shift is None:  # the first block's first batch (or after a reset): a second graph, once
+                self._start_block(x, shifted=True)
+            # the shift as x subtracts it, made in the graph (one small cast; no attribute that may be None)
+            shift_x = cast(Tensor, self._acc_shift).to(_work_dtype(x)).view((1, -1) + (1,) * (x.dim() - 2))
+            if lowp:
+                F_w.accumulate_moments_split(cast(Tensor, aug), x, shift_x)
+            else:
+                self._add_sums(x, shift_x)
+        self._traced_rows = x.numel() // self.num_features
+
+    def _accumulate_eager(self, x: Tensor) -> None:
+        """:meth:`_accumulate` outside a compiled graph (a graph break; for a layer without a coordinator)."""
+        if self._fold_pending:
+            self._fold_now()
+        if self._gathers_now():
+            self._add_batch(x)
+
+    def _count_traced_batch(self) -> None:
+        """The coordinator, outside the graph, after a compiled forward that called this layer: what
+        :meth:`_add_batch` and :meth:`_end_batch` count in eager mode."""
+        self._traced_seen = False
+        self.__dict__["_double_buffered"] = True  # its folds keep the forward's buffers at two addresses each
+        self._acc_count += self._traced_rows
+        self._traced_rows = 0
+        self._end_batch()
+
+    def _start_block(self, x: Tensor, shifted: bool = False) -> None:
+        """Choose the block's shift at its first gathered batch (once per block): zero when the layer sums
+        unshifted, else the mean in force, or for the very first block this batch's mean (0 where it is not
+        finite, so that one bad batch cannot poison the block's other batches). Chosen on the device: no host
+        synchronisation, no graph break under torch.compile."""
+        m = self.num_features
+        if not shifted and self._stats_unshifted:  # `shifted` first: a traced block start never reads the flag
+            self._acc_shift = torch.zeros(m, dtype=torch.float64, device=x.device)
+            self._acc_shift_x = None
+            return
+        if x.numel() > 0:
+            dims = [0] + list(range(2, x.dim()))
+            first = torch.nan_to_num(x.mean(dims, dtype=_work_dtype(x)).to(torch.float64), nan=0.0, posinf=0.0,
+                                     neginf=0.0)
+        else:
+            first = torch.zeros(m, dtype=torch.float64, device=x.device)
+        in_force = self.running_mean.detach().to(device=x.device, dtype=torch.float64)
+        self._acc_shift = torch.where(self.num_blocks.to(x.device) > 0, in_force, first)
+        self._acc_shift_x = self._acc_shift.to(_work_dtype(x)).view((1, m) + (1,) * (x.dim() - 2))
+
+    def _end_batch(self) -> None:
+        """Count one training forward; fold (or ask the coordinator to) at the block's end."""
+        if self.frozen:
+            return
+        if _is_compiling():
+            if self._fold_coordinator is None:
+                return _eager(_PerStepMixin._end_batch)(self)
+            self._traced_seen = True  # counted by the coordinator after the graph (a write only: no guard)
+            return
+        # Plain counters written straight into the instance dict: Module.__setattr__ (which looks for a parameter,
+        # buffer or submodule of the name first) cost more than the rest of this method, per layer per step.
+        attrs, config = self.__dict__, self.config
+        batches = attrs["_acc_batches"] = self._acc_batches + 1
+        attrs["_gather_next"] = batches % config.stats_every == 0
+        if batches >= config.block_size * config.accumulation_steps:
+            self._fold_pending = True
+            self._capture_fold_inputs()
+            if self._fold_coordinator is not None:
+                self._fold_coordinator.request(cast("WhiteningLayer", self))
+            else:
+                fold_layers([cast("WhiteningLayer", self)])
+
+    def _capture_fold_inputs(self) -> None:
+        """Hook: keep what the coming fold needs from this forward (grad layers: the weight, which a sharded
+        wrapper gathers only during the forward)."""
