@@ -1,4 +1,5 @@
 """Running statistics: block timing, batch-split invariance, numerical soundness, validation."""
+import copy
 import math
 
 import numpy as np
@@ -366,28 +367,56 @@ def test_bf16_batches_reach_the_product_as_they_are_and_match_a_float64_twin():
     _assert_float32_close_to_twin(layer, twin)
 
 
+def _trained_steps(model, steps, seed=0, **opt):
+    """``steps`` SGD steps of a converted model on random data (float64 where the model is)."""
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    dtype = next(model.parameters()).dtype
+    for _ in range(steps):
+        x = torch.randn(4, 3, 8, 8, generator=g, dtype=dtype) + 1
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("absorb", [True, False])
 @pytest.mark.parametrize("method", ["grad", "recursive", "direct"])
-def test_a_buffer_registration_hook_sees_every_buffer_a_fold_replaces(method):
-    """A fold writes its new buffers straight into the layer's ``_buffers`` (cheaper than ``setattr``), except
-    where a global buffer registration hook is installed: that hook must still see every replaced buffer."""
-    model = wl.convert_model(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3)), method, include_stem=True,
-                              block_size=1)
-    (_, layer), = wl.whitening_layers(model)
-    before = {name: t for name, t in layer.named_buffers()}
-    seen = []
-    handle = torch.nn.modules.module.register_module_buffer_registration_hook(
-        lambda module, name, tensor: seen.append(name) if module is layer else None)
-    try:
-        model(torch.randn(2, 3, 8, 8) + 1)  # one block: one fold
-    finally:
-        handle.remove()
-    replaced = {name for name, t in layer.named_buffers() if t is not before[name]}
-    assert {"running_mean", "running_cov", "whitening_matrix"} <= replaced
-    assert replaced <= set(seen)
-    # and without a hook the buffers are replaced all the same (not written in place)
-    before = {name: t for name, t in layer.named_buffers()}
-    model(torch.randn(2, 3, 8, 8) + 1)
-    assert {name for name, t in layer.named_buffers() if t is not before[name]} == replaced
+def test_a_fold_writes_every_buffer_in_place(method, absorb):
+    """Every buffer keeps its tensor and its storage across folds (a captured CUDA graph reads static addresses,
+    ``functional_call`` puts the module's own tensors back after the call), and the folds change their values."""
+    model = wl.convert_model(wl.models.cifar_resnet(8, num_classes=10, width=4), method, block_size=2,
+                             absorb_centring=absorb)
+    layers = [layer for _, layer in wl.whitening_layers(model)]
+    before = {name: (t, t.data_ptr(), t.clone()) for name, t in model.named_buffers()}
+    _trained_steps(model, 7)  # 3 folds
+    assert all(int(layer.num_blocks) == 3 for layer in layers)
+    after = dict(model.named_buffers())
+    assert after.keys() == before.keys()
+    moved = [name for name, t in after.items() if t is not before[name][0] or t.data_ptr() != before[name][1]]
+    assert moved == []
+    changed = {name.rsplit(".", 1)[1] for name, t in after.items() if not torch.equal(t, before[name][2])}
+    assert {"running_mean", "running_cov", "whitening_matrix", "num_blocks"} <= changed
+
+
+@pytest.mark.parametrize("method", ["grad", "recursive", "direct"])
+def test_functional_call_with_the_buffers_keeps_every_fold(method):
+    """``torch.func.functional_call(model, {**params, **buffers}, x)`` trains like calling the model: the folds
+    write into the tensors passed (the module's own), which the call puts back afterwards."""
+    torch.manual_seed(0)
+    model = wl.convert_model(wl.models.cifar_resnet(8, num_classes=10, width=4), method, block_size=1).double()
+    twin = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(8, 3, 16, 16, generator=g, dtype=torch.float64) + 1 for _ in range(3)]
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    for x in xs:
+        torch.func.functional_call(model, state, (x,))
+        twin(x)
+    layer = wl.whitening_layers(model)[0][1]
+    assert int(layer.num_blocks) == 3 and layer.running_mean.abs().max() > 0
+    for (name, a), (_, b) in zip(model.named_buffers(), twin.named_buffers()):
+        assert torch.equal(a, b), name
+    x = torch.randn(4, 3, 16, 16, generator=g, dtype=torch.float64)
+    assert torch.equal(model.eval()(x), twin.eval()(x))
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "pickle", "double"])
@@ -420,3 +449,31 @@ def test_a_copied_or_cast_layer_sums_into_its_own_accumulator(how):
         torch.testing.assert_close(got.scatter, want.scatter, rtol=tol, atol=tol * 100)
         after = layer.block_statistics()
         assert float(after.count) == float(before.count) and torch.equal(after.scatter, before.scatter)
+
+
+@pytest.mark.parametrize("method", ["grad", "recursive"])
+def test_a_backward_after_an_in_place_fold_uses_the_transform_of_its_forward(method):
+    """The fold that follows a block's last forward writes ``Q_s`` and ``mu`` in place; that forward's backward
+    (and one of an earlier forward still pending: two views per step) uses the values in force at its forward."""
+    cls = wl.GradWhitenConv2d if method == "grad" else wl.RecursiveWhitenConv2d
+    torch.manual_seed(0)
+    layer = cls(3, 4, 3, padding=1, block_size=1, dtype=torch.float64)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(2, 3, 5, 5, generator=g, dtype=torch.float64) * 2 + 1 for _ in range(3)]
+    layer(xs[0]).sum().backward()  # a first fold: Q_s no longer the identity
+    layer.weight.grad = None
+    expected = torch.zeros_like(layer.weight)
+    outs = []
+    for x in xs[1:]:  # two forwards, each followed by a fold, then one backward
+        q, mu = layer.grad_transform.clone(), layer.running_mean.clone()
+        w = layer.weight.detach().clone().requires_grad_(True)
+        # conv(pad0(x) - mu, W) + b + c, the layer's function (SPEC, "Padding and the mean")
+        out = torch.nn.functional.conv2d(torch.nn.functional.pad(x, (1, 1, 1, 1)) - mu.view(1, -1, 1, 1), w,
+                                         (layer.bias + layer.bias_correction).detach())
+        out.square().sum().backward()
+        expected += wl.functional.transform_weight_grad(w.grad, q)
+        outs.append(layer(x))
+        assert not torch.equal(layer.grad_transform, q) and not torch.equal(layer.running_mean, mu)  # folded
+        torch.testing.assert_close(outs[-1], out, rtol=0, atol=1e-12)
+    sum(o.square().sum() for o in outs).backward()
+    torch.testing.assert_close(layer.weight.grad, expected, rtol=1e-12, atol=1e-12)

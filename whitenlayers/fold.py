@@ -383,11 +383,14 @@ UNSHIFTED_MAX_MEAN2_VAR = 3.0
 
 
 def _outcomes(layers: Sequence["WhiteningLayer"], blocks: Sequence[BlockSummary], firsts: Sequence[bool],
-              nonfinite: Sequence[int], mus: Tensor, unshifted: Tensor) -> Tuple[List[FoldOutcome], List[bool]]:
+              nonfinite: Sequence[int], mus: Tensor, unshifted: Tensor,
+              owned: bool = False) -> Tuple[List[FoldOutcome], List[bool]]:
     """The outcomes of layers of one stack key (on the rank that folds them): their moments stacked, the
     transforms in one batched rule call where the rule batches, ``Q_s`` smoothed stacked; and ``unshifted``
     (:func:`_new_means`' flags of these layers) read in the same host synchronisation as the moments'
-    finiteness. Changes nothing."""
+    finiteness. Changes nothing. The outcomes' buffers are views of the stacks, copied into the layers' buffers
+    by :meth:`~whitenlayers.stats.WhiteningLayer._fold_finish`; ``owned``: tensors of their own as the buffers
+    store them (one multi-tensor clone), for a broadcast to other ranks."""
     lead = layers[0]
     config, rule = lead.config, lead.rule
     block = _stack(blocks)
@@ -422,7 +425,6 @@ def _outcomes(layers: Sequence["WhiteningLayer"], blocks: Sequence[BlockSummary]
         prev = torch.stack([layers[k].grad_transform for k, _ in done])
         beta = cast("Union[EVDConfig, RecursiveConfig]", config).beta  # the configs of layers with a Q_s
         qs = F_w.smooth_grad_transform(prev, gram, beta).to(lead.grad_transform.dtype)
-    # The new buffers as stored, every one a tensor of its own: one multi-tensor clone for the whole stack.
     items: List[Tuple[int, str, Tensor]] = []
     covs_stored = cov_stored.unbind(0)
     for k, result in zip(todo, results):
@@ -433,7 +435,8 @@ def _outcomes(layers: Sequence["WhiteningLayer"], blocks: Sequence[BlockSummary]
     if qs is not None:
         items += [(k, "grad_transform", q) for q, (k, _) in zip(qs.unbind(0), done)]
     new: Dict[int, Dict[str, Tensor]] = {k: {} for k in todo}
-    for (k, name, _), value in zip(items, _stored_all([(layers[k], name, value) for k, name, value in items])):
+    values = _stored_all([(layers[k], name, value) for k, name, value in items]) if owned else [v for _, _, v in items]
+    for (k, name, _), value in zip(items, values):
         new[k][name] = value
     for k, result in zip(todo, results):
         out[k] = FoldOutcome(FAILED if result is None else FOLDED, result is not None and bool(result.clamped), new[k])
@@ -554,22 +557,22 @@ def _fold_all(layers: Sequence["WhiteningLayer"], summaries: Sequence[BlockSumma
         mu, delta, flags_t = _new_means([layers[i] for i in idx], [summaries[i] for i in idx], firsts_c)
         stored = mu.to(layers[idx[0]].running_mean.dtype)  # one conversion per stack
         # The next block's shift, as its first gathered batch would choose it: 0 where it may sum unshifted, else
-        # the new mean as stored (a resumed checkpoint makes it again from the buffer). The means and the shifts
-        # as tensors of their own, cloned together.
+        # the new mean as stored (a resumed checkpoint makes it again from the buffer). The shifts as tensors of
+        # their own, cloned together; the means are copied into the buffers.
         shift = torch.where(flags_t.view(-1, 1), 0.0, stored.to(torch.float64))
-        owned = _own_all(list(stored.unbind(0)) + list(shift.unbind(0)))
+        owned, means = _own_all(list(shift.unbind(0))), stored.unbind(0)
         mine = [j for j, i in enumerate(idx) if owners is None or owners[i] == rank]
         flags: List[bool] = []
         if mine:
             outcomes, flags = _outcomes([layers[idx[j]] for j in mine], [summaries[idx[j]] for j in mine],
                                         [firsts_c[j] for j in mine], [nonfinite[idx[j]] for j in mine],
                                         mu if len(mine) == len(idx) else mu[mine],
-                                        flags_t if len(mine) == len(idx) else flags_t[mine])
+                                        flags_t if len(mine) == len(idx) else flags_t[mine], owners is not None)
             computed.update(zip([idx[j] for j in mine], outcomes))
         if len(mine) < len(idx):  # layers other ranks fold (owner strategy): their flags read here
             flags = flags_t.tolist()
         for j, (i, d) in enumerate(zip(idx, delta.unbind(0))):
-            stored_means[i], shifts[i], deltas[i] = owned[j], owned[len(idx) + j], d
+            stored_means[i], shifts[i], deltas[i] = means[j], owned[j], d
             unshifted[i] = bool(flags[j])
     for src in ([None] if owners is None else range(dist.get_world_size(group))):
         idx = [i for i in range(len(layers)) if src is None or cast("Sequence[int]", owners)[i] == src]
@@ -631,8 +634,8 @@ class FoldCoordinator:
     @torch.compiler.disable  # Python bookkeeping: outside any compiled graph, never guarded on
     def __call__(self, module, inputs, output) -> None:
         for layer in self.layers:
-            if layer._traced_seen:  # called inside a compiled graph: count its batch here (WhiteningLayer)
-                layer._count_traced_batch()
+            if layer._traced_calls:  # called inside a compiled graph: count its batches here (WhiteningLayer)
+                layer._count_traced_batches()
         if self.pending:
             self.flush()
 

@@ -446,8 +446,8 @@ class _GradWhitenMixin(WhiteningLayer):
 
     @torch.no_grad()
     def _on_mean_change(self, delta: Tensor) -> None:
-        # ERRATA 8 (docs/PAPER.md): c(i) = c(i-) + sum W (mu(i) - mu(i-1)) keeps z unchanged. A new tensor, never
-        # written in place: a forward still to be recomputed (activation checkpointing) holds the old one.
+        # ERRATA 8 (docs/PAPER.md): c(i) = c(i-) + sum W (mu(i) - mu(i-1)) keeps z unchanged. Written in place: a
+        # forward still to be recomputed (activation checkpointing) holds its own snapshot (_forward_state).
         w = self._fold_weight
         self.__dict__["_fold_weight"] = None  # a plain attribute: no Module.__setattr__ lookups, per layer per fold
         if w is None:
@@ -457,7 +457,11 @@ class _GradWhitenMixin(WhiteningLayer):
         if absorbed is not None:  # c lives in d for an absorbed layer (c - d is what the function uses)
             absorbed.sub_(comp)  # float64 comp: computed in float64, rounded once into d's dtype (one op, no copy)
             return
-        self._set_fold_buffer("bias_correction", self.bias_correction + comp.to(self.bias_correction.dtype))
+        c = self.bias_correction
+        if self.__dict__.get("_double_buffered") or c.is_inference():
+            self._set_fold_buffer("bias_correction", c + comp.to(c.dtype))
+        else:  # in place, as every fold write (stats/block.py, _set_fold_buffer)
+            c.add_(comp.to(c.dtype))
 
     @torch.no_grad()
     def _fold_compensation_into_offset(self) -> None:

@@ -3,7 +3,7 @@ its name in messages. Part of :mod:`whitenlayers.stats`."""
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -74,6 +74,7 @@ class _LayerCore:
         _acc_s1: Tensor
         _acc_s2: Tensor
         _gather_next: bool
+        _traced_calls: List[int]
 
         def _fold_now(self) -> None: ...
 

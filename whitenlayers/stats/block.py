@@ -51,6 +51,14 @@ _buffer_registration_hooks: Dict[int, Any] = getattr(torch.nn.modules.module, "_
                                                      {})
 
 
+def _owned(value: Tensor, old: Tensor) -> Tensor:
+    """``value`` as buffer ``old`` stores it (its device and dtype), a contiguous tensor of its own."""
+    new = value.to(device=old.device, dtype=old.dtype)
+    if new.data_ptr() == value.data_ptr() or not new.is_contiguous():
+        new = new.clone(memory_format=torch.contiguous_format)
+    return new
+
+
 class _BlockMixin(_LayerCore):
     """The block of :class:`~whitenlayers.stats.WhiteningLayer` and its side of a fold (this module's docstring)."""
 
@@ -177,11 +185,11 @@ class _BlockMixin(_LayerCore):
     @torch.no_grad()
     def _fold_finish(self, outcome: FoldOutcome, mean: Tensor, delta: Tensor, unshifted: bool, shift: Tensor) -> bool:
         """Write a fold's ``outcome`` (a skipped fold, a failed transform: the previous one is kept, and
-        counted), the new mean ``mean`` (as stored, a tensor of its own), the bias compensation for the mean's
-        change ``delta`` (float64), whether the next block sums unshifted and that block's shift ``shift``
-        (float64, a tensor of its own: 0 when ``unshifted``, else ``mean``). ``outcome.buffers`` are taken as
-        they are (tensors of their own, ``fold._stored_all``). Returns whether the block counts (the caller adds
-        it to ``num_blocks``, many layers in one op); ``False`` for a skipped fold."""
+        counted), the new mean ``mean``, the bias compensation for the mean's change ``delta`` (float64), whether
+        the next block sums unshifted and that block's shift ``shift`` (float64, a tensor of its own: 0 when
+        ``unshifted``, else ``mean``). ``outcome.buffers`` and ``mean`` may be views of the fold's stacks, in
+        another dtype: they are copied into the buffers (:meth:`_set_fold_buffer`). Returns whether the block
+        counts (the caller adds it to ``num_blocks``, many layers in one op); ``False`` for a skipped fold."""
         if outcome.status in SKIP_MESSAGES:
             self.skipped_folds += 1
             if SKIP_MESSAGES[outcome.status]:
@@ -202,33 +210,42 @@ class _BlockMixin(_LayerCore):
         return True
 
     def _set_fold_buffer(self, name: str, value: Tensor) -> None:
-        """Set buffer ``name`` to a fold's new ``value``, a tensor of its own.
+        """Write a fold's new ``value`` into buffer ``name``: in place (``copy_``), so the buffer keeps its tensor
+        and its storage across folds.
 
-        A fold never writes into a tensor that a forward or a backward may still read: a backward still to come
-        may hold the old tensor (``torch.compile`` saves the buffer itself for the backward rather than the
-        forward's clone of it, and an in-place update would make that backward fail, or use the new transform);
-        DDP re-reads reassigned buffers before each sync. A layer that runs inside compiled graphs
-        (``torch.compile``) keeps each of its forward's buffers (:attr:`_FORWARD_BUFFERS`) to two tensors: the
-        new value goes into the tensor the buffer held before the previous fold (the spare) when nothing else
-        holds that tensor any more (no other Python reference, no autograd graph that saved it, no view), and
-        the tensor the buffer held becomes the next spare. CUDA graph trees (``mode="reduce-overhead"``) read a
-        buffer as a static input at a fixed address and record the graph again when the address changes: two
-        addresses are two recordings in all, where a new tensor at every fold is a new recording at every block.
-        Eager layers take the new tensor (no spare kept: no memory spent).
+        Whatever holds a reference to a buffer sees the fold: ``torch.func.functional_call`` (which puts the
+        module's own tensors back after the call), a captured CUDA graph (static addresses), an optimizer or EMA
+        helper holding ``named_buffers()``. A forward never hands a buffer itself to autograd: it reads a
+        snapshot taken once per block (:meth:`_forward_state`), so a backward still to come (the fold follows
+        the forward of the block's last batch), or a forward recomputed by activation checkpointing, keeps the
+        values that were in force at its forward.
+
+        A new tensor only where ``value`` cannot go into the old one (another shape, dtype or device, an
+        inference tensor), and for a layer that runs inside compiled graphs (``torch.compile``): a compiled
+        backward may hold a forward's buffers themselves, so each of them (:attr:`_FORWARD_BUFFERS`) alternates
+        between two tensors: the new value goes into the tensor the buffer held before the previous fold (the
+        spare) when nothing else holds that tensor any more (no other Python reference, no autograd graph that
+        saved it, no view). CUDA graph trees (``mode="reduce-overhead"``) then record two graphs in all, one per
+        address.
         """
-        if not (self.__dict__.get("_double_buffered") and name in self._FORWARD_BUFFERS):
+        old = cast(Tensor, self._buffers.get(name))
+        if self.__dict__.get("_double_buffered") and name in self._FORWARD_BUFFERS:
+            spares: Dict[str, Tensor] = self.__dict__.setdefault("_spares", {})
+            spare = spares.pop(name, None)
+            # no Python reference to the spare but `spare` (the refcount of a tensor held by one local variable)
+            if (spare is not None and sys.getrefcount(spare) == _SOLE_REFCOUNT and _unshared(spare)
+                    and spare.shape == value.shape and spare.device == old.device and spare.dtype == old.dtype):
+                value = spare.copy_(value)
+            else:
+                value = _owned(value, old)
             self._replace_buffer(name, value)
+            if old is not value:
+                spares[name] = old
             return
-        spares: Dict[str, Tensor] = self.__dict__.setdefault("_spares", {})
-        old = self._buffers.get(name)
-        spare = spares.pop(name, None)
-        # no Python reference to the spare but `spare` (the refcount of a tensor held by one local variable)
-        if (spare is not None and sys.getrefcount(spare) == _SOLE_REFCOUNT and _unshared(spare)
-                and spare.shape == value.shape and spare.dtype == value.dtype and spare.device == value.device):
-            value = spare.copy_(value)
-        self._replace_buffer(name, value)
-        if old is not None and old is not value:
-            spares[name] = old
+        if old.shape == value.shape and not old.is_inference():
+            old.copy_(value)  # converts to the buffer's dtype and device
+        else:
+            self._replace_buffer(name, _owned(value, old))
 
     def _replace_buffer(self, name: str, value: Tensor) -> None:
         """``self.<name> = value`` for an existing buffer: straight into ``_buffers`` (what ``Module.__setattr__``

@@ -5,7 +5,7 @@ Part of :mod:`whitenlayers.stats`.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -81,6 +81,7 @@ class WhiteningLayer(_PerStepMixin, _BlockMixin, _StateIOMixin):
         self.clamped_steps = 0
         self._warned: set = set()
         self._fold_coordinator: Optional[FoldCoordinator] = None
+        self._traced_calls: List[int] = []  # the rows of each call in a compiled forward (stats/step.py)
         _try_low_precision_products(self.running_mean.device)
         self._reset_accumulators()
 
@@ -145,6 +146,7 @@ class WhiteningLayer(_PerStepMixin, _BlockMixin, _StateIOMixin):
         """
         self._fold_weight = None
         self._in_force = None
+        self.__dict__.pop("_snapshot", None)
         self._mean_taps = None
         self._pointwise_cache = None
         with torch.no_grad():
@@ -203,6 +205,7 @@ class WhiteningLayer(_PerStepMixin, _BlockMixin, _StateIOMixin):
         _try_low_precision_products(self.running_mean.device)
         self.__dict__.pop("_spares", None)  # the next folds' spares on the new device / dtype
         self._in_force = None
+        self.__dict__.pop("_snapshot", None)
         self._mean_taps = None
         self._pointwise_cache = None
         return result

@@ -66,10 +66,11 @@ class _StateIOMixin(_LayerCore):
 
 
     def __getstate__(self) -> Dict[str, Any]:
-        # The buffers of the last forward and the weight of a fold under way are transient: not pickled or copied.
+        # The buffers of the last forward and the weight of a fold under way are transient: not pickled or copied;
+        # nor is the deferral's state (a copy is stepped by no optimizer of the deferral, defer_grad_transform).
         state = dict(self.__dict__)
-        for transient in ("_in_force", "_fold_weight", "_mean_taps", "_pointwise_cache", "_spares", "_deferred_grad",
-                          "_deferred_q"):  # a copy is stepped by no optimizer of the deferral (defer_grad_transform)
+        for transient in ("_in_force", "_snapshot", "_fold_weight", "_mean_taps", "_pointwise_cache", "_spares",
+                          "_deferred_grad", "_deferred_q"):
             state.pop(transient, None)
         if state.get("_acc_aug") is not None:  # views of it: made again on load (a pickle would copy them apart)
             state.pop("_acc_s1", None)
@@ -79,6 +80,7 @@ class _StateIOMixin(_LayerCore):
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         super().__setstate__(state)  # type: ignore[misc]
+        self.__dict__.setdefault("_traced_calls", [])  # layers pickled before compiled forwards counted their calls
         aug = self.__dict__.get("_acc_aug")
         if aug is not None:
             self._set_accumulator(aug)

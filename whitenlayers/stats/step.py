@@ -54,26 +54,48 @@ class _PerStepMixin(_LayerCore):
     # ------------------------------------------------------------------ forward
     def _forward_state(self) -> Tuple[bool, Dict[str, Tensor]]:
         """Begin a forward: whether it is a training batch (gathers statistics, counts toward the block), and the
-        buffers it reads (:attr:`_FORWARD_BUFFERS`, by reference: a fold never writes into a buffer that a forward
-        or a backward may still read, :meth:`_set_fold_buffer`).
+        buffers it reads (:attr:`_FORWARD_BUFFERS`) as a snapshot: copies taken at the first forward after the
+        buffers last changed (once per block, :meth:`_forward_snapshot`), never the buffers themselves, which a
+        fold writes in place (:meth:`_set_fold_buffer`).
 
         A forward recomputed inside a backward (activation checkpointing, :func:`recomputing`) is not a batch: it
-        reads the buffers of the layer's last original forward, so its output and the transform its backward uses
-        are those of that forward even if a fold came in between (the fold follows the model's forward).
+        reads the snapshot of the layer's last original forward, so its output and the transform its backward
+        uses are those of that forward even if a fold came in between (the fold follows the model's forward).
         """
         if _is_compiling():  # traced: no recomputation to track, and inference_mode cannot be traced
             return self.training, {name: self._buffers[name] for name in self._FORWARD_BUFFERS}
         if recomputing():
             state = self._in_force
             if state is None:  # no original forward seen (e.g. state loaded since): what is in force now
-                state = {name: self._buffers[name] for name in self._FORWARD_BUFFERS}
+                state = self._forward_snapshot()
             return False, state
-        buffers = self._buffers
-        state = {name: buffers[name] for name in self._FORWARD_BUFFERS}
+        state = self._forward_snapshot()
         self.__dict__["_in_force"] = state  # a plain attribute (Module.__setattr__ costs more than this method)
         # Under torch.inference_mode a training-mode forward gathers nothing and counts nothing: a fold there would
         # store inference tensors as state, which the next training step cannot use (docs/robustness.md).
         return self.training and not torch.is_inference_mode_enabled(), state
+
+    def _forward_snapshot(self) -> Dict[str, Tensor]:
+        """The forward's buffers as copies of their own, taken again only when a buffer changed since (another
+        tensor in its place, e.g. under ``torch.func.functional_call``, or a write into it: a fold, a checkpoint
+        load, DDP's buffer broadcast): per step, one identity and one version check per buffer."""
+        buffers = self._buffers
+        names = self._FORWARD_BUFFERS
+        snap = self.__dict__.get("_snapshot")
+        if snap is not None:
+            for name, held, version in zip(names, snap[0], snap[1]):
+                buf = buffers[name]
+                if buf is not held or buf._version != version:
+                    break
+            else:
+                return snap[2]
+        if torch.is_inference_mode_enabled():  # never keep an inference tensor (the next training step can't save it)
+            return {name: buffers[name] for name in names}
+        with torch.no_grad():
+            state = {name: buffers[name].clone() for name in names}
+        held = tuple(buffers[name] for name in names)
+        self.__dict__["_snapshot"] = (held, tuple(buf._version for buf in held), state)
+        return state
 
     def _add_sums(self, x: Tensor, shift_x: Optional[Tensor]) -> None:
         """Add the batch ``x``'s sums about ``shift_x`` (``None``: about 0) to the block's accumulators."""
@@ -147,13 +169,12 @@ class _PerStepMixin(_LayerCore):
     # Inside a compiled graph a layer reads no Python number that changes from step to step (dynamo would guard on
     # it and recompile at every step of a block). The graph holds the tensor work only: the batch's sums added to
     # the accumulators (always about a shift, the mean in force, never the unshifted product: no per-layer flag that
-    # could change between blocks). It writes down, as Python attributes that it never reads, that the layer was
-    # called and how many rows it gathered; the model's FoldCoordinator, a forward hook that runs outside the graph
-    # (torch.compiler.disable), then counts the batch, keeps the block's row count and folds at the block's end, as
-    # an eager layer does for itself. A layer without a coordinator (built alone, not by convert_model) leaves the
+    # could change between blocks). Each call appends the rows it gathered to the layer's list `_traced_calls`
+    # (empty whenever a graph starts: a guard that always holds); the model's FoldCoordinator, a forward hook that
+    # runs outside the graph (torch.compiler.disable), then counts a batch per call, keeps the block's row count
+    # and folds at the block's end, as an eager layer does for itself. A layer called twice in one forward counts
+    # two batches, as in eager mode. A layer without a coordinator (built alone, not by convert_model) leaves the
     # graph for that bookkeeping: a graph break per layer, still no recompilation.
-    _traced_seen = False
-    _traced_rows = 0
     #: Whether the next training forward gathers statistics (``stats_every``), kept by the eager bookkeeping.
     _gather_next = True
 
@@ -161,7 +182,7 @@ class _PerStepMixin(_LayerCore):
         if self._fold_coordinator is None:
             return _eager(_PerStepMixin._accumulate_eager)(self, x)
         if not self._gather_next:  # stats_every > 1: a guard with two values, two graphs at most
-            self._traced_rows = 0
+            self._traced_calls.append(0)
             return
         # A bf16 / fp16 batch, where the device multiplies it into float32 (tried before the trace): its float32
         # differences from the shift split in two low-precision numbers, multiplied on tensor cores
@@ -179,23 +200,38 @@ class _PerStepMixin(_LayerCore):
                 F_w.accumulate_moments_split(cast(Tensor, aug), x, shift_x)
             else:
                 self._add_sums(x, shift_x)
-        self._traced_rows = x.numel() // self.num_features
+        self._traced_calls.append(x.numel() // self.num_features)
 
     def _accumulate_eager(self, x: Tensor) -> None:
         """:meth:`_accumulate` outside a compiled graph (a graph break; for a layer without a coordinator)."""
+        self.__dict__["_double_buffered"] = True  # its folds keep the forward's buffers at two addresses each
         if self._fold_pending:
             self._fold_now()
         if self._gathers_now():
             self._add_batch(x)
 
-    def _count_traced_batch(self) -> None:
+    def _count_traced_batches(self) -> None:
         """The coordinator, outside the graph, after a compiled forward that called this layer: what
-        :meth:`_add_batch` and :meth:`_end_batch` count in eager mode."""
-        self._traced_seen = False
+        :meth:`_add_batch` and :meth:`_end_batch` count in eager mode, a batch per call.
+
+        The sums of all the forward's calls are in the accumulators already: a block that ends before the
+        forward's last call (``block_size * accumulation_steps`` not a multiple of the calls per forward) takes
+        the forward's later calls too, and the next block starts after the forward (a warning, once)."""
+        calls = self._traced_calls
+        self._traced_calls = []
         self.__dict__["_double_buffered"] = True  # its folds keep the forward's buffers at two addresses each
-        self._acc_count += self._traced_rows
-        self._traced_rows = 0
-        self._end_batch()
+        for i, rows in enumerate(calls):
+            self._acc_count += rows
+            self._end_batch()
+            if self._fold_pending and i < len(calls) - 1:
+                self._warn_once("traced_calls", (
+                    f"called {len(calls)} times in one compiled forward, and a block ended after call {i + 1}: the "
+                    "fold waits for the forward's end, so this block also holds the forward's later calls (in "
+                    "eager mode it would fold between them); make block_size * accumulation_steps a multiple of "
+                    f"{len(calls)} for blocks of exactly block_size batches"))
+                self._acc_count += sum(calls[i + 1:])
+                self._acc_batches += len(calls) - i - 1
+                break
 
     def _start_block(self, x: Tensor, shifted: bool = False) -> None:
         """Choose the block's shift at its first gathered batch (once per block): zero when the layer sums
@@ -224,8 +260,7 @@ class _PerStepMixin(_LayerCore):
         if _is_compiling():
             if self._fold_coordinator is None:
                 return _eager(_PerStepMixin._end_batch)(self)
-            self._traced_seen = True  # counted by the coordinator after the graph (a write only: no guard)
-            return
+            return  # counted by the coordinator after the graph (_count_traced_batches)
         # Plain counters written straight into the instance dict: Module.__setattr__ (which looks for a parameter,
         # buffer or submodule of the name first) cost more than the rest of this method, per layer per step.
         attrs, config = self.__dict__, self.config
