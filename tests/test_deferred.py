@@ -513,3 +513,25 @@ def test_activation_checkpointing_recomputes_with_the_deferred_weight(use_reentr
     b = _train(Checkpointed(_model("grad")), batches, defer=True)
     assert all(int(layer.num_blocks) == 3 for _, layer in wl.whitening_layers(b))
     _assert_same_training(a, b)
+
+
+def test_parametrized_weight_keeps_the_default_transform():
+    """A parametrized weight (``weight_norm``) is computed anew in each forward, not the parameter: that layer keeps
+    the autograd Function (the others are deferred), and the model trains like the default."""
+    from torch.nn.utils import parametrizations
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        base = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1, bias=False), nn.BatchNorm2d(6), nn.ReLU(),
+                             parametrizations.weight_norm(nn.Conv2d(6, 8, 3, padding=1, bias=False)),
+                             nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                             nn.Linear(8, 4)).to(DT)
+        return wl.convert_model(base, "grad", block_size=3, predicate=lambda name, m: isinstance(m, nn.Conv2d))
+
+    batches = _batches(12)
+    a = _train(model(), batches, defer=False)
+    b = _train(model(), batches, defer=True)
+    assert all(int(layer.num_blocks) == 4 for _, layer in wl.whitening_layers(b))
+    _assert_same_training(a, b)
+    deferral = wl.defer_grad_transform(b, torch.optim.SGD(b.parameters(), lr=0.1))
+    assert deferral.layers == [b[0]]

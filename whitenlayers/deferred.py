@@ -206,8 +206,8 @@ def defer_grad_transform(model: nn.Module, *optimizers: torch.optim.Optimizer) -
     ``Q_s``. Removing the deferral between a forward and its backward leaves that gradient untransformed (a
     warning says so). A sharded model (FSDP1's wrapper, FSDP2's ``fully_shard``) is refused: its forward uses a
     gathered copy of each weight, not the parameter. A weight that is not the parameter the deferral hooked (a
-    ``DataParallel`` replica, a parameter assigned since) and a layer inside a ``torch.compile``'d graph keep the
-    default transform.
+    ``DataParallel`` replica, a parameter assigned since, a parametrized weight such as ``weight_norm``'s) and a
+    layer inside a ``torch.compile``'d graph keep the default transform.
 
     Args:
         model: a model converted by :func:`~whitenlayers.convert_model`, or any module holding grad / recursive
@@ -238,7 +238,8 @@ def defer_grad_transform(model: nn.Module, *optimizers: torch.optim.Optimizer) -
             f"copy of each weight, not the parameter, so the deferral cannot hook it; use the default transform in "
             f"the backward, which transforms each gradient before it is sharded")
     optimizers = tuple(_innermost(opt) for opt in optimizers)
-    deferred = [layer for layer in layers if layer.weight.requires_grad]  # a frozen weight: nothing to hook
+    # a frozen weight: nothing to hook; a parametrized one (weight_norm, ...): computed anew in each forward
+    deferred = [layer for layer in layers if layer.weight.requires_grad and layer.weight.is_leaf]
     for layer in deferred:
         earlier = layer.__dict__.get("_deferred_grad")
         if isinstance(earlier, _LayerDeferral):  # deferred already: this deferral takes the layer over
