@@ -418,8 +418,9 @@ def test_hugging_face_trainer_checkpoints_resume_mid_block(tmp_path):
 
 def test_hugging_face_trainer_with_the_deferred_transform_trains_like_the_default(tmp_path):
     """The Trainer steps Accelerate's ``AcceleratedOptimizer``, a wrapper whose own step runs no optimizer hooks:
-    ``defer_grad_transform`` given the wrapper (from a callback) hooks the optimizer inside it. Float32, two code
-    paths (the transform before or after the gradient's accumulation): a few float32 ulps apart."""
+    ``defer_grad_transform`` given the wrapper (from a callback) is accepted, and the hooks on the weights transform
+    in the backward whatever steps. Float32, two code paths (the product in a hook on the weight or in an autograd
+    node per forward): a few float32 ulps apart."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
 
@@ -597,9 +598,9 @@ def _fsdp_deferral_worker(rank, world, flavour):
 
 @pytest.mark.parametrize("flavour", ["fsdp1", "fsdp2"])
 def test_fsdp_refuses_the_deferred_transform_up_front(flavour):
-    """At the optimizer's step FSDP leaves each rank a shard of each weight gradient: ``defer_grad_transform``
-    refuses a sharded model when it is called, naming what shards it (not at the first step, nor as a missing
-    optimizer)."""
+    """FSDP's forward uses a gathered copy of each weight, not the parameter the deferral would hook:
+    ``defer_grad_transform`` refuses a sharded model when it is called, naming what shards it (not at the first
+    step, nor as a missing optimizer)."""
     results = run_distributed(_fsdp_deferral_worker, flavour)
     for message in results:
         assert "is sharded" in message, message
