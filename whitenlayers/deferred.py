@@ -40,7 +40,7 @@ class _LayerDeferral:
     adds the parts kept aside: per forward, the default's products, summed into one gradient per backward.
     """
 
-    __slots__ = ("__weakref__", "weight", "patches", "layer", "q", "q_version", "open", "kept", "handle")
+    __slots__ = ("weight", "patches", "layer", "q", "q_version", "open", "kept", "handle")
 
     def __init__(self, layer: Any) -> None:
         self.weight: Tensor = layer.weight
@@ -160,21 +160,16 @@ def _sharding(model: nn.Module, layers: Sequence[Any]) -> Optional[str]:
     return None
 
 
-def _innermost(optimizer: Any) -> torch.optim.Optimizer:
-    """The optimizer whose ``step`` runs the hooks: a wrapper's own (Hugging Face Accelerate's
-    ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``) passes the step on to the optimizer it wraps, and
-    never initialised ``Optimizer``'s hooks."""
-    inner = optimizer
-    for _ in range(8):  # wrappers of wrappers, not a cycle
-        wrapped = getattr(inner, "optimizer", None) or getattr(inner, "_optimizer", None)
-        if not isinstance(wrapped, torch.optim.Optimizer) or wrapped is inner:
-            break
-        inner = wrapped
-    if not isinstance(inner, torch.optim.Optimizer) or not hasattr(inner, "_optimizer_step_pre_hooks"):
-        raise TypeError(
-            f"defer_grad_transform: expected torch.optim.Optimizer instances (or a wrapper holding one as "
-            f"`.optimizer`), but got {type(optimizer).__name__}, whose step runs no optimizer step hooks")
-    return inner
+def _check_optimizer(optimizer: Any) -> Any:
+    """``optimizer`` if it is one: a ``torch.optim.Optimizer``, or anything that steps like one (a wrapper such as
+    Accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``, a SAM implementation): the deferral
+    does not use it, but an argument that is no optimizer at all (a learning rate, a model) is a mistake."""
+    if isinstance(optimizer, torch.optim.Optimizer) or (callable(getattr(optimizer, "step", None))
+                                                        and hasattr(optimizer, "param_groups")):
+        return optimizer
+    raise TypeError(
+        f"defer_grad_transform: expected optimizers (torch.optim.Optimizer, or a wrapper of one with `step` and "
+        f"`param_groups`) after the model, but got {type(optimizer).__name__}; no optimizer is needed")
 
 
 def defer_grad_transform(model: nn.Module, *optimizers: torch.optim.Optimizer) -> DeferredGradTransform:
@@ -212,8 +207,8 @@ def defer_grad_transform(model: nn.Module, *optimizers: torch.optim.Optimizer) -
     Args:
         model: a model converted by :func:`~whitenlayers.convert_model`, or any module holding grad / recursive
             whitening layers.
-        *optimizers: not needed (the optimizer plays no part); accepted, and checked to be optimizers or wrappers
-            of one, so that code written when the transform ran at the optimizer's step keeps working.
+        *optimizers: not needed (no optimizer plays a part); accepted, and checked to be optimizers or wrappers of
+            one, so that code written when the transform ran at the optimizer's step keeps working.
 
     Returns:
         A :class:`DeferredGradTransform`; its ``remove()`` (or leaving it as a context manager) goes back to the
@@ -237,7 +232,7 @@ def defer_grad_transform(model: nn.Module, *optimizers: torch.optim.Optimizer) -
             f"defer_grad_transform: {type(model).__name__} is sharded ({sharding}): its forward uses a gathered "
             f"copy of each weight, not the parameter, so the deferral cannot hook it; use the default transform in "
             f"the backward, which transforms each gradient before it is sharded")
-    optimizers = tuple(_innermost(opt) for opt in optimizers)
+    optimizers = tuple(_check_optimizer(opt) for opt in optimizers)
     # a frozen weight: nothing to hook; a parametrized one (weight_norm, ...): computed anew in each forward
     deferred = [layer for layer in layers if layer.weight.requires_grad and layer.weight.is_leaf]
     for layer in deferred:
