@@ -190,7 +190,7 @@ def optimizer_for(name: str, model: nn.Module) -> torch.optim.Optimizer:
         opts = {"precondition_frequency": 10} if name == "soap" else {}
         return library_optimizer(name, model, lr=0.02 if name == "muon" else 3e-3, options=opts)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    if name.endswith(":deferred"):  # the weight-gradient transform at the optimizer's step (wl.defer_grad_transform)
+    if name.endswith(":deferred"):  # the weight-gradient transform in a hook on each weight (wl.defer_grad_transform)
         wl.defer_grad_transform(model, opt)
     return opt
 
@@ -309,8 +309,8 @@ def step_table(name: str, base: nn.Module, make_batch: Callable, device, rounds:
         variants[method] = wl.convert_model(copy.deepcopy(base), method=method)
     for method in ("grad", "recursive"):
         variants[f"{method}:every5,block50"] = wl.convert_model(copy.deepcopy(base), method=method, **RECOMMENDED)
-    # the weight-gradient transform at the optimizer's step, not in the backward (no Python autograd node per
-    # layer): defaults otherwise (optimizer_for defers it by the name)
+    # the weight-gradient transform in a hook on each weight, not in a Python autograd node per layer and
+    # forward: defaults otherwise (optimizer_for defers it by the name)
     for method in ("grad", "recursive"):
         variants[f"{method}:deferred"] = wl.convert_model(copy.deepcopy(base), method=method)
     bare = copy.deepcopy(base)

@@ -53,7 +53,7 @@ VARIANTS = {
     "direct": ("direct", {}),
     "grad:every5,block50": ("grad", {"stats_every": 5, "block_size": 50}),
     "recursive:every5,block50": ("recursive", {"stats_every": 5, "block_size": 50}),
-    # the weight-gradient transform at the optimizer's step (wl.defer_grad_transform), defaults otherwise
+    # the weight-gradient transform in a hook on each weight (wl.defer_grad_transform), defaults otherwise
     "grad:deferred": ("grad", {"defer": True}),
     "recursive:deferred": ("recursive", {"defer": True}),
 }
@@ -73,7 +73,7 @@ def _inputs(seed: int):
 
 def _stepper(model: nn.Module, x: torch.Tensor, y: torch.Tensor, defer: bool = False) -> Callable[[], None]:
     """One training step of ``model`` (channels_last, bf16 autocast, SGD with momentum; ``defer``: the
-    weight-gradient transform at the optimizer's step, ``wl.defer_grad_transform``)."""
+    weight-gradient transform in a hook on each weight, ``wl.defer_grad_transform``)."""
     model.to(memory_format=torch.channels_last).train()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     if defer:

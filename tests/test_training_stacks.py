@@ -416,10 +416,13 @@ def test_hugging_face_trainer_checkpoints_resume_mid_block(tmp_path):
     assert_same(whitening_state(resumed), whitening_state(straight), rtol=1e-6, atol=1e-7)
 
 
-def test_hugging_face_trainer_with_the_deferred_transform_trains_like_the_default(tmp_path):
+@pytest.mark.parametrize("max_grad_norm", [1e9, 0.01], ids=["no-clipping", "clipping"])
+def test_hugging_face_trainer_with_the_deferred_transform_trains_like_the_default(tmp_path, max_grad_norm):
     """The Trainer steps Accelerate's ``AcceleratedOptimizer``, a wrapper whose own step runs no optimizer hooks:
-    ``defer_grad_transform`` given the wrapper (from a callback) hooks the optimizer inside it. Float32, two code
-    paths (the transform before or after the gradient's accumulation): a few float32 ulps apart."""
+    ``defer_grad_transform`` given the wrapper (from a callback) is accepted, and the hooks on the weights transform
+    in the backward whatever steps. The Trainer clips by default (``max_grad_norm=1.0``): with a threshold reached
+    on every step it clips the transformed gradient, as with the default. Float32, two code paths (the product in
+    a hook on the weight or in an autograd node per forward): a few float32 ulps apart."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
 
@@ -433,9 +436,12 @@ def test_hugging_face_trainer_with_the_deferred_transform_trains_like_the_defaul
         args = transformers.TrainingArguments(
             output_dir=str(tmp_path / str(defer)), max_steps=5, save_strategy="no", report_to=[], use_cpu=True,
             seed=0, per_device_train_batch_size=4, learning_rate=0.05, disable_tqdm=True,
-            dataloader_num_workers=0, max_grad_norm=1e9)
+            dataloader_num_workers=0, max_grad_norm=max_grad_norm, logging_steps=1)
         callbacks = [Defer()] if defer else []
-        transformers.Trainer(model=model, args=args, train_dataset=_Images(), callbacks=callbacks).train()
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=_Images(), callbacks=callbacks)
+        trainer.train()
+        norms = [log["grad_norm"] for log in trainer.state.log_history if "grad_norm" in log]  # before clipping
+        assert len(norms) == 5 and all((n > max_grad_norm) == (max_grad_norm < 1) for n in norms), norms
         return model
 
     default, deferred = fit(False), fit(True)
@@ -597,9 +603,9 @@ def _fsdp_deferral_worker(rank, world, flavour):
 
 @pytest.mark.parametrize("flavour", ["fsdp1", "fsdp2"])
 def test_fsdp_refuses_the_deferred_transform_up_front(flavour):
-    """At the optimizer's step FSDP leaves each rank a shard of each weight gradient: ``defer_grad_transform``
-    refuses a sharded model when it is called, naming what shards it (not at the first step, nor as a missing
-    optimizer)."""
+    """FSDP's forward uses a gathered copy of each weight, not the parameter the deferral would hook:
+    ``defer_grad_transform`` refuses a sharded model when it is called, naming what shards it (not at the first
+    step, nor as a missing optimizer)."""
     results = run_distributed(_fsdp_deferral_worker, flavour)
     for message in results:
         assert "is sharded" in message, message

@@ -1,14 +1,22 @@
-"""The weight-gradient transform at the optimizer's step instead of in the backward (opt-in).
+"""The weight-gradient transform as a hook on the weight instead of an autograd node per forward (opt-in).
 
 By default a grad / recursive layer multiplies its weight gradient by ``Q_s`` in the backward, through a custom
-autograd Function: a Python node in every layer's backward on every step. On a GPU, where a converted model's step
-is bound by the host's time, that node is one of the largest costs a layer adds. :func:`defer_grad_transform`
-takes it out of the backward: the backward leaves the weight gradients as the plain model's, and one pre-hook of
-the optimizer's ``step`` multiplies each of them by its ``Q_s`` in place.
+autograd Function: a Python node in every layer's forward and backward on every step. On a GPU, where a converted
+model's step is bound by the host's time, that node is one of the largest costs a layer adds.
+:func:`defer_grad_transform` takes it out: the forward hands the convolution the weight itself, and one hook on
+the weight (``Tensor.register_hook``, run by the backward before the gradient is accumulated into ``.grad``)
+multiplies each backward's gradient by the ``Q_s`` of the forward that produced it.
+
+Where one backward carries the gradients of several forwards of the layer with different ``Q_s`` (two forwards
+per step with a fold between them), the hook alone would see only their sum: a forward that finds a forward
+under another ``Q_s`` still waiting for its backward hands the convolution a view of the weight with a hook of
+its own, which transforms that forward's part of the gradient apart (:meth:`_LayerDeferral.__call__`).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, cast
+import warnings
+import weakref
+from typing import Any, List, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -19,81 +27,125 @@ from .stats import WhiteningLayer
 __all__ = ["DeferredGradTransform", "defer_grad_transform"]
 
 
+class _LayerDeferral:
+    """One layer's deferral: the layer's forward calls it (``_weight_for_forward``) with its weight and ``Q_s``;
+    its hook on the weight transforms what each backward brings.
+
+    ``q`` is the ``Q_s`` of the layer's forwards that handed the convolution the weight itself ("direct"), and
+    ``open`` says that such a forward's gradient has not reached the weight yet. A forward under the same ``Q_s``
+    is direct; so is one under a new ``Q_s`` when nothing is open (the last direct forward's backward has run):
+    it replaces ``q``. A forward under a new ``Q_s`` while a direct forward under another is open takes a view of
+    the weight whose hook transforms its part of the gradient with its own ``Q_s``, keeps the product aside, and
+    passes zeros on; the weight's hook then transforms what it receives (the direct forwards' part) with ``q`` and
+    adds the parts kept aside: per forward, the default's products, summed into one gradient per backward.
+    """
+
+    __slots__ = ("weight", "patches", "layer", "q", "q_version", "open", "kept", "handle")
+
+    def __init__(self, layer: Any) -> None:
+        self.weight: Tensor = layer.weight
+        self.patches = getattr(layer, "features", "channels") == "patches"  # Q acts on the flattened C k^2 axis
+        self.layer = weakref.ref(layer)
+        self.q: Optional[Tensor] = None
+        self.q_version = 0
+        self.open = False
+        self.kept: List[Tensor] = []
+        self.handle = self.weight.register_hook(self._on_gradient)
+
+    def __call__(self, w: Tensor, q: Tensor) -> Optional[Tensor]:
+        """The weight the layer's forward uses; ``None``: not this deferral's weight (a ``DataParallel`` replica,
+        a sharded wrapper's view, a parameter assigned since), which takes the default transform in the
+        backward."""
+        if w is not self.weight:
+            return None
+        if q is self.q:
+            self.open = True
+            return w
+        if not self.open:
+            self.q, self.q_version, self.open = q, q._version, True
+            return w
+        # a direct forward under another Q_s waits for its backward: this forward's part is transformed apart
+        view = w.view_as(w)
+        view.register_hook(_KeepApart(self, q))
+        return view
+
+    def transform(self, grad: Tensor, q: Tensor) -> Tensor:
+        if self.patches:
+            return transform_weight_grad(grad.flatten(1), q).view_as(grad)
+        return transform_weight_grad(grad, q)
+
+    def _on_gradient(self, grad: Optional[Tensor]) -> Optional[Tensor]:
+        """The weight's hook: the gradient one backward brings, before it is accumulated into ``.grad``."""
+        self.open = False
+        if grad is None:
+            return None
+        q = self.q
+        if q is not None:
+            if q._version != self.q_version:
+                layer = self.layer()
+                raise RuntimeError(
+                    f"{layer._describe() if layer is not None else 'a whitening layer'}: its gradient transform "
+                    f"Q_s was modified in place between the forward and its backward; defer_grad_transform needs "
+                    f"the Q_s of the forward (remove the deferral, or do not write into grad_transform)")
+            grad = self.transform(grad, q)
+        if self.kept:
+            for part in self.kept:
+                grad = grad + part
+            self.kept.clear()
+        return grad
+
+    _on_gradient.__torch_unserializable__ = True  # type: ignore[attr-defined]  # a model pickled with its hooks
+
+
+class _KeepApart:
+    """The hook on the view of the weight that one forward used under its own ``Q_s``: that forward's part of the
+    gradient, transformed and kept for the weight's hook; zeros pass on to the weight."""
+
+    __torch_unserializable__ = True
+    __slots__ = ("deferral", "q")
+
+    def __init__(self, deferral: _LayerDeferral, q: Tensor) -> None:
+        self.deferral, self.q = deferral, q
+
+    def __call__(self, grad: Tensor) -> Tensor:
+        self.deferral.kept.append(self.deferral.transform(grad, self.q))
+        return torch.zeros_like(grad)
+
+
 class DeferredGradTransform:
     """What :func:`defer_grad_transform` returns: the deferral in force. :meth:`remove` ends it."""
 
     def __init__(self, layers: Sequence[WhiteningLayer], optimizers: Sequence[torch.optim.Optimizer]) -> None:
         self.layers: List[WhiteningLayer] = list(layers)
         self.optimizers: List[torch.optim.Optimizer] = list(optimizers)
-        self._handles: List[Any] = []
-        #: per optimizer: the deferred layers whose weight it steps
-        self._stepped: Dict[int, List[WhiteningLayer]] = {}
-
-    def _pre_step(self, optimizer: torch.optim.Optimizer, args: Tuple[Any, ...],
-                  kwargs: Dict[str, Any]) -> Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]]:
-        # args: the optimizer itself, then step's own (a closure)
-        layers = self._stepped.get(id(optimizer), [])
-        closure = kwargs.get("closure")
-        positional = closure is None and len(args) > 1 and args[1] is not None
-        if positional:
-            closure = args[1]
-        if closure is None:
-            transform_gradients(layers)
-            return None
-
-        # A step with a closure (LBFGS; Lightning's automatic optimization passes one to every optimizer) computes
-        # the gradients inside the step, after this hook: each call of the closure transforms what its backward
-        # left, before the optimizer reads it.
-        def closure_then_transform() -> Any:
-            loss = closure()
-            transform_gradients(layers)
-            return loss
-
-        if positional:
-            return (args[0], closure_then_transform) + tuple(args[2:]), kwargs
-        return args, {**kwargs, "closure": closure_then_transform}
+        self._states: List[_LayerDeferral] = [layer.__dict__["_deferred_grad"] for layer in self.layers]
 
     def remove(self) -> None:
-        """End the deferral: the layers transform their gradients in the backward again. Gradients still waiting
-        for their transform (a backward since the last step) are transformed now."""
-        transform_gradients(self.layers)
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        for layer in self.layers:
-            layer.__dict__.pop("_deferred_grad", None)
-            layer.__dict__.pop("_deferred_q", None)
+        """End the deferral: the layers put their weight through the autograd Function in each forward again. A
+        forward made under the deferral whose backward has not run yet leaves its gradient untransformed if that
+        backward runs later: remove the deferral after the backward (a warning says so)."""
+        waiting = []
+        for layer, state in zip(self.layers, self._states):
+            state.handle.remove()
+            waits = state.open
+            if layer.__dict__.get("_deferred_grad") is not state:  # taken over by a later deferral
+                continue
+            del layer.__dict__["_deferred_grad"]
+            if waits:
+                waiting.append(layer)
+        if waiting:
+            warnings.warn(
+                f"defer_grad_transform: removed while the backward of a forward made under it has not run "
+                f"({len(waiting)} layer(s), first {waiting[0]._describe()}): if it runs now, those weight gradients "
+                f"are not transformed; remove the deferral after the backward (after the optimizer's step)",
+                RuntimeWarning, stacklevel=2)
+        self.layers, self._states = [], []
 
     def __enter__(self) -> "DeferredGradTransform":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.remove()
-
-
-@torch.no_grad()
-def transform_gradients(layers: Sequence[WhiteningLayer]) -> None:
-    """Multiply each deferred layer's weight gradient, in place, by the ``Q_s`` it waits for (the one in force at
-    its forward), and clear the wait. A layer with nothing waiting, or no gradient, is left alone."""
-    for layer in layers:
-        q: Optional[Tensor] = layer.__dict__.get("_deferred_q")
-        if q is None:
-            continue
-        layer.__dict__["_deferred_q"] = None
-        weight: Tensor = cast(Any, layer).weight
-        grad = weight.grad
-        if grad is None:
-            continue
-        if hasattr(grad, "to_local") or tuple(grad.shape) != _weight_shape(layer):
-            raise RuntimeError(
-                f"{layer._describe()}: defer_grad_transform needs the full weight gradient at the optimizer's step, "
-                f"but got a gradient of shape {tuple(grad.shape)} ({type(grad).__name__}) for a weight of shape "
-                f"{_weight_shape(layer)} (a sharded wrapper such as FSDP): use the default transform in the backward")
-        if getattr(layer, "features", "channels") == "patches":  # Q acts on the flattened C k^2 axis
-            new = transform_weight_grad(grad.flatten(1), q).view_as(grad)
-        else:
-            new = transform_weight_grad(grad, q)
-        grad.copy_(new)  # in place: a DDP bucket view, or any wrapper's, stays linked
 
 
 def _sharding(model: nn.Module, layers: Sequence[Any]) -> Optional[str]:
@@ -108,103 +160,87 @@ def _sharding(model: nn.Module, layers: Sequence[Any]) -> Optional[str]:
     return None
 
 
-def _innermost(optimizer: Any) -> torch.optim.Optimizer:
-    """The optimizer whose ``step`` runs the hooks: a wrapper's own (Hugging Face Accelerate's
-    ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``) passes the step on to the optimizer it wraps, and
-    never initialised ``Optimizer``'s hooks."""
-    inner = optimizer
-    for _ in range(8):  # wrappers of wrappers, not a cycle
-        wrapped = getattr(inner, "optimizer", None) or getattr(inner, "_optimizer", None)
-        if not isinstance(wrapped, torch.optim.Optimizer) or wrapped is inner:
-            break
-        inner = wrapped
-    if not isinstance(inner, torch.optim.Optimizer) or not hasattr(inner, "_optimizer_step_pre_hooks"):
-        raise TypeError(
-            f"defer_grad_transform: expected torch.optim.Optimizer instances (or a wrapper holding one as "
-            f"`.optimizer`), but got {type(optimizer).__name__}, whose step runs no optimizer step hooks")
-    return inner
-
-
-def _weight_shape(layer: Any) -> Tuple[int, ...]:
-    """The shape of the layer's whole weight (a sharded wrapper may hold a flat piece of it instead)."""
-    if hasattr(layer, "kernel_size"):
-        return (layer.out_channels, layer.in_channels // layer.groups) + tuple(layer.kernel_size)
-    return (layer.out_features, layer.in_features)
+def _check_optimizer(optimizer: Any) -> Any:
+    """``optimizer`` if it is one: a ``torch.optim.Optimizer``, or anything that steps like one (a wrapper such as
+    Accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``, a SAM implementation): the deferral
+    does not use it, but an argument that is no optimizer at all (a learning rate, a model) is a mistake."""
+    if isinstance(optimizer, torch.optim.Optimizer) or (callable(getattr(optimizer, "step", None))
+                                                        and hasattr(optimizer, "param_groups")):
+        return optimizer
+    raise TypeError(
+        f"defer_grad_transform: expected optimizers (torch.optim.Optimizer, or a wrapper of one with `step` and "
+        f"`param_groups`) after the model, but got {type(optimizer).__name__}; no optimizer is needed")
 
 
 def defer_grad_transform(model: nn.Module, *optimizers: torch.optim.Optimizer) -> DeferredGradTransform:
-    """Transform the weight gradients of ``model``'s grad / recursive layers at the optimizer's step, not in the
-    backward.
+    """Transform the weight gradients of ``model``'s grad / recursive layers with a hook on each weight instead of
+    an autograd node in each forward: the same training as the default, with less host time.
 
-    Each layer's backward then computes its weight gradient as the plain layer does (no Python autograd node), and
-    a pre-hook of ``step`` on each of ``optimizers`` multiplies the gradient by ``Q_s`` on the input-feature axis,
-    in place, before the update: the same update as the default, with less host time per layer and step (on the
-    ResNet-50 layout of ``benchmarks/host_overhead.py`` on a CPU, ~190 -> ~125 us per layer). ``DirectWhiten``
-    layers are not concerned (they have no gradient transform).
+    By default each forward of a layer puts its weight through a Python autograd Function whose backward
+    multiplies the weight gradient by ``Q_s``. With the deferral the forward hands the convolution the weight
+    itself, and a hook on the weight (``Tensor.register_hook``) multiplies the gradient each backward brings by
+    the ``Q_s`` of the forward that produced it, before the gradient is accumulated into ``.grad``: on the
+    ResNet-50 layout of ``benchmarks/host_overhead.py`` on a CPU, about a third less host time per layer.
+    ``DirectWhiten`` layers are not concerned (they have no gradient transform).
 
-    What changes for the training loop:
+    It equals the default (float64, to a few ulps: another order of the same products) wherever the default's
+    products can be told apart:
 
-    * between ``backward()`` and ``step()`` the weight gradients are the untransformed ones: gradient clipping,
-      logging or anything else there sees those;
-    * the ``Q_s`` is the one in force at the layer's last forward (with gradients enabled) before the step, for
-      the whole gradient the step applies. That is the default's ``Q_s`` unless a fold falls between the forwards
-      of one optimizer step: set the layers' ``accumulation_steps`` to the number of backward passes per step
-      (then blocks end on step boundaries). A step that ``GradScaler`` skips changes nothing here, however the
-      gradients are cleared;
-    * a step with a closure (LBFGS, Lightning's automatic optimization) transforms the gradients after each call
-      of the closure, inside the step: anything the closure does after its ``backward()`` (Lightning clips the
-      gradients there) sees the untransformed ones;
-    * a sharded model (FSDP1's wrapper, FSDP2's ``fully_shard``) is refused here, and a gradient whose shape is
-      not the weight's at the step; under DDP the reduced gradient is transformed (the same on every rank);
-    * a layer running inside a ``torch.compile``'d graph keeps the default transform in its backward.
+    * ``.grad`` after ``backward()`` is the transformed gradient, as with the default: gradient clipping
+      (``clip_grad_norm_``, ``clip_grad_value_``), logging, an optimizer wrapper that steps an inner optimizer
+      (SAM), ``GradScaler``, closures (LBFGS, Lightning), DDP's all-reduce and hooks after the accumulation all see
+      what they see with the default;
+    * several backward passes per step (gradient accumulation) each bring their own forward's ``Q_s``, with or
+      without ``accumulation_steps``;
+    * several forwards in one backward (two views of a batch, a GAN's real and fake batch): a forward under the
+      same ``Q_s`` as the one still waiting for its backward adds nothing; a forward under another ``Q_s`` (a fold
+      fell between them) transforms its part of the gradient apart, at about the default's cost for that forward.
+
+    What it does not equal: a forward's graph backpropagated (again, with ``retain_graph=True``, or for the first
+    time) after a later forward of the same layer under another ``Q_s`` has been backpropagated takes that later
+    ``Q_s``. Removing the deferral between a forward and its backward leaves that gradient untransformed (a
+    warning says so). A sharded model (FSDP1's wrapper, FSDP2's ``fully_shard``) is refused: its forward uses a
+    gathered copy of each weight, not the parameter. A weight that is not the parameter the deferral hooked (a
+    ``DataParallel`` replica, a parameter assigned since, a parametrized weight such as ``weight_norm``'s) and a
+    layer inside a ``torch.compile``'d graph keep the default transform.
 
     Args:
         model: a model converted by :func:`~whitenlayers.convert_model`, or any module holding grad / recursive
             whitening layers.
-        *optimizers: the optimizers that step those layers' weights, together every one of them. A wrapper
-            (Hugging Face Accelerate's ``AcceleratedOptimizer``, which the ``Trainer`` uses; Lightning's
-            ``LightningOptimizer``) stands for the optimizer it wraps.
+        *optimizers: not needed (no optimizer plays a part); accepted, and checked to be optimizers or wrappers of
+            one, so that code written when the transform ran at the optimizer's step keeps working.
 
     Returns:
         A :class:`DeferredGradTransform`; its ``remove()`` (or leaving it as a context manager) goes back to the
-        transform in the backward.
+        autograd Function in each forward.
 
     Example:
         >>> import torch, whitenlayers as wl
         >>> model = torch.nn.Sequential(wl.GradWhitenLinear(4, 3))
         >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        >>> deferral = wl.defer_grad_transform(model, opt)
-        >>> model(torch.randn(8, 4)).square().sum().backward()
+        >>> deferral = wl.defer_grad_transform(model)
+        >>> model(torch.randn(8, 4)).square().sum().backward()  # .grad is the transformed gradient
         >>> opt.step()
         >>> deferral.remove()
     """
-    if not optimizers:
-        raise ValueError("defer_grad_transform needs the optimizers that step the model's weights, but got none")
     layers: List[Any] = [m for m in model.modules() if isinstance(m, WhiteningLayer) and "grad_transform" in m._buffers]
     if not layers:
         raise ValueError(f"defer_grad_transform: {type(model).__name__} has no grad or recursive whitening layer")
     sharding = _sharding(model, layers)
     if sharding is not None:
         raise ValueError(
-            f"defer_grad_transform: {type(model).__name__} is sharded ({sharding}): at the optimizer's step each rank "
-            f"holds only a shard of each weight gradient; use the default transform in the backward, which "
-            f"transforms each gradient before it is sharded")
-    optimizers = tuple(_innermost(opt) for opt in optimizers)
-    deferral = DeferredGradTransform(layers, optimizers)
-    stepped: Set[int] = set()
-    for opt in optimizers:
-        params = {id(p) for group in opt.param_groups for p in group["params"]}
-        mine = [layer for layer in layers if id(layer.weight) in params]
-        deferral._stepped[id(opt)] = mine
-        stepped.update(id(layer) for layer in mine)
-    missing = [layer for layer in layers if id(layer) not in stepped and layer.weight.requires_grad]
-    if missing:
-        names = ", ".join(repr(layer.layer_name or layer._describe()) for layer in missing[:4])
-        raise ValueError(
-            f"defer_grad_transform: no optimizer given steps the weight of {len(missing)} whitening layer(s) "
-            f"({names}): their gradients would never be transformed; pass every optimizer of the model")
-    for layer in layers:
-        layer.__dict__["_deferred_grad"] = True
-        layer.__dict__["_deferred_q"] = None
-    deferral._handles = [opt.register_step_pre_hook(deferral._pre_step) for opt in optimizers]
-    return deferral
+            f"defer_grad_transform: {type(model).__name__} is sharded ({sharding}): its forward uses a gathered "
+            f"copy of each weight, not the parameter, so the deferral cannot hook it; use the default transform in "
+            f"the backward, which transforms each gradient before it is sharded")
+    optimizers = tuple(_check_optimizer(opt) for opt in optimizers)
+    # a frozen weight: nothing to hook; a parametrized one (weight_norm, ...): computed anew in each forward
+    deferred = [layer for layer in layers if layer.weight.requires_grad and layer.weight.is_leaf]
+    for layer in deferred:
+        earlier = layer.__dict__.get("_deferred_grad")
+        if isinstance(earlier, _LayerDeferral):  # deferred already: this deferral takes the layer over
+            earlier.handle.remove()
+        state = _LayerDeferral(layer)
+        if isinstance(earlier, _LayerDeferral) and earlier.weight is state.weight:
+            state.q, state.q_version, state.open, state.kept = earlier.q, earlier.q_version, earlier.open, earlier.kept
+        layer.__dict__["_deferred_grad"] = state
+    return DeferredGradTransform(deferred, optimizers)

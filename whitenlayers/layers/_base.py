@@ -367,13 +367,14 @@ class _GradWhitenMixin(WhiteningLayer):
     def _weight_for_forward(self, state: Dict[str, Tensor]) -> Tensor:
         w = self.weight
         if torch.is_grad_enabled() and w.requires_grad:
-            if self.__dict__.get("_deferred_grad") and not _is_compiling():
-                # whitenlayers.defer_grad_transform: the backward leaves the weight gradient as it is, and the
-                # optimizer's step pre-hook multiplies it by the Q_s of the layer's last forward before the step
-                # (a recomputed forward reads its original forward's). Nothing here depends on how the gradient
-                # was cleared, or on whether the last step ran: a step that GradScaler skipped leaves no stale Q_s.
-                self.__dict__["_deferred_q"] = state["grad_transform"]
-                return w
+            deferred = self.__dict__.get("_deferred_grad")
+            if deferred is not None and not _is_compiling():
+                # whitenlayers.defer_grad_transform: the weight itself (or a view of it), whose hook transforms the
+                # gradient with this forward's Q_s (a recomputed forward reads its original forward's); None: not
+                # the hooked weight, the Function below
+                deferred_w = deferred(w, state["grad_transform"])
+                if deferred_w is not None:
+                    return deferred_w
             # The backward uses the Q_s in force now, even if a fold follows: a fold replaces the buffer, it never
             # writes into it.
             if self.features == "patches":  # Q acts on the flattened C k^2 axis
