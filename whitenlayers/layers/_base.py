@@ -375,8 +375,7 @@ class _GradWhitenMixin(WhiteningLayer):
                 deferred_w = deferred(w, state["grad_transform"])
                 if deferred_w is not None:
                     return deferred_w
-            # The backward uses the Q_s in force now, even if a fold follows: a fold replaces the buffer, it never
-            # writes into it.
+            # The backward uses this forward's Q_s (its snapshot, _forward_state), even if a fold follows.
             if self.features == "patches":  # Q acts on the flattened C k^2 axis
                 w = grad_transformed(w.flatten(1), state["grad_transform"]).view_as(w)
             else:
