@@ -534,3 +534,26 @@ def test_absorb_centring_parent_must_hold_the_batchnorm():
     assert layer.centring_batchnorm is bn
     parent[1] = nn.BatchNorm2d(4)
     assert layer.centring_batchnorm is parent[1]
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_the_absorbed_offset_follows_a_weight_whose_memory_moved(channels_last):
+    """The absorbed offset's update reads the weight's rows as sliced once per weight; a weight moved to new
+    memory (``param.data = ...``, as loaders and wrappers do) is sliced again, not read from the old memory."""
+    torch.manual_seed(0)
+    model = wl.convert_model(models.cifar_resnet(8, num_classes=10, width=4), "grad", block_size=1).double()
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    twin = copy.deepcopy(model)
+    x = torch.randn(4, 3, 8, 8, dtype=torch.float64)
+    model(x)
+    twin(x)  # the rows are sliced once here; a fold: a mean in force, so the offset depends on the weight
+    with torch.no_grad():
+        for (_, a), (_, b) in zip(wl.whitening_layers(model), wl.whitening_layers(twin)):
+            a.weight.mul_(2)  # in place: the same memory
+            b.weight.data = b.weight.data * 2  # new memory, the same values
+    model(x)
+    twin(x)
+    for (name, a), (_, b) in zip(wl.whitening_layers(model), wl.whitening_layers(twin)):
+        assert a.centring == "absorbed" and a.running_mean.abs().max() > 0
+        assert torch.equal(a.absorbed_offset, b.absorbed_offset), name

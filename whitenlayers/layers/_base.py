@@ -331,20 +331,38 @@ class _GradWhitenMixin(WhiteningLayer):
             factor: Union[float, Tensor] = (bn.num_batches_tracked.to(device=d.device, dtype=d.dtype) + 1).reciprocal()
         else:
             factor = bn.momentum
-        w = weight.detach()
-        if w.dtype != d.dtype:
-            w = w.to(d.dtype)
         if isinstance(factor, float) and self.groups == 1 and not _onnx_exporting():
             # c = 0 for an absorbed layer (it lives in d, _fold_compensation_into_offset): the update
-            # d <- (1 - f) d + f (c - W mu) is one product-accumulate
-            w2, taps_last = self._weight_rows(w)
+            # d <- (1 - f) d + f (c - W mu) is one product-accumulate, on the weight's rows as sliced once
+            w2, taps_last = self._absorbed_rows(weight, d.dtype)
             d.addmv_(w2, self._mean_per_tap(state["running_mean"], w2.dtype, taps_last), beta=1.0 - factor,
                      alpha=-factor)
             return
+        w = weight.detach()
+        if w.dtype != d.dtype:
+            w = w.to(d.dtype)
         # CUDA's autocast would run the out-of-place addmv of the offset in bf16/fp16: keep BatchNorm's dtype.
         off = torch.autocast(device_type=d.device.type, enabled=False) if _autocast_enabled(d.device.type) else None
         with off or contextlib.nullcontext():
             d.lerp_(self._offset(w, state["running_mean"], state["bias_correction"]), factor)  # s = c - W mu
+
+    _rows_cache: Optional[Tuple[Tensor, Tensor, bool]] = None
+
+    def _absorbed_rows(self, weight: Tensor, dtype: torch.dtype) -> Tuple[Tensor, bool]:
+        """:meth:`_weight_rows` of the detached weight in ``dtype``: for the weight Parameter itself, a view of it
+        made once and kept while it is the layer's weight and still views its memory (the optimizer writes the
+        weight in place; ``param.data = ...`` moves it), else made anew (a parametrized weight, another dtype)."""
+        param = cast(Any, self)._parameters.get("weight")
+        if param is not None and weight.dtype == dtype and not _is_compiling():
+            cached = self._rows_cache
+            if cached is not None and cached[0] is param and cached[1].data_ptr() == param.data_ptr():
+                return cached[1], cached[2]
+            rows, taps_last = self._weight_rows(param.detach())
+            if not torch.is_inference_mode_enabled():  # never keep an inference tensor
+                self.__dict__["_rows_cache"] = (param, rows, taps_last)
+            return rows, taps_last
+        w = weight.detach()
+        return self._weight_rows(w if w.dtype == dtype else w.to(dtype))
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
