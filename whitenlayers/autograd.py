@@ -1,9 +1,16 @@
 """Custom autograd Functions of the whitening layers.
 
-Both treat the whitening quantities (``T``, ``mu``, ``Q_s``) as constants: no
+They treat the whitening quantities (``T``, ``mu``, ``Q_s``) as constants: no
 gradient flows to them, and they are held by reference on ``ctx`` (the layers
 hand in a tensor that is never modified in place afterwards, so the backward
 uses exactly the transform that was in force during the forward).
+
+Each has a ``forward`` without ``ctx`` and a ``setup_context``, and
+``generate_vmap_rule = True`` (their forward and backward are PyTorch operations
+only, each valid on a batched tensor), so the :mod:`torch.func` transforms
+(``vmap``, ``grad``, ``vjp``, ``jacrev``, per-sample gradients
+``vmap(grad(...))``) run through them; a ``jvp`` rule (the forward is linear in
+its differentiable input) serves ``jvp`` / ``jacfwd``.
 """
 from __future__ import annotations
 
@@ -18,6 +25,18 @@ from .functional import transform_weight_grad
 __all__ = ["DirectWhitenFunction", "WeightGradTransform", "direct_whiten", "grad_transformed"]
 
 
+def _channels_last(x: Tensor) -> bool:
+    """Whether the 4-D ``x`` is channels_last and not contiguous (a ``(B, H, W, M)`` view). ``False`` inside
+    ``torch.vmap``, which cannot say (it answers the memory-format question with an error): the layout-free path
+    then runs."""
+    if x.is_contiguous():
+        return False
+    try:
+        return x.is_contiguous(memory_format=torch.channels_last)
+    except RuntimeError:  # a batched tensor: "NYI: querying is_contiguous inside of vmap for memory_format ..."
+        return False
+
+
 def _feature_matmul(mat: Tensor, x: Tensor) -> Tensor:
     """``out[:, i, ...] = sum_j mat[i, j] x[:, j, ...]`` for ``x`` of shape ``(B, M, *)``.
 
@@ -30,7 +49,7 @@ def _feature_matmul(mat: Tensor, x: Tensor) -> Tensor:
         return torch.empty_like(x)  # keeps the memory format, which the paths below lose for an empty batch
     if x.dim() == 2:
         return x @ mat.t()
-    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
+    if x.dim() == 4 and _channels_last(x):
         # (B, H, W, M) view: one matrix product, result kept channels_last.
         return (x.permute(0, 2, 3, 1) @ mat.t()).permute(0, 3, 1, 2)
     return torch.matmul(mat, x.flatten(2)).reshape(x.shape)  # flatten(2): also valid for an empty batch
@@ -44,7 +63,7 @@ def _grouped_feature_matmul(mat: Tensor, x: Tensor) -> Tensor:
         return torch.empty_like(x)
     if k == 1:  # depthwise: a scale per channel, in x's own layout
         return x * mat.reshape((1, g) + (1,) * (x.dim() - 2))
-    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
+    if x.dim() == 4 and _channels_last(x):
         xl = x.permute(0, 2, 3, 1)  # (B, H, W, M), contiguous
         out = (xl.reshape(xl.shape[:3] + (g, 1, k)) @ mat.transpose(-1, -2)).reshape(xl.shape)
         return out.permute(0, 3, 1, 2)
@@ -62,12 +81,21 @@ def _transform_mean(transform: Tensor, mean: Tensor) -> Tensor:
 class DirectWhitenFunction(torch.autograd.Function):
     """``y = T (x - mu)`` on dim 1; backward ``dx = T^T dy``. Saves no activation."""
 
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx: Any, x: Tensor, transform: Tensor, mean: Tensor) -> Tensor:
-        ctx.transform = transform
+    def forward(x: Tensor, transform: Tensor, mean: Tensor) -> Tensor:
         shape = (1, -1) + (1,) * (x.dim() - 2)
         offset = _transform_mean(transform, mean).to(x.dtype).view(shape)
         return _feature_matmul(transform, x).sub_(offset)  # in place: the product is a fresh tensor
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Tuple[Tensor, Tensor, Tensor], output: Tensor) -> None:
+        ctx.transform = inputs[1]
+
+    @staticmethod
+    def jvp(ctx: Any, x_t: Optional[Tensor], *_: Any) -> Tensor:
+        return _feature_matmul(ctx.transform, x_t)  # linear in x (T, mu constant)
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> Tuple[Optional[Tensor], None, None]:
@@ -80,10 +108,19 @@ class DirectWhitenFunction(torch.autograd.Function):
 class WeightGradTransform(torch.autograd.Function):
     """Identity on the weight in the forward; right-multiplies its gradient by ``Q`` in the backward."""
 
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx: Any, weight: Tensor, q: Tensor) -> Tensor:
-        ctx.q = q
+    def forward(weight: Tensor, q: Tensor) -> Tensor:
         return weight.view_as(weight)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Tuple[Tensor, Tensor], output: Tensor) -> None:
+        ctx.q = inputs[1]
+
+    @staticmethod
+    def jvp(ctx: Any, weight_t: Tensor, _: Any) -> Tensor:
+        return weight_t.view_as(weight_t)  # the identity's (the transform acts on the gradient only)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tuple[Tensor, None]:
@@ -106,10 +143,19 @@ class PointwiseWhitenFunction(torch.autograd.Function):
     """``y = T x - T mu`` on dim 1 as one 1x1 convolution, backward ``dx = T^T dy`` as another; the layer hands in
     ``T``, ``-T mu`` and ``T^T`` (prepared once per block). Saves no activation."""
 
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor, weight_t: Tensor, groups: int) -> Tensor:
-        ctx.weight_t, ctx.groups = weight_t, groups
+    def forward(x: Tensor, weight: Tensor, bias: Tensor, weight_t: Tensor, groups: int) -> Tensor:
         return _pointwise(x, weight.to(x.dtype), bias.to(x.dtype), groups)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Tuple[Tensor, Tensor, Tensor, Tensor, int], output: Tensor) -> None:
+        ctx.weight, ctx.weight_t, ctx.groups = inputs[1], inputs[3], inputs[4]
+
+    @staticmethod
+    def jvp(ctx: Any, x_t: Optional[Tensor], *_: Any) -> Tensor:
+        return _pointwise(x_t, ctx.weight.to(x_t.dtype), None, ctx.groups)  # linear in x (T, -T mu constant)
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> Tuple[Optional[Tensor], None, None, None, None]:

@@ -70,6 +70,52 @@ def _onnx_exporting() -> bool:
     return (torch.jit.is_tracing() or _is_compiling()) and torch.onnx.is_in_onnx_export()
 
 
+#: Whether a torch.func transform (vmap, grad, jacrev, ...) is active: one C call.
+_func_transforms_active: Callable[[], bool] = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+_is_func_wrapped: Callable[[Tensor], bool] = getattr(torch._C._functorch, "is_functorch_wrapped_tensor",
+                                                   lambda t: False)
+_jit_tracing: Callable[[], bool] = torch._C._is_tracing
+
+
+def _cacheable(t: Tensor) -> bool:
+    """Whether a value made from ``t`` may be kept across forwards: not while ``torch.jit.trace`` records (a cache
+    filled by its first run would make its check run's graph differ), not for a ``torch.func`` wrapper (it dies
+    with its transform), not an inference tensor."""
+    return not (torch.is_inference_mode_enabled() or _jit_tracing() or _is_func_wrapped(t))
+
+
+_FUNC_WHAT_TO_DO = (
+    "Call the model in eval mode (model.eval(): the transform in force, nothing updated), or in training mode "
+    "inside `with wl.frozen(model):` (the layers whiten and transform the weight gradient without updating their "
+    "state); a BatchNorm in training mode then needs no running statistics, "
+    "torch.func.replace_all_batch_norm_modules_(model), as for any model under torch.func."
+)
+
+
+def _check_gathering_untransformed(layer: WhiteningLayer) -> None:
+    """A training forward that gathers statistics (not :attr:`~WhiteningLayer.frozen`) refuses to run inside a
+    ``torch.func`` transform, before it changes any state."""
+    if _func_transforms_active() and not layer.frozen:
+        raise RuntimeError(
+            f"{layer._describe()}: a training-mode forward inside a torch.func transform (vmap, grad, jacrev, ...) "
+            "is not supported: the layer adds the batch to its block statistics and folds them into its buffers in "
+            "place, and a transformed (batched or gradient-tracking) tensor cannot be written into the layer's "
+            "state. " + _FUNC_WHAT_TO_DO
+        )
+
+
+def _check_not_tracing_function(layer: WhiteningLayer, what: str) -> None:
+    """``torch.jit.trace`` with autograd on would record the layer's autograd Function (``what``): refused."""
+    if _jit_tracing():
+        raise RuntimeError(
+            f"{layer._describe()}: torch.jit.trace with autograd enabled records the layer's autograd Function "
+            f"({what}) as a Python op, whose graph differs between the trace and its check (\"Graphs differed "
+            "across invocations!\"). Trace in eval mode under torch.no_grad(): `with torch.no_grad(): "
+            "traced = torch.jit.trace(model.eval(), example_inputs)`, or trace the plain model, "
+            "wl.to_plain_model(copy.deepcopy(model)).eval()"
+        )
+
+
 def _check_input(layer: WhiteningLayer, x: Tensor, *, dim: int, ndims: tuple, what: str) -> None:
     if not isinstance(x, Tensor):
         raise TypeError(f"{layer._describe()}: expected a Tensor input, but got {type(x).__name__}")
@@ -132,7 +178,7 @@ class _GradWhitenMixin(WhiteningLayer):
                 and cached[3] == taps_last):
             return cached[4]
         value = self._taps_of(mean, dtype, taps_last)
-        if not torch.is_inference_mode_enabled():  # never keep an inference tensor
+        if _cacheable(mean):
             self._mean_taps = (mean, mean._version, dtype, taps_last, value)
         return value
 
@@ -324,6 +370,12 @@ class _GradWhitenMixin(WhiteningLayer):
         """
         if not (bn.training and bn.track_running_stats and bn.running_mean is not None):
             return
+        if _func_transforms_active():
+            raise RuntimeError(
+                f"{self._describe()}: its centring is absorbed by a BatchNorm in training mode, whose running mean "
+                "it follows in place; a torch.func transform (vmap, grad, jacrev, ...) cannot update state in place "
+                "(the BatchNorm itself fails there too). " + _FUNC_WHAT_TO_DO
+            )
         d = self._buffers["absorbed_offset"]
         if bn.momentum is None:  # cumulative average: f = 1 / num_batches_tracked after the BatchNorm's increment
             if bn.num_batches_tracked is None:
@@ -375,7 +427,8 @@ class _GradWhitenMixin(WhiteningLayer):
                 self.__dict__["_deferred_q"] = state["grad_transform"]
                 return w
             # The backward uses the Q_s in force now, even if a fold follows: a fold replaces the buffer, it never
-            # writes into it.
+            # writes into it. In eval mode too: the layer's gradient is the transformed one in either mode.
+            _check_not_tracing_function(self, "the weight-gradient transform")
             if self.features == "patches":  # Q acts on the flattened C k^2 axis
                 w = grad_transformed(w.flatten(1), state["grad_transform"]).view_as(w)
             else:
@@ -402,6 +455,7 @@ class _GradWhitenMixin(WhiteningLayer):
         conv_forward = cast(Any, self)._conv_forward
         training, state = self._forward_state()
         if training:
+            _check_gathering_untransformed(self)
             self._accumulate(self._stats_input(x if x.dim() == nd + 2 else x.unsqueeze(0)))
         w = self._weight_for_forward(state)
         bn = self._batchnorm_absorbing_now()
