@@ -512,6 +512,32 @@ def test_torch_export_and_jit_trace(method):
         torch.testing.assert_close(torch.jit.trace(model, (x,))(x), want)
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_jit_trace_right_after_a_fold(method):
+    """Traced under ``no_grad`` in eval mode as the first forward after a fold (the layers' per-block caches
+    empty): the trace and its check run record the same graph (no cache filled by the first run), and it matches
+    eager."""
+    model = resnet(method, block_size=1)
+    train(model, batches(2))
+    model.eval()
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        traced = torch.jit.trace(model, (x,))
+        torch.testing.assert_close(traced(x), model(x))
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_jit_trace_with_autograd_on_says_to_trace_under_no_grad(method, mode):
+    model = resnet(method, block_size=1)
+    train(model, batches(1))
+    model.train(mode == "train")
+    first = wl.whitening_layers(model)[0][0]
+    with pytest.raises(RuntimeError, match=rf"'{first}'.*torch\.jit\.trace with autograd enabled.*"
+                                           r"eval mode under torch\.no_grad\(\)"):
+        torch.jit.trace(model, (torch.randn(2, 3, 8, 8),))
+
+
 def test_jit_script_says_what_to_do_instead():
     model = resnet("grad", block_size=1)
     with pytest.raises(RuntimeError, match=r"GradWhitenConv2d 'layer1.0.conv1'.*torch.jit.script cannot compile.*"

@@ -105,8 +105,9 @@ def _check_gathering_untransformed(layer: WhiteningLayer) -> None:
 
 
 def _check_not_tracing_function(layer: WhiteningLayer, what: str) -> None:
-    """``torch.jit.trace`` with autograd on would record the layer's autograd Function (``what``): refused."""
-    if _jit_tracing():
+    """``torch.jit.trace`` with autograd on would record the layer's autograd Function (``what``): refused (the
+    TorchScript-based ONNX exporter, which also traces with autograd on, inlines the Function: allowed)."""
+    if _jit_tracing() and not torch.onnx.is_in_onnx_export():
         raise RuntimeError(
             f"{layer._describe()}: torch.jit.trace with autograd enabled records the layer's autograd Function "
             f"({what}) as a Python op, whose graph differs between the trace and its check (\"Graphs differed "
