@@ -94,8 +94,8 @@ class DirectWhitenFunction(torch.autograd.Function):
         ctx.transform = inputs[1]
 
     @staticmethod
-    def jvp(ctx: Any, x_t: Optional[Tensor], *_: Any) -> Tensor:
-        return _feature_matmul(ctx.transform, x_t)  # linear in x (T, mu constant)
+    def jvp(ctx: Any, x_t: Optional[Tensor], *_: Any) -> Optional[Tensor]:
+        return None if x_t is None else _feature_matmul(ctx.transform, x_t)  # linear in x (T, mu constant)
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> Tuple[Optional[Tensor], None, None]:
@@ -119,8 +119,8 @@ class WeightGradTransform(torch.autograd.Function):
         ctx.q = inputs[1]
 
     @staticmethod
-    def jvp(ctx: Any, weight_t: Tensor, _: Any) -> Tensor:
-        return weight_t.view_as(weight_t)  # the identity's (the transform acts on the gradient only)
+    def jvp(ctx: Any, weight_t: Optional[Tensor], _: Any) -> Optional[Tensor]:
+        return None if weight_t is None else weight_t.view_as(weight_t)  # the identity's (Q acts on the gradient only)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tuple[Tensor, None]:
@@ -154,7 +154,9 @@ class PointwiseWhitenFunction(torch.autograd.Function):
         ctx.weight, ctx.weight_t, ctx.groups = inputs[1], inputs[3], inputs[4]
 
     @staticmethod
-    def jvp(ctx: Any, x_t: Optional[Tensor], *_: Any) -> Tensor:
+    def jvp(ctx: Any, x_t: Optional[Tensor], *_: Any) -> Optional[Tensor]:
+        if x_t is None:
+            return None
         return _pointwise(x_t, ctx.weight.to(x_t.dtype), None, ctx.groups)  # linear in x (T, -T mu constant)
 
     @staticmethod
