@@ -9,20 +9,23 @@ Each has a ``forward`` without ``ctx`` and a ``setup_context``, and
 ``generate_vmap_rule = True`` (their forward and backward are PyTorch operations
 only, each valid on a batched tensor), so the :mod:`torch.func` transforms
 (``vmap``, ``grad``, ``vjp``, ``jacrev``, per-sample gradients
-``vmap(grad(...))``) run through them; a ``jvp`` rule (the forward is linear in
-its differentiable input) serves ``jvp`` / ``jacfwd``.
+``vmap(grad(...))``) run through them. Under those transforms the layers use
+subclasses with a ``jvp`` rule (the forward is linear in its differentiable
+input), for ``jvp`` / ``jacfwd``: Dynamo cannot trace a Function that has one.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from .functional import transform_weight_grad
+from .stats import _is_compiling
 
-__all__ = ["DirectWhitenFunction", "WeightGradTransform", "direct_whiten", "grad_transformed"]
+__all__ = ["DirectWhitenFunction", "WeightGradTransform", "PointwiseWhitenFunction", "direct_whiten",
+           "grad_transformed", "pointwise_whiten"]
 
 
 def _channels_last(x: Tensor) -> bool:
@@ -94,10 +97,6 @@ class DirectWhitenFunction(torch.autograd.Function):
         ctx.transform = inputs[1]
 
     @staticmethod
-    def jvp(ctx: Any, x_t: Optional[Tensor], *_: Any) -> Optional[Tensor]:
-        return None if x_t is None else _feature_matmul(ctx.transform, x_t)  # linear in x (T, mu constant)
-
-    @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> Tuple[Optional[Tensor], None, None]:
         grad_in = None
         if ctx.needs_input_grad[0]:
@@ -117,10 +116,6 @@ class WeightGradTransform(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: Tuple[Tensor, Tensor], output: Tensor) -> None:
         ctx.q = inputs[1]
-
-    @staticmethod
-    def jvp(ctx: Any, weight_t: Optional[Tensor], _: Any) -> Optional[Tensor]:
-        return None if weight_t is None else weight_t.view_as(weight_t)  # the identity's (Q acts on the gradient only)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tuple[Tensor, None]:
@@ -151,13 +146,7 @@ class PointwiseWhitenFunction(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: Tuple[Tensor, Tensor, Tensor, Tensor, int], output: Tensor) -> None:
-        ctx.weight, ctx.weight_t, ctx.groups = inputs[1], inputs[3], inputs[4]
-
-    @staticmethod
-    def jvp(ctx: Any, x_t: Optional[Tensor], *_: Any) -> Optional[Tensor]:
-        if x_t is None:
-            return None
-        return _pointwise(x_t, ctx.weight.to(x_t.dtype), None, ctx.groups)  # linear in x (T, -T mu constant)
+        ctx.weight_t, ctx.groups = inputs[3], inputs[4]
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> Tuple[Optional[Tensor], None, None, None, None]:
@@ -170,12 +159,82 @@ class PointwiseWhitenFunction(torch.autograd.Function):
 #: Input ranks the 1x1-convolution path of DirectWhiten takes: (B, M) and 1-D, 2-D, 3-D feature maps.
 POINTWISE_DIMS = (2, 3, 4, 5)
 
+# ``Function.apply`` of a Function with ``setup_context`` binds its arguments to ``forward``'s signature with
+# ``inspect`` at every call (about 17 us on a CPU, more than the rest of a layer's step); outside the torch.func
+# transforms it then ends in the C++ apply, which the functions below call directly with the same arguments (all
+# positional, no defaults to bind), after the one other thing ``Function.apply`` does there (a tensor left over from
+# a finished transform unwrapped). Under a transform, and for torch.compile (which traces ``Function.apply``):
+# ``Function.apply`` itself.
+#: Whether a torch.func transform (vmap, grad, jacrev, ...) is active: one C call.
+_transforms_active: Callable[[], bool] = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+_unwrap_if_dead: Any = getattr(torch._C._functorch, "unwrap_if_dead", None)
+
+
+def _fast_apply(fn: Any) -> Any:
+    """The C++ apply of ``fn`` (``None``: ``Function.apply``, where this torch lacks what the shortcut needs)."""
+    if not hasattr(torch._C, "_are_functorch_transforms_active") or _unwrap_if_dead is None:
+        return None
+    return super(torch.autograd.Function, fn).apply
+
+
+class _DirectWhitenFunc(DirectWhitenFunction):
+    """:class:`DirectWhitenFunction` with a ``jvp`` rule, for the torch.func transforms."""
+
+    @staticmethod
+    def jvp(ctx: Any, x_t: Optional[Tensor], *_: Any) -> Optional[Tensor]:
+        return None if x_t is None else _feature_matmul(ctx.transform, x_t)  # linear in x (T, mu constant)
+
+
+class _WeightGradTransformFunc(WeightGradTransform):
+    """:class:`WeightGradTransform` with a ``jvp`` rule, for the torch.func transforms."""
+
+    @staticmethod
+    def jvp(ctx: Any, weight_t: Optional[Tensor], _: Any) -> Optional[Tensor]:
+        return None if weight_t is None else weight_t.view_as(weight_t)  # the identity's (Q acts on the gradient only)
+
+
+class _PointwiseWhitenFunc(PointwiseWhitenFunction):
+    """:class:`PointwiseWhitenFunction` with a ``jvp`` rule, for the torch.func transforms."""
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Tuple[Tensor, Tensor, Tensor, Tensor, int], output: Tensor) -> None:
+        ctx.weight, ctx.weight_t, ctx.groups = inputs[1], inputs[3], inputs[4]
+
+    @staticmethod
+    def jvp(ctx: Any, x_t: Optional[Tensor], *_: Any) -> Optional[Tensor]:
+        if x_t is None:
+            return None
+        return _pointwise(x_t, ctx.weight.to(x_t.dtype), None, ctx.groups)  # linear in x (T, -T mu constant)
+
+
+_direct_apply = _fast_apply(DirectWhitenFunction)
+_weight_grad_apply = _fast_apply(WeightGradTransform)
+_pointwise_apply = _fast_apply(PointwiseWhitenFunction)
+
 
 def direct_whiten(x: Tensor, transform: Tensor, mean: Tensor) -> Tensor:
     """Functional form of :class:`DirectWhitenFunction` (``T``, ``mu`` constant)."""
-    return DirectWhitenFunction.apply(x, transform, mean)
+    if _direct_apply is None or _is_compiling():
+        return DirectWhitenFunction.apply(x, transform, mean)
+    if _transforms_active():
+        return _DirectWhitenFunc.apply(x, transform, mean)
+    return _direct_apply(_unwrap_if_dead(x), _unwrap_if_dead(transform), _unwrap_if_dead(mean))
 
 
 def grad_transformed(weight: Tensor, q: Tensor) -> Tensor:
     """``weight`` whose gradient will be right-multiplied by ``q`` (input-feature axis)."""
-    return WeightGradTransform.apply(weight, q)
+    if _weight_grad_apply is None or _is_compiling():
+        return WeightGradTransform.apply(weight, q)
+    if _transforms_active():
+        return _WeightGradTransformFunc.apply(weight, q)
+    return _weight_grad_apply(_unwrap_if_dead(weight), _unwrap_if_dead(q))
+
+
+def pointwise_whiten(x: Tensor, weight: Tensor, bias: Tensor, weight_t: Tensor, groups: int) -> Tensor:
+    """Functional form of :class:`PointwiseWhitenFunction` (``weight = T``, ``bias = -T mu``, ``weight_t = T^T``)."""
+    if _pointwise_apply is None or _is_compiling():
+        return PointwiseWhitenFunction.apply(x, weight, bias, weight_t, groups)
+    if _transforms_active():
+        return _PointwiseWhitenFunc.apply(x, weight, bias, weight_t, groups)
+    return _pointwise_apply(_unwrap_if_dead(x), _unwrap_if_dead(weight), _unwrap_if_dead(bias),
+                            _unwrap_if_dead(weight_t), groups)

@@ -15,6 +15,7 @@ from torch.nn.utils import parametrize
 
 from .. import functional as F_w
 from .._rebuild import conv_like, share_parameters
+from ..autograd import _transforms_active as _func_transforms_active
 from ..autograd import grad_transformed
 from ..config import EVDConfig, WhiteningConfig, make_config
 from ..stats import WhiteningLayer, _is_compiling
@@ -70,8 +71,6 @@ def _onnx_exporting() -> bool:
     return (torch.jit.is_tracing() or _is_compiling()) and torch.onnx.is_in_onnx_export()
 
 
-#: Whether a torch.func transform (vmap, grad, jacrev, ...) is active: one C call.
-_func_transforms_active: Callable[[], bool] = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
 _is_func_wrapped: Callable[[Tensor], bool] = getattr(torch._C._functorch, "is_functorch_wrapped_tensor",
                                                    lambda t: False)
 _jit_tracing: Callable[[], bool] = torch._C._is_tracing
@@ -95,7 +94,7 @@ _FUNC_WHAT_TO_DO = (
 def _check_gathering_untransformed(layer: WhiteningLayer) -> None:
     """A training forward that gathers statistics (not :attr:`~WhiteningLayer.frozen`) refuses to run inside a
     ``torch.func`` transform, before it changes any state."""
-    if _func_transforms_active() and not layer.frozen:
+    if not _is_compiling() and _func_transforms_active() and not layer.frozen:
         raise RuntimeError(
             f"{layer._describe()}: a training-mode forward inside a torch.func transform (vmap, grad, jacrev, ...) "
             "is not supported: the layer adds the batch to its block statistics and folds them into its buffers in "
@@ -107,7 +106,7 @@ def _check_gathering_untransformed(layer: WhiteningLayer) -> None:
 def _check_not_tracing_function(layer: WhiteningLayer, what: str) -> None:
     """``torch.jit.trace`` with autograd on would record the layer's autograd Function (``what``): refused (the
     TorchScript-based ONNX exporter, which also traces with autograd on, inlines the Function: allowed)."""
-    if _jit_tracing() and not torch.onnx.is_in_onnx_export():
+    if not _is_compiling() and _jit_tracing() and not torch.onnx.is_in_onnx_export():
         raise RuntimeError(
             f"{layer._describe()}: torch.jit.trace with autograd enabled records the layer's autograd Function "
             f"({what}) as a Python op, whose graph differs between the trace and its check (\"Graphs differed "
@@ -371,7 +370,7 @@ class _GradWhitenMixin(WhiteningLayer):
         """
         if not (bn.training and bn.track_running_stats and bn.running_mean is not None):
             return
-        if _func_transforms_active():
+        if not _is_compiling() and _func_transforms_active():
             raise RuntimeError(
                 f"{self._describe()}: its centring is absorbed by a BatchNorm in training mode, whose running mean "
                 "it follows in place; a torch.func transform (vmap, grad, jacrev, ...) cannot update state in place "

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import functional as F_w
-from ..autograd import POINTWISE_DIMS, PointwiseWhitenFunction, _transform_mean, direct_whiten
+from ..autograd import POINTWISE_DIMS, _transform_mean, direct_whiten, pointwise_whiten
 from ..config import EVDConfig, make_config
 from ..stats import WhiteningLayer, _is_compiling
 
@@ -132,7 +132,7 @@ class DirectWhiten(WhiteningLayer, nn.Module):
             # CUDA: one 1x1 convolution each way (a fold replaces T, never writes into it). A CPU keeps the matrix
             # products below: there the convolution was slower (ResNet-20 step 1.33x against 1.26x).
             w, b, wt = self._pointwise_weights(t, state["running_mean"], x.dtype)
-            out = PointwiseWhitenFunction.apply(x, w, b, wt, self.groups)
+            out = pointwise_whiten(x, w, b, wt, self.groups)
         else:
             if grads:
                 t = t.clone()  # the backward must use the T of this forward, even if a fold follows
