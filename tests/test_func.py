@@ -206,3 +206,25 @@ def test_eval_mode_keeps_the_weight_gradient_transform(method):
     with torch.no_grad():
         layer.grad_transform.copy_(torch.eye(3, dtype=DTYPE))
     assert not torch.allclose(weight_grad(), eval_grad, **TOL)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_eval_ensemble_of_stacked_models_equals_each_model(method):
+    """``vmap`` over stacked parameters and buffers (``stack_module_state``, model ensembling), outputs and
+    gradients: ``T``, ``mu``, ``Q_s`` are batched too."""
+    models = [trained(method, seed=s).eval() for s in range(3)]
+    params, buffers = torch.func.stack_module_state(models)
+    base = copy.deepcopy(models[0]).to("meta")
+    x, y = data()
+
+    def loss(p, b):
+        return Fn.cross_entropy(functional_call(base, (p, b), (x,)), y)
+
+    got = vmap(lambda p, b: functional_call(base, (p, b), (x,)))(params, buffers)
+    torch.testing.assert_close(got, torch.stack([m(x) for m in models]), **TOL)
+    grads = vmap(grad(loss))(params, buffers)
+    for i, m in enumerate(models):
+        m.zero_grad()
+        Fn.cross_entropy(m(x), y).backward()
+        for k, p in m.named_parameters():
+            torch.testing.assert_close(grads[k][i], p.grad, **TOL, msg=k)
