@@ -228,3 +228,31 @@ def test_eval_ensemble_of_stacked_models_equals_each_model(method):
         Fn.cross_entropy(m(x), y).backward()
         for k, p in m.named_parameters():
             torch.testing.assert_close(grads[k][i], p.grad, **TOL, msg=k)
+
+
+@pytest.mark.parametrize("method", ["grad", "recursive"])
+def test_jacfwd_equals_jacrev_with_respect_to_a_whitened_weight(method):
+    """Forward mode agrees with reverse mode on the layers' weights: the derivative with respect to a whitened
+    weight is the transformed one in either mode (the Function's jvp is its backward's adjoint), also for a weight
+    that requires no grad (a forward-mode tangent only)."""
+    model = trained(method).eval()
+    x, _ = data(2)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    for name in ("layer1.0.conv1.weight", "layer2.0.conv2.weight"):
+        def f(w, name=name):
+            return functional_call(model, {**params, name: w}, (x,))
+        torch.testing.assert_close(torch.func.jacfwd(f)(params[name]), jacrev(f)(params[name]), **TOL)
+
+
+@pytest.mark.parametrize("method", ["grad", "recursive"])
+def test_per_sample_gradients_under_the_deferred_transform_are_transformed(method):
+    """``defer_grad_transform`` moves the transform to the optimizer's step, which torch.func's gradients never
+    reach: under a transform the layers keep it in the backward, so the per-sample gradients equal the default's."""
+    model = trained(method).eval()
+    default = copy.deepcopy(model)
+    wl.defer_grad_transform(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = data()
+    got = per_sample_grads(model, x, y)
+    want = looped_grads(default, x, y)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], **TOL, msg=k)

@@ -186,11 +186,13 @@ class _DirectWhitenFunc(DirectWhitenFunction):
 
 
 class _WeightGradTransformFunc(WeightGradTransform):
-    """:class:`WeightGradTransform` with a ``jvp`` rule, for the torch.func transforms."""
+    """:class:`WeightGradTransform` with a ``jvp`` rule, for the torch.func transforms: the adjoint of its backward
+    (``t -> t Q^T``), so that forward and reverse mode agree (``jacfwd == jacrev``, forward-over-reverse Hessian
+    products): the layer's derivative with respect to its weight is the transformed one in either mode."""
 
     @staticmethod
     def jvp(ctx: Any, weight_t: Optional[Tensor], _: Any) -> Optional[Tensor]:
-        return None if weight_t is None else weight_t.view_as(weight_t)  # the identity's (Q acts on the gradient only)
+        return None if weight_t is None else transform_weight_grad(weight_t, ctx.q.mT)
 
 
 class _PointwiseWhitenFunc(PointwiseWhitenFunction):

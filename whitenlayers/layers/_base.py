@@ -418,8 +418,11 @@ class _GradWhitenMixin(WhiteningLayer):
 
     def _weight_for_forward(self, state: Dict[str, Tensor]) -> Tensor:
         w = self.weight
-        if torch.is_grad_enabled() and w.requires_grad:
-            if self.__dict__.get("_deferred_grad") and not _is_compiling():
+        # Under a torch.func transform a weight with a forward-mode tangent (jvp, jacfwd) requires no grad: it takes
+        # the Function too, whose jvp is its backward's adjoint (jacfwd equals jacrev).
+        if torch.is_grad_enabled() and (w.requires_grad or _func_transforms_active()):
+            # (torch.func's gradients reach no .grad and no optimizer step: the transform stays in their backward.)
+            if self.__dict__.get("_deferred_grad") and not _is_compiling() and not _func_transforms_active():
                 # whitenlayers.defer_grad_transform: the backward leaves the weight gradient as it is, and the
                 # optimizer's step pre-hook multiplies it by the Q_s of the layer's last forward before the step
                 # (a recomputed forward reads its original forward's). Nothing here depends on how the gradient
