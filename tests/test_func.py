@@ -13,9 +13,12 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as Fn
-from torch.func import functional_call, grad, jacrev, jvp, replace_all_batch_norm_modules_, vmap
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.func import functional_call, grad, jacrev, jvp, replace_all_batch_norm_modules_, vjp, vmap
 
 import whitenlayers as wl
+from whitenlayers.autograd import direct_whiten, grad_transformed
 from whitenlayers.functional import transform_weight_grad
 
 METHODS = ["grad", "recursive", "direct"]
@@ -256,3 +259,48 @@ def test_per_sample_gradients_under_the_deferred_transform_are_transformed(metho
     want = looped_grads(default, x, y)
     for k in want:
         torch.testing.assert_close(got[k], want[k], **TOL, msg=k)
+
+
+def _spd_blocks(g, k, gen):
+    a = torch.randn(g, k, k, generator=gen, dtype=DTYPE)
+    return a @ a.mT + torch.eye(k, dtype=DTYPE)
+
+
+@settings(max_examples=30, deadline=None)
+@given(groups=st.sampled_from([1, 2, 4]), channels_last=st.booleans(), in_dim=st.sampled_from([0, 1, 2]),
+       seed=st.integers(0, 2 ** 16))
+def test_functions_under_vmap_equal_each_slice(groups, channels_last, in_dim, seed):
+    """The Functions' generated vmap rules, on any layout the vmapped input may have (the batch dimension first,
+    second or third; each slice channels_last or not) and any grouping: ``vmap`` of the forward, of its vjp and of
+    the weight-gradient transform's vjp equal the same calls slice by slice."""
+    gen = torch.Generator().manual_seed(seed)
+    n, b, m = 3, 2, 4
+    t = _spd_blocks(groups, m // groups, gen)
+    t = t[0] if groups == 1 else t
+    mean = torch.randn(m, generator=gen, dtype=DTYPE)
+    x = torch.randn(n * b, m, 3, 3, generator=gen, dtype=DTYPE)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    x = x.view(n, b, m, 3, 3).movedim(0, in_dim)  # a view: the slices keep their layout
+    cot = torch.randn(n, b, m, 3, 3, generator=gen, dtype=DTYPE).movedim(0, in_dim)
+    slices = [x.select(in_dim, i) for i in range(n)]
+    cots = [cot.select(in_dim, i) for i in range(n)]
+
+    def whiten(xi):
+        return direct_whiten(xi, t, mean)
+
+    torch.testing.assert_close(vmap(whiten, in_dims=in_dim)(x), torch.stack([whiten(xi) for xi in slices]), **TOL)
+    got = vmap(lambda xi, ci: vjp(whiten, xi)[1](ci)[0], in_dims=(in_dim, in_dim))(x, cot)
+    torch.testing.assert_close(got, torch.stack([vjp(whiten, xi)[1](ci)[0] for xi, ci in zip(slices, cots)]), **TOL)
+    # the weight-gradient transform: a grouped conv's weight (S, M/G, kh, kw), its gradients batched in any layout
+    w = torch.randn(6 * groups, m // groups, 3, 3, generator=gen, dtype=DTYPE)
+    g = torch.randn(n, *w.shape, generator=gen, dtype=DTYPE)
+    if channels_last:
+        g = g.view(n * w.shape[0], *w.shape[1:]).contiguous(memory_format=torch.channels_last).view(g.shape)
+    g = g.movedim(0, in_dim)
+
+    def weight_vjp(gi):
+        return vjp(lambda wi: grad_transformed(wi, t), w)[1](gi)[0]
+
+    want = torch.stack([transform_weight_grad(g.select(in_dim, i), t) for i in range(n)])
+    torch.testing.assert_close(vmap(weight_vjp, in_dims=in_dim)(g), want, **TOL)
