@@ -310,6 +310,29 @@ def test_torch_ema_and_swa_average_the_whitening_state_like_batchnorm():
     torch.testing.assert_close(ema(x), wl.to_plain_model(copy.deepcopy(ema.module))(x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("average", ["ema", "swa"])
+def test_keep_counters_averages_the_state_and_keeps_num_blocks(average):
+    """``AveragedModel(use_buffers=True)`` truncates an averaged ``num_blocks`` (an EMA of a model whose first update
+    came before its first fold stays at 0: the averaged layers count as never folded). With
+    ``wl.keep_counters`` every integer buffer is the model's, every floating one the same average as without it."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+    model = resnet("grad", block_size=2)
+    inner = get_ema_multi_avg_fn(0.9) if average == "ema" else None
+    kept = AveragedModel(model, multi_avg_fn=wl.keep_counters(inner), use_buffers=True)
+    averaged = AveragedModel(model, multi_avg_fn=inner, use_buffers=True)
+    for x, y in batches(6):
+        train(model, [(x, y)])
+        kept.update_parameters(model)
+        averaged.update_parameters(model)
+    assert int(model.layer1[0].conv1.num_blocks) == 3
+    for (name, k), (_, a), (_, m) in zip(kept.module.state_dict().items(), averaged.module.state_dict().items(),
+                                         model.state_dict().items()):
+        if k.is_floating_point():
+            assert torch.equal(k, a), name  # the same average, the same operations
+        else:
+            assert torch.equal(k, m), name  # num_blocks, num_batches_tracked: the model's
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_update_bn_inside_frozen_keeps_the_whitening_state(method):
     """``update_bn`` re-estimates the BatchNorms of an averaged model; inside ``wl.frozen`` the whitening state is
@@ -516,6 +539,32 @@ def test_torch_export_and_jit_trace(method):
     torch.testing.assert_close(torch.export.export(model, (x,)).module()(x), want)
     with torch.no_grad():  # with autograd on, the trace holds the layers' autograd Functions (PythonOps)
         torch.testing.assert_close(torch.jit.trace(model, (x,))(x), want)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_jit_trace_right_after_a_fold(method):
+    """Traced under ``no_grad`` in eval mode as the first forward after a fold (the layers' per-block caches
+    empty): the trace and its check run record the same graph (no cache filled by the first run), and it matches
+    eager."""
+    model = resnet(method, block_size=1)
+    train(model, batches(2))
+    model.eval()
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        traced = torch.jit.trace(model, (x,))
+        torch.testing.assert_close(traced(x), model(x))
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_jit_trace_with_autograd_on_says_to_trace_under_no_grad(method, mode):
+    model = resnet(method, block_size=1)
+    train(model, batches(1))
+    model.train(mode == "train")
+    first = wl.whitening_layers(model)[0][0]
+    with pytest.raises(RuntimeError, match=rf"'{first}'.*torch\.jit\.trace with autograd enabled.*"
+                                           r"eval mode under torch\.no_grad\(\)"):
+        torch.jit.trace(model, (torch.randn(2, 3, 8, 8),))
 
 
 def test_jit_script_says_what_to_do_instead():

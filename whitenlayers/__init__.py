@@ -7,6 +7,7 @@ Markovich-Golan, Battash and Bleiweiss, "Feature Whitening via Gradient
 Transformation for Improved Convergence".
 """
 from . import _deprecated, config, functional, models, testing
+from .averaging import keep_counters
 from .config import EVDConfig, RecursiveConfig
 from .convert import (
     ConversionReport,
@@ -56,6 +57,7 @@ __all__ = [
     "ConversionReport",
     "to_plain_model",
     "frozen",
+    "keep_counters",
     "whitening_layers",
     "load_plain_state_dict",
     "plain_state_dict",

@@ -15,6 +15,7 @@ from torch.nn.utils import parametrize
 
 from .. import functional as F_w
 from .._rebuild import conv_like, share_parameters
+from ..autograd import _transforms_active as _func_transforms_active
 from ..autograd import grad_transformed
 from ..config import EVDConfig, WhiteningConfig, make_config
 from ..stats import WhiteningLayer, _is_compiling
@@ -68,6 +69,51 @@ def _onnx_exporting() -> bool:
     """``torch.onnx.is_in_onnx_export()``, asked only while tracing (its exporters trace: the TorchScript one with
     ``torch.jit``, the dynamo one through ``torch.export``): on the per-batch path it costs more than the check."""
     return (torch.jit.is_tracing() or _is_compiling()) and torch.onnx.is_in_onnx_export()
+
+
+_is_func_wrapped: Callable[[Tensor], bool] = getattr(torch._C._functorch, "is_functorch_wrapped_tensor",
+                                                   lambda t: False)
+_jit_tracing: Callable[[], bool] = torch._C._is_tracing
+
+
+def _cacheable(t: Tensor) -> bool:
+    """Whether a value made from ``t`` may be kept across forwards: not while ``torch.jit.trace`` records (a cache
+    filled by its first run would make its check run's graph differ), not for a ``torch.func`` wrapper (it dies
+    with its transform), not an inference tensor."""
+    return not (torch.is_inference_mode_enabled() or _jit_tracing() or _is_func_wrapped(t))
+
+
+_FUNC_WHAT_TO_DO = (
+    "Call the model in eval mode (model.eval(): the transform in force, nothing updated), or in training mode "
+    "inside `with wl.frozen(model):` (the layers whiten and transform the weight gradient without updating their "
+    "state); a BatchNorm in training mode then needs no running statistics, "
+    "torch.func.replace_all_batch_norm_modules_(model), as for any model under torch.func."
+)
+
+
+def _check_gathering_untransformed(layer: WhiteningLayer) -> None:
+    """A training forward that gathers statistics (not :attr:`~WhiteningLayer.frozen`) refuses to run inside a
+    ``torch.func`` transform, before it changes any state."""
+    if not _is_compiling() and _func_transforms_active() and not layer.frozen:
+        raise RuntimeError(
+            f"{layer._describe()}: a training-mode forward inside a torch.func transform (vmap, grad, jacrev, ...) "
+            "is not supported: the layer adds the batch to its block statistics and folds them into its buffers in "
+            "place, and a transformed (batched or gradient-tracking) tensor cannot be written into the layer's "
+            "state. " + _FUNC_WHAT_TO_DO
+        )
+
+
+def _check_not_tracing_function(layer: WhiteningLayer, what: str) -> None:
+    """``torch.jit.trace`` with autograd on would record the layer's autograd Function (``what``): refused (the
+    TorchScript-based ONNX exporter, which also traces with autograd on, inlines the Function: allowed)."""
+    if not _is_compiling() and _jit_tracing() and not torch.onnx.is_in_onnx_export():
+        raise RuntimeError(
+            f"{layer._describe()}: torch.jit.trace with autograd enabled records the layer's autograd Function "
+            f"({what}) as a Python op, whose graph differs between the trace and its check (\"Graphs differed "
+            "across invocations!\"). Trace in eval mode under torch.no_grad(): `with torch.no_grad(): "
+            "traced = torch.jit.trace(model.eval(), example_inputs)`, or trace the plain model, "
+            "wl.to_plain_model(copy.deepcopy(model)).eval()"
+        )
 
 
 def _check_input(layer: WhiteningLayer, x: Tensor, *, dim: int, ndims: tuple, what: str) -> None:
@@ -132,7 +178,7 @@ class _GradWhitenMixin(WhiteningLayer):
                 and cached[3] == taps_last):
             return cached[4]
         value = self._taps_of(mean, dtype, taps_last)
-        if not torch.is_inference_mode_enabled():  # never keep an inference tensor
+        if _cacheable(mean):
             self._mean_taps = (mean, mean._version, dtype, taps_last, value)
         return value
 
@@ -324,6 +370,12 @@ class _GradWhitenMixin(WhiteningLayer):
         """
         if not (bn.training and bn.track_running_stats and bn.running_mean is not None):
             return
+        if not _is_compiling() and _func_transforms_active():
+            raise RuntimeError(
+                f"{self._describe()}: its centring is absorbed by a BatchNorm in training mode, whose running mean "
+                "it follows in place; a torch.func transform (vmap, grad, jacrev, ...) cannot update state in place "
+                "(the BatchNorm itself fails there too). " + _FUNC_WHAT_TO_DO
+            )
         d = self._buffers["absorbed_offset"]
         if bn.momentum is None:  # cumulative average: f = 1 / num_batches_tracked after the BatchNorm's increment
             if bn.num_batches_tracked is None:
@@ -384,16 +436,21 @@ class _GradWhitenMixin(WhiteningLayer):
 
     def _weight_for_forward(self, state: Dict[str, Tensor]) -> Tensor:
         w = self.weight
-        if torch.is_grad_enabled() and w.requires_grad:
+        # Under a torch.func transform a weight with a forward-mode tangent (jvp, jacfwd) requires no grad: it takes
+        # the Function too, whose jvp is its backward's adjoint (jacfwd equals jacrev).
+        if torch.is_grad_enabled() and (w.requires_grad or _func_transforms_active()):
             deferred = self.__dict__.get("_deferred_grad")
-            if deferred is not None and not _is_compiling():
+            # (torch.func's gradients never reach the weight's hook: the transform stays in their backward.)
+            if deferred is not None and not _is_compiling() and not _func_transforms_active():
                 # whitenlayers.defer_grad_transform: the weight itself (or a view of it), whose hook transforms the
                 # gradient with this forward's Q_s (a recomputed forward reads its original forward's); None: not
                 # the hooked weight, the Function below
                 deferred_w = deferred(w, state["grad_transform"])
                 if deferred_w is not None:
                     return deferred_w
-            # The backward uses this forward's Q_s (its snapshot, _forward_state), even if a fold follows.
+            # The backward uses this forward's Q_s (its snapshot, _forward_state), even if a fold follows. In eval
+            # mode too: the layer's gradient is the transformed one in either mode.
+            _check_not_tracing_function(self, "the weight-gradient transform")
             if self.features == "patches":  # Q acts on the flattened C k^2 axis
                 w = grad_transformed(w.flatten(1), state["grad_transform"]).view_as(w)
             else:
@@ -420,6 +477,7 @@ class _GradWhitenMixin(WhiteningLayer):
         conv_forward = cast(Any, self)._conv_forward
         training, state = self._forward_state()
         if training:
+            _check_gathering_untransformed(self)
             self._accumulate(self._stats_input(x if x.dim() == nd + 2 else x.unsqueeze(0)))
         w = self._weight_for_forward(state)
         bn = self._batchnorm_absorbing_now()

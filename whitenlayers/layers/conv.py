@@ -15,7 +15,13 @@ from ..patches import FEATURES, patch_padding, unfold_patches
 if TYPE_CHECKING:  # pragma: no cover
     pass
 
-from ._base import _check_input, _GradWhitenMixin, _weight_once, _with_whitening_signature
+from ._base import (
+    _check_gathering_untransformed,
+    _check_input,
+    _GradWhitenMixin,
+    _weight_once,
+    _with_whitening_signature,
+)
 
 
 class GradWhitenConv2d(_GradWhitenMixin, nn.Conv2d):
@@ -230,6 +236,7 @@ class GradWhitenLinear(_GradWhitenMixin, nn.Linear):  # type: ignore[misc]
             )
         training, state = self._forward_state()
         if training:
+            _check_gathering_untransformed(self)
             self._accumulate(x.reshape(-1, self.num_features))
         w = self._weight_for_forward(state)
         if bn is not None:

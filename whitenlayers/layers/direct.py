@@ -8,14 +8,20 @@ import torch
 from torch import Tensor, nn
 
 from .. import functional as F_w
-from ..autograd import POINTWISE_DIMS, PointwiseWhitenFunction, _transform_mean, direct_whiten
+from ..autograd import POINTWISE_DIMS, _transform_mean, direct_whiten, pointwise_whiten
 from ..config import EVDConfig, make_config
 from ..stats import WhiteningLayer, _is_compiling
 
 if TYPE_CHECKING:  # pragma: no cover
     pass
 
-from ._base import _check_input, _with_whitening_signature
+from ._base import (
+    _cacheable,
+    _check_gathering_untransformed,
+    _check_input,
+    _check_not_tracing_function,
+    _with_whitening_signature,
+)
 
 
 class DirectWhiten(WhiteningLayer, nn.Module):
@@ -94,7 +100,7 @@ class DirectWhiten(WhiteningLayer, nn.Module):
             w = t.reshape(m, -1).to(dtype).contiguous()
             wt = t.transpose(-1, -2).reshape(m, -1).to(dtype).contiguous()
             b = _transform_mean(t, mean).neg_().to(dtype)
-        if key is not None and not torch.is_inference_mode_enabled():
+        if key is not None and _cacheable(t) and _cacheable(mean):
             self._pointwise_cache = key + ((w, b, wt),)
         return w, b, wt
 
@@ -116,15 +122,19 @@ class DirectWhiten(WhiteningLayer, nn.Module):
         _check_input(self, x, dim=1, ndims=tuple(range(2, 9)), what="an input of shape (B, C) or (B, C, *spatial)")
         training, state = self._forward_state()
         if training:
+            _check_gathering_untransformed(self)
             self._accumulate(x)
         t = state["whitening_matrix"]
+        grads = torch.is_grad_enabled() and x.requires_grad
+        if grads:
+            _check_not_tracing_function(self, "the whitening's backward")
         if x.dim() in POINTWISE_DIMS and F_w.fused_moments_on(x.device):
             # CUDA: one 1x1 convolution each way (a fold replaces T, never writes into it). A CPU keeps the matrix
             # products below: there the convolution was slower (ResNet-20 step 1.33x against 1.26x).
             w, b, wt = self._pointwise_weights(t, state["running_mean"], x.dtype)
-            out = PointwiseWhitenFunction.apply(x, w, b, wt, self.groups)
+            out = pointwise_whiten(x, w, b, wt, self.groups)
         else:
-            if torch.is_grad_enabled() and x.requires_grad:
+            if grads:
                 t = t.clone()  # the backward must use the T of this forward, even if a fold follows
             out = direct_whiten(x, t, state["running_mean"])
         if training:
