@@ -535,3 +535,28 @@ def test_parametrized_weight_keeps_the_default_transform():
     _assert_same_training(a, b)
     deferral = wl.defer_grad_transform(b, torch.optim.SGD(b.parameters(), lr=0.1))
     assert deferral.layers == [b[0]]
+
+
+def test_eager_steps_then_compiled_steps_transform_once():
+    """A layer inside a compiled graph takes the default transform (the Function); the weight's hook must not
+    transform that gradient again with the Q_s of an earlier eager forward (a model whose first steps, or whose
+    graph breaks, run eagerly): the trace ends the layer's deferral (before: 1e-3 off after one compiled step)."""
+    batches = _batches(6)
+
+    def run(defer: bool) -> nn.Module:
+        model = _model("grad", block_size=1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        if defer:
+            wl.defer_grad_transform(model)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="aot_eager")
+        for i, (x, y) in enumerate(batches):
+            opt.zero_grad()
+            F.cross_entropy((model if i < 2 else compiled)(x), y).backward()  # 2 eager steps, then compiled
+            opt.step()
+        return model
+
+    with pytest.warns(RuntimeWarning, match="its deferral is ended"):
+        deferred = run(True)
+    assert not any("_deferred_grad" in layer.__dict__ for _, layer in wl.whitening_layers(deferred))
+    _assert_same_training(deferred, run(False))

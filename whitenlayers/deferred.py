@@ -69,6 +69,20 @@ class _LayerDeferral:
         view.register_hook(_KeepApart(self, q))
         return view
 
+    @torch.compiler.disable  # called while dynamo traces the layer: runs eagerly (a graph break, until a recompile)
+    def leave(self) -> None:
+        """End the deferral of this layer for good: its forward runs inside a compiled graph, which takes the
+        default transform (the autograd Function) and runs none of the deferral's Python per step; the weight's
+        hook would transform that gradient a second time."""
+        layer = self.layer()
+        if layer is None or layer.__dict__.get("_deferred_grad") is not self:
+            return
+        self.handle.remove()
+        del layer.__dict__["_deferred_grad"]
+        warnings.warn(f"defer_grad_transform: {layer._describe()} runs inside a torch.compile'd graph, where the "
+                      "weight-gradient transform stays in the backward (the default); its deferral is ended",
+                      RuntimeWarning, stacklevel=2)
+
     def transform(self, grad: Tensor, q: Tensor) -> Tensor:
         if self.patches:
             return transform_weight_grad(grad.flatten(1), q).view_as(grad)
@@ -201,8 +215,9 @@ def defer_grad_transform(model: nn.Module, *optimizers: torch.optim.Optimizer) -
     ``Q_s``. Removing the deferral between a forward and its backward leaves that gradient untransformed (a
     warning says so). A sharded model (FSDP1's wrapper, FSDP2's ``fully_shard``) is refused: its forward uses a
     gathered copy of each weight, not the parameter. A weight that is not the parameter the deferral hooked (a
-    ``DataParallel`` replica, a parameter assigned since, a parametrized weight such as ``weight_norm``'s) and a
-    layer inside a ``torch.compile``'d graph keep the default transform.
+    ``DataParallel`` replica, a parameter assigned since, a parametrized weight such as ``weight_norm``'s) keeps the
+    default transform. A layer traced by ``torch.compile`` leaves the deferral for good (a warning): the compiled
+    graph keeps the default transform in its backward.
 
     Args:
         model: a model converted by :func:`~whitenlayers.convert_model`, or any module holding grad / recursive

@@ -440,8 +440,10 @@ class _GradWhitenMixin(WhiteningLayer):
         # the Function too, whose jvp is its backward's adjoint (jacfwd equals jacrev).
         if torch.is_grad_enabled() and (w.requires_grad or _func_transforms_active()):
             deferred = self.__dict__.get("_deferred_grad")
+            if deferred is not None and _is_compiling():  # the graph takes the Function below; the hook must go
+                deferred.leave()
             # (torch.func's gradients never reach the weight's hook: the transform stays in their backward.)
-            if deferred is not None and not _is_compiling() and not _func_transforms_active():
+            elif deferred is not None and not _func_transforms_active():
                 # whitenlayers.defer_grad_transform: the weight itself (or a view of it), whose hook transforms the
                 # gradient with this forward's Q_s (a recomputed forward reads its original forward's); None: not
                 # the hooked weight, the Function below
