@@ -17,6 +17,9 @@
 #   bash benchmarks/gpu_session.sh compile50 # the same for ResNet-50 bf16 batch 128: do CUDA graphs
 #                                            # (reduce-overhead) take back its host-bound step? (~9 minutes;
 #                                            # never run yet: the next device session's first call)
+#   bash benchmarks/gpu_session.sh graphs    # one call (~9 minutes): CUDA graphs on a converted model (train like
+#                                            # eager? recordings?), the ResNet-50 step table (eager; the deferred
+#                                            # transform's rows among them), ResNet-50 reduce-overhead, plain and grad
 #
 # Muon and SOAP need pytorch-optimizer, which the device image lacks and cannot download: carry its wheel in
 # .whl/ (git-ignored; `pip download --no-deps pytorch_optimizer==4.1.0 -d .whl`); without it those rows are left
@@ -73,8 +76,20 @@ case "${1:-bench}" in
       --json "$OUT/compile50.json" > "$OUT/compile50.txt" 2>&1
     echo "gpu.py (compile, ResNet-50) exit $?" >> "$OUT/machine.txt"
     ;;
+  graphs)
+    timeout 150 python3 benchmarks/cuda_graphs.py --methods grad,direct --json "$OUT/cuda_graphs.json" \
+      > "$OUT/cuda_graphs.txt" 2>&1
+    echo "cuda_graphs.py exit $?" >> "$OUT/machine.txt"
+    timeout 200 python3 benchmarks/gpu.py --threads 8 --rounds 50 --skip compile,kernels,resnet110 \
+      --json "$OUT/gpu.json" > "$OUT/gpu.txt" 2>&1
+    echo "gpu.py exit $?" >> "$OUT/machine.txt"
+    timeout 190 python3 benchmarks/gpu.py --threads 8 --rounds 4 --skip resnet50,resnet110,kernels \
+      --compile-model resnet50 --compile-variants plain,grad --compile-modes reduce-overhead \
+      --json "$OUT/compile50.json" > "$OUT/compile50.txt" 2>&1
+    echo "gpu.py (compile, ResNet-50) exit $?" >> "$OUT/machine.txt"
+    ;;
   *)
-    echo "usage: bash benchmarks/gpu_session.sh bench|short|tests|compile|compile50" >&2
+    echo "usage: bash benchmarks/gpu_session.sh bench|short|tests|compile|compile50|graphs" >&2
     exit 2
     ;;
 esac
