@@ -194,6 +194,9 @@ class _PerStepMixin(_LayerCore):
         with _no_autocast(x.device):
             if self._acc_shift is None:  # the first block's first batch (or after a reset): a second graph, once
                 self._start_block(x, shifted=True)
+                # the shift is this graph's output: the coordinator copies it out after the graph (CUDA graph trees
+                # overwrite a graph's outputs at its next replay, and the next steps read the shift)
+                self._traced_new_shift = True
             # the shift as x subtracts it, made in the graph (one small cast; no attribute that may be None)
             shift_x = cast(Tensor, self._acc_shift).to(_work_dtype(x)).view((1, -1) + (1,) * (x.dim() - 2))
             if lowp:
@@ -219,6 +222,8 @@ class _PerStepMixin(_LayerCore):
         the forward's later calls too, and the next block starts after the forward (a warning, once)."""
         calls = self._traced_calls
         self._traced_calls = []
+        if self.__dict__.pop("_traced_new_shift", False) and self._acc_shift is not None:
+            self._acc_shift, self._acc_shift_x = self._acc_shift.clone(), None
         self.__dict__["_double_buffered"] = True  # its folds keep the forward's buffers at two addresses each
         for i, rows in enumerate(calls):
             self._acc_count += rows
