@@ -56,6 +56,7 @@ def test_quick_default_dataset(tmp_path, capsys):
     assert [r["method"] for r in rows] == ["baseline"] * 2 + ["grad"] * 2 + ["recursive"] * 2
     assert "epochs to" in captured.out and "time vs baseline" in captured.out and "MNIST" in captured.out
     assert "ep 2/2" in captured.err and "it/s" in captured.err  # the progress bar (tqdm)
+    assert captured.out.rstrip().splitlines()[-1].endswith("figure.png, checkpoints/")  # every output named
     assert all(0 < float(r["kappa_mean"]) <= 1 and 0 < float(r["rho_mean"]) <= 1 for r in rows)
 
 
