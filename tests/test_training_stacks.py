@@ -595,6 +595,7 @@ def _fsdp_deferral_worker(rank, world, flavour):
     return "not refused"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flavour", ["fsdp1", "fsdp2"])
 def test_fsdp_refuses_the_deferred_transform_up_front(flavour):
     """At the optimizer's step FSDP leaves each rank a shard of each weight gradient: ``defer_grad_transform``
@@ -606,6 +607,7 @@ def test_fsdp_refuses_the_deferred_transform_up_front(flavour):
         assert ("FullyShardedDataParallel" if flavour == "fsdp1" else "fully_shard") in message, message
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flavour", ["fsdp1", "fsdp2", "fsdp2-no-reshard"])
 def test_fsdp_trains_like_one_process(flavour):
     """Two gloo ranks, each half of the batch, folds included: every parameter and whitening buffer equals one
