@@ -124,6 +124,20 @@ def _memory(variant: str) -> Value:
     return _results(STEP_TIME, "peak / plain", {"variant": variant})
 
 
+PEERS = ["grad", "recursive", "direct", "kfac", "foof", "iternorm", "shampoo", "soap", "muon"]
+
+
+def _step_row(heading: str, column: str, variants: Sequence[str] = PEERS) -> List[Value]:
+    """One column of a step-time table of benchmarks/RESULTS.md, for each variant in the order of the
+    performance page's table."""
+    return [_results(heading, column, {"variant": v}) for v in variants]
+
+
+def _ratios(label: str, count: int) -> str:
+    """A row of docs/performance.md's table: its label, then ``count`` ratios such as ``1.08x``."""
+    return re.escape(f"| {label} |") + rf" ({NUMBER})x \|" + rf" ({NUMBER})x \|" * (count - 1)
+
+
 def _lr_test(method: str) -> List[Value]:
     cell = _cell(CONVERGENCE, "paired Δ acc at epoch 2 [95 % CI]", {"method": method}, after="### lr-test")
     return [_value(cell, i) for i in range(3)]
@@ -176,6 +190,15 @@ QUOTES = [
           lambda: _reached("EVD (grad)") + _reached("recursive")),
     Quote("docs/default_run.md", rf"An epoch costs ({NUMBER})x \(grad\) and ({NUMBER})x \(recursive\)",
           lambda: [_summary("EVD (grad)", "time vs baseline"), _summary("recursive", "time vs baseline")]),
+    Quote("docs/performance.md", _ratios("mean step time vs plain, ResNet-20", 9),
+          lambda: _step_row("### ResNet-20", "mean / plain")),
+    Quote("docs/performance.md", _ratios("mean step time vs plain, ResNet-20, quiet machine, 2 threads, wall clock "
+                                         "(cross-check below)", 5),
+          lambda: _step_row("### Cross-check on a quiet machine", "mean / plain", PEERS[:5])),
+    Quote("docs/performance.md", _ratios("mean step time vs plain, ResNet-110", 9),
+          lambda: _step_row("### ResNet-110", "mean / plain")),
+    Quote("docs/performance.md", _ratios("peak memory vs plain, ResNet-110", 9),
+          lambda: _step_row("### ResNet-110", "peak / plain")),
     Quote("docs/performance.md", rf"2 threads: ResNet-20 grad ({NUMBER})x, recursive ({NUMBER})x, direct ({NUMBER})x",
           lambda: [_cpu_step("grad"), _cpu_step("recursive"), _cpu_step("direct")]),
 ]
