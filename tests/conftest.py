@@ -14,6 +14,17 @@ settings.register_profile("deterministic", derandomize=True, print_blob=True)
 settings.register_profile("explore", derandomize=False, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
 
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    # Under pytest-xdist (-n N) the cores are shared by N workers: each takes its share of torch threads, and the
+    # processes the tests start (torchrun, the coverage self-test) inherit it. N workers with a thread per core
+    # each would oversubscribe the CPU, where OpenMP threads that wait for each other slow every step down.
+    import torch
+
+    _threads = max(1, (os.cpu_count() or 1) // _WORKERS)
+    torch.set_num_threads(_threads)
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
+
 if os.environ.get("WHITENLAYERS_TEST_FUSED") == "1":
     # CUDA's fewest-kernel paths emulated on the CPU for the whole suite (functional.fused_moments): a local check
     # of the GPU's code paths for sessions without a GPU, not a CI configuration.

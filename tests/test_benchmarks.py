@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+#: Every test here runs a benchmark script in a subprocess (2 s to minutes each): CI's slow step runs them.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 SCRIPTS = ["fold_cost.py", "fold_scale.py", "gpu.py", "layer_step.py", "crossover.py", "step_time.py", "block_size.py", "ablation.py",

@@ -447,6 +447,7 @@ def _ddp_deferred(rank: int, world: int, defer: bool) -> dict:
     return {k: v.clone() for k, v in model.state_dict().items() if k in keep or k in dict(model.named_parameters())}
 
 
+@pytest.mark.slow
 def test_ddp_deferred_is_bit_identical_across_ranks_and_trains_like_the_default():
     deferred = run_distributed(_ddp_deferred, True)
     default = run_distributed(_ddp_deferred, False)

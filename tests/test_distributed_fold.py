@@ -158,6 +158,7 @@ def test_unknown_strategy_is_a_value_error():
         fold_layers(make_layers(), strategy="fast")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world, alone", [(2, False), (4, False), (2, True)], ids=["2", "4", "2-unpacked"])
 def test_owner_fold_is_bit_identical_across_ranks_and_folds_each_layer_on_its_owner_only(world, alone):
     runs = run_distributed(_rank_run, "owner", -1, alone, world_size=world)
@@ -209,6 +210,7 @@ def test_replicated_fold_computes_every_transform_on_every_rank():
             assert all(runs[0]["states"][fold][i][c] == ref[fold][i][c] for c in COUNTERS), (fold, i)
 
 
+@pytest.mark.slow
 def test_failure_on_the_owner_rank_leaves_every_rank_identical_with_the_previous_transform():
     world = 2
     runs = run_distributed(_rank_run, "owner", 1, world_size=world)

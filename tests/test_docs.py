@@ -88,3 +88,32 @@ def test_every_page_is_in_the_site():
     for page in PAGES[1:]:
         if page.stem not in ("index", "coverage_notes"):  # the root; a fragment pasted into COVERAGE.md
             assert page.stem in listed, page.name
+
+
+#: A path a page names in prose or code (``docs/x.md``, ``benchmarks/y.py``), not as a Markdown link.
+CITED_PATH = re.compile(r"(?<![\w/.-])((?:docs|benchmarks|whitenlayers|tests|\.ci)/[\w./-]*\w)")
+
+
+@pytest.mark.parametrize("doc", [*PAGES, ROOT / "benchmarks" / "RESULTS.md"], ids=lambda p: p.name)
+def test_every_cited_file_exists(doc):
+    """A file a page names (``docs/convergence/x.md``, ``benchmarks/gpu.py``) is in the repository, as a Markdown
+    link's target must be; the site's build output (``docs/_build``) is made by the command that names it."""
+    missing = [p for p in CITED_PATH.findall(doc.read_text())
+               if not p.startswith("docs/_build") and not (ROOT / p).exists()]
+    assert not missing, (doc.name, missing)
+
+
+#: The pages that record studies and measurements, with the issues and commits they were made at; every other
+#: page is for users and says what to do, not when it changed (COVERAGE.md and its notes are generated records,
+#: each row naming the commit it was measured at).
+RECORDS = {"CONVERGENCE.md", "COVERAGE.md", "coverage_notes.md", "changelog.md"}
+#: An issue number ("issue 22", an anchor "#...-issue-25") or a commit: "commit 8316328", or 7 to 40 hex digits
+#: with a letter and a digit standing alone ("4b17493").
+HISTORY = re.compile(r"\b[Ii]ssues? \d+|#[\w-]*issue-\d+|\bcommits?\s+`?[0-9a-f]{7,40}\b"
+                     r"|(?<![\w.-])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}(?![\w.-])")
+
+
+@pytest.mark.parametrize("doc", [p for p in PAGES if p.name not in RECORDS], ids=lambda p: p.name)
+def test_user_pages_name_no_issue_or_commit(doc):
+    hits = HISTORY.findall(doc.read_text())
+    assert not hits, (doc.name, hits)

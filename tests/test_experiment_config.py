@@ -169,3 +169,5 @@ def test_help_documents_options_and_torchrun():
                  "--nnodes", "--rdzv_endpoint", "--master_addr", "--stats-fraction", "--amp", "--compile",
                  "--channels-last"):
         assert word in out.stdout
+    text = " ".join(out.stdout.split())
+    assert "six-panel figure" in text and "checkpoints/" in text  # plot_metrics draws a 2 x 3 grid

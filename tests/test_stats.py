@@ -467,7 +467,7 @@ def test_a_backward_after_an_in_place_fold_uses_the_transform_of_its_forward(met
     for x in xs[1:]:  # two forwards, each followed by a fold, then one backward
         q, mu = layer.grad_transform.clone(), layer.running_mean.clone()
         w = layer.weight.detach().clone().requires_grad_(True)
-        # conv(pad0(x) - mu, W) + b + c, the layer's function (SPEC, "Padding and the mean")
+        # conv(pad0(x) - mu, W) + b + c: the layer's function (centred after zero padding)
         out = torch.nn.functional.conv2d(torch.nn.functional.pad(x, (1, 1, 1, 1)) - mu.view(1, -1, 1, 1), w,
                                          (layer.bias + layer.bias_correction).detach())
         out.square().sum().backward()

@@ -650,6 +650,7 @@ def _fsdp_deferral_worker(rank, world, flavour):
     return "not refused"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flavour", ["fsdp1", "fsdp2"])
 def test_fsdp_refuses_the_deferred_transform_up_front(flavour):
     """FSDP's forward uses a gathered copy of each weight, not the parameter the deferral would hook:
@@ -661,6 +662,7 @@ def test_fsdp_refuses_the_deferred_transform_up_front(flavour):
         assert ("FullyShardedDataParallel" if flavour == "fsdp1" else "fully_shard") in message, message
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flavour", ["fsdp1", "fsdp2", "fsdp2-no-reshard"])
 def test_fsdp_trains_like_one_process(flavour):
     """Two gloo ranks, each half of the batch, folds included: every parameter and whitening buffer equals one

