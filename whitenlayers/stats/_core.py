@@ -113,6 +113,9 @@ class _LayerCore:
 
 
     _fold_weight: Optional[Tensor] = None
+    #: A fold computed but not written yet (:class:`~whitenlayers.fold.PendingFold`: an asynchronous coordinator's,
+    #: or one loaded from a checkpoint taken while it was in flight), written at this layer's next block end.
+    _pending_fold: Optional[Any] = None
 
     # ---------------------------------------------------------- configuration
     @property

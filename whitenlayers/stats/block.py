@@ -132,8 +132,11 @@ class _BlockMixin(_LayerCore):
             self._set_accumulator(_as_moments_accumulator(aug, self._acc_dtype()))
 
     def _fold_now(self) -> None:
-        """Fold this layer alone, now (not at the end of the forward that ended its block)."""
+        """Fold this layer alone, now (not at the end of the forward that ended its block); synchronously, a fold
+        of an asynchronous coordinator that it still has pending written first."""
         self._fold_weight = None
+        if self._fold_coordinator is not None:
+            self._fold_coordinator.wait()
         fold_layers([cast("WhiteningLayer", self)])
 
     def _block_sums(self) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
