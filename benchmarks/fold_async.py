@@ -1,0 +1,146 @@
+"""The asynchronous fold (issue 47): the step that ends a block against the steps that do not, with the fold on
+the training thread (``fold_async=False``, the default) and in a worker thread (``fold_async=True``).
+
+The ResNet-50 layout at 1/8 width (``width=8``: ``M`` up to 256), ``method="grad"``, ``block_size=4``, batch 4,
+``--size`` px, SGD with momentum, ``torch.set_num_threads(1)``: the training thread and the fold's worker thread
+are single-threaded each (the setting is the process's), so on a 2-core machine the fold can run on the other core.
+The two variants are interleaved round by round: each round trains one model for ``--blocks`` blocks and then the
+other; the first block of each round is not timed (the asynchronous variant's fold in flight is waited for at the
+end of its round, outside the timings, so that it never runs during the other variant's steps). Wall clock, with
+the load average recorded: the worker's time does not show in this process's CPU time.
+
+Reported per variant: the median step that ends a block, the median step that does not, their ratio; for the
+asynchronous fold also the median time the training thread waited for the fold in flight at a block's end, and the
+worker's median time per fold (wall and thread CPU time): the training thread's share of a fold is the step that
+ends a block minus the step that does not.
+
+    python benchmarks/fold_async.py              # a few minutes
+    python benchmarks/fold_async.py --tiny       # CI
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from typing import Dict, List
+
+from _common import add_common_args, command_line, loadavg, machine_description, md_table, setup, write_json
+from _resnet50 import resnet50
+
+import torch
+import torch.nn.functional as F
+
+import whitenlayers as wl
+import whitenlayers.fold as wl_fold
+
+VARIANTS = ("sync", "async")
+
+
+def _instrument() -> Dict[str, List[float]]:
+    """Time the worker's fold (wall and thread CPU) and the training thread's wait for it."""
+    log: Dict[str, List[float]] = {"worker_wall": [], "worker_cpu": [], "wait": [], "launch": []}
+    compute, wait, launch = wl_fold._compute_jobs, wl_fold.FoldCoordinator.wait, wl_fold.FoldCoordinator._fold_async
+
+    def timed_compute(*args, **kwargs):
+        t0, c0 = time.perf_counter(), time.thread_time()
+        out = compute(*args, **kwargs)
+        log["worker_wall"].append(time.perf_counter() - t0)
+        log["worker_cpu"].append(time.thread_time() - c0)
+        return out
+
+    def timed_wait(self):
+        t0 = time.perf_counter()
+        wait(self)
+        if log.get("_timing"):
+            log["wait"].append(time.perf_counter() - t0)
+
+    def timed_launch(self, layers):
+        t0 = time.perf_counter()
+        launch(self, layers)
+        if log.get("_timing"):
+            log["launch"].append(time.perf_counter() - t0)
+
+    wl_fold._compute_jobs = timed_compute
+    wl_fold.FoldCoordinator.wait = timed_wait
+    wl_fold.FoldCoordinator._fold_async = timed_launch
+    return log
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(parser)
+    parser.add_argument("--size", type=int, default=224, help="input size in pixels (default 224)")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--block", type=int, default=4, help="block_size (default 4)")
+    parser.add_argument("--blocks", type=int, default=3, help="timed blocks per variant per round (default 3)")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.set_defaults(threads=1)
+    args = parser.parse_args()
+    if args.tiny:
+        args.size, args.rounds, args.blocks = 32, 1, 2
+    setup(args.threads, args.seed, "wall")
+    log = _instrument()
+    models, opts = {}, {}
+    for name in VARIANTS:
+        torch.manual_seed(args.seed)
+        model = wl.convert_model(resnet50(8, num_classes=100), "grad", block_size=args.block,
+                                 fold_async=name == "async")
+        models[name] = model
+        opts[name] = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    layers = wl.whitening_layers(models["sync"])
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    x = torch.randn(args.batch, 3, args.size, args.size, generator=gen)
+    y = torch.randint(0, 100, (args.batch,), generator=gen)
+
+    def step(name: str) -> float:
+        t0 = time.perf_counter()
+        opts[name].zero_grad(set_to_none=True)
+        F.cross_entropy(models[name](x), y).backward()
+        opts[name].step()
+        return time.perf_counter() - t0
+
+    times = {name: {"ends": [], "within": []} for name in VARIANTS}
+    loads = [loadavg()]
+    for r in range(args.rounds):
+        order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]
+        for name in order:
+            for _ in range(args.block):  # the round's first block: untimed
+                step(name)
+            log["_timing"] = [1.0]
+            for _ in range(args.blocks):
+                for i in range(args.block):
+                    times[name]["ends" if i == args.block - 1 else "within"].append(step(name))
+            log["_timing"] = []
+            coordinator = next(h for h in models[name]._forward_hooks.values()
+                               if isinstance(h, wl_fold.FoldCoordinator))
+            coordinator.wait()
+        loads.append(loadavg())
+        print(f"  round {r + 1}/{args.rounds}  load {loads[-1]}", file=sys.stderr, flush=True)
+
+    rows, out = [], {}
+    for name in VARIANTS:
+        ends, within = statistics.median(times[name]["ends"]), statistics.median(times[name]["within"])
+        out[name] = {"ends_ms": 1e3 * ends, "within_ms": 1e3 * within, "ratio": ends / within,
+                     "n_ends": len(times[name]["ends"]), "n_within": len(times[name]["within"])}
+        rows.append([name, 1e3 * within, 1e3 * ends, ends / within, 1e3 * (ends - within)])
+    worker = {k: 1e3 * statistics.median(v) for k, v in log.items() if k in ("worker_wall", "worker_cpu", "wait", "launch")
+              and v}
+    out["worker_ms"] = worker
+    print(f"ResNet-50 layout, width 8 ({len(layers)} grad layers, M up to "
+          f"{max(layer.num_features for _, layer in layers)}), batch {args.batch}, {args.size} px, block_size "
+          f"{args.block}, {args.threads} thread(s); {args.rounds} rounds x {args.blocks} timed blocks per variant")
+    print(md_table(["variant", "median step within a block (ms)", "median step ending a block (ms)", "ratio",
+                    "training thread's share of a fold (ms)"], rows, nd=2))
+    print(f"async: a block's end on the training thread {worker.get('launch', float('nan')):.1f} ms (median; the "
+          f"wait for the fold in flight {worker.get('wait', float('nan')):.2f} ms of it); the worker's fold "
+          f"{worker.get('worker_wall', float('nan')):.1f} ms wall, {worker.get('worker_cpu', float('nan')):.1f} ms "
+          "thread CPU (median)")
+    print(f"load average during the run: {' -> '.join(loads)}")
+    print(command_line())
+    write_json(args.json, {"machine": machine_description(), "args": vars(args), "results": out, "loads": loads})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
