@@ -6,13 +6,15 @@ The ResNet-50 layout at 1/8 width (``width=8``: ``M`` up to 256), ``method="grad
 are single-threaded each (the setting is the process's), so on a 2-core machine the fold can run on the other core.
 The two variants are interleaved round by round: each round trains one model for ``--blocks`` blocks and then the
 other; the first block of each round is not timed (the asynchronous variant's fold in flight is waited for at the
-end of its round, outside the timings, so that it never runs during the other variant's steps). Wall clock, with
-the load average recorded: the worker's time does not show in this process's CPU time.
+end of its round, outside the timings, so that it never runs during the other variant's steps). The load average
+is recorded: on a loaded machine the worker has no core of its own, and the wall clock shows it.
 
-Reported per variant: the median step that ends a block, the median step that does not, their ratio; for the
-asynchronous fold also the median time the training thread waited for the fold in flight at a block's end, and the
-worker's median time per fold (wall and thread CPU time): the training thread's share of a fold is the step that
-ends a block minus the step that does not.
+Reported per variant: the median step that ends a block, the median step that does not, their ratio, in wall
+clock and in the training thread's CPU time (``time.thread_time``: what the step costs that thread when the worker
+has a core of its own; a CPU backward runs on the calling thread); for the asynchronous fold also the median time
+of a block's end on the training thread (the coordinator's part: the wait for the fold in flight, copies, the
+pending fold written, the worker started) and the worker's median time per fold (wall and thread CPU time). The
+training thread's share of a fold is the step that ends a block minus the step that does not.
 
     python benchmarks/fold_async.py              # a few minutes
     python benchmarks/fold_async.py --tiny       # CI
@@ -23,13 +25,12 @@ import argparse
 import statistics
 import sys
 import time
-from typing import Dict, List
-
-from _common import add_common_args, command_line, loadavg, machine_description, md_table, setup, write_json
-from _resnet50 import resnet50
+from typing import Dict, List, Tuple
 
 import torch
 import torch.nn.functional as F
+from _common import add_common_args, command_line, loadavg, machine_description, md_table, setup, write_json
+from _resnet50 import resnet50
 
 import whitenlayers as wl
 import whitenlayers.fold as wl_fold
@@ -93,14 +94,14 @@ def main() -> int:
     x = torch.randn(args.batch, 3, args.size, args.size, generator=gen)
     y = torch.randint(0, 100, (args.batch,), generator=gen)
 
-    def step(name: str) -> float:
-        t0 = time.perf_counter()
+    def step(name: str) -> Tuple[float, float]:
+        t0, c0 = time.perf_counter(), time.thread_time()
         opts[name].zero_grad(set_to_none=True)
-        F.cross_entropy(models[name](x), y).backward()
+        F.cross_entropy(models[name](x), y).backward()  # a CPU backward runs on the calling thread
         opts[name].step()
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.thread_time() - c0
 
-    times = {name: {"ends": [], "within": []} for name in VARIANTS}
+    times: Dict[str, Dict[str, List[Tuple[float, float]]]] = {name: {"ends": [], "within": []} for name in VARIANTS}
     loads = [loadavg()]
     for r in range(args.rounds):
         order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]
@@ -120,17 +121,21 @@ def main() -> int:
 
     rows, out = [], {}
     for name in VARIANTS:
-        ends, within = statistics.median(times[name]["ends"]), statistics.median(times[name]["within"])
-        out[name] = {"ends_ms": 1e3 * ends, "within_ms": 1e3 * within, "ratio": ends / within,
-                     "n_ends": len(times[name]["ends"]), "n_within": len(times[name]["within"])}
-        rows.append([name, 1e3 * within, 1e3 * ends, ends / within, 1e3 * (ends - within)])
-    worker = {k: 1e3 * statistics.median(v) for k, v in log.items() if k in ("worker_wall", "worker_cpu", "wait", "launch")
-              and v}
+        res: Dict[str, float] = {"n_ends": len(times[name]["ends"]), "n_within": len(times[name]["within"])}
+        for c, clock in enumerate(("wall", "thread_cpu")):
+            ends = statistics.median(t[c] for t in times[name]["ends"])
+            within = statistics.median(t[c] for t in times[name]["within"])
+            res.update({f"{clock}_ends_ms": 1e3 * ends, f"{clock}_within_ms": 1e3 * within,
+                        f"{clock}_ratio": ends / within})
+            rows.append([name, clock, 1e3 * within, 1e3 * ends, ends / within, 1e3 * (ends - within)])
+        out[name] = res
+    worker = {k: 1e3 * statistics.median(v) for k, v in log.items()
+              if k in ("worker_wall", "worker_cpu", "wait", "launch") and v}
     out["worker_ms"] = worker
     print(f"ResNet-50 layout, width 8 ({len(layers)} grad layers, M up to "
           f"{max(layer.num_features for _, layer in layers)}), batch {args.batch}, {args.size} px, block_size "
           f"{args.block}, {args.threads} thread(s); {args.rounds} rounds x {args.blocks} timed blocks per variant")
-    print(md_table(["variant", "median step within a block (ms)", "median step ending a block (ms)", "ratio",
+    print(md_table(["variant", "clock", "median step within a block (ms)", "median step ending a block (ms)", "ratio",
                     "training thread's share of a fold (ms)"], rows, nd=2))
     print(f"async: a block's end on the training thread {worker.get('launch', float('nan')):.1f} ms (median; the "
           f"wait for the fold in flight {worker.get('wait', float('nan')):.2f} ms of it); the worker's fold "

@@ -13,12 +13,12 @@ import pytest
 import torch
 import torch._dynamo
 import torch.nn.functional as F
+from dist_utils import run_distributed
 from torch import nn
 from torch._dynamo.utils import counters
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import whitenlayers as wl
-from dist_utils import run_distributed
 from whitenlayers.fold import FoldCoordinator
 
 DT = torch.float64
@@ -140,9 +140,9 @@ def test_equals_the_lagged_synchronous_reference(method):
             continue
         if a[k].is_floating_point():
             # Different code paths in float64 (one batched eigh per width against one per layer, the next block's
-            # shift chosen otherwise): measured gaps ~1e-15 relative on the buffers and ~1e-14 on the weights
-            # after 13 steps; 2**16 eps (1.5e-11) leaves room for the steps.
-            torch.testing.assert_close(a[k], b[k], rtol=2**16 * EPS, atol=2**16 * EPS, msg=lambda m: f"{k}: {m}")
+            # shift chosen otherwise): measured gaps after 13 steps <= 1.4e-15 on the buffers (6 eps), <= 2.3e-16 on
+            # the weights; 2**10 eps (2.3e-13) leaves room for other BLAS builds.
+            torch.testing.assert_close(a[k], b[k], rtol=2**10 * EPS, atol=2**10 * EPS, msg=f"{k}")
         else:
             assert torch.equal(a[k], b[k]), k
     assert int(_layers(model)[0].num_blocks) == 3
@@ -224,7 +224,7 @@ def test_nonfinite_block_is_dropped_and_counted():
                 opt.step()
         _coordinator(model).wait()
     layer = _layers(model)[0]
-    assert layer.nonfinite_blocks == 1 and layer.skipped_folds == 1  # counted at its end, skipped when written
+    assert layer.nonfinite_blocks == 1 and layer.skipped_folds == 1  # both counted when its fold is written
     assert int(layer.num_blocks) == 1  # block 0 written; block 1 skipped; block 2 pending
     for layer in _layers(model):
         for name in ("running_mean", "running_cov", "whitening_matrix", "grad_transform"):

@@ -286,17 +286,22 @@ def _global_summaries(layers: Sequence["WhiteningLayer"], owners: Optional[Seque
     return summaries, nonfinite, firsts
 
 
-def _local_summaries(layers: Sequence["WhiteningLayer"]) -> Tuple[List[BlockSummary], List[int], List[bool]]:
+def _local_summaries(layers: Sequence["WhiteningLayer"],
+                     sums: Optional[Sequence[Tuple[float, Optional[Tensor], Tensor, Tensor]]] = None
+                     ) -> Tuple[List[BlockSummary], List[int], List[bool]]:
     """This process's block of each layer (layers of one :func:`_stack_key`), whether its sums are non-finite and
     whether it is the layer's first block: the summaries computed stacked (one set of operations for all the
-    layers), the flags read in one host synchronisation."""
+    layers), the flags read in one host synchronisation. ``sums``: the blocks' ``(count, shift, s1, s2)``
+    (an asynchronous fold's copies, :meth:`~whitenlayers.stats.WhiteningLayer._taken_block`), default the
+    layers' accumulators."""
     f64 = torch.float64
-    dev = layers[0]._acc_s1.device
-    count = torch.tensor([layer._acc_count for layer in layers], dtype=f64, device=dev)
-    shift = torch.stack([layer._acc_shift if layer._acc_shift is not None else torch.zeros_like(layer._acc_s1)
-                         for layer in layers])
-    s1 = torch.stack([layer._acc_s1 for layer in layers]).to(f64)  # the block's sums, in float64 from here on
-    s2 = torch.stack([layer._acc_s2 for layer in layers]).to(f64)
+    if sums is None:
+        sums = [(layer._acc_count, layer._acc_shift, layer._acc_s1, layer._acc_s2) for layer in layers]
+    dev = sums[0][2].device
+    count = torch.tensor([n for n, _, _, _ in sums], dtype=f64, device=dev)
+    shift = torch.stack([k if k is not None else torch.zeros_like(s1) for _, k, s1, _ in sums])
+    s1 = torch.stack([s[2] for s in sums]).to(f64)  # the block's sums, in float64 from here on
+    s2 = torch.stack([s[3] for s in sums]).to(f64)
     block = F_w.summarize_block(count, shift, s1, s2)
     finite, firsts = _read_with_firsts(F_w.finite_each(s1, s2), layers)
     return _unstack(block, len(layers)), [int(not ok) for ok in finite], firsts
@@ -549,6 +554,7 @@ class PendingFold(NamedTuple):
     delta: Tensor
     unshifted: bool
     shift: Tensor
+    nonfinite: int = 0  # the ranks whose block had non-finite sums, counted when it is written (asynchronous)
 
 
 @torch.no_grad()
@@ -652,8 +658,9 @@ def _install_pending(layers: Sequence["WhiteningLayer"], firsts: Sequence[bool])
     if not idx:
         return list(firsts)
     folds = [cast(PendingFold, layers[i]._pending_fold) for i in idx]
-    for i in idx:
+    for i, fold in zip(idx, folds):
         layers[i]._pending_fold = None
+        layers[i]._count_nonfinite(fold.nonfinite)
     counted = _finish_folds([layers[i] for i in idx], folds)
     firsts = list(firsts)
     for i, c in zip(idx, counted):
@@ -767,15 +774,19 @@ class FoldCoordinator:
         device = layers[0].running_mean.device
         with _no_autocast(device), torch.no_grad():
             group, world = _dist_group(layers)
-            if world == 1:
-                inputs = [(chunk, *_local_summaries(chunk), True) for chunk in _fold_chunks(layers)]
-            else:  # all ranks' sums, on this thread; every rank folds every layer (split in stacks by the worker)
-                inputs = [(layers, *_global_summaries(layers, None, group), False)]
             jobs = []
-            for chunk, summaries, nonfinite, firsts, one_stack in inputs:
-                _begin(chunk, nonfinite)
-                firsts = _install_pending(chunk, firsts)
-                jobs.append((chunk, summaries, nonfinite, firsts, [_fold_state(layer) for layer in chunk], one_stack))
+            if world == 1:  # the block's sums copied, summarised by the worker
+                for chunk in _fold_chunks(layers):
+                    sums = [layer._taken_block() for layer in chunk]
+                    _begin(chunk, [0] * len(chunk))  # non-finite blocks: counted when their fold is written
+                    _install_pending(chunk, [False] * len(chunk))
+                    jobs.append((chunk, sums, None, [_fold_state(layer) for layer in chunk], True))
+            else:  # all ranks' sums, on this thread (split in stacks by the worker): every rank folds every layer
+                summaries, nonfinite, firsts = _global_summaries(layers, None, group)
+                _begin(layers, [0] * len(layers))
+                firsts = _install_pending(layers, firsts)
+                jobs.append((layers, None, (summaries, nonfinite, firsts), [_fold_state(layer) for layer in layers],
+                             False))
         stream = None
         if device.type == "cuda":
             if self._streams is None:
@@ -812,17 +823,21 @@ def check_fold_async(fold_async: bool, strategy: str) -> bool:
 
 
 def _compute_jobs(jobs: Sequence[tuple], device: torch.device, stream: Any) -> Tuple[List[PendingFold], Any]:
-    """The worker thread's part of an asynchronous fold: :func:`_compute_folds` of each job (layers of one stack,
-    their summed block, flags and copies of their buffers), no gradient, no autocast (both are per thread), on
-    ``stream`` (CUDA) with an event recorded after it. Reads nothing the training thread writes."""
+    """The worker thread's part of an asynchronous fold: for each job (layers of one stack, or all layers under
+    ``torch.distributed``), the summaries of their copied sums (or the summaries made on the training thread) and
+    :func:`_compute_folds` from copies of their buffers; no gradient, no autocast (both are per thread), on
+    ``stream`` (CUDA) with an event recorded after it. Reads nothing the training thread writes while it runs
+    (``num_blocks`` is written when a fold is, after waiting for this one)."""
     folds: List[PendingFold] = []
     with torch.no_grad(), _no_autocast(device), contextlib.ExitStack() as ctx:
         if stream is not None:
             ctx.enter_context(torch.cuda.device(device))
             ctx.enter_context(torch.cuda.stream(stream))
-        for chunk, summaries, nonfinite, firsts, states, one_stack in jobs:
-            folds += _compute_folds(chunk, summaries, nonfinite, firsts, one_stack=one_stack, begin=False,
-                                    states=states)
+        for chunk, sums, given, states, one_stack in jobs:
+            summaries, nonfinite, firsts = _local_summaries(chunk, sums) if given is None else given
+            done = _compute_folds(chunk, summaries, nonfinite, firsts, one_stack=one_stack, begin=False,
+                                  states=states)
+            folds += [fold._replace(nonfinite=n) for fold, n in zip(done, nonfinite)]
         if stream is None:
             return folds, None
         event = torch.cuda.Event()

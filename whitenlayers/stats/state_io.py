@@ -26,7 +26,7 @@ _EXTRA_LAYOUT = 2
 _EXTRA_LAYOUT_PENDING = 3
 #: The scalar head of a pending fold, in order; then its new mean, mean change and next shift (``M`` each) and the
 #: buffers its outcome holds (:meth:`~whitenlayers.stats.WhiteningLayer._outcome_layout`, the first ``kept``).
-_PENDING_HEAD = ("status", "clamped", "unshifted", "kept")
+_PENDING_HEAD = ("status", "clamped", "unshifted", "nonfinite", "kept")
 #: The scalar head of the packed extra state, in order; then ``shift (M)``, ``s1 (M)``, ``s2`` (block shape).
 _EXTRA_HEAD = ("layout", "acc_batches", "has_shift", "eig_failures", "skipped_folds", "nonfinite_blocks",
                "clamped_steps", "acc_count", "stats_unshifted")
@@ -128,7 +128,8 @@ class _StateIOMixin(_LayerCore):
         if pending is not None:
             outcome = cast(FoldOutcome, pending.outcome)
             kept = [name for name, _ in self._outcome_layout() if name in outcome.buffers]
-            parts += [torch.tensor([outcome.status, outcome.clamped, pending.unshifted, len(kept)], **f64),
+            parts += [torch.tensor([outcome.status, outcome.clamped, pending.unshifted, pending.nonfinite, len(kept)],
+                                   **f64),
                       pending.mean, pending.delta, pending.shift] + [outcome.buffers[name].reshape(-1) for name in kept]
         return torch.cat([t.to(device=head.device, dtype=torch.float64) for t in parts])
 
@@ -211,7 +212,8 @@ class _StateIOMixin(_LayerCore):
         values = [t.to(dev).clone() for t in torch.split(packed[n_head:], sizes)]
         buffers = {name: t.view(shape) for (name, shape), t in zip(layout, values[3:])}
         return PendingFold(FoldOutcome(status, bool(head["clamped"]), buffers),
-                           values[0].to(self.running_mean.dtype), values[1], bool(head["unshifted"]), values[2])
+                           values[0].to(self.running_mean.dtype), values[1], bool(head["unshifted"]), values[2],
+                           int(head["nonfinite"]))
 
     def _unpack_dict_extra_state(self, state: Dict[str, Any]) -> Dict[str, Any]:
         if tuple(state["acc_s2"].shape) != self._block_shape:
