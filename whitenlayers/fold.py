@@ -774,7 +774,7 @@ class FoldCoordinator:
         device = layers[0].running_mean.device
         with _no_autocast(device), torch.no_grad():
             group, world = _dist_group(layers)
-            jobs = []
+            jobs: List[tuple] = []
             if world == 1:  # the block's sums copied, summarised by the worker
                 for chunk in _fold_chunks(layers):
                     sums = [layer._taken_block() for layer in chunk]
