@@ -76,35 +76,49 @@ def main() -> int:
     parser.add_argument("--block", type=int, default=4, help="block_size (default 4)")
     parser.add_argument("--blocks", type=int, default=3, help="timed blocks per variant per round (default 3)")
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--width", type=int, default=8, help="the ResNet-50 layout's width (default 8: 1/8 of 64)")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda (bf16 autocast, channels_last)")
+    parser.add_argument("--plain", action="store_true", help="also time the plain model (mean step ratios)")
     parser.set_defaults(threads=1)
     args = parser.parse_args()
     if args.tiny:
         args.size, args.rounds, args.blocks = 32, 1, 2
     setup(args.threads, args.seed, "wall")
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    variants = (("plain",) if args.plain else ()) + VARIANTS
     log = _instrument()
     models, opts = {}, {}
-    for name in VARIANTS:
+    for name in variants:
         torch.manual_seed(args.seed)
-        model = wl.convert_model(resnet50(8, num_classes=100), "grad", block_size=args.block,
-                                 fold_async=name == "async")
+        model = resnet50(args.width, num_classes=100)
+        if name != "plain":
+            model = wl.convert_model(model, "grad", block_size=args.block, fold_async=name == "async")
+        model.to(device, memory_format=torch.channels_last if cuda else torch.preserve_format)
         models[name] = model
         opts[name] = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     layers = wl.whitening_layers(models["sync"])
     gen = torch.Generator().manual_seed(args.seed + 1)
-    x = torch.randn(args.batch, 3, args.size, args.size, generator=gen)
-    y = torch.randint(0, 100, (args.batch,), generator=gen)
+    x = torch.randn(args.batch, 3, args.size, args.size, generator=gen).to(device)
+    y = torch.randint(0, 100, (args.batch,), generator=gen).to(device)
+    if cuda:
+        x = x.contiguous(memory_format=torch.channels_last)
 
     def step(name: str) -> Tuple[float, float]:
         t0, c0 = time.perf_counter(), time.thread_time()
         opts[name].zero_grad(set_to_none=True)
-        F.cross_entropy(models[name](x), y).backward()  # a CPU backward runs on the calling thread
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+            loss = F.cross_entropy(models[name](x), y)
+        loss.backward()  # a CPU backward runs on the calling thread
         opts[name].step()
+        if cuda:
+            torch.cuda.synchronize(device)
         return time.perf_counter() - t0, time.thread_time() - c0
 
-    times: Dict[str, Dict[str, List[Tuple[float, float]]]] = {name: {"ends": [], "within": []} for name in VARIANTS}
+    times: Dict[str, Dict[str, List[Tuple[float, float]]]] = {name: {"ends": [], "within": []} for name in variants}
     loads = [loadavg()]
     for r in range(args.rounds):
-        order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]
+        order = variants if r % 2 == 0 else variants[::-1]
         for name in order:
             for _ in range(args.block):  # the round's first block: untimed
                 step(name)
@@ -113,14 +127,19 @@ def main() -> int:
                 for i in range(args.block):
                     times[name]["ends" if i == args.block - 1 else "within"].append(step(name))
             log["_timing"] = []
-            coordinator = next(h for h in models[name]._forward_hooks.values()
-                               if isinstance(h, wl_fold.FoldCoordinator))
-            coordinator.wait()
+            for h in models[name]._forward_hooks.values():
+                if isinstance(h, wl_fold.FoldCoordinator):
+                    h.wait()
         loads.append(loadavg())
         print(f"  round {r + 1}/{args.rounds}  load {loads[-1]}", file=sys.stderr, flush=True)
 
-    rows, out = [], {}
-    for name in VARIANTS:
+    rows, out, means = [], {}, []
+    for name in variants:
+        every = [t[0] for t in times[name]["ends"] + times[name]["within"]]
+        means.append([name, 1e3 * statistics.fmean(every),
+                      statistics.fmean(every) / statistics.fmean(t[0] for t in times["plain"]["ends"] +
+                                                                 times["plain"]["within"]) if args.plain else
+                      float("nan")])
         res: Dict[str, float] = {"n_ends": len(times[name]["ends"]), "n_within": len(times[name]["within"])}
         for c, clock in enumerate(("wall", "thread_cpu")):
             ends = statistics.median(t[c] for t in times[name]["ends"])
@@ -129,10 +148,12 @@ def main() -> int:
                         f"{clock}_ratio": ends / within})
             rows.append([name, clock, 1e3 * within, 1e3 * ends, ends / within, 1e3 * (ends - within)])
         out[name] = res
+    out.update({f"{name}_mean_ms": row[1] for name, row in zip(variants, means)})
     worker = {k: 1e3 * statistics.median(v) for k, v in log.items()
               if k in ("worker_wall", "worker_cpu", "wait", "launch") and v}
     out["worker_ms"] = worker
-    print(f"ResNet-50 layout, width 8 ({len(layers)} grad layers, M up to "
+    where = device.type + (" (bf16 autocast, channels_last)" if cuda else "")
+    print(f"ResNet-50 layout, width {args.width} on {where} ({len(layers)} grad layers, M up to "
           f"{max(layer.num_features for _, layer in layers)}), batch {args.batch}, {args.size} px, block_size "
           f"{args.block}, {args.threads} thread(s); {args.rounds} rounds x {args.blocks} timed blocks per variant")
     print(md_table(["variant", "clock", "median step within a block (ms)", "median step ending a block (ms)", "ratio",
@@ -141,6 +162,7 @@ def main() -> int:
           f"wait for the fold in flight {worker.get('wait', float('nan')):.2f} ms of it); the worker's fold "
           f"{worker.get('worker_wall', float('nan')):.1f} ms wall, {worker.get('worker_cpu', float('nan')):.1f} ms "
           "thread CPU (median)")
+    print(md_table(["variant", "mean step, folds included (ms)", "vs plain"], means, nd=3))
     print(f"load average during the run: {' -> '.join(loads)}")
     print(command_line())
     write_json(args.json, {"machine": machine_description(), "args": vars(args), "results": out, "loads": loads})

@@ -314,3 +314,28 @@ def test_ddp_ranks_bit_identical():
     states = run_distributed(_ddp_worker, world_size=2)
     _assert_identical(states[0], states[1])
     assert int(states[0][next(k for k in states[0] if k.endswith("num_blocks"))]) == 2
+
+
+# ------------------------------------------------------------------------------------------------------- CUDA
+def _cuda_run(batches, dtype):
+    model = _model().to(device="cuda", dtype=dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for x, y in batches:
+        opt.zero_grad()
+        F.cross_entropy(model(x.to("cuda", dtype)), y.cuda()).backward()
+        opt.step()
+    return _state(model)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cuda_side_stream_is_deterministic_and_equals_the_default_stream(dtype, monkeypatch):
+    """On CUDA the worker folds on a stream of its own: two runs bit-identical, and equal to the worker folding on
+    the training thread's stream (no overlap: the same kernels in the same order), so no result depends on how the
+    streams interleave."""
+    batches = _batches(4 * BLOCK + 1)
+    a, b = _cuda_run(batches, dtype), _cuda_run(batches, dtype)
+    _assert_identical(a, b)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: torch.cuda.current_stream(device))
+    c = _cuda_run(batches, dtype)
+    _assert_identical(a, c)
