@@ -153,19 +153,29 @@ def main() -> int:
               if k in ("worker_wall", "worker_cpu", "wait", "launch") and v}
     out["worker_ms"] = worker
     where = device.type + (" (bf16 autocast, channels_last)" if cuda else "")
-    print(f"ResNet-50 layout, width {args.width} on {where} ({len(layers)} grad layers, M up to "
-          f"{max(layer.num_features for _, layer in layers)}), batch {args.batch}, {args.size} px, block_size "
-          f"{args.block}, {args.threads} thread(s); {args.rounds} rounds x {args.blocks} timed blocks per variant")
-    print(md_table(["variant", "clock", "median step within a block (ms)", "median step ending a block (ms)", "ratio",
-                    "training thread's share of a fold (ms)"], rows, nd=2))
-    print(f"async: a block's end on the training thread {worker.get('launch', float('nan')):.1f} ms (median; the "
-          f"wait for the fold in flight {worker.get('wait', float('nan')):.2f} ms of it); the worker's fold "
-          f"{worker.get('worker_wall', float('nan')):.1f} ms wall, {worker.get('worker_cpu', float('nan')):.1f} ms "
-          "thread CPU (median)")
-    print(md_table(["variant", "mean step, folds included (ms)", "vs plain"], means, nd=3))
-    print(f"load average during the run: {' -> '.join(loads)}")
-    print(command_line())
-    write_json(args.json, {"machine": machine_description(), "args": vars(args), "results": out, "loads": loads})
+    lines = [
+        f"ResNet-50 layout, width {args.width} on {where} ({len(layers)} grad layers, M up to "
+        f"{max(layer.num_features for _, layer in layers)}), batch {args.batch}, {args.size} px, block_size "
+        f"{args.block}, {args.threads} thread(s); {args.rounds} rounds x {args.blocks} timed blocks per variant",
+        "",
+        md_table(["variant", "clock", "median step within a block (ms)", "median step ending a block (ms)", "ratio",
+                  "training thread's share of a fold (ms)"], rows, nd=2),
+        "",
+        f"async: a block's end on the training thread {worker.get('launch', float('nan')):.1f} ms (median; the "
+        f"wait for the fold in flight {worker.get('wait', float('nan')):.2f} ms of it); the worker's fold "
+        f"{worker.get('worker_wall', float('nan')):.1f} ms wall, {worker.get('worker_cpu', float('nan')):.1f} ms "
+        "thread CPU (median)",
+        "",
+        md_table(["variant", "mean step, folds included (ms)", "vs plain"], means, nd=3),
+        "",
+        f"load average during the run: {' -> '.join(loads)}",
+        "",
+        command_line(),
+    ]
+    markdown = "\n".join(lines)
+    print(markdown)
+    write_json(args.json, {"machine": machine_description(), "args": vars(args), "results": out, "loads": loads,
+                           "markdown": markdown})
     return 0
 
 

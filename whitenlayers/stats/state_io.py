@@ -275,6 +275,7 @@ class _StateIOMixin(_LayerCore):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
+        self._wait_for_fold()  # a fold in flight reads the buffers this writes (set_extra_state then replaces it)
         self._check_checkpoint_method(state_dict, prefix, error_msgs)
         version = local_metadata.get("version", None)
         key = prefix + "_extra_state"
