@@ -713,9 +713,11 @@ class FoldCoordinator:
     layers: Sequence["WhiteningLayer"] = ()
     checked: bool = True
     fold_async: bool = False
-    #: The fold in flight: ``(layers, future, device)``, the future's result the layers' :class:`PendingFold` (and a
-    #: CUDA event, or ``None``). Never pickled (:meth:`__getstate__` waits for it).
-    _in_flight: Optional[Tuple[List["WhiteningLayer"], Any, torch.device]] = None
+    #: The fold in flight: ``(layers, future, device, jobs)``, the future's result the layers' :class:`PendingFold`
+    #: (and a CUDA event, or ``None``); ``jobs`` its inputs, held until this thread's stream has waited for the fold
+    #: (CUDA: made on this stream, read on the fold's, their memory must not be reused before). Never pickled
+    #: (:meth:`__getstate__` waits for it).
+    _in_flight: Optional[Tuple[List["WhiteningLayer"], Any, torch.device, Any]] = None
     _executor: Any = None
     _streams: Optional[Dict[torch.device, Any]] = None
 
@@ -746,10 +748,11 @@ class FoldCoordinator:
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is None:
             return
-        layers, future, device = in_flight
+        layers, future, device, jobs = in_flight
         folds, event = future.result()  # re-raises the worker's exception, if any
         if event is not None:  # the fold ran on a CUDA stream of its own: this thread's stream waits for it
             torch.cuda.current_stream(device).wait_event(event)
+        del jobs  # its tensors' memory may be reused now, after that wait
         for layer, fold in zip(layers, folds):
             layer._pending_fold = fold
 
@@ -800,7 +803,7 @@ class FoldCoordinator:
 
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="whitenlayers-fold")
         self._in_flight = ([layer for job in jobs for layer in job[0]],
-                           self._executor.submit(_compute_jobs, jobs, device, stream), device)
+                           self._executor.submit(_compute_jobs, jobs, device, stream), device, jobs)
 
     def __getstate__(self) -> Dict[str, Any]:
         self.wait()
