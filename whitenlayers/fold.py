@@ -17,6 +17,7 @@ together after the model's forward. Both are plumbing: users reach them through
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import (
     TYPE_CHECKING,
@@ -285,17 +286,22 @@ def _global_summaries(layers: Sequence["WhiteningLayer"], owners: Optional[Seque
     return summaries, nonfinite, firsts
 
 
-def _local_summaries(layers: Sequence["WhiteningLayer"]) -> Tuple[List[BlockSummary], List[int], List[bool]]:
+def _local_summaries(layers: Sequence["WhiteningLayer"],
+                     sums: Optional[Sequence[Tuple[float, Optional[Tensor], Tensor, Tensor]]] = None
+                     ) -> Tuple[List[BlockSummary], List[int], List[bool]]:
     """This process's block of each layer (layers of one :func:`_stack_key`), whether its sums are non-finite and
     whether it is the layer's first block: the summaries computed stacked (one set of operations for all the
-    layers), the flags read in one host synchronisation."""
+    layers), the flags read in one host synchronisation. ``sums``: the blocks' ``(count, shift, s1, s2)``
+    (an asynchronous fold's copies, :meth:`~whitenlayers.stats.WhiteningLayer._taken_block`), default the
+    layers' accumulators."""
     f64 = torch.float64
-    dev = layers[0]._acc_s1.device
-    count = torch.tensor([layer._acc_count for layer in layers], dtype=f64, device=dev)
-    shift = torch.stack([layer._acc_shift if layer._acc_shift is not None else torch.zeros_like(layer._acc_s1)
-                         for layer in layers])
-    s1 = torch.stack([layer._acc_s1 for layer in layers]).to(f64)  # the block's sums, in float64 from here on
-    s2 = torch.stack([layer._acc_s2 for layer in layers]).to(f64)
+    if sums is None:
+        sums = [(layer._acc_count, layer._acc_shift, layer._acc_s1, layer._acc_s2) for layer in layers]
+    dev = sums[0][2].device
+    count = torch.tensor([n for n, _, _, _ in sums], dtype=f64, device=dev)
+    shift = torch.stack([k if k is not None else torch.zeros_like(s1) for _, k, s1, _ in sums])
+    s1 = torch.stack([s[2] for s in sums]).to(f64)  # the block's sums, in float64 from here on
+    s2 = torch.stack([s[3] for s in sums]).to(f64)
     block = F_w.summarize_block(count, shift, s1, s2)
     finite, firsts = _read_with_firsts(F_w.finite_each(s1, s2), layers)
     return _unstack(block, len(layers)), [int(not ok) for ok in finite], firsts
@@ -353,6 +359,13 @@ def _stored_all(items: Sequence[Tuple["WhiteningLayer", str, Tensor]]) -> List[T
     return cast(List[Tensor], out)
 
 
+def _states(layers: Sequence["WhiteningLayer"], states: Optional[Sequence[Dict[str, Tensor]]]
+            ) -> Sequence[Dict[str, Tensor]]:
+    """The buffers a fold reads: ``states`` (an asynchronous fold's copies, :func:`_fold_state`), by default the
+    layers' own."""
+    return [layer._buffers for layer in layers] if states is None else states
+
+
 def _begin(layers: Sequence["WhiteningLayer"], nonfinite: Sequence[int]) -> None:
     """Every rank, before anything is written: count the non-finite blocks and clear the accumulators (one
     multi-tensor op). No host synchronisation."""
@@ -363,14 +376,15 @@ def _begin(layers: Sequence["WhiteningLayer"], nonfinite: Sequence[int]) -> None
         torch._foreach_zero_(zero)
 
 
-def _new_means(layers: Sequence["WhiteningLayer"], blocks: Sequence[BlockSummary], firsts: Sequence[bool]
-               ) -> Tuple[Tensor, Tensor, Tensor]:
+def _new_means(layers: Sequence["WhiteningLayer"], blocks: Sequence[BlockSummary], firsts: Sequence[bool],
+               states: Optional[Sequence[Dict[str, Tensor]]] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """Every rank, layers of one stack key: the new means ``mu(i)`` (float64, stacked), their change
     ``mu(i) - mu(i-1)`` and whether each layer may sum its next block unshifted (a bool tensor on the device,
-    read later with other flags: no host synchronisation here)."""
+    read later with other flags: no host synchronisation here). ``states``: the buffers read (default the
+    layers')."""
     block = BlockSummary(torch.stack([b.count for b in blocks]), torch.stack([b.mean for b in blocks]),
                          None, torch.stack([b.power for b in blocks]))  # type: ignore[arg-type]  # scatter unused
-    prev = torch.stack([layer.running_mean for layer in layers]).to(torch.float64)
+    prev = torch.stack([s["running_mean"] for s in _states(layers, states)]).to(torch.float64)
     mu = F_w.fold_mean(prev, block, layers[0].config.alpha, list(firsts))
     unshifted = F_w.unshifted_accurate_each(block, UNSHIFTED_MAX_MEAN2_VAR)
     return mu, mu - prev, unshifted
@@ -383,18 +397,20 @@ UNSHIFTED_MAX_MEAN2_VAR = 3.0
 
 
 def _outcomes(layers: Sequence["WhiteningLayer"], blocks: Sequence[BlockSummary], firsts: Sequence[bool],
-              nonfinite: Sequence[int], mus: Tensor, unshifted: Tensor,
-              owned: bool = False) -> Tuple[List[FoldOutcome], List[bool]]:
+              nonfinite: Sequence[int], mus: Tensor, unshifted: Tensor, owned: bool = False,
+              states: Optional[Sequence[Dict[str, Tensor]]] = None) -> Tuple[List[FoldOutcome], List[bool]]:
     """The outcomes of layers of one stack key (on the rank that folds them): their moments stacked, the
     transforms in one batched rule call where the rule batches, ``Q_s`` smoothed stacked; and ``unshifted``
     (:func:`_new_means`' flags of these layers) read in the same host synchronisation as the moments'
     finiteness. Changes nothing. The outcomes' buffers are views of the stacks, copied into the layers' buffers
     by :meth:`~whitenlayers.stats.WhiteningLayer._fold_finish`; ``owned``: tensors of their own as the buffers
-    store them (one multi-tensor clone), for a broadcast to other ranks."""
+    store them (one multi-tensor clone), for a broadcast to other ranks. ``states``: the buffers read (default
+    the layers')."""
     lead = layers[0]
+    states = _states(layers, states)
     config, rule = lead.config, lead.rule
     block = _stack(blocks)
-    cov_prev = torch.stack([layer.running_cov for layer in layers])
+    cov_prev = torch.stack([s["running_cov"] for s in states])
     block_cov = F_w.block_covariance(block, mus)
     cov = F_w.recursive_average(cov_prev, block_cov, config.alpha, list(firsts))
     finite = F_w.finite_each(mus, cov)
@@ -414,7 +430,7 @@ def _outcomes(layers: Sequence["WhiteningLayer"], blocks: Sequence[BlockSummary]
     if len(todo) < len(layers):
         stacked = Fold(BlockSummary(*(t[todo] for t in block)), mus[todo], cov[todo], block_cov[todo],
                        [firsts[k] for k in todo])
-    results = _transforms([layers[k] for k in todo], stacked)
+    results = _transforms([layers[k] for k in todo], stacked, [states[k] for k in todo])
     stored_dtype = lead.running_cov.dtype
     cov_stored = cov.to(stored_dtype)
     out = [FoldOutcome(cast(int, st)) for st in status]  # st None: a placeholder, replaced below
@@ -422,7 +438,7 @@ def _outcomes(layers: Sequence["WhiteningLayer"], blocks: Sequence[BlockSummary]
     qs: Optional[Tensor] = None
     if done and hasattr(lead, "grad_transform"):
         gram = torch.stack([r.gram for _, r in done]).to(rule.gram_dtype(stored_dtype))
-        prev = torch.stack([layers[k].grad_transform for k, _ in done])
+        prev = torch.stack([states[k]["grad_transform"] for k, _ in done])
         beta = cast("Union[EVDConfig, RecursiveConfig]", config).beta  # the configs of layers with a Q_s
         qs = F_w.smooth_grad_transform(prev, gram, beta).to(lead.grad_transform.dtype)
     items: List[Tuple[int, str, Tensor]] = []
@@ -443,15 +459,17 @@ def _outcomes(layers: Sequence["WhiteningLayer"], blocks: Sequence[BlockSummary]
     return out, flags[2]
 
 
-def _transforms(layers: Sequence["WhiteningLayer"], stacked: Fold) -> List[Optional[RuleResult]]:
+def _transforms(layers: Sequence["WhiteningLayer"], stacked: Fold,
+                states: Optional[Sequence[Dict[str, Tensor]]] = None) -> List[Optional[RuleResult]]:
     """The rule's new transform of each layer (``None``: it failed), layers of one stack key with their folds
-    ``stacked``: one batched rule call when the rule batches them, else one call per layer."""
+    ``stacked``: one batched rule call when the rule batches them, else one call per layer. ``states``: the
+    buffers read (default the layers')."""
     if not layers:
         return []
     lead = layers[0]
     # Each layer's buffers by name (its ``_buffers``, read as ``named_buffers(recurse=False)`` reads them, without
     # that generator's bookkeeping: this runs per layer per fold).
-    states = [{k: v for k, v in layer._buffers.items() if v is not None} for layer in layers]
+    states = [{k: v for k, v in state.items() if v is not None} for state in _states(layers, states)]
     if len(layers) > 1 and lead._rule_batch_key() is not None:
         pre = lead.rule.compute_batched(stacked, states, lead.running_mean.dtype)
     else:
@@ -525,6 +543,20 @@ def _coalesced(tensors: Sequence[Tensor], works: list, collective) -> List[Tenso
     return out
 
 
+class PendingFold(NamedTuple):
+    """A layer's fold computed but not written yet (:func:`_compute_folds`), what
+    :meth:`~whitenlayers.stats.WhiteningLayer._fold_finish` writes: the outcome (``None``: computed on another
+    rank, broadcast before it is written), the new mean as the buffer stores it, its change (float64), whether the
+    next block sums unshifted and the next block's shift (float64, a tensor of its own)."""
+
+    outcome: Optional[FoldOutcome]
+    mean: Tensor
+    delta: Tensor
+    unshifted: bool
+    shift: Tensor
+    nonfinite: int = 0  # the ranks whose block had non-finite sums, counted when it is written (asynchronous)
+
+
 @torch.no_grad()
 def _fold_all(layers: Sequence["WhiteningLayer"], summaries: Sequence[BlockSummary], nonfinite: Sequence[int],
               firsts: Sequence[bool], owners: Optional[Sequence[int]] = None, group=None, *,
@@ -540,21 +572,35 @@ def _fold_all(layers: Sequence["WhiteningLayer"], summaries: Sequence[BlockSumma
     summaries' (before this), the moments' flags (:func:`_outcomes`) and the rule's own. ``one_stack``: the
     layers are already one of :func:`_fold_chunks`' batches (not split again).
     """
+    folds = _compute_folds(layers, summaries, nonfinite, firsts, owners, group, one_stack=one_stack, begin=True)
+    _finish_folds(layers, folds, owners, group)
+
+
+def _compute_folds(layers: Sequence["WhiteningLayer"], summaries: Sequence[BlockSummary], nonfinite: Sequence[int],
+                   firsts: Sequence[bool], owners: Optional[Sequence[int]] = None, group=None, *,
+                   one_stack: bool = False, begin: bool = True,
+                   states: Optional[Sequence[Dict[str, Tensor]]] = None) -> List[PendingFold]:
+    """:func:`_fold_all`'s computation: each layer's :class:`PendingFold`, nothing written into the layers but
+    (``begin``) the start of their next block (:func:`_begin`, and a fold still pending from an asynchronous
+    coordinator's checkpoint written first: :func:`_install_pending`). ``states``: the layers' buffers the fold
+    reads (its previous mean, covariance, transform, ``Q_s``, the rule's state), default the buffers themselves;
+    an asynchronous fold passes copies (:func:`_fold_state`), taken when it starts."""
     if one_stack:
         chunks = [list(range(len(layers)))]
     else:
         index = {id(layer): i for i, layer in enumerate(layers)}
         chunks = [[index[id(layer)] for layer in chunk] for chunk in _fold_chunks(layers)]
-    stored_means: List[Tensor] = [torch.empty(0)] * len(layers)  # the new means as the buffers store them
-    shifts: List[Tensor] = [torch.empty(0)] * len(layers)  # the next block's shifts
-    deltas: List[Tensor] = [torch.empty(0)] * len(layers)
-    unshifted: List[bool] = [False] * len(layers)
+    out: List[Optional[PendingFold]] = [None] * len(layers)
     rank = 0 if owners is None else dist.get_rank(group)
-    computed: Dict[int, FoldOutcome] = {}
     for idx in chunks:
         firsts_c = [firsts[i] for i in idx]
-        _begin([layers[i] for i in idx], [nonfinite[i] for i in idx])
-        mu, delta, flags_t = _new_means([layers[i] for i in idx], [summaries[i] for i in idx], firsts_c)
+        chunk = [layers[i] for i in idx]
+        if begin:
+            _begin(chunk, [nonfinite[i] for i in idx])
+            if any(layer._pending_fold is not None for layer in chunk):
+                firsts_c = _install_pending(chunk, firsts_c)
+        states_c = None if states is None else [states[i] for i in idx]
+        mu, delta, flags_t = _new_means(chunk, [summaries[i] for i in idx], firsts_c, states_c)
         stored = mu.to(layers[idx[0]].running_mean.dtype)  # one conversion per stack
         # The next block's shift, as its first gathered batch would choose it: 0 where it may sum unshifted, else
         # the new mean as stored (a resumed checkpoint makes it again from the buffer). The shifts as tensors of
@@ -563,30 +609,70 @@ def _fold_all(layers: Sequence["WhiteningLayer"], summaries: Sequence[BlockSumma
         owned, means = _own_all(list(shift.unbind(0))), stored.unbind(0)
         mine = [j for j, i in enumerate(idx) if owners is None or owners[i] == rank]
         flags: List[bool] = []
+        computed: Dict[int, FoldOutcome] = {}
         if mine:
-            outcomes, flags = _outcomes([layers[idx[j]] for j in mine], [summaries[idx[j]] for j in mine],
+            outcomes, flags = _outcomes([chunk[j] for j in mine], [summaries[idx[j]] for j in mine],
                                         [firsts_c[j] for j in mine], [nonfinite[idx[j]] for j in mine],
                                         mu if len(mine) == len(idx) else mu[mine],
-                                        flags_t if len(mine) == len(idx) else flags_t[mine], owners is not None)
-            computed.update(zip([idx[j] for j in mine], outcomes))
+                                        flags_t if len(mine) == len(idx) else flags_t[mine], owners is not None,
+                                        None if states_c is None else [states_c[j] for j in mine])
+            computed.update(zip(mine, outcomes))
         if len(mine) < len(idx):  # layers other ranks fold (owner strategy): their flags read here
             flags = flags_t.tolist()
         for j, (i, d) in enumerate(zip(idx, delta.unbind(0))):
-            stored_means[i], shifts[i], deltas[i] = means[j], owned[j], d
-            unshifted[i] = bool(flags[j])
+            out[i] = PendingFold(computed.get(j), means[j], d, bool(flags[j]), owned[j])
+    return cast(List[PendingFold], out)
+
+
+def _finish_folds(layers: Sequence["WhiteningLayer"], folds: Sequence[PendingFold],
+                  owners: Optional[Sequence[int]] = None, group=None) -> List[bool]:
+    """Write each layer's fold (:meth:`~whitenlayers.stats.WhiteningLayer._fold_finish`), the outcomes of the
+    layers other ranks folded received first (owner strategy: one broadcast per rank), and count the folds that
+    count in ``num_blocks`` (one multi-tensor add). Returns whether each layer's fold counted."""
+    counted = [False] * len(layers)
     for src in ([None] if owners is None else range(dist.get_world_size(group))):
         idx = [i for i in range(len(layers)) if src is None or cast("Sequence[int]", owners)[i] == src]
         if not idx:
             continue
-        outs: Sequence[Optional[FoldOutcome]] = [computed.get(i) for i in idx]
+        outs: Sequence[Optional[FoldOutcome]] = [folds[i].outcome for i in idx]
         if src is not None:
             outs = _broadcast_outcomes([layers[i] for i in idx], outs, src, group)
-        counted = [layers[i].num_blocks for i, outcome in zip(idx, outs)
-                   # every outcome computed here (replicated) or received from src
-                   if layers[i]._fold_finish(cast(FoldOutcome, outcome), stored_means[i], deltas[i], unshifted[i],
-                                             shifts[i])]
-        if counted:
-            torch._foreach_add_(counted, 1)
+        for i, outcome in zip(idx, outs):
+            # every outcome computed here (replicated) or received from src
+            fold = folds[i]
+            counted[i] = layers[i]._fold_finish(cast(FoldOutcome, outcome), fold.mean, fold.delta, fold.unshifted,
+                                                fold.shift)
+    blocks = [layer.num_blocks for layer, c in zip(layers, counted) if c]
+    if blocks:
+        torch._foreach_add_(blocks, 1)
+    return counted
+
+
+@torch.no_grad()
+def _install_pending(layers: Sequence["WhiteningLayer"], firsts: Sequence[bool]) -> List[bool]:
+    """Write the folds the layers hold pending (an asynchronous fold, computed or loaded from a checkpoint), at
+    the end of the block after the one they were computed from, after that block's sums were read (a fold writes
+    the next block's shift); returns ``firsts`` as they are once they are written (a layer whose pending fold
+    counts no longer folds its first block)."""
+    idx = [i for i, layer in enumerate(layers) if layer._pending_fold is not None]
+    if not idx:
+        return list(firsts)
+    folds = [cast(PendingFold, layers[i]._pending_fold) for i in idx]
+    for i, fold in zip(idx, folds):
+        layers[i]._pending_fold = None
+        layers[i]._count_nonfinite(fold.nonfinite)
+    counted = _finish_folds([layers[i] for i in idx], folds)
+    firsts = list(firsts)
+    for i, c in zip(idx, counted):
+        firsts[i] = firsts[i] and not c
+    return firsts
+
+
+def _fold_state(layer: "WhiteningLayer") -> Dict[str, Tensor]:
+    """Copies of the buffers a fold of ``layer`` reads (its previous mean, covariance, transform, ``Q_s``, the
+    rule's state): what an asynchronous fold computes from while training goes on."""
+    names = ["running_mean"] + [name for name, _ in layer._outcome_layout()]
+    return {name: layer._buffers[name].clone() for name in names}
 
 
 class FoldCoordinator:
@@ -601,6 +687,17 @@ class FoldCoordinator:
     and the transform in force for that batch's backward are the same.
     ``strategy`` is :func:`fold_layers`'s (how transforms are spread over ranks).
 
+    ``fold_async=True``: the fold of a block runs in a worker thread (on CUDA, on a stream of its own) while
+    the next block trains, and is written at the end of that next block: the transform built from block ``i`` is
+    in force from block ``i + 2`` on. At each block's end the coordinator waits for the fold in flight (block
+    ``i - 1``'s), reads block ``i``'s sums (summed across ranks on this thread: the collectives never leave the
+    training thread) and starts a new block, writes block ``i - 1``'s fold (the bias compensation with the
+    weight of this forward, so the function is unchanged at the swap), then starts block ``i``'s fold from copies
+    of the buffers it reads. The result never depends on timing: two runs are bit-identical. Every rank folds
+    every layer (``"replicated"``; ``"owner"`` is refused). A checkpoint taken while a fold is in flight waits
+    for it and saves its result (each layer's extra state), which is written at the next block's end after a
+    resume.
+
     At the first fold after a conversion it checks that every whitening layer
     of the model (:attr:`layers`) in training mode was called: a layer whose
     weight the model uses without calling it as a module (e.g. torchvision's
@@ -609,17 +706,27 @@ class FoldCoordinator:
 
     Args:
         strategy: :func:`fold_layers`'s, ``"auto"`` (default), ``"replicated"`` or ``"owner"``.
+        fold_async: fold off the training thread, one block late (default ``False``), as above.
     """
 
     #: Defaults for coordinators pickled before these attributes existed (nothing to check).
     layers: Sequence["WhiteningLayer"] = ()
     checked: bool = True
+    fold_async: bool = False
+    #: The fold in flight: ``(layers, future, device, jobs)``, the future's result the layers' :class:`PendingFold`
+    #: (and a CUDA event, or ``None``); ``jobs`` its inputs, held until this thread's stream has waited for the fold
+    #: (CUDA: made on this stream, read on the fold's, their memory must not be reused before). Never pickled
+    #: (:meth:`__getstate__` waits for it).
+    _in_flight: Optional[Tuple[List["WhiteningLayer"], Any, torch.device, Any]] = None
+    _executor: Any = None
+    _streams: Optional[Dict[torch.device, Any]] = None
 
-    def __init__(self, strategy: str = "auto") -> None:
+    def __init__(self, strategy: str = "auto", fold_async: bool = False) -> None:
         check_strategy(strategy)
         self.pending: List["WhiteningLayer"] = []
         self.handle: Optional[RemovableHandle] = None
         self.strategy = strategy
+        self.fold_async = check_fold_async(fold_async, strategy)
         self.layers = []
         self.checked = False
 
@@ -629,7 +736,25 @@ class FoldCoordinator:
 
     def flush(self) -> None:
         pending, self.pending = self.pending, []
-        fold_layers([p for p in pending if p._fold_pending], strategy=self.strategy, _coordinator=self)
+        layers = [p for p in pending if p._fold_pending]
+        if self.fold_async:
+            self._fold_async(layers)
+        else:
+            fold_layers(layers, strategy=self.strategy, _coordinator=self)
+
+    def wait(self) -> None:
+        """Wait for the fold in flight (if any) and hand its results to its layers (their pending folds, written
+        at each layer's next block end); nothing is written into the layers' buffers here."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None:
+            return
+        layers, future, device, jobs = in_flight
+        folds, event = future.result()  # re-raises the worker's exception, if any
+        if event is not None:  # the fold ran on a CUDA stream of its own: this thread's stream waits for it
+            torch.cuda.current_stream(device).wait_event(event)
+        del jobs  # its tensors' memory may be reused now, after that wait
+        for layer, fold in zip(layers, folds):
+            layer._pending_fold = fold
 
     @torch.compiler.disable  # Python bookkeeping: outside any compiled graph, never guarded on
     def __call__(self, module, inputs, output) -> None:
@@ -639,12 +764,88 @@ class FoldCoordinator:
         if self.pending:
             self.flush()
 
+    @torch.compiler.disable  # host logic and the fold: outside any compiled graph
+    def _fold_async(self, layers: List["WhiteningLayer"]) -> None:
+        """A block's end with ``fold_async``: wait for the fold in flight, read the block's sums and start the next
+        block, write the pending folds, start this block's fold in the worker (the class docstring)."""
+        if not self.checked:
+            self.checked = True
+            _warn_uncalled(self.layers)
+        self.wait()
+        if not layers:
+            return
+        device = layers[0].running_mean.device
+        with _no_autocast(device), torch.no_grad():
+            group, world = _dist_group(layers)
+            jobs: List[tuple] = []
+            if world == 1:  # the block's sums copied, summarised by the worker
+                for chunk in _fold_chunks(layers):
+                    sums = [layer._taken_block() for layer in chunk]
+                    _begin(chunk, [0] * len(chunk))  # non-finite blocks: counted when their fold is written
+                    _install_pending(chunk, [False] * len(chunk))
+                    jobs.append((chunk, sums, None, [_fold_state(layer) for layer in chunk], True))
+            else:  # all ranks' sums, on this thread (split in stacks by the worker): every rank folds every layer
+                summaries, nonfinite, firsts = _global_summaries(layers, None, group)
+                _begin(layers, [0] * len(layers))
+                firsts = _install_pending(layers, firsts)
+                jobs.append((layers, None, (summaries, nonfinite, firsts), [_fold_state(layer) for layer in layers],
+                             False))
+        stream = None
+        if device.type == "cuda":
+            if self._streams is None:
+                self._streams = {}
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = self._streams[device] = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))  # the copies and summaries made on this stream
+        if self._executor is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="whitenlayers-fold")
+        self._in_flight = ([layer for job in jobs for layer in job[0]],
+                           self._executor.submit(_compute_jobs, jobs, device, stream), device, jobs)
+
     def __getstate__(self) -> Dict[str, Any]:
+        self.wait()
         return {"pending": list(self.pending), "handle": None, "strategy": self.strategy, "layers": list(self.layers),
-                "checked": self.checked}
+                "checked": self.checked, "fold_async": self.fold_async}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update({"strategy": "auto", **state})  # coordinators pickled before strategies existed
+
+
+def check_fold_async(fold_async: bool, strategy: str) -> bool:
+    """``fold_async`` if it is a bool that ``strategy`` allows (an asynchronous fold is replicated: every rank
+    folds every layer), else ``TypeError`` / ``ValueError``."""
+    if not isinstance(fold_async, bool):
+        raise TypeError(f"fold_async must be a bool, but got {type(fold_async).__name__}")
+    if fold_async and strategy == "owner":
+        raise ValueError("fold_async=True folds every layer on every rank (the replicated strategy): it cannot be "
+                         "combined with fold_strategy='owner' (use 'auto' or 'replicated')")
+    return fold_async
+
+
+def _compute_jobs(jobs: Sequence[tuple], device: torch.device, stream: Any) -> Tuple[List[PendingFold], Any]:
+    """The worker thread's part of an asynchronous fold: for each job (layers of one stack, or all layers under
+    ``torch.distributed``), the summaries of their copied sums (or the summaries made on the training thread) and
+    :func:`_compute_folds` from copies of their buffers; no gradient, no autocast (both are per thread), on
+    ``stream`` (CUDA) with an event recorded after it. Reads nothing the training thread writes while it runs
+    (``num_blocks`` is written when a fold is, after waiting for this one)."""
+    folds: List[PendingFold] = []
+    with torch.no_grad(), _no_autocast(device), contextlib.ExitStack() as ctx:
+        if stream is not None:
+            ctx.enter_context(torch.cuda.device(device))
+            ctx.enter_context(torch.cuda.stream(stream))
+        for chunk, sums, given, states, one_stack in jobs:
+            summaries, nonfinite, firsts = _local_summaries(chunk, sums) if given is None else given
+            done = _compute_folds(chunk, summaries, nonfinite, firsts, one_stack=one_stack, begin=False,
+                                  states=states)
+            folds += [fold._replace(nonfinite=n) for fold, n in zip(done, nonfinite)]
+        if stream is None:
+            return folds, None
+        event = torch.cuda.Event()
+        event.record(stream)
+    return folds, event
 
 
 def _warn_uncalled(layers: Sequence["WhiteningLayer"]) -> None:

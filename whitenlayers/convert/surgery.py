@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.utils import parametrize
 
-from ..fold import FoldCoordinator, check_strategy
+from ..fold import FoldCoordinator, check_fold_async, check_strategy
 from ..layers import (
     GRAD_LAYER_TYPES,
 )
@@ -46,16 +46,20 @@ if TYPE_CHECKING:  # pragma: no cover
 # --------------------------------------------------------------------------
 # Hooks and the fold coordinator
 # --------------------------------------------------------------------------
-def _install_coordinator(model: nn.Module, strategy: str = "auto") -> Optional[FoldCoordinator]:
+def _install_coordinator(model: nn.Module, strategy: str = "auto",
+                         fold_async: bool = False) -> Optional[FoldCoordinator]:
     layers = [m for _, m in whitening_layers(model)]
     if not layers:
         return None
     existing = _coordinators(model)
     if existing:
         coord = existing[0][1]
+        if coord.fold_async and not fold_async:
+            coord.wait()  # its folds in flight are written at the layers' next block ends, as loaded ones are
         coord.strategy = strategy
+        coord.fold_async = fold_async
     else:
-        coord = FoldCoordinator(strategy)
+        coord = FoldCoordinator(strategy, fold_async)
         coord.handle = model.register_forward_hook(coord)
     for layer in layers:
         layer._fold_coordinator = coord
@@ -141,6 +145,7 @@ def convert_model(
     example_input: Any = None,
     report: bool = False,
     fold_strategy: str = "auto",
+    fold_async: bool = False,
     absorb_centring: bool = True,
     **layer_kwargs: Any,
 ) -> Union[nn.Module, Tuple[nn.Module, "ConversionReport"]]:
@@ -279,6 +284,18 @@ def convert_model(
     after DDP's construction would not be synchronised); passing a DDP module
     raises ``ValueError``.
 
+    ``fold_async=True`` takes the folds off the training thread: a block's
+    fold runs in a worker thread (on CUDA, on a stream of its own) while the
+    next block trains, and is written at the end of that next block, so the
+    transform built from block ``i`` is in force from block ``i + 2`` on (one
+    block later than the default). Training waits there if the fold has not
+    finished, so the result never depends on timing (two runs are
+    bit-identical); the bias compensation still keeps the function unchanged
+    when it is written, ranks stay bit-identical (every rank folds every
+    layer: ``fold_strategy="owner"`` is refused), and a checkpoint taken
+    while a fold is in flight saves its result. ``layer.fold()`` still folds
+    at once (a pending fold written first). See the performance guide.
+
     The root. A bare conv / ``nn.Linear`` passed as ``model`` is converted
     only if ``predicate("", model)`` selects it, or with ``include_stem`` /
     ``include_classifier`` (it is both; the default rule never converts it:
@@ -313,6 +330,8 @@ def convert_model(
         report: also return a :class:`ConversionReport` (default ``False``: return the model alone).
         fold_strategy: ``"auto"`` (default), ``"replicated"`` or ``"owner"``: how the transforms are
             computed under ``torch.distributed`` (ignored on one process).
+        fold_async: fold in a worker thread, one block late (default ``False``; above). Needs a model with a
+            coordinator (not a bare layer) and a strategy other than ``"owner"``.
         absorb_centring: let a BatchNorm that alone consumes a converted layer's output absorb its
             centring (default ``True``: faster, same training up to rounding); ``False`` keeps every layer
             centring. Ignored for ``"direct"``.
@@ -334,6 +353,7 @@ def convert_model(
         ('GradWhitenConv2d', 'layer1.0.conv1')
     """
     _check_arguments(model, method, fold_strategy, layer_kwargs)
+    check_fold_async(fold_async, fold_strategy)
     target_spec = TargetSpec(targets, predicate, block_types, include_linear, include_stem, include_classifier,
                              max_features, example_input)
     # Reading a parametrized weight (shapes, dtypes) must not advance a parametrization's training step (spectral
@@ -351,10 +371,15 @@ def convert_model(
         _warn_left_out(result, targets=targets, predicate=predicate, include_linear=include_linear,
                        model_has_whitening=bool(whitening_layers(model)))
         if id(model) in new_by_id:  # a bare layer passed as the model
+            if fold_async:
+                raise ValueError(f"convert_model: fold_async=True needs a model that contains the layers it converts "
+                                 f"(their fold coordinator writes each asynchronous fold), but the model itself is the "
+                                 f"target (a bare {type(model).__name__}), which folds on its own: convert it with "
+                                 "fold_async=False, or wrap it in a module")
             new_root = new_by_id[id(model)]
             return (new_root, result) if report else new_root
         _swap_in(model, new_by_id)
-        _install_coordinator(model, fold_strategy)
+        _install_coordinator(model, fold_strategy, fold_async)
         return (model, result) if report else model
 
 

@@ -88,6 +88,8 @@ class _LayerCore:
 
         def _on_mean_change(self, delta: Tensor) -> None: ...
 
+        def _outcome_layout(self) -> List[Tuple[str, Tuple[int, ...]]]: ...
+
         def _start_block(self, x: Tensor, shifted: bool = False) -> None: ...
 
         def _end_batch(self) -> None: ...
@@ -113,6 +115,9 @@ class _LayerCore:
 
 
     _fold_weight: Optional[Tensor] = None
+    #: A fold computed but not written yet (:class:`~whitenlayers.fold.PendingFold`: an asynchronous coordinator's,
+    #: or one loaded from a checkpoint taken while it was in flight), written at this layer's next block end.
+    _pending_fold: Optional[Any] = None
 
     # ---------------------------------------------------------- configuration
     @property

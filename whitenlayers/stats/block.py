@@ -132,8 +132,11 @@ class _BlockMixin(_LayerCore):
             self._set_accumulator(_as_moments_accumulator(aug, self._acc_dtype()))
 
     def _fold_now(self) -> None:
-        """Fold this layer alone, now (not at the end of the forward that ended its block)."""
+        """Fold this layer alone, now (not at the end of the forward that ended its block); synchronously, a fold
+        of an asynchronous coordinator that it still has pending written first."""
         self._fold_weight = None
+        if self._fold_coordinator is not None:
+            self._fold_coordinator.wait()
         fold_layers([cast("WhiteningLayer", self)])
 
     def _block_sums(self) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -169,12 +172,27 @@ class _BlockMixin(_LayerCore):
     def _begin_fold(self, nonfinite: int) -> List[Tensor]:
         """Count the ranks whose block had non-finite sums (``nonfinite``) and start an empty block; returns the
         accumulators to zero. Read the block's sums before."""
+        self._count_nonfinite(nonfinite)
+        return self._clear_block()
+
+    def _count_nonfinite(self, nonfinite: int) -> None:
+        """Count the ranks whose block had non-finite sums (``nonfinite``; an asynchronous fold counts them when it
+        is written)."""
         if nonfinite:
             self.nonfinite_blocks += nonfinite
             self._warn_once("nonfinite", "a block with non-finite activations (or second moments that overflow "
                                          "the input's precision) was dropped: its fold was skipped and the "
                                          "transform kept")
-        return self._clear_block()
+
+    def _taken_block(self) -> Tuple[float, Optional[Tensor], Tensor, Tensor]:
+        """Copies of this block's sums, ``(count, shift, s1, s2)`` as :func:`~whitenlayers.fold._local_summaries`
+        reads them (the shift, never written in place, not copied), for an asynchronous fold to summarise while the
+        next block accumulates."""
+        aug = self._acc_aug
+        if aug is not None:
+            aug = aug.clone()
+            return self._acc_count, self._acc_shift, aug[:-1, -1], aug[:-1, :-1]
+        return self._acc_count, self._acc_shift, self._acc_s1.clone(), self._acc_s2.clone()
 
     def _outcome_layout(self) -> List[Tuple[str, Tuple[int, ...]]]:
         """``(name, shape)`` of the buffers a fold's outcome may hold (:meth:`_fold_outcome`), in a fixed order."""

@@ -5,14 +5,14 @@ Part of :mod:`whitenlayers.stats`.
 from __future__ import annotations
 
 import warnings
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple, cast
 
 import torch
 from torch import Tensor
 
 from .. import functional as F_w
 from ..config import EVDConfig, RecursiveConfig, WhiteningConfig
-from ..fold import FoldCoordinator
+from ..fold import FoldCoordinator, FoldOutcome, PendingFold
 from ..rules import rule_for
 from ._core import _try_low_precision_products
 from .block import _BlockMixin
@@ -149,6 +149,8 @@ class WhiteningLayer(_PerStepMixin, _BlockMixin, _StateIOMixin):
         self.__dict__.pop("_snapshot", None)
         self._mean_taps = None
         self._pointwise_cache = None
+        self._wait_for_fold()
+        self._pending_fold = None
         with torch.no_grad():
             if keep_function:
                 self._on_mean_change(-self.running_mean.to(torch.float64))
@@ -193,6 +195,7 @@ class WhiteningLayer(_PerStepMixin, _BlockMixin, _StateIOMixin):
         not buffers (DDP would broadcast them), move with the layer, staying
         float64.
         """
+        self._wait_for_fold()
         own = {name: buf for name, buf in self._buffers.items() if buf is not None and buf.is_floating_point()}
         result = super()._apply(fn, recurse)  # type: ignore[misc]
         for name, old in own.items():
@@ -202,6 +205,9 @@ class WhiteningLayer(_PerStepMixin, _BlockMixin, _StateIOMixin):
         if "_acc_s1" in self.__dict__:
             self._move_accumulators(fn)
         self._acc_shift_x = None  # the shift as batches subtract it: made again from _acc_shift at the next batch
+        pending = self._pending_fold
+        if pending is not None:  # a pending fold (fold_async) follows to the new device, in its own dtypes
+            self._pending_fold = _moved(pending, self.running_mean.device)
         _try_low_precision_products(self.running_mean.device)
         self.__dict__.pop("_spares", None)  # the next folds' spares on the new device / dtype
         self._in_force = None
@@ -223,6 +229,13 @@ class WhiteningLayer(_PerStepMixin, _BlockMixin, _StateIOMixin):
 
     def _whitening_repr(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.config.non_defaults(exclude=self._unused_fields).items())
+
+
+def _moved(fold: PendingFold, device: torch.device) -> PendingFold:
+    """``fold`` with its tensors on ``device`` (their dtypes kept)."""
+    outcome = cast(FoldOutcome, fold.outcome)
+    return fold._replace(outcome=outcome._replace(buffers={k: v.to(device) for k, v in outcome.buffers.items()}),
+                         mean=fold.mean.to(device), delta=fold.delta.to(device), shift=fold.shift.to(device))
 
 
 def _config_attribute(name: str) -> property:

@@ -8,12 +8,13 @@ import contextlib
 import math
 import sys
 import warnings
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union, cast
 
 import torch
 from torch import Tensor
 
 from .. import functional as F_w
+from ..fold import FAILED, FOLDED, FoldOutcome, PendingFold
 from ._core import _LayerCore
 
 __all__ = ["loading_plain_checkpoint"]
@@ -21,6 +22,11 @@ __all__ = ["loading_plain_checkpoint"]
 
 #: Layout tag of the packed extra state (:meth:`WhiteningLayer.get_extra_state`); version 1 was a dict.
 _EXTRA_LAYOUT = 2
+#: The layout of a layer with a pending fold (an asynchronous fold in flight): layout 2's, then the fold.
+_EXTRA_LAYOUT_PENDING = 3
+#: The scalar head of a pending fold, in order; then its new mean, mean change and next shift (``M`` each) and the
+#: buffers its outcome holds (:meth:`~whitenlayers.stats.WhiteningLayer._outcome_layout`, the first ``kept``).
+_PENDING_HEAD = ("status", "clamped", "unshifted", "nonfinite", "kept")
 #: The scalar head of the packed extra state, in order; then ``shift (M)``, ``s1 (M)``, ``s2`` (block shape).
 _EXTRA_HEAD = ("layout", "acc_batches", "has_shift", "eig_failures", "skipped_folds", "nonfinite_blocks",
                "clamped_steps", "acc_count", "stats_unshifted")
@@ -66,6 +72,7 @@ class _StateIOMixin(_LayerCore):
 
 
     def __getstate__(self) -> Dict[str, Any]:
+        self._wait_for_fold()  # a fold in flight: its result is the layer's pending fold, copied with it
         # The buffers of the last forward and the weight of a fold under way are transient: not pickled or copied;
         # nor is the deferral's state (a copy is stepped by no optimizer of the deferral, defer_grad_transform).
         state = dict(self.__dict__)
@@ -93,21 +100,38 @@ class _StateIOMixin(_LayerCore):
             "use torch.jit.trace, torch.export.export or torch.compile")
 
     # ---------------------------------------------------------- checkpointing
+    def _wait_for_fold(self) -> None:
+        """Wait for an asynchronous fold in flight (the coordinator's), which makes it this layer's pending fold."""
+        coordinator = self.__dict__.get("_fold_coordinator")
+        if coordinator is not None:
+            coordinator.wait()
+
     def get_extra_state(self) -> Tensor:
         """The partial block and the counters as one float64 tensor, so a mid-block checkpoint resumes bit-for-bit.
 
         Layout: the scalars ``_EXTRA_HEAD`` (a layout tag first), then the block's shift (``M``), first sums
         (``M``) and second sums (the block shape, flattened). A tensor, not a dict, so the state dict holds
         tensors only (EMA helpers, safetensors and exporters iterate over it as tensors); a fresh one at each
-        call, owned by nobody.
+        call, owned by nobody. A layer with a pending fold (``fold_async``: this waits for a fold in flight) has
+        layout tag 3 and the fold after the block: ``_PENDING_HEAD``, its new mean, mean change and next
+        shift, and the buffers its outcome holds, so that a resume writes it where the run would have.
         """
+        self._wait_for_fold()
+        pending = cast(Optional[PendingFold], self._pending_fold)
         f64: Dict[str, Any] = {"dtype": torch.float64, "device": self.running_mean.device}
-        head = torch.tensor([_EXTRA_LAYOUT, self._acc_batches, self._acc_shift is not None]
+        layout = _EXTRA_LAYOUT if pending is None else _EXTRA_LAYOUT_PENDING
+        head = torch.tensor([layout, self._acc_batches, self._acc_shift is not None]
                             + [getattr(self, name) for name in _COUNTERS] + [self._acc_count, self._stats_unshifted],
                             **f64)
         shift = self._acc_shift if self._acc_shift is not None else torch.zeros_like(self._acc_s1)
-        sums = [shift, self._acc_s1, self._acc_s2.reshape(-1)]
-        return torch.cat([head] + [t.to(device=head.device, dtype=torch.float64) for t in sums])
+        parts = [head, shift, self._acc_s1, self._acc_s2.reshape(-1)]
+        if pending is not None:
+            outcome = cast(FoldOutcome, pending.outcome)
+            kept = [name for name, _ in self._outcome_layout() if name in outcome.buffers]
+            parts += [torch.tensor([outcome.status, outcome.clamped, pending.unshifted, pending.nonfinite, len(kept)],
+                                   **f64),
+                      pending.mean, pending.delta, pending.shift] + [outcome.buffers[name].reshape(-1) for name in kept]
+        return torch.cat([t.to(device=head.device, dtype=torch.float64) for t in parts])
 
     def set_extra_state(self, state: Union[Tensor, Dict[str, Any]]) -> None:
         """Restore the partial block and the counters (``load_state_dict`` calls this).
@@ -116,6 +140,7 @@ class _StateIOMixin(_LayerCore):
             state: what :meth:`get_extra_state` returned (a float64 tensor), or the dict of a version-1
                 checkpoint.
         """
+        self._wait_for_fold()  # a fold in flight is dropped: the checkpoint's state replaces it
         if isinstance(state, dict):  # version 1 checkpoints
             state = self._unpack_dict_extra_state(state)
         else:
@@ -142,6 +167,7 @@ class _StateIOMixin(_LayerCore):
         for name in _COUNTERS:
             setattr(self, name, int(state.get(name, 0)))
         self._fold_pending = False
+        self._pending_fold = state.get("pending")
 
     def _unpack_extra_state(self, packed: Tensor) -> Dict[str, Any]:
         m, block = self.num_features, self._block_shape
@@ -149,9 +175,14 @@ class _StateIOMixin(_LayerCore):
         if not isinstance(packed, Tensor) or packed.dim() != 1 or not packed.is_floating_point():
             raise RuntimeError(f"{self._describe()}: checkpoint extra state must be a 1-D float tensor (the partial "
                                f"block), but got {type(packed).__name__} {tuple(getattr(packed, 'shape', ()))}")
-        if packed.numel() < len(_EXTRA_HEAD) or int(packed[0]) != _EXTRA_LAYOUT:
+        if packed.numel() < len(_EXTRA_HEAD) or int(packed[0]) not in (_EXTRA_LAYOUT, _EXTRA_LAYOUT_PENDING):
             raise RuntimeError(f"{self._describe()}: checkpoint extra state has an unknown layout "
-                               f"(tag {float(packed[0]) if packed.numel() else None}, expected {_EXTRA_LAYOUT})")
+                               f"(tag {float(packed[0]) if packed.numel() else None}, expected {_EXTRA_LAYOUT} or "
+                               f"{_EXTRA_LAYOUT_PENDING})")
+        pending = None
+        if int(packed[0]) == _EXTRA_LAYOUT_PENDING:
+            pending = self._unpack_pending(packed[numel:])
+            packed = packed[:numel]
         if packed.numel() != numel:
             raise RuntimeError(
                 f"{self._describe()}: checkpoint extra state holds {packed.numel()} values, but this layer needs "
@@ -161,8 +192,28 @@ class _StateIOMixin(_LayerCore):
         out: Dict[str, Any] = {name: head[name] for name in _COUNTERS}
         out.update(acc_batches=head["acc_batches"], acc_count=head["acc_count"],
                    stats_unshifted=head["stats_unshifted"], acc_shift=shift if head["has_shift"] else None,
-                   acc_s1=s1, acc_s2=s2.view(block))
+                   acc_s1=s1, acc_s2=s2.view(block), pending=pending)
         return out
+
+    def _unpack_pending(self, packed: Tensor) -> PendingFold:
+        """The pending fold of a layout-3 extra state (what follows the block), on this layer's device."""
+        m, layout = self.num_features, self._outcome_layout()
+        n_head = len(_PENDING_HEAD)
+        head = dict(zip(_PENDING_HEAD, packed[:n_head].tolist())) if packed.numel() >= n_head else {}
+        kept = int(head.get("kept", -1))
+        sizes = [m, m, m] + [math.prod(shape) for _, shape in layout[: max(kept, 0)]]
+        status = int(head.get("status", -1))
+        expected = {FOLDED: len(layout), FAILED: 1}.get(status, 0)
+        if kept != expected or packed.numel() != n_head + sum(sizes):
+            raise RuntimeError(f"{self._describe()}: checkpoint extra state holds a pending fold of "
+                               f"{packed.numel()} values that does not match this layer (status {status}, "
+                               f"{kept} buffers for {m} features)")
+        dev = self.running_mean.device
+        values = [t.to(dev).clone() for t in torch.split(packed[n_head:], sizes)]
+        buffers = {name: t.view(shape) for (name, shape), t in zip(layout, values[3:])}
+        return PendingFold(FoldOutcome(status, bool(head["clamped"]), buffers),
+                           values[0].to(self.running_mean.dtype), values[1], bool(head["unshifted"]), values[2],
+                           int(head["nonfinite"]))
 
     def _unpack_dict_extra_state(self, state: Dict[str, Any]) -> Dict[str, Any]:
         if tuple(state["acc_s2"].shape) != self._block_shape:
@@ -224,6 +275,7 @@ class _StateIOMixin(_LayerCore):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
+        self._wait_for_fold()  # a fold in flight reads the buffers this writes (set_extra_state then replaces it)
         self._check_checkpoint_method(state_dict, prefix, error_msgs)
         version = local_metadata.get("version", None)
         key = prefix + "_extra_state"
