@@ -81,6 +81,8 @@ class _PerStepMixin(_LayerCore):
         load, DDP's buffer broadcast): per step, one identity and one version check per buffer."""
         buffers = self._buffers
         names = self._FORWARD_BUFFERS
+        if torch.jit.is_tracing():  # the trace reads the buffers themselves: no copy, nothing cached by one run
+            return {name: buffers[name] for name in names}
         snap = self.__dict__.get("_snapshot")
         if snap is not None:
             for name, held, version in zip(names, snap[0], snap[1]):
