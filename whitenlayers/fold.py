@@ -108,6 +108,34 @@ def check_strategy(strategy: str, name: str = "strategy") -> str:
 OWNER_MIN_COST = 1e6
 
 
+#: Layers whose block was dropped for non-finite sums since the last warning (one warning per fold, not per layer).
+_nonfinite_layers: List["WhiteningLayer"] = []
+
+
+def _note_nonfinite(layer: "WhiteningLayer") -> None:
+    """A layer dropped a non-finite block: named in the fold's one warning (:func:`_warn_nonfinite`), once per
+    layer."""
+    if "nonfinite" not in layer._warned:
+        layer._warned.add("nonfinite")
+        _nonfinite_layers.append(layer)
+
+
+def _warn_nonfinite() -> None:
+    """One warning for the layers :func:`_note_nonfinite` noted: a non-finite batch reaches every layer after it."""
+    if not _nonfinite_layers:
+        return
+    layers = list(_nonfinite_layers)
+    _nonfinite_layers.clear()
+    names = ", ".join(repr(layer.layer_name or type(layer).__name__) for layer in layers[:6])
+    more = f" and {len(layers) - 6} more" if len(layers) > 6 else ""
+    warnings.warn(
+        f"{len(layers)} whitening layer(s) dropped a block with non-finite activations (or second moments that "
+        f"overflow the input's precision): {names}{more}; each kept its transform and counts the block in "
+        "nonfinite_blocks. A non-finite batch (a NaN in the input, an overflow) reaches every layer after it: check "
+        "the data, or skip such a step before its backward (e.g. `if not torch.isfinite(loss): continue`). Said "
+        "once per layer", RuntimeWarning, stacklevel=3)
+
+
 @torch.compiler.disable  # the fold (once per block, host logic, EVD) stays out of compiled graphs
 def fold_layers(layers: Iterable["WhiteningLayer"], *, strategy: str = "auto",
                 _coordinator: Optional["FoldCoordinator"] = None) -> None:
@@ -161,6 +189,8 @@ def fold_layers(layers: Iterable["WhiteningLayer"], *, strategy: str = "auto",
         owners = _owners(layers, world, strategy)
         summaries, nonfinite, firsts = _global_summaries(layers, owners, group)
         _fold_all(layers, summaries, nonfinite, firsts, owners, group)
+    if _coordinator is None:  # the coordinator warns after its whole fold
+        _warn_nonfinite()
 
 
 #: At most this many matrix entries (``groups * M^2`` summed over the layers) are folded together in one process.
@@ -737,10 +767,13 @@ class FoldCoordinator:
     def flush(self) -> None:
         pending, self.pending = self.pending, []
         layers = [p for p in pending if p._fold_pending]
-        if self.fold_async:
-            self._fold_async(layers)
-        else:
-            fold_layers(layers, strategy=self.strategy, _coordinator=self)
+        try:
+            if self.fold_async:
+                self._fold_async(layers)
+            else:
+                fold_layers(layers, strategy=self.strategy, _coordinator=self)
+        finally:
+            _warn_nonfinite()
 
     def wait(self) -> None:
         """Wait for the fold in flight (if any) and hand its results to its layers (their pending folds, written

@@ -16,7 +16,16 @@ import torch
 from torch import Tensor
 
 from .. import functional as F_w
-from ..fold import FAILED, SKIP_MESSAGES, FoldOutcome, _fold_all, _read_with_firsts, fold_layers
+from ..fold import (
+    FAILED,
+    SKIP_MESSAGES,
+    FoldOutcome,
+    _fold_all,
+    _note_nonfinite,
+    _read_with_firsts,
+    _warn_nonfinite,
+    fold_layers,
+)
 from ..functional import BlockSummary
 from ..functional.moments import _as_moments_accumulator
 from ._core import _LayerCore
@@ -168,6 +177,7 @@ class _BlockMixin(_LayerCore):
         layers = [cast("WhiteningLayer", self)]
         nonfinite, firsts = _read_with_firsts(self._block_nonfinite().view(1), layers)  # one host synchronisation
         _fold_all(layers, [block], [int(nonfinite[0])], firsts)
+        _warn_nonfinite()
 
     def _begin_fold(self, nonfinite: int) -> List[Tensor]:
         """Count the ranks whose block had non-finite sums (``nonfinite``) and start an empty block; returns the
@@ -180,9 +190,7 @@ class _BlockMixin(_LayerCore):
         is written)."""
         if nonfinite:
             self.nonfinite_blocks += nonfinite
-            self._warn_once("nonfinite", "a block with non-finite activations (or second moments that overflow "
-                                         "the input's precision) was dropped: its fold was skipped and the "
-                                         "transform kept")
+            _note_nonfinite(cast("WhiteningLayer", self))  # one warning for the fold's layers (fold._warn_nonfinite)
 
     def _taken_block(self) -> Tuple[float, Optional[Tensor], Tensor, Tensor]:
         """Copies of this block's sums, ``(count, shift, s1, s2)`` as :func:`~whitenlayers.fold._local_summaries`
