@@ -130,10 +130,10 @@ def _warn_nonfinite() -> None:
     more = f" and {len(layers) - 6} more" if len(layers) > 6 else ""
     warnings.warn(
         f"{len(layers)} whitening layer(s) dropped a block with non-finite activations (or second moments that "
-        f"overflow the input's precision): {names}{more}; each kept its transform and counts the block in "
-        "nonfinite_blocks. A non-finite batch (a NaN in the input, an overflow) reaches every layer after it: check "
-        "the data, or skip such a step before its backward (e.g. `if not torch.isfinite(loss): continue`). Said "
-        "once per layer", RuntimeWarning, stacklevel=3)
+        f"overflow the input's precision): {names}{more}; each skipped that fold, kept its transform and counts "
+        "the block in nonfinite_blocks. A non-finite batch (a NaN in the input, an overflow) reaches every layer "
+        "after it: check the data, or skip such a step before its backward (e.g. `if not torch.isfinite(loss): "
+        "continue`). Said once per layer", RuntimeWarning, stacklevel=3)
 
 
 @torch.compiler.disable  # the fold (once per block, host logic, EVD) stays out of compiled graphs
@@ -185,10 +185,10 @@ def fold_layers(layers: Iterable["WhiteningLayer"], *, strategy: str = "auto",
             # not for every layer of the model at once (ConvNeXt-B / DenseNet-161 with targets="all": gigabytes).
             for chunk in _fold_chunks(layers):
                 _fold_all(chunk, *_local_summaries(chunk), one_stack=True)
-            return
-        owners = _owners(layers, world, strategy)
-        summaries, nonfinite, firsts = _global_summaries(layers, owners, group)
-        _fold_all(layers, summaries, nonfinite, firsts, owners, group)
+        else:
+            owners = _owners(layers, world, strategy)
+            summaries, nonfinite, firsts = _global_summaries(layers, owners, group)
+            _fold_all(layers, summaries, nonfinite, firsts, owners, group)
     if _coordinator is None:  # the coordinator warns after its whole fold
         _warn_nonfinite()
 
