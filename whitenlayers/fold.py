@@ -13,7 +13,7 @@ layers of one width, dtype and device) share one batched eigendecomposition.
 :class:`FoldCoordinator` is the forward hook :func:`~whitenlayers.convert_model`
 installs on a converted model: layers whose block ends during a forward fold
 together after the model's forward. Both are plumbing: users reach them through
-``convert_model`` and :meth:`~whitenlayers.WhiteningLayer.fold`.
+``convert_model`` and ``WhiteningLayer.fold``.
 """
 from __future__ import annotations
 

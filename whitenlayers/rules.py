@@ -2,7 +2,7 @@
 
 A rule is stateless apart from its hyper-parameters (a frozen config of
 :mod:`whitenlayers.config`); the state (running statistics, buffers, counters,
-checkpoints) is :class:`~whitenlayers.stats.WhiteningLayer`'s. At a fold
+checkpoints) is :class:`~whitenlayers.WhiteningLayer`'s. At a fold
 the state hands the rule a :class:`Fold` (the block's statistics and the new
 moments) and writes back what the rule returns. Adding a rule means adding a
 class here and its config class, not editing branches elsewhere.

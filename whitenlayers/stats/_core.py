@@ -27,7 +27,7 @@ def _try_low_precision_products(device: torch.device) -> None:
 
 
 class _LayerCore:
-    """The base of :class:`~whitenlayers.stats.WhiteningLayer`'s parts (per-step path, block life cycle, state
+    """The base of :class:`~whitenlayers.WhiteningLayer`'s parts (per-step path, block life cycle, state
     I/O): the attributes they share and the few methods they all call."""
 
     num_features: int

@@ -69,7 +69,7 @@ def _owned(value: Tensor, old: Tensor) -> Tensor:
 
 
 class _BlockMixin(_LayerCore):
-    """The block of :class:`~whitenlayers.stats.WhiteningLayer` and its side of a fold (this module's docstring)."""
+    """The block of :class:`~whitenlayers.WhiteningLayer` and its side of a fold (this module's docstring)."""
 
     # ------------------------------------------------------------ accumulators
     def _reset_accumulators(self, device=None) -> None:

@@ -33,7 +33,7 @@ class WhiteningLayer(_PerStepMixin, _BlockMixin, _StateIOMixin):
     Public state besides the buffers: :attr:`config` (the frozen
     hyper-parameters; assigning a new config of the same class takes effect at
     the next fold), its fields as attributes (``layer.alpha``, ...; assigning
-    one replaces the config, validated), ``rule``, :attr:`method`,
+    one replaces the config, validated), ``rule``, ``method``,
     :attr:`batches_in_block`, :attr:`frozen`, ``process_group``, the
     counters ``eig_failures``, ``skipped_folds``, ``nonfinite_blocks`` and
     ``clamped_steps``.

@@ -62,7 +62,7 @@ def _strict_load() -> bool:
 _RECURSIVE_KEYS = ("running_cov_whitened", "running_power", "whitening_gram")
 
 class _StateIOMixin(_LayerCore):
-    """Checkpoints, pickling and scripting of :class:`~whitenlayers.stats.WhiteningLayer` (this module's
+    """Checkpoints, pickling and scripting of :class:`~whitenlayers.WhiteningLayer` (this module's
     docstring)."""
 
 

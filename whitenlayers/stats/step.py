@@ -49,7 +49,7 @@ def recomputing() -> bool:
 
 
 class _PerStepMixin(_LayerCore):
-    """The per-step path of :class:`~whitenlayers.stats.WhiteningLayer` (this module's docstring)."""
+    """The per-step path of :class:`~whitenlayers.WhiteningLayer` (this module's docstring)."""
 
     # ------------------------------------------------------------------ forward
     def _forward_state(self) -> Tuple[bool, Dict[str, Tensor]]:
