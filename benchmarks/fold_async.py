@@ -33,7 +33,7 @@ from _common import add_common_args, command_line, loadavg, machine_description,
 from _resnet50 import resnet50
 
 import whitenlayers as wl
-import whitenlayers.fold as wl_fold
+import whitenlayers.coordinator as wl_fold
 
 VARIANTS = ("sync", "async")
 

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 import whitenlayers as wl
-import whitenlayers.fold as fold_mod
+import whitenlayers.coordinator as fold_mod  # the coordinator's fold_layers: the one a model's forward calls
 from _resnet50 import resnet50
 from whitenlayers.autograd import grad_transformed
 

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import whitenlayers as wl
-import whitenlayers.fold as wl_fold
+import whitenlayers.coordinator as wl_fold  # the coordinator's fold_layers: the one a model's forward calls
 import whitenlayers.functional as F_w
 
 #: variant name -> (method, layer keyword arguments beyond the defaults)

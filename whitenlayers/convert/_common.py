@@ -14,7 +14,7 @@ from typing import (
 from torch import Tensor, nn
 
 from .._deprecated import module_getattr
-from ..fold import FoldCoordinator
+from ..coordinator import FoldCoordinator
 from ..layers import (
     DirectWhiten,
 )

@@ -148,7 +148,7 @@ def to_plain_model(model: nn.Module) -> nn.Module:
 
     The new modules have new Parameters (an optimizer must be rebuilt), the
     original training flag and the call hooks of the replaced module. The
-    :class:`~whitenlayers.fold.FoldCoordinator` hooks are removed. A partial block
+    :class:`~whitenlayers.coordinator.FoldCoordinator` hooks are removed. A partial block
     and the whitening state are dropped: the export computes what the
     converted model computes in eval mode now. A whitening layer passed as
     ``model`` is returned exported.

@@ -19,7 +19,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.utils import parametrize
 
-from ..fold import FoldCoordinator, check_fold_async, check_strategy
+from ..coordinator import FoldCoordinator, check_fold_async
+from ..fold import check_strategy
 from ..layers import (
     GRAD_LAYER_TYPES,
 )
@@ -270,7 +271,7 @@ def convert_model(
     absorb. ``absorb_centring=False`` keeps every layer centring its input.
     Ignored for ``direct``.
 
-    Folding. One :class:`~whitenlayers.fold.FoldCoordinator` is registered as a
+    Folding. One :class:`~whitenlayers.coordinator.FoldCoordinator` is registered as a
     forward hook on ``model`` and given to every whitening layer: all layers
     whose block ends during a forward fold together after the model's forward
     (one set of collectives per block for the whole model under ``torch.distributed``).

@@ -15,7 +15,7 @@ from ..rules import TransformRule
 if TYPE_CHECKING:  # pragma: no cover
     from typing_extensions import Self
 
-    from ..fold import FoldCoordinator
+    from ..coordinator import FoldCoordinator
 
 _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 

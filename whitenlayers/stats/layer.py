@@ -5,19 +5,22 @@ Part of :mod:`whitenlayers.stats`.
 from __future__ import annotations
 
 import warnings
-from typing import Any, List, Optional, Tuple, cast
+from typing import TYPE_CHECKING, Any, List, Optional, Tuple, cast
 
 import torch
 from torch import Tensor
 
 from .. import functional as F_w
 from ..config import EVDConfig, RecursiveConfig, WhiteningConfig
-from ..fold import FoldCoordinator, FoldOutcome, PendingFold
+from ..fold import FoldOutcome, PendingFold
 from ..rules import rule_for
 from ._core import _try_low_precision_products
 from .block import _BlockMixin
 from .state_io import _StateIOMixin
 from .step import _PerStepMixin
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..coordinator import FoldCoordinator
 
 __all__ = ["WhiteningLayer"]
 

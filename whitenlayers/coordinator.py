@@ -1,0 +1,208 @@
+"""The fold coordinator: the forward hook that folds a model's layers together after its forward, at once or (with
+``fold_async``) one block late in a worker thread. The fold itself is :mod:`whitenlayers.fold`'s."""
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .fold import (
+    PendingFold,
+    _begin,
+    _compute_folds,
+    _dist_group,
+    _fold_chunks,
+    _fold_state,
+    _global_summaries,
+    _install_pending,
+    _local_summaries,
+    _no_autocast,
+    _warn_nonfinite,
+    _warn_uncalled,
+    check_strategy,
+    fold_layers,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.utils.hooks import RemovableHandle
+
+    from .stats import WhiteningLayer
+
+__all__ = ["FoldCoordinator", "check_fold_async"]
+
+
+class FoldCoordinator:
+    """Folds all pending layers of a model together after the model's forward.
+
+    Installed as a forward hook on the root module by
+    :func:`whitenlayers.convert_model`: layers whose block ends during a
+    forward ask to be folded, and the hook folds them in one
+    :func:`~whitenlayers.fold.fold_layers` call (one set of collectives per block for the whole
+    model instead of one per layer). Folding after the model's forward instead
+    of right after each layer's forward changes nothing: a block's statistics
+    and the transform in force for that batch's backward are the same.
+    ``strategy`` is :func:`~whitenlayers.fold.fold_layers`'s (how transforms are spread over ranks).
+
+    ``fold_async=True``: the fold of a block runs in a worker thread (on CUDA, on a stream of its own) while
+    the next block trains, and is written at the end of that next block: the transform built from block ``i`` is
+    in force from block ``i + 2`` on. At each block's end the coordinator waits for the fold in flight (block
+    ``i - 1``'s), reads block ``i``'s sums (summed across ranks on this thread: the collectives never leave the
+    training thread) and starts a new block, writes block ``i - 1``'s fold (the bias compensation with the
+    weight of this forward, so the function is unchanged at the swap), then starts block ``i``'s fold from copies
+    of the buffers it reads. The result never depends on timing: two runs are bit-identical. Every rank folds
+    every layer (``"replicated"``; ``"owner"`` is refused). A checkpoint taken while a fold is in flight waits
+    for it and saves its result (each layer's extra state), which is written at the next block's end after a
+    resume.
+
+    At the first fold after a conversion it checks that every whitening layer
+    of the model (:attr:`layers`) in training mode was called: a layer whose
+    weight the model uses without calling it as a module (e.g. torchvision's
+    Swin attention passes ``qkv.weight`` to a function) never sees its input,
+    so it cannot whiten; a ``RuntimeWarning`` names such layers.
+
+    Args:
+        strategy: :func:`~whitenlayers.fold.fold_layers`'s, ``"auto"`` (default), ``"replicated"`` or ``"owner"``.
+        fold_async: fold off the training thread, one block late (default ``False``), as above.
+    """
+
+    #: Defaults for coordinators pickled before these attributes existed (nothing to check).
+    layers: Sequence["WhiteningLayer"] = ()
+    checked: bool = True
+    fold_async: bool = False
+    #: The fold in flight: ``(layers, future, device, jobs)``, the future's result the layers' :class:`PendingFold`
+    #: (and a CUDA event, or ``None``); ``jobs`` its inputs, held until this thread's stream has waited for the fold
+    #: (CUDA: made on this stream, read on the fold's, their memory must not be reused before). Never pickled
+    #: (:meth:`__getstate__` waits for it).
+    _in_flight: Optional[Tuple[List["WhiteningLayer"], Any, torch.device, Any]] = None
+    _executor: Any = None
+    _streams: Optional[Dict[torch.device, Any]] = None
+
+    def __init__(self, strategy: str = "auto", fold_async: bool = False) -> None:
+        check_strategy(strategy)
+        self.pending: List["WhiteningLayer"] = []
+        self.handle: Optional[RemovableHandle] = None
+        self.strategy = strategy
+        self.fold_async = check_fold_async(fold_async, strategy)
+        self.layers = []
+        self.checked = False
+
+    def request(self, layer: "WhiteningLayer") -> None:
+        if not any(p is layer for p in self.pending):
+            self.pending.append(layer)
+
+    def flush(self) -> None:
+        pending, self.pending = self.pending, []
+        layers = [p for p in pending if p._fold_pending]
+        try:
+            if self.fold_async:
+                self._fold_async(layers)
+            else:
+                fold_layers(layers, strategy=self.strategy, _coordinator=self)
+        finally:
+            _warn_nonfinite()
+
+    def wait(self) -> None:
+        """Wait for the fold in flight (if any) and hand its results to its layers (their pending folds, written
+        at each layer's next block end); nothing is written into the layers' buffers here."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None:
+            return
+        layers, future, device, jobs = in_flight
+        folds, event = future.result()  # re-raises the worker's exception, if any
+        if event is not None:  # the fold ran on a CUDA stream of its own: this thread's stream waits for it
+            torch.cuda.current_stream(device).wait_event(event)
+        del jobs  # its tensors' memory may be reused now, after that wait
+        for layer, fold in zip(layers, folds):
+            layer._pending_fold = fold
+
+    @torch.compiler.disable  # Python bookkeeping: outside any compiled graph, never guarded on
+    def __call__(self, module, inputs, output) -> None:
+        for layer in self.layers:
+            if layer._traced_calls:  # called inside a compiled graph: count its batches here (WhiteningLayer)
+                layer._count_traced_batches()
+        if self.pending:
+            self.flush()
+
+    @torch.compiler.disable  # host logic and the fold: outside any compiled graph
+    def _fold_async(self, layers: List["WhiteningLayer"]) -> None:
+        """A block's end with ``fold_async``: wait for the fold in flight, read the block's sums and start the next
+        block, write the pending folds, start this block's fold in the worker (the class docstring)."""
+        if not self.checked:
+            self.checked = True
+            _warn_uncalled(self.layers)
+        self.wait()
+        if not layers:
+            return
+        device = layers[0].running_mean.device
+        with _no_autocast(device), torch.no_grad():
+            group, world = _dist_group(layers)
+            jobs: List[tuple] = []
+            if world == 1:  # the block's sums copied, summarised by the worker
+                for chunk in _fold_chunks(layers):
+                    sums = [layer._taken_block() for layer in chunk]
+                    _begin(chunk, [0] * len(chunk))  # non-finite blocks: counted when their fold is written
+                    _install_pending(chunk, [False] * len(chunk))
+                    jobs.append((chunk, sums, None, [_fold_state(layer) for layer in chunk], True))
+            else:  # all ranks' sums, on this thread (split in stacks by the worker): every rank folds every layer
+                summaries, nonfinite, firsts = _global_summaries(layers, None, group)
+                _begin(layers, [0] * len(layers))
+                firsts = _install_pending(layers, firsts)
+                jobs.append((layers, None, (summaries, nonfinite, firsts), [_fold_state(layer) for layer in layers],
+                             False))
+        stream = None
+        if device.type == "cuda":
+            if self._streams is None:
+                self._streams = {}
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = self._streams[device] = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))  # the copies and summaries made on this stream
+        if self._executor is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="whitenlayers-fold")
+        self._in_flight = ([layer for job in jobs for layer in job[0]],
+                           self._executor.submit(_compute_jobs, jobs, device, stream), device, jobs)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        self.wait()
+        return {"pending": list(self.pending), "handle": None, "strategy": self.strategy, "layers": list(self.layers),
+                "checked": self.checked, "fold_async": self.fold_async}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update({"strategy": "auto", **state})  # coordinators pickled before strategies existed
+
+
+def check_fold_async(fold_async: bool, strategy: str) -> bool:
+    """``fold_async`` if it is a bool that ``strategy`` allows (an asynchronous fold is replicated: every rank
+    folds every layer), else ``TypeError`` / ``ValueError``."""
+    if not isinstance(fold_async, bool):
+        raise TypeError(f"fold_async must be a bool, but got {type(fold_async).__name__}")
+    if fold_async and strategy == "owner":
+        raise ValueError("fold_async=True folds every layer on every rank (the replicated strategy): it cannot be "
+                         "combined with fold_strategy='owner' (use 'auto' or 'replicated')")
+    return fold_async
+
+
+def _compute_jobs(jobs: Sequence[tuple], device: torch.device, stream: Any) -> Tuple[List[PendingFold], Any]:
+    """The worker thread's part of an asynchronous fold: for each job (layers of one stack, or all layers under
+    ``torch.distributed``), the summaries of their copied sums (or the summaries made on the training thread) and
+    ``fold._compute_folds`` from copies of their buffers; no gradient, no autocast (both are per thread), on
+    ``stream`` (CUDA) with an event recorded after it. Reads nothing the training thread writes while it runs
+    (``num_blocks`` is written when a fold is, after waiting for this one)."""
+    folds: List[PendingFold] = []
+    with torch.no_grad(), _no_autocast(device), contextlib.ExitStack() as ctx:
+        if stream is not None:
+            ctx.enter_context(torch.cuda.device(device))
+            ctx.enter_context(torch.cuda.stream(stream))
+        for chunk, sums, given, states, one_stack in jobs:
+            summaries, nonfinite, firsts = _local_summaries(chunk, sums) if given is None else given
+            done = _compute_folds(chunk, summaries, nonfinite, firsts, one_stack=one_stack, begin=False,
+                                  states=states)
+            folds += [fold._replace(nonfinite=n) for fold, n in zip(done, nonfinite)]
+        if stream is None:
+            return folds, None
+        event = torch.cuda.Event()
+        event.record(stream)
+    return folds, event
