@@ -124,11 +124,9 @@ def _warn_nonfinite() -> None:
         return
     layers = list(_nonfinite_layers)
     _nonfinite_layers.clear()
-    names = ", ".join(repr(layer.layer_name or type(layer).__name__) for layer in layers[:6])
-    more = f" and {len(layers) - 6} more" if len(layers) > 6 else ""
     warnings.warn(
         f"{len(layers)} whitening layer(s) dropped a block with non-finite activations (or second moments that "
-        f"overflow the input's precision): {names}{more}; each skipped that fold, kept its transform and counts "
+        f"overflow the input's precision): {_named(layers, 6)}; each skipped that fold, kept its transform and counts "
         "the block in nonfinite_blocks. A non-finite batch (a NaN in the input, an overflow) reaches every layer "
         "after it: check the data, or skip such a step before its backward (e.g. `if not torch.isfinite(loss): "
         "continue`). Said once per layer", RuntimeWarning, stacklevel=3)
@@ -703,17 +701,21 @@ def _fold_state(layer: "WhiteningLayer") -> Dict[str, Tensor]:
     return {name: layer._buffers[name].clone() for name in names}
 
 
+def _named(layers: Sequence["WhiteningLayer"], most: int) -> str:
+    """The first ``most`` layers' names for a message (``'layer1.0.conv1', ... and 12 more``)."""
+    names = ", ".join(repr(layer.layer_name or type(layer).__name__) for layer in layers[:most])
+    return names + (f" and {len(layers) - most} more" if len(layers) > most else "")
+
+
 def _warn_uncalled(layers: Sequence["WhiteningLayer"]) -> None:
     """Warn about training-mode layers that have seen no input although a block of the model has ended."""
     uncalled = [layer for layer in layers
                 if layer.training and not layer.frozen and not layer._fold_pending and layer.batches_in_block == 0
                 and int(layer.num_blocks) == 0]
     if uncalled:
-        names = ", ".join(repr(layer.layer_name or type(layer).__name__) for layer in uncalled[:8])
-        more = f" and {len(uncalled) - 8} more" if len(uncalled) > 8 else ""
         warnings.warn(
             f"{len(uncalled)} whitening layer(s) saw no input during the model's first block of training forwards: "
-            f"{names}{more}. The model probably uses their weights without calling them as modules (e.g. "
+            f"{_named(uncalled, 8)}. The model probably uses their weights without calling them as modules (e.g. "
             "torchvision's Swin attention passes qkv.weight to a function), so they do not whiten: convert the "
             "model without them (a predicate, or conversion_report to see the targets)", RuntimeWarning,
             stacklevel=4,
