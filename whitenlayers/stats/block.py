@@ -82,6 +82,9 @@ class _BlockMixin(_LayerCore):
         zero (in place: no fresh allocation, and its page faults, at every fold; the fold zeroes those of many
         layers in one multi-tensor op)."""
         dev = self.running_mean.device if device is None else torch.device(device)
+        shift = self.__dict__.get("_acc_shift")
+        if shift is not None:  # the next fold writes the next block's shift into it (_fold_finish)
+            self.__dict__["_shift_store"] = shift
         # Plain attributes, written straight into the instance dict (as in _end_batch): at every fold, per layer.
         self.__dict__.update(
             _acc_batches=0,
@@ -194,13 +197,14 @@ class _BlockMixin(_LayerCore):
 
     def _taken_block(self) -> Tuple[float, Optional[Tensor], Tensor, Tensor]:
         """Copies of this block's sums, ``(count, shift, s1, s2)`` as :func:`~whitenlayers.fold._local_summaries`
-        reads them (the shift, never written in place, not copied), for an asynchronous fold to summarise while the
-        next block accumulates."""
+        reads them (the shift too: the next fold writes the next block's shift into it), for an asynchronous fold to
+        summarise while the next block accumulates."""
+        shift = None if self._acc_shift is None else self._acc_shift.clone()
         aug = self._acc_aug
         if aug is not None:
             aug = aug.clone()
-            return self._acc_count, self._acc_shift, aug[:-1, -1], aug[:-1, :-1]
-        return self._acc_count, self._acc_shift, self._acc_s1.clone(), self._acc_s2.clone()
+            return self._acc_count, shift, aug[:-1, -1], aug[:-1, :-1]
+        return self._acc_count, shift, self._acc_s1.clone(), self._acc_s2.clone()
 
     def _outcome_layout(self) -> List[Tuple[str, Tuple[int, ...]]]:
         """``(name, shape)`` of the buffers a fold's outcome may hold (:meth:`_fold_outcome`), in a fixed order."""
@@ -231,6 +235,12 @@ class _BlockMixin(_LayerCore):
         # Plain attributes, written straight into the instance dict (as in _end_batch). The next block's shift, as
         # its first gathered batch would choose it (_start_block after a counted fold): chosen here, a compiled
         # graph needs no second variant for a block's first batch.
+        # The shift goes into the tensor of the block before (one tensor across folds: a compiled graph reads it at
+        # a fixed address, and CUDA graph trees record again when an input moves).
+        store = self.__dict__.get("_shift_store")
+        if (store is not None and store.shape == shift.shape and store.dtype == shift.dtype
+                and store.device == shift.device and not store.is_inference()):
+            shift = store.copy_(shift)
         self.__dict__.update(clamped_steps=self.clamped_steps + int(outcome.clamped), _stats_unshifted=unshifted,
                              _acc_shift=shift, _acc_shift_x=None)
         return True

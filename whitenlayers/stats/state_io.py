@@ -77,7 +77,7 @@ class _StateIOMixin(_LayerCore):
         # nor is the deferral's state (a copy is stepped by no optimizer of the deferral, defer_grad_transform).
         state = dict(self.__dict__)
         for transient in ("_in_force", "_snapshot", "_fold_weight", "_mean_taps", "_pointwise_cache", "_spares",
-                          "_rows_cache", "_deferred_grad", "_deferred_q"):
+                          "_rows_cache", "_shift_store", "_deferred_grad", "_deferred_q"):
             state.pop(transient, None)
         if state.get("_acc_aug") is not None:  # views of it: made again on load (a pickle would copy them apart)
             state.pop("_acc_s1", None)
