@@ -205,6 +205,29 @@ def _fashion_schedule() -> List[Tuple[str, List[str]]]:
 STAGES["fm-schedule"] = _fashion_schedule
 
 
+# The asynchronous fold on Fashion-MNIST (issue 47, item 4): convert_model(..., fold_async=True) installs the
+# transform built from block i at block i + 2 instead of i + 1 (one block late). Against the synchronous fold, grad
+# and recursive, blocks of 10 and 50 forwards (statistics on every forward, so that only the block length and the
+# lag move), the fm-schedule settings and rates, the 2-epoch budget (final and halfway accuracy), validation split.
+# One run per (seed, block, arm), paired by seed (same initial weights, same batches); no baseline (the question is
+# the lag, and fm-schedule has the baseline). Seeds 0-9, a seed's four runs one after the other, so that a stopped
+# stage leaves complete seeds.
+FM_ASYNC_ARMS = {f"b{b}-{arm}": ["--block-size", str(b), *flag] for b in (10, 50)
+                 for arm, flag in (("sync", []), ("async", ["--fold-async"]))}
+FM_ASYNC_SEEDS = tuple(range(10))
+
+
+def _fashion_async() -> List[Tuple[str, List[str]]]:
+    per = ",".join(f"{m}={FM_SCHEDULE_LR[m]:g}" for m in OURS)
+    return [(f"fm-async-s{seed}-{arm}",
+             ["--methods", ",".join(OURS), "--lr", f"{FM_SCHEDULE_LR['grad']:g}", "--method-lr", per, "--epochs", "2",
+              "--val-fraction", "0.1", "--seeds", str(seed), "--stats-every", "1", *extra, *FM])
+            for seed in FM_ASYNC_SEEDS for arm, extra in FM_ASYNC_ARMS.items()]
+
+
+STAGES["fm-async"] = _fashion_async
+
+
 def fm_schedule_table() -> str:
     """The fm-schedule stage's table: per budget and method, each arm's final validation accuracy, the paired
     difference (GPU settings minus defaults) at the final epoch and at epoch 1, each arm's paired difference

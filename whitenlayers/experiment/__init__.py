@@ -67,6 +67,7 @@ from .config import (
     RunConfig,
     build_parser,
     layer_kwargs,
+    method_kwargs,
     register_method,
     resolve_config,
 )
@@ -92,6 +93,7 @@ __all__ = [
     "build_parser",
     "resolve_config",
     "layer_kwargs",
+    "method_kwargs",
     "Method",
     "METHOD_REGISTRY",
     "register_method",

@@ -50,6 +50,7 @@ __all__ = [
     "build_parser",
     "resolve_config",
     "layer_kwargs",
+    "method_kwargs",
     "model_spec",
     "fingerprint",
 ]
@@ -60,7 +61,8 @@ __all__ = [
 # ==========================================================================
 def _convert(name: str) -> Callable[[nn.Module, Mapping[str, Any]], nn.Module]:
     def apply(model: nn.Module, kwargs: Mapping[str, Any]) -> nn.Module:
-        return cast(nn.Module, convert_model(model, method=name, **kwargs))  # no report=True in kwargs
+        # kwargs: the layers' options (layer_kwargs) and convert_model's fold_async; no report=True in them
+        return cast(nn.Module, convert_model(model, method=name, **kwargs))
 
     return apply
 
@@ -76,7 +78,7 @@ class Method:
     ``config`` is the whitening config class whose fields its layers take
     (less ``exclude``), ``None`` for a method without whitening options;
     ``apply(model, kwargs)`` returns the model to train, given the method's
-    keyword arguments (:func:`layer_kwargs`).
+    keyword arguments (:func:`method_kwargs`).
     """
 
     name: str
@@ -332,6 +334,9 @@ class RunConfig:
         cli={"choices": ("none", "bf16", "fp16")}, show_default=True)
     compile: bool = _opt(False, "torch.compile the training model (the first epoch then includes compilation)",
                          _SPEED, cli=_FLAG)
+    fold_async: bool = _opt(
+        False, "the whitening methods fold in a worker thread, one block late (convert_model(..., fold_async=True); "
+        "docs/performance.md): the fold leaves the training step's critical path", _SPEED, cli=_FLAG)
     channels_last: bool = _opt(False, "channels_last memory format for the model and the image batches", _SPEED,
                                cli=_FLAG)
 
@@ -455,6 +460,15 @@ def layer_kwargs(cfg: RunConfig, method: str) -> Dict[str, Any]:
     names = METHOD_REGISTRY[method].option_names
     kw = {k: v for k, v in cast(Dict[str, Any], cfg.whitening).items() if k in names and v is not None}
     kw.update(cfg.layer_kw.get(method, {}))
+    return kw
+
+
+def method_kwargs(cfg: RunConfig, method: str) -> Dict[str, Any]:
+    """The keyword arguments ``method``'s ``apply`` gets: :func:`layer_kwargs`, and for a whitening method
+    (its conversion is :func:`~whitenlayers.convert_model`) ``fold_async=True`` under ``--fold-async``."""
+    kw = layer_kwargs(cfg, method)
+    if cfg.fold_async and METHOD_REGISTRY[method].config is not None:
+        kw["fold_async"] = True
     return kw
 
 

@@ -29,7 +29,7 @@ from .. import models
 from ..convert import whitening_layers
 from ..diagnostics import collect_diagnostics
 from . import checkpoint
-from .config import METHOD_LABELS, METHOD_REGISTRY, RunConfig, fingerprint, layer_kwargs, model_spec
+from .config import METHOD_LABELS, METHOD_REGISTRY, RunConfig, fingerprint, method_kwargs, model_spec
 from .context import Context
 from .data import DataBundle, ImageLoader, TensorLoader, load_dataset
 from .report import (
@@ -382,7 +382,7 @@ class Run:
         np.random.seed(seed % 2**32)
         random.seed(seed)
         model = build_model(cfg, bundle.num_classes, bundle.in_channels).to(ctx.device)
-        model = METHOD_REGISTRY[method].apply(model, layer_kwargs(cfg, method))
+        model = METHOD_REGISTRY[method].apply(model, method_kwargs(cfg, method))
         if ctx.distributed and cfg.sync_bn:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         if cfg.channels_last:
