@@ -5,7 +5,7 @@ from typing import List
 
 from torch import nn
 
-__all__ = ["Bottleneck", "resnet50"]
+__all__ = ["Bottleneck", "ResNet50", "resnet50"]
 
 
 class Bottleneck(nn.Module):
@@ -34,6 +34,18 @@ class Bottleneck(nn.Module):
         return self.relu(self.bn3(self.conv3(out)) + identity)
 
 
+class ResNet50(nn.Sequential):
+    """The layers in order, as ``nn.Sequential`` (its state_dict names), with a ``forward`` of its own: a model
+    class like torchvision's. ``torch.compile`` runs a user-defined module's hooks outside the compiled frame (the
+    fold coordinator's among them); a bare ``nn.Sequential`` root has them traced inside it (torch 2.13 resumes
+    after the coordinator's graph break; torch 2.11 compiled the bottlenecks one by one instead)."""
+
+    def forward(self, x):
+        for layer in self:
+            x = layer(x)
+        return x
+
+
 def resnet50(width: int = 64, num_classes: int = 1000) -> nn.Module:
     """torchvision's ResNet-50 layout ([3, 4, 6, 3] bottlenecks) without torchvision."""
     layers: List[nn.Module] = [nn.Conv2d(3, width, 7, 2, 3, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
@@ -45,4 +57,4 @@ def resnet50(width: int = 64, num_classes: int = 1000) -> nn.Module:
             layers.append(Bottleneck(inplanes, planes, stride=2 if (b == 0 and i > 0) else 1))
             inplanes = planes * 4
     layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(inplanes, num_classes)]
-    return nn.Sequential(*layers)
+    return ResNet50(*layers)

@@ -38,7 +38,7 @@ import argparse
 import copy
 import statistics
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 from _common import add_common_args, md_table, setup, write_json
 
@@ -51,8 +51,11 @@ from whitenlayers.fold import fold_layers
 
 
 def sync(device: torch.device) -> None:
+    """Wait for this thread's stream, as a training loop's ``loss.item()`` does: a ``fold_async`` fold on its own
+    stream (issue 47) goes on over the next steps, as it does in training (a device-wide synchronisation would wait
+    for it at every step)."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()
 
 
 def check_equivalence(device: torch.device) -> float:
@@ -303,7 +306,8 @@ STEP_COLUMNS = ["model", "variant", "mean step ms", "step vs plain", "peak memor
 
 
 def step_table(name: str, base: nn.Module, make_batch: Callable, device, rounds: int, autocast_dtype,
-               memory_format=None, warmup: int = 2) -> List[List[object]]:
+               memory_format=None, warmup: int = 2, only: Sequence[str] = ()) -> List[List[object]]:
+    """The step table's rows (:data:`STEP_COLUMNS`) for the variants below (``only``: these and plain)."""
     variants = {"plain": copy.deepcopy(base)}
     for method in ("grad", "recursive", "direct"):
         variants[method] = wl.convert_model(copy.deepcopy(base), method=method)
@@ -313,6 +317,11 @@ def step_table(name: str, base: nn.Module, make_batch: Callable, device, rounds:
     # forward: defaults otherwise (optimizer_for defers it by the name)
     for method in ("grad", "recursive"):
         variants[f"{method}:deferred"] = wl.convert_model(copy.deepcopy(base), method=method)
+    # the fold in a worker thread (on CUDA a stream of its own), one block late (issue 47): defaults, and blocks of 50
+    for method in ("grad", "recursive"):
+        variants[f"{method}:async"] = wl.convert_model(copy.deepcopy(base), method=method, fold_async=True)
+        variants[f"{method}:async,block50"] = wl.convert_model(copy.deepcopy(base), method=method, block_size=50,
+                                                               fold_async=True)
     bare = copy.deepcopy(base)
     BareStatistics(bare)
     variants["bare statistics pass (floor)"] = bare
@@ -322,6 +331,8 @@ def step_table(name: str, base: nn.Module, make_batch: Callable, device, rounds:
         variants["soap"] = copy.deepcopy(base)
     except ImportError:
         pass
+    if only:
+        variants = {k: v for k, v in variants.items() if k == "plain" or k in only}
     for m in variants.values():
         m.to(device)
         if memory_format is not None:
@@ -334,7 +345,7 @@ def step_table(name: str, base: nn.Module, make_batch: Callable, device, rounds:
     rows = []
     for k, v in times.items():
         folds = {}
-        if wl.whitening_layers(variants[k]) and not k.startswith("direct"):
+        if wl.whitening_layers(variants[k]) and not k.startswith("direct") and ":async" not in k:  # async: same fold
             folds[k] = fold_time(variants[k], device)
         mem = peak_memory(variants[k], make_batch, device, autocast_dtype, k)
         rows.append([name, k, 1e3 * statistics.mean(v), statistics.mean(v) / base_mean,
@@ -436,7 +447,10 @@ def main(argv=None) -> Dict[str, object]:
     p.add_argument("--compile-model", default="resnet20", choices=["resnet20", "resnet50"],
                    help="the compiled table's model: CIFAR ResNet-20, or ResNet-50 as in the step table (bf16)")
     p.add_argument("--skip", default="", help="comma-separated sections to skip: resnet50, resnet110, kernels, compile")
+    p.add_argument("--variants", default="", help="the step tables' variants, separated by ';' (their names hold "
+                   "commas), e.g. 'grad;grad:async;grad:async,block50' (plain always; default: all)")
     args = p.parse_args(argv)
+    only = tuple(v for v in args.variants.split(";") if v)
     setup(args.threads, args.seed)
     cuda = torch.cuda.is_available() and not args.tiny
     device = torch.device("cuda" if cuda else "cpu")
@@ -477,7 +491,7 @@ def main(argv=None) -> Dict[str, object]:
     if "resnet50" not in skip:
         rows += step_table("ResNet-50" + (" (tiny)" if tiny else f", {hw}px, batch {batch}, bf16, channels_last"),
                            resnet50(width), batch50, device, rounds, torch.bfloat16 if cuda else None,
-                           torch.channels_last if cuda else None, warmup)
+                           torch.channels_last if cuda else None, warmup, only)
         print(md_table(STEP_COLUMNS,
                        rows, nd=3), flush=True)
     b110 = 8 if tiny else 128
@@ -488,7 +502,7 @@ def main(argv=None) -> Dict[str, object]:
     if "resnet110" not in skip:
         rows += step_table("CIFAR ResNet-" + ("8 (tiny)" if tiny else "110, batch 128, fp32"),
                            wl.models.cifar_resnet(8 if tiny else 110, num_classes=100), batch110, device, rounds, None,
-                           warmup=warmup)
+                           warmup=warmup, only=only)
     table = md_table(STEP_COLUMNS, rows, nd=3)
     parts = [f"Device: {header['device']}; torch {header['torch']}; CUDA {header['cuda']}", "",
              md_table(["check", "result"], checks), "", table]

@@ -20,6 +20,11 @@
 #   bash benchmarks/gpu_session.sh graphs    # one call (~9 minutes): CUDA graphs on a converted model (train like
 #                                            # eager? recordings?), the ResNet-50 step table (eager; the deferred
 #                                            # transform's rows among them), ResNet-50 reduce-overhead, plain and grad
+#   bash benchmarks/gpu_session.sh async     # one call (~9 minutes): fold_async's CUDA tests, the ResNet-50 step
+#                                            # table with fold_async at blocks 10 and 50 beside the synchronous
+#                                            # fold, ResNet-50 reduce-overhead (plain, grad; a model class of its
+#                                            # own: the coordinator's hook outside the graph), CUDA graphs on a
+#                                            # converted model (recordings after the shift fix)
 #
 # Muon and SOAP need pytorch-optimizer, which the device image lacks and cannot download: carry its wheel in
 # .whl/ (git-ignored; `pip download --no-deps pytorch_optimizer==4.1.0 -d .whl`); without it those rows are left
@@ -88,8 +93,23 @@ case "${1:-bench}" in
       --json "$OUT/compile50.json" > "$OUT/compile50.txt" 2>&1
     echo "gpu.py (compile, ResNet-50) exit $?" >> "$OUT/machine.txt"
     ;;
+  async)
+    timeout 70 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_fold_async.py -k cuda > "$OUT/pytest_async.txt" 2>&1
+    echo "pytest (fold_async, cuda) exit $?" >> "$OUT/machine.txt"
+    timeout 200 python3 benchmarks/gpu.py --threads 8 --rounds 50 --skip compile,kernels,resnet110 \
+      --variants "grad;grad:async;grad:async,block50;grad:every5,block50;recursive;recursive:async;recursive:async,block50" \
+      --json "$OUT/gpu_async.json" > "$OUT/gpu_async.txt" 2>&1
+    echo "gpu.py (async rows) exit $?" >> "$OUT/machine.txt"
+    TORCH_LOGS=recompiles,graph_breaks timeout 190 python3 benchmarks/gpu.py --threads 8 --rounds 4 \
+      --skip resnet50,resnet110,kernels --compile-model resnet50 --compile-variants plain,grad \
+      --compile-modes reduce-overhead --json "$OUT/compile50.json" > "$OUT/compile50.txt" 2>&1
+    echo "gpu.py (compile, ResNet-50) exit $?" >> "$OUT/machine.txt"
+    timeout 80 python3 benchmarks/cuda_graphs.py --methods grad --json "$OUT/cuda_graphs.json" \
+      > "$OUT/cuda_graphs.txt" 2>&1
+    echo "cuda_graphs.py exit $?" >> "$OUT/machine.txt"
+    ;;
   *)
-    echo "usage: bash benchmarks/gpu_session.sh bench|short|tests|compile|compile50|graphs" >&2
+    echo "usage: bash benchmarks/gpu_session.sh bench|short|tests|compile|compile50|graphs|async" >&2
     exit 2
     ;;
 esac
