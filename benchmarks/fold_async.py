@@ -79,6 +79,7 @@ def main() -> int:
     parser.add_argument("--width", type=int, default=8, help="the ResNet-50 layout's width (default 8: 1/8 of 64)")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda (bf16 autocast, channels_last)")
     parser.add_argument("--plain", action="store_true", help="also time the plain model (mean step ratios)")
+    parser.add_argument("--method", default="grad", choices=("grad", "recursive"), help="default grad")
     parser.set_defaults(threads=1)
     args = parser.parse_args()
     if args.tiny:
@@ -93,7 +94,7 @@ def main() -> int:
         torch.manual_seed(args.seed)
         model = resnet50(args.width, num_classes=100)
         if name != "plain":
-            model = wl.convert_model(model, "grad", block_size=args.block, fold_async=name == "async")
+            model = wl.convert_model(model, args.method, block_size=args.block, fold_async=name == "async")
         model.to(device, memory_format=torch.channels_last if cuda else torch.preserve_format)
         models[name] = model
         opts[name] = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -111,8 +112,8 @@ def main() -> int:
             loss = F.cross_entropy(models[name](x), y)
         loss.backward()  # a CPU backward runs on the calling thread
         opts[name].step()
-        if cuda:
-            torch.cuda.synchronize(device)
+        if cuda:  # this thread's stream, as loss.item() waits: the fold's own stream goes on (a device-wide
+            torch.cuda.current_stream(device).synchronize()  # synchronisation would wait for it at every step)
         return time.perf_counter() - t0, time.thread_time() - c0
 
     times: Dict[str, Dict[str, List[Tuple[float, float]]]] = {name: {"ends": [], "within": []} for name in variants}
@@ -154,7 +155,7 @@ def main() -> int:
     out["worker_ms"] = worker
     where = device.type + (" (bf16 autocast, channels_last)" if cuda else "")
     lines = [
-        f"ResNet-50 layout, width {args.width} on {where} ({len(layers)} grad layers, M up to "
+        f"ResNet-50 layout, width {args.width} on {where} ({len(layers)} {args.method} layers, M up to "
         f"{max(layer.num_features for _, layer in layers)}), batch {args.batch}, {args.size} px, block_size "
         f"{args.block}, {args.threads} thread(s); {args.rounds} rounds x {args.blocks} timed blocks per variant",
         "",

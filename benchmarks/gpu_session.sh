@@ -25,6 +25,10 @@
 #                                            # fold, ResNet-50 reduce-overhead (plain, grad; a model class of its
 #                                            # own: the coordinator's hook outside the graph), CUDA graphs on a
 #                                            # converted model (recordings after the shift fix)
+#   bash benchmarks/gpu_session.sh async2    # the second call (~8 minutes): the CUDA tests again, fold_async.py
+#                                            # (each variant alone for whole blocks: no other model's steps run
+#                                            # while a fold is in flight) for grad and recursive at block 10,
+#                                            # grad at block 50, then ResNet-50 grad under reduce-overhead alone
 #
 # Muon and SOAP need pytorch-optimizer, which the device image lacks and cannot download: carry its wheel in
 # .whl/ (git-ignored; `pip download --no-deps pytorch_optimizer==4.1.0 -d .whl`); without it those rows are left
@@ -108,8 +112,25 @@ case "${1:-bench}" in
       > "$OUT/cuda_graphs.txt" 2>&1
     echo "cuda_graphs.py exit $?" >> "$OUT/machine.txt"
     ;;
+  async2)
+    timeout 60 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_fold_async.py -k cuda > "$OUT/pytest_async.txt" 2>&1
+    echo "pytest (fold_async, cuda) exit $?" >> "$OUT/machine.txt"
+    fold_async() {  # method block timed-blocks rounds
+      (cd benchmarks && timeout 100 python3 fold_async.py --device cuda --width 64 --batch 128 --method "$1" \
+        --block "$2" --blocks "$3" --rounds "$4" --plain --json "$OUT/fold_async_$1_$2.json") \
+        > "$OUT/fold_async_$1_$2.txt" 2>&1
+      echo "fold_async.py $1 block $2 exit $?" >> "$OUT/machine.txt"
+    }
+    fold_async grad 10 2 3
+    TORCH_LOGS=recompiles,graph_breaks timeout 250 python3 benchmarks/gpu.py --threads 8 --rounds 4 \
+      --skip resnet50,resnet110,kernels --compile-model resnet50 --compile-variants grad \
+      --compile-modes reduce-overhead --json "$OUT/compile50_grad.json" > "$OUT/compile50_grad.txt" 2>&1
+    echo "gpu.py (compile, ResNet-50 grad) exit $?" >> "$OUT/machine.txt"
+    fold_async recursive 10 2 3
+    fold_async grad 50 1 2
+    ;;
   *)
-    echo "usage: bash benchmarks/gpu_session.sh bench|short|tests|compile|compile50|graphs|async" >&2
+    echo "usage: bash benchmarks/gpu_session.sh bench|short|tests|compile|compile50|graphs|async|async2" >&2
     exit 2
     ;;
 esac

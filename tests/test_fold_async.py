@@ -357,7 +357,11 @@ def _cuda_run(batches, dtype):
 def test_cuda_side_stream_is_deterministic_and_equals_the_default_stream(dtype, monkeypatch):
     """On CUDA the worker folds on a stream of its own: two runs bit-identical, and equal to the worker folding on
     the training thread's stream (no overlap: the same kernels in the same order), so no result depends on how the
-    streams interleave."""
+    streams interleave. cuDNN's deterministic algorithms (its default weight-gradient kernels accumulate in any
+    order: on the H200 two plain runs of this model differed in ``conv1.weight``) and cuBLAS's fixed workspace."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
     batches = _batches(4 * BLOCK + 1)
     a, b = _cuda_run(batches, dtype), _cuda_run(batches, dtype)
     _assert_identical(a, b)
