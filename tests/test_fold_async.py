@@ -342,8 +342,11 @@ def test_ddp_ranks_bit_identical():
 
 
 # ------------------------------------------------------------------------------------------------------- CUDA
-def _cuda_run(batches, dtype):
+def _cuda_run(batches, dtype, one_stream: bool = False):
     model = _model().to(device="cuda", dtype=dtype)
+    if one_stream:  # the worker folds on the training thread's stream (the coordinator's stream for this device)
+        device = torch.device("cuda", torch.cuda.current_device())
+        _coordinator(model)._streams = {device: torch.cuda.current_stream(device)}
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     for x, y in batches:
         opt.zero_grad()
@@ -365,6 +368,5 @@ def test_cuda_side_stream_is_deterministic_and_equals_the_default_stream(dtype, 
     batches = _batches(4 * BLOCK + 1)
     a, b = _cuda_run(batches, dtype), _cuda_run(batches, dtype)
     _assert_identical(a, b)
-    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: torch.cuda.current_stream(device))
-    c = _cuda_run(batches, dtype)
+    c = _cuda_run(batches, dtype, one_stream=True)
     _assert_identical(a, c)
