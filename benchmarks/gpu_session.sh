@@ -20,11 +20,10 @@
 #   bash benchmarks/gpu_session.sh graphs    # one call (~9 minutes): CUDA graphs on a converted model (train like
 #                                            # eager? recordings?), the ResNet-50 step table (eager; the deferred
 #                                            # transform's rows among them), ResNet-50 reduce-overhead, plain and grad
-#   bash benchmarks/gpu_session.sh async     # one call (~9 minutes): fold_async's CUDA tests, the ResNet-50 step
-#                                            # table with fold_async at blocks 10 and 50 beside the synchronous
-#                                            # fold, ResNet-50 reduce-overhead (plain, grad; a model class of its
-#                                            # own: the coordinator's hook outside the graph), CUDA graphs on a
-#                                            # converted model (recordings after the shift fix)
+#   bash benchmarks/gpu_session.sh async     # one call (~6 minutes): fold_async's CUDA tests, the ResNet-50 step
+#                                            # table (grad, recursive, grad every5/block50), ResNet-50
+#                                            # reduce-overhead (plain, grad; a model class of its own: the
+#                                            # coordinator's hook outside the graph), CUDA graphs on a converted model
 #   bash benchmarks/gpu_session.sh async2    # the second call (~8 minutes): the CUDA tests again, fold_async.py
 #                                            # (each variant alone for whole blocks: no other model's steps run
 #                                            # while a fold is in flight) for grad and recursive at block 10,
@@ -101,9 +100,9 @@ case "${1:-bench}" in
     timeout 70 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_fold_async.py -k cuda > "$OUT/pytest_async.txt" 2>&1
     echo "pytest (fold_async, cuda) exit $?" >> "$OUT/machine.txt"
     timeout 200 python3 benchmarks/gpu.py --threads 8 --rounds 50 --skip compile,kernels,resnet110 \
-      --variants "grad;grad:async;grad:async,block50;grad:every5,block50;recursive;recursive:async;recursive:async,block50" \
+      --variants "grad;grad:every5,block50;recursive" \
       --json "$OUT/gpu_async.json" > "$OUT/gpu_async.txt" 2>&1
-    echo "gpu.py (async rows) exit $?" >> "$OUT/machine.txt"
+    echo "gpu.py (step table) exit $?" >> "$OUT/machine.txt"
     TORCH_LOGS=recompiles,graph_breaks timeout 190 python3 benchmarks/gpu.py --threads 8 --rounds 4 \
       --skip resnet50,resnet110,kernels --compile-model resnet50 --compile-variants plain,grad \
       --compile-modes reduce-overhead --json "$OUT/compile50.json" > "$OUT/compile50.txt" 2>&1
