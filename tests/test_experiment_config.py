@@ -16,10 +16,11 @@ import sys
 import pytest
 
 from whitenlayers import experiment as ex
+from whitenlayers import models as wl_models
 from whitenlayers.config import EVDConfig, RecursiveConfig
 from whitenlayers.convert import whitening_layers
-from whitenlayers.experiment.data import load_synthetic
 from whitenlayers.experiment.config import METHOD_REGISTRY, RunConfig, fingerprint
+from whitenlayers.experiment.data import load_synthetic
 from whitenlayers.experiment.engine import Run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,6 +65,18 @@ def test_defaults_and_presets():
     # GPU switches default off
     assert (cfg.amp, cfg.compile, cfg.channels_last) == ("none", False, False)
     assert _cfg("--amp", "bf16", "--compile", "--channels-last").amp == "bf16"
+
+
+def test_fold_async_reaches_the_whitening_conversions_only():
+    cfg = _cfg("--fold-async", "--block-size", "3", "--methods", "baseline,grad,recursive,kfac")
+    assert cfg.fold_async and not _cfg().fold_async
+    assert ex.method_kwargs(cfg, "grad") == {"block_size": 3, "fold_async": True}
+    assert ex.method_kwargs(cfg, "recursive") == {"block_size": 3, "fold_async": True}
+    assert ex.method_kwargs(cfg, "baseline") == {} and ex.method_kwargs(cfg, "kfac") == {}
+    assert ex.layer_kwargs(cfg, "grad") == {"block_size": 3}  # the layers' options, validated by their config
+    assert ex.method_kwargs(_cfg("--block-size", "3"), "grad") == {"block_size": 3}
+    model = ex.METHOD_REGISTRY["grad"].apply(wl_models.cifar_resnet(8, width=4), ex.method_kwargs(cfg, "grad"))
+    assert any(getattr(h, "fold_async", False) for h in model._forward_hooks.values())
 
 
 def test_whitening_options_and_errors():
