@@ -298,6 +298,58 @@ def fm_schedule_table() -> str:
         "\n".join(f"    {_cmd(n)}" for n in cmds) + "\n"
 
 
+def fm_async_table() -> str:
+    """The fm-async stage's table: per block size and method, the synchronous and the asynchronous fold's final
+    validation accuracy, their paired difference (async minus sync) at the final epoch and halfway (epoch 1 of 2),
+    and the CPU seconds per epoch of the asynchronous run against the synchronous one (one thread each, the
+    worker's CPU time included: the fold moves, it does not vanish); only seeds whose two runs both finished."""
+    from convergence_tables import _by, _ci, _ms
+    from whitenlayers.experiment.config import METHOD_LABELS
+    from whitenlayers.experiment.report import geometric_t_interval, informative
+
+    head = ["block", "method", "sync: val acc (%)", "async: val acc (%)", "paired Δ async − sync, final [95 % CI]",
+            "epoch 1 of 2: sync → async (%)", "paired Δ at epoch 1 [95 % CI]", "CPU s / epoch, async vs sync",
+            "seeds"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    loads: List[float] = []
+    for block in (10, 50):
+        runs: Dict[str, Dict[str, Dict[int, List[dict]]]] = {"sync": {}, "async": {}}
+        for seed in FM_ASYNC_SEEDS:
+            pair = {arm: _rows(f"fm-async-s{seed}-b{block}-{arm}") for arm in runs}
+            if any(r is None for r in pair.values()):
+                continue
+            for arm, rows in pair.items():
+                for m in OURS:
+                    runs[arm].setdefault(m, {}).update(_by(rows, m))
+                loads += [r["load1"] for r in rows if math.isfinite(r.get("load1", float("nan")))]
+        for m in OURS:
+            a, g = runs["sync"].get(m, {}), runs["async"].get(m, {})
+            seeds = sorted(set(a) & set(g))
+            if not seeds:
+                lines.append(f"| {block} | {METHOD_LABELS.get(m, m)} | (not run) |" + " |" * (len(head) - 3))
+                continue
+            cpu = [np.mean([r["cpu_time"] for r in g[s]]) / np.mean([r["cpu_time"] for r in a[s]]) for s in seeds]
+            if len(cpu) >= 3:
+                mid, lo, hi = geometric_t_interval(cpu)
+                ratio = f"{mid:.2f}x [{lo:.2f}, {hi:.2f}]" if informative(lo, hi) else f"{mid:.2f}x"
+            else:
+                ratio = "—"
+            lines.append("| " + " | ".join([
+                str(block), METHOD_LABELS.get(m, m), _ms([a[s][-1]["test_acc"] for s in seeds]),
+                _ms([g[s][-1]["test_acc"] for s in seeds]),
+                _ci([g[s][-1]["test_acc"] - a[s][-1]["test_acc"] for s in seeds]),
+                f"{_ms([a[s][0]['test_acc'] for s in seeds])} → {_ms([g[s][0]['test_acc'] for s in seeds])}",
+                _ci([g[s][0]["test_acc"] - a[s][0]["test_acc"] for s in seeds]), ratio, str(len(seeds))]) + " |")
+    from convergence_tables import _cmd
+    text = "\n".join(lines)
+    if loads:
+        text += (f"\n\nLoad (1-minute load average at the epochs' ends): median {np.median(loads):.2f}, "
+                 f"range {min(loads):.2f}-{max(loads):.2f} on {os.cpu_count()} cores, one run at a time, 1 thread.")
+    first = [n for n, _ in _fashion_async() if n.startswith(f"fm-async-s{FM_ASYNC_SEEDS[0]}-")]
+    return text + "\n\nCommands (seed 0; the other seeds change `--seeds` and `--out` only):\n\n" + \
+        "\n".join(f"    {_cmd(n)}" for n in first) + "\n"
+
+
 def _rows(name: str):
     path = os.path.join(RUNS, name, "metrics.csv")
     if not os.path.isfile(os.path.join(RUNS, name, "summary.md")):
@@ -348,11 +400,13 @@ def main(argv=None) -> int:
     if a.what == "tables":
         from convergence_tables import write_tables  # noqa: E402
         stages = a.stages or list(STAGES)
-        if "fm-schedule" in stages:  # a paired table of its own (fm_schedule_table), not one table per run
-            os.makedirs(OUT, exist_ok=True)
-            with open(os.path.join(OUT, "fm-schedule.md"), "w") as f:
-                f.write(f"## fm-schedule\n\n{fm_schedule_table()}")
-        rest = [s for s in stages if s != "fm-schedule"]
+        paired = {"fm-schedule": fm_schedule_table, "fm-async": fm_async_table}  # a table each, not one per run
+        for name, table in paired.items():
+            if name in stages:
+                os.makedirs(OUT, exist_ok=True)
+                with open(os.path.join(OUT, f"{name}.md"), "w") as f:
+                    f.write(f"## {name}\n\n{table()}")
+        rest = [s for s in stages if s not in paired]
         if rest:
             write_tables(rest)
         return 0

@@ -1,4 +1,4 @@
-"""docs/convergence.py: the fm-schedule stage (issue 30) builds paired runs, and its table reads them."""
+"""docs/convergence.py: the fm-schedule (issue 30) and fm-async (issue 47) stages build paired runs, and their tables read them."""
 import csv
 import os
 import sys
@@ -63,3 +63,35 @@ def test_fm_schedule_table_on_written_runs(tmp_path, monkeypatch):
     assert "| 2 | recursive | 89.00 ± 0.00 | 89.00 ± 0.00 | +0.00 [+0.00, +0.00] |" in text
     assert "| 1 | (not run) |" in text
     assert "runs/convergence/fm-schedule-b2-s0-e5b50" in text
+
+
+def test_fm_async_stage_pairs_the_arms():
+    c, _ = _convergence()
+    runs = dict(c.STAGES["fm-async"]())
+    assert len(runs) == 4 * len(c.FM_ASYNC_SEEDS)
+    opt = lambda args, k: args[args.index(k) + 1]  # noqa: E731
+    for block in (10, 50):
+        sync, lag = runs[f"fm-async-s3-b{block}-sync"], runs[f"fm-async-s3-b{block}-async"]
+        assert "--fold-async" in lag and "--fold-async" not in sync
+        assert [a for a in lag if a != "--fold-async"] == sync  # the lag is the only difference
+        assert (opt(sync, "--block-size"), opt(sync, "--stats-every"), opt(sync, "--seeds")) == (str(block), "1", "3")
+    assert [n for n in runs][:4] == [f"fm-async-s0-{arm}" for arm in ("b10-sync", "b10-async", "b50-sync", "b50-async")]
+
+
+def test_fm_async_table_on_written_runs(tmp_path, monkeypatch):
+    c, ct = _convergence()
+    root = str(tmp_path)
+    monkeypatch.setattr(c, "RUNS", root)
+    monkeypatch.setattr(ct, "RUNS", root)
+    for seed, bump in ((0, 0.0), (1, 0.5), (2, -0.5)):
+        _write(root, f"fm-async-s{seed}-b10-sync", seed, [("grad", [84 + bump, 89 + bump], 10.0),
+                                                          ("recursive", [83, 89], 10.0)])
+        _write(root, f"fm-async-s{seed}-b10-async", seed, [("grad", [83 + bump, 89.5 + bump], 11.0),
+                                                           ("recursive", [83, 89], 10.0)])
+    _write(root, "fm-async-s0-b50-sync", 0, [("grad", [84, 89], 10.0), ("recursive", [83, 89], 10.0)])  # no pair
+    text = c.fm_async_table()
+    assert "| 10 | EVD (grad) | 89.00 ± 0.50 | 89.50 ± 0.50 | +0.50 [+0.50, +0.50] | 84.00 ± 0.50 → 83.00 ± 0.50 | " \
+           "-1.00 [-1.00, -1.00] | 1.10x [1.10, 1.10] | 3 |" in text
+    assert "| 10 | recursive | 89.00 ± 0.00 | 89.00 ± 0.00 | +0.00 [+0.00, +0.00] |" in text
+    assert "| 50 | EVD (grad) | (not run) |" in text
+    assert "runs/convergence/fm-async-s0-b10-async" in text and "runs/convergence/fm-async-s0-b50-sync" in text
