@@ -3,8 +3,8 @@ often does it record a graph?
 
 A captured CUDA graph reads its static inputs (parameters, buffers) at the addresses it was recorded with; CUDA
 graph trees record again when one moves. A fold writes every buffer in place (``stats/block.py``,
-``_set_fold_buffer``), except a compiled layer's forward buffers, which alternate between two tensors (a compiled
-backward may still hold the previous ones): at most two recordings per graph over any number of blocks. This
+``_set_fold_buffer``), a compiled layer's forward buffers too (the graph copies what its backward needs,
+``whitenlayers::snapshot``): one recording per graph over any number of blocks. This
 script trains a converted CIFAR ResNet-8 (fp32, TF32 off) compiled with ``reduce-overhead`` beside its eager twin
 on the same batches, over several blocks, and prints per method:
 
@@ -12,8 +12,7 @@ on the same batches, over several blocks, and prints per method:
   the order of float32 sums; the eager and compiled convolutions are different kernels),
 * dynamo's unique graphs, and the CUDA graph trees' recordings (``counters["inductor"]``, where this torch
   counts them),
-* how many distinct addresses each whitening buffer held across the folds (1: written in place; 2: the
-  compiled forward buffers' pair).
+* how many distinct addresses each whitening buffer held across the folds (1: written in place).
 
     python benchmarks/cuda_graphs.py            # on a CUDA machine (a minute or two: three compilations)
     python benchmarks/cuda_graphs.py --tiny     # CPU, the eager backend: the path is covered, not the graphs

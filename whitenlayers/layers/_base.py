@@ -536,7 +536,7 @@ class _GradWhitenMixin(WhiteningLayer):
             absorbed.sub_(comp)  # float64 comp: computed in float64, rounded once into d's dtype (one op, no copy)
             return
         c = self.bias_correction
-        if self.__dict__.get("_double_buffered") or c.is_inference():
+        if c.is_inference():
             self._set_fold_buffer("bias_correction", c + comp.to(c.dtype))
         else:  # in place, as every fold write (stats/block.py, _set_fold_buffer)
             c.add_(comp.to(c.dtype))

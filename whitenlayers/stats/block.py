@@ -9,7 +9,6 @@ written into its buffers, the bias compensation). The public block API (:meth:`~
 """
 from __future__ import annotations
 
-import sys
 from typing import TYPE_CHECKING, Any, Dict, Hashable, List, Optional, Tuple, cast
 
 import torch
@@ -32,28 +31,6 @@ from ._core import _LayerCore
 
 if TYPE_CHECKING:  # pragma: no cover
     from .layer import WhiteningLayer
-
-def _sole_refcount() -> int:
-    """``sys.getrefcount`` of a tensor held by one local variable only, taken as :meth:`_set_fold_buffer` takes
-    its spare (popped from a dict): the baseline on this interpreter (versions count the caller's own
-    references differently); a tensor anything else holds counts more."""
-    spares = {"spare": torch.empty(0)}
-    spare = spares.pop("spare")
-    return sys.getrefcount(spare)
-
-
-_SOLE_REFCOUNT = _sole_refcount()
-
-
-def _unshared(t: Tensor) -> bool:
-    """Whether no autograd graph and no view holds ``t`` (its tensor's C++ use count is its one Python object's,
-    its storage's is the tensor's and the temporary storage object's); ``False`` where this torch cannot tell."""
-    use_count = getattr(t, "_use_count", None)
-    storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
-    if use_count is None or storage_use_count is None:
-        return False
-    return use_count() == 1 and storage_use_count(t.untyped_storage()._cdata) == 2
-
 
 #: ``Module``'s global buffer registration hooks (torch 2.0+), which a buffer written past ``setattr`` would skip.
 _buffer_registration_hooks: Dict[int, Any] = getattr(torch.nn.modules.module, "_global_buffer_registration_hooks",
@@ -259,34 +236,17 @@ class _BlockMixin(_LayerCore):
         and its storage across folds.
 
         Whatever holds a reference to a buffer sees the fold: ``torch.func.functional_call`` (which puts the
-        module's own tensors back after the call), a captured CUDA graph (static addresses), an optimizer or EMA
-        helper holding ``named_buffers()``. A forward never hands a buffer itself to autograd: it reads a
-        snapshot taken once per block (:meth:`_forward_state`), so a backward still to come (the fold follows
-        the forward of the block's last batch), or a forward recomputed by activation checkpointing, keeps the
-        values that were in force at its forward.
+        module's own tensors back after the call), a captured CUDA graph (static addresses, compiled layers
+        included), an optimizer or EMA helper holding ``named_buffers()``. A forward never hands a buffer itself
+        to autograd: an eager one reads a snapshot taken once per block, a compiled one copies the buffers in the
+        graph (:meth:`_forward_state`), so a backward still to come (the fold follows the forward of the block's
+        last batch), or a forward recomputed by activation checkpointing, keeps the values that were in force at
+        its forward.
 
         A new tensor only where ``value`` cannot go into the old one (another shape, dtype or device, an
-        inference tensor), and for a layer that runs inside compiled graphs (``torch.compile``): a compiled
-        backward may hold a forward's buffers themselves, so each of them (:attr:`_FORWARD_BUFFERS`) alternates
-        between two tensors: the new value goes into the tensor the buffer held before the previous fold (the
-        spare) when nothing else holds that tensor any more (no other Python reference, no autograd graph that
-        saved it, no view). CUDA graph trees (``mode="reduce-overhead"``) then record two graphs in all, one per
-        address.
+        inference tensor).
         """
         old = cast(Tensor, self._buffers.get(name))
-        if self.__dict__.get("_double_buffered") and name in self._FORWARD_BUFFERS:
-            spares: Dict[str, Tensor] = self.__dict__.setdefault("_spares", {})
-            spare = spares.pop(name, None)
-            # no Python reference to the spare but `spare` (the refcount of a tensor held by one local variable)
-            if (spare is not None and sys.getrefcount(spare) == _SOLE_REFCOUNT and _unshared(spare)
-                    and spare.shape == value.shape and spare.device == old.device and spare.dtype == old.dtype):
-                value = spare.copy_(value)
-            else:
-                value = _owned(value, old)
-            self._replace_buffer(name, value)
-            if old is not value:
-                spares[name] = old
-            return
         if old.shape == value.shape and not old.is_inference():
             old.copy_(value)  # converts to the buffer's dtype and device
         else:

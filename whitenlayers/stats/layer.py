@@ -212,7 +212,6 @@ class WhiteningLayer(_PerStepMixin, _BlockMixin, _StateIOMixin):
         if pending is not None:  # a pending fold (fold_async) follows to the new device, in its own dtypes
             self._pending_fold = _moved(pending, self.running_mean.device)
         _try_low_precision_products(self.running_mean.device)
-        self.__dict__.pop("_spares", None)  # the next folds' spares on the new device / dtype
         self._in_force = None
         self.__dict__.pop("_snapshot", None)
         self._mean_taps = None

@@ -76,8 +76,9 @@ class _StateIOMixin(_LayerCore):
         # The buffers of the last forward and the weight of a fold under way are transient: not pickled or copied;
         # nor is the deferral's state (a copy is stepped by no optimizer of the deferral, defer_grad_transform).
         state = dict(self.__dict__)
-        for transient in ("_in_force", "_snapshot", "_fold_weight", "_mean_taps", "_pointwise_cache", "_spares",
-                          "_rows_cache", "_shift_store", "_deferred_grad", "_deferred_q"):
+        for transient in ("_in_force", "_snapshot", "_fold_weight", "_mean_taps", "_pointwise_cache",
+                          "_rows_cache", "_shift_store", "_deferred_grad", "_deferred_q",
+                          "_spares", "_double_buffered"):  # the last two: set by versions before 2026-11-28
             state.pop(transient, None)
         if state.get("_acc_aug") is not None:  # views of it: made again on load (a pickle would copy them apart)
             state.pop("_acc_s1", None)

@@ -30,6 +30,28 @@ _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
 _eager = torch.compiler.disable
 
 
+def _define_snapshot_op() -> None:
+    """``torch.ops.whitenlayers.snapshot(x)``: a copy of ``x``, an operator of its own so that a compiled graph
+    keeps it. A compiled forward reads its buffers through it: the graph's backward then holds the copies, which
+    AOTAutograd's partitioner saves rather than recomputing them from the buffers in the backward (it recomputes
+    a ``clone``; an operator outside its allowlist is never recomputed), so a fold may write the buffers in place
+    between a forward and its backward, and the buffers keep their addresses (CUDA graphs)."""
+    if hasattr(torch.ops.whitenlayers, "snapshot"):  # defined already (a module reloaded)
+        return
+    lib = torch.library.Library("whitenlayers", "FRAGMENT")
+    lib.define("snapshot(Tensor x) -> Tensor")
+    lib.impl("snapshot", lambda x: x.clone(), "CompositeExplicitAutograd")
+    _LIBRARIES.append(lib)  # a Library object unregisters its operators when collected
+    # a side effect for torch.fx: the partitioners never move an impure node into the backward
+    side_effect = getattr(torch.fx.node, "has_side_effect", None)
+    if side_effect is not None:
+        side_effect(torch.ops.whitenlayers.snapshot.default)
+
+
+_LIBRARIES: list = []
+_define_snapshot_op()
+
+
 def _work_dtype(x: Tensor) -> torch.dtype:
     """The dtype a batch's statistics are computed in: its own when float32 / float64, else float32."""
     return x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
@@ -63,7 +85,8 @@ class _PerStepMixin(_LayerCore):
         uses are those of that forward even if a fold came in between (the fold follows the model's forward).
         """
         if _is_compiling():  # traced: no recomputation to track, and inference_mode cannot be traced
-            return self.training, {name: self._buffers[name] for name in self._FORWARD_BUFFERS}
+            snapshot = torch.ops.whitenlayers.snapshot
+            return self.training, {name: snapshot(self._buffers[name]) for name in self._FORWARD_BUFFERS}
         if recomputing():
             state = self._in_force
             if state is None:  # no original forward seen (e.g. state loaded since): what is in force now
@@ -209,7 +232,6 @@ class _PerStepMixin(_LayerCore):
 
     def _accumulate_eager(self, x: Tensor) -> None:
         """:meth:`_accumulate` outside a compiled graph (a graph break; for a layer without a coordinator)."""
-        self.__dict__["_double_buffered"] = True  # its folds keep the forward's buffers at two addresses each
         if self._fold_pending:
             self._fold_now()
         if self._gathers_now():
@@ -226,7 +248,6 @@ class _PerStepMixin(_LayerCore):
         self._traced_calls = []
         if self.__dict__.pop("_traced_new_shift", False) and self._acc_shift is not None:
             self._acc_shift, self._acc_shift_x = self._acc_shift.clone(), None
-        self.__dict__["_double_buffered"] = True  # its folds keep the forward's buffers at two addresses each
         for i, rows in enumerate(calls):
             self._acc_count += rows
             self._end_batch()
