@@ -28,6 +28,10 @@
 #                                            # (each variant alone for whole blocks: no other model's steps run
 #                                            # while a fold is in flight) for grad and recursive at block 10,
 #                                            # grad at block 50, then ResNet-50 grad under reduce-overhead alone
+#   bash benchmarks/gpu_session.sh graphs2   # the next session's first call (~9 minutes): CUDA graphs on a converted
+#                                            # model (one recording per graph now?), then ResNet-50 reduce-overhead,
+#                                            # plain and grad, with the converted model's long compilation (>250 s)
+#                                            # given room; then `tests` as the second call
 #
 # Muon and SOAP need pytorch-optimizer, which the device image lacks and cannot download: carry its wheel in
 # .whl/ (git-ignored; `pip download --no-deps pytorch_optimizer==4.1.0 -d .whl`); without it those rows are left
@@ -128,8 +132,17 @@ case "${1:-bench}" in
     fold_async recursive 10 2 3
     fold_async grad 50 1 2
     ;;
+  graphs2)
+    timeout 80 python3 benchmarks/cuda_graphs.py --methods grad --json "$OUT/cuda_graphs.json" \
+      > "$OUT/cuda_graphs.txt" 2>&1
+    echo "cuda_graphs.py exit $?" >> "$OUT/machine.txt"
+    TORCH_LOGS=recompiles,graph_breaks timeout 470 python3 benchmarks/gpu.py --threads 8 --rounds 8 \
+      --skip resnet50,resnet110,kernels --compile-model resnet50 --compile-variants plain,grad \
+      --compile-modes reduce-overhead --json "$OUT/compile50.json" > "$OUT/compile50.txt" 2>&1
+    echo "gpu.py (compile, ResNet-50) exit $?" >> "$OUT/machine.txt"
+    ;;
   *)
-    echo "usage: bash benchmarks/gpu_session.sh bench|short|tests|compile|compile50|graphs|async|async2" >&2
+    echo "usage: bash benchmarks/gpu_session.sh bench|short|tests|compile|compile50|graphs|async|async2|graphs2" >&2
     exit 2
     ;;
 esac
