@@ -50,6 +50,7 @@ def _define_snapshot_op() -> None:
 
 _LIBRARIES: list = []
 _define_snapshot_op()
+_is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)  # torch.export (ONNX's exporter among its users)
 
 
 def _work_dtype(x: Tensor) -> torch.dtype:
@@ -85,8 +86,11 @@ class _PerStepMixin(_LayerCore):
         uses are those of that forward even if a fold came in between (the fold follows the model's forward).
         """
         if _is_compiling():  # traced: no recomputation to track, and inference_mode cannot be traced
+            buffers = self._buffers
+            if not torch.is_grad_enabled() or _is_exporting():  # no backward to keep values for (an export, ONNX)
+                return self.training, {name: buffers[name] for name in self._FORWARD_BUFFERS}
             snapshot = torch.ops.whitenlayers.snapshot
-            return self.training, {name: snapshot(self._buffers[name]) for name in self._FORWARD_BUFFERS}
+            return self.training, {name: snapshot(buffers[name]) for name in self._FORWARD_BUFFERS}
         if recomputing():
             state = self._in_force
             if state is None:  # no original forward seen (e.g. state loaded since): what is in force now
