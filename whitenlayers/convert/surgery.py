@@ -295,7 +295,11 @@ def convert_model(
     when it is written, ranks stay bit-identical (every rank folds every
     layer: ``fold_strategy="owner"`` is refused), and a checkpoint taken
     while a fold is in flight saves its result. ``layer.fold()`` still folds
-    at once (a pending fold written first). See the performance guide.
+    at once (a pending fold written first). What it buys: on a CPU with a
+    spare core, grad's fold leaves the step; on a GPU (an H200) the steps
+    that run beside the worker pay most of it back, so it is not a GPU
+    setting; on Fashion-MNIST the lag cost grad no measurable accuracy
+    (docs/CONVERGENCE.md, finding 14). See the performance guide.
 
     The root. A bare conv / ``nn.Linear`` passed as ``model`` is converted
     only if ``predicate("", model)`` selects it, or with ``include_stem`` /
