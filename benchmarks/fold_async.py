@@ -14,7 +14,10 @@ clock and in the training thread's CPU time (``time.thread_time``: what the step
 has a core of its own; a CPU backward runs on the calling thread); for the asynchronous fold also the median time
 of a block's end on the training thread (the coordinator's part: the wait for the fold in flight, copies, the
 pending fold written, the worker started) and the worker's median time per fold (wall and thread CPU time). The
-training thread's share of a fold is the step that ends a block minus the step that does not.
+training thread's share of a fold is the step that ends a block minus the step that does not. Last, by the step's
+place in its block: the median wall clock, the host time until the step was queued, the training thread's CPU time
+and (CUDA) the wait for the device after that: the steps that run beside a fold in flight, and what slows them (host
+time above CPU time: the thread waited on the host, e.g. for the GIL; a longer device wait: a busier device).
 
     python benchmarks/fold_async.py              # a few minutes
     python benchmarks/fold_async.py --tiny       # CI
@@ -105,18 +108,24 @@ def main() -> int:
     if cuda:
         x = x.contiguous(memory_format=torch.channels_last)
 
-    def step(name: str) -> Tuple[float, float]:
+    def step(name: str) -> Tuple[float, float, float, float]:
+        """Wall clock, the training thread's CPU time, its wall clock until the step was queued (host), and the
+        wait for the device after that (CUDA)."""
         t0, c0 = time.perf_counter(), time.thread_time()
         opts[name].zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
             loss = F.cross_entropy(models[name](x), y)
         loss.backward()  # a CPU backward runs on the calling thread
         opts[name].step()
+        t1 = time.perf_counter()
         if cuda:  # this thread's stream, as loss.item() waits: the fold's own stream goes on (a device-wide
             torch.cuda.current_stream(device).synchronize()  # synchronisation would wait for it at every step)
-        return time.perf_counter() - t0, time.thread_time() - c0
+        t2 = time.perf_counter()
+        return t2 - t0, time.thread_time() - c0, t1 - t0, t2 - t1
 
-    times: Dict[str, Dict[str, List[Tuple[float, float]]]] = {name: {"ends": [], "within": []} for name in variants}
+    times: Dict[str, Dict[str, List[Tuple[float, float, float, float]]]] = {name: {"ends": [], "within": []}
+                                                                              for name in variants}
+    after_end: Dict[str, Dict[int, List[Tuple[float, float, float, float]]]] = {name: {} for name in variants}
     loads = [loadavg()]
     for r in range(args.rounds):
         order = variants if r % 2 == 0 else variants[::-1]
@@ -126,7 +135,9 @@ def main() -> int:
             log["_timing"] = [1.0]
             for _ in range(args.blocks):
                 for i in range(args.block):
-                    times[name]["ends" if i == args.block - 1 else "within"].append(step(name))
+                    t = step(name)
+                    times[name]["ends" if i == args.block - 1 else "within"].append(t)
+                    after_end[name].setdefault(i, []).append(t)  # i: steps since the last block end
             log["_timing"] = []
             for h in models[name]._forward_hooks.values():
                 if isinstance(h, wl_fold.FoldCoordinator):
@@ -153,6 +164,16 @@ def main() -> int:
     worker = {k: 1e3 * statistics.median(v) for k, v in log.items()
               if k in ("worker_wall", "worker_cpu", "wait", "launch") and v}
     out["worker_ms"] = worker
+    # Where the steps after a block end go (the asynchronous fold runs beside them): by the step's place in its
+    # block, the median wall clock, the training thread's host time until the step was queued, its CPU time, and
+    # the wait for the device after that. Host time above CPU time: the thread waited on the host (the GIL, a
+    # lock); a longer device wait: the device was busier (the fold's kernels beside the step's).
+    places = []
+    for name in VARIANTS:
+        for i, ts in sorted(after_end[name].items()):
+            if i < 8 or i == args.block - 1:
+                places.append([name, i + 1] + [1e3 * statistics.median(t[c] for t in ts) for c in (0, 2, 1, 3)])
+    out["after_block_end"] = places
     where = device.type + (" (bf16 autocast, channels_last)" if cuda else "")
     lines = [
         f"ResNet-50 layout, width {args.width} on {where} ({len(layers)} {args.method} layers, M up to "
@@ -168,6 +189,9 @@ def main() -> int:
         "thread CPU (median)",
         "",
         md_table(["variant", "mean step, folds included (ms)", "vs plain"], means, nd=3),
+        "",
+        md_table(["variant", "step of the block", "wall (ms)", "host until queued (ms)", "thread CPU (ms)",
+                  "device wait (ms)"], places, nd=2),
         "",
         f"load average during the run: {' -> '.join(loads)}",
         "",
