@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 SCRIPTS = ["fold_cost.py", "fold_scale.py", "gpu.py", "layer_step.py", "crossover.py", "step_time.py", "block_size.py", "ablation.py",
            "hot_path.py", "compile_step.py", "host_overhead.py", "gpu_host.py", "stats_precision.py", "cuda_graphs.py",
-           "fold_async.py"]
+           "fold_async.py", "grouped_stats.py"]
 
 
 def _run(args, tmp_path, timeout=600):
