@@ -129,13 +129,15 @@ class DirectWhiten(WhiteningLayer, nn.Module):
         if grads:
             _check_not_tracing_function(self, "the whitening's backward")
         if x.dim() in POINTWISE_DIMS and F_w.fused_moments_on(x.device):
-            # CUDA: one 1x1 convolution each way (a fold replaces T, never writes into it). A CPU keeps the matrix
-            # products below: there the convolution was slower (ResNet-20 step 1.33x against 1.26x).
+            # CUDA: one 1x1 convolution each way. A CPU keeps the matrix products below: there the convolution was
+            # slower (ResNet-20 step 1.33x against 1.26x).
             w, b, wt = self._pointwise_weights(t, state["running_mean"], x.dtype)
             out = pointwise_whiten(x, w, b, wt, self.groups)
         else:
-            if grads:
-                t = t.clone()  # the backward must use the T of this forward, even if a fold follows
+            if grads and t is self._buffers["whitening_matrix"]:
+                # the buffer itself (a forward traced by torch.jit), which a fold writes in place: the backward
+                # must use the T of this forward. A snapshot (every other forward) is never written.
+                t = t.clone()
             out = direct_whiten(x, t, state["running_mean"])
         if training:
             self._end_batch()
