@@ -228,6 +228,25 @@ def _fashion_async() -> List[Tuple[str, List[str]]]:
 STAGES["fm-async"] = _fashion_async
 
 
+def _ratio(vals: Sequence[float]) -> str:
+    """A paired-table cell for per-seed ratios: geometric mean [95 % interval] (the interval only where it says
+    something), ``—`` for fewer than 3 seeds."""
+    from whitenlayers.experiment.report import geometric_t_interval, informative
+
+    if len(vals) < 3:
+        return "—"
+    m, lo, hi = geometric_t_interval(vals)
+    return f"{m:.2f}x [{lo:.2f}, {hi:.2f}]" if informative(lo, hi) else f"{m:.2f}x"
+
+
+def _load_line(loads: Sequence[float]) -> str:
+    """The paired tables' load line (empty without loads)."""
+    if not loads:
+        return ""
+    return (f"\n\nLoad (1-minute load average at the epochs' ends): median {np.median(loads):.2f}, "
+            f"range {min(loads):.2f}-{max(loads):.2f} on {os.cpu_count()} cores, one run at a time, 1 thread.")
+
+
 def fm_schedule_table() -> str:
     """The fm-schedule stage's table: per budget and method, each arm's final validation accuracy, the paired
     difference (GPU settings minus defaults) at the final epoch and at epoch 1, each arm's paired difference
@@ -235,13 +254,6 @@ def fm_schedule_table() -> str:
     only seeds whose two runs both finished."""
     from convergence_tables import _by, _ci, _ms
     from whitenlayers.experiment.config import METHOD_LABELS
-    from whitenlayers.experiment.report import geometric_t_interval, informative
-
-    def ratio(vals: Sequence[float]) -> str:
-        if len(vals) < 3:
-            return "—"
-        m, lo, hi = geometric_t_interval(vals)
-        return f"{m:.2f}x [{lo:.2f}, {hi:.2f}]" if informative(lo, hi) else f"{m:.2f}x"
 
     head = ["budget", "method", "defaults (e1, L10): val acc (%)", "GPU (e5, L50): val acc (%)",
             "paired Δ GPU − defaults, final [95 % CI]", "epoch 1 of 2: defaults → GPU (%)",
@@ -287,13 +299,11 @@ def fm_schedule_table() -> str:
                 _ci([g[s][0]["test_acc"] - a[s][0]["test_acc"] for s in seeds]) if b > 1 else "(= final)",
                 _ci([a[s][-1]["test_acc"] - base[s][-1]["test_acc"] for s in seeds]),
                 _ci([g[s][-1]["test_acc"] - base[s][-1]["test_acc"] for s in seeds]),
-                f"{ratio([cpu(a, s) for s in seeds])} → {ratio([cpu(g, s) for s in seeds])}",
+                f"{_ratio([cpu(a, s) for s in seeds])} → {_ratio([cpu(g, s) for s in seeds])}",
                 str(len(seeds))]) + " |")
     from convergence_tables import _cmd
     text = "\n".join(lines)
-    if loads:
-        text += (f"\n\nLoad (1-minute load average at the epochs' ends): median {np.median(loads):.2f}, "
-                 f"range {min(loads):.2f}-{max(loads):.2f} on {os.cpu_count()} cores, one run at a time, 1 thread.")
+    text += _load_line(loads)
     return text + "\n\nCommands (seed 0; the other seeds change `--seeds` only):\n\n" + \
         "\n".join(f"    {_cmd(n)}" for n in cmds) + "\n"
 
@@ -305,7 +315,6 @@ def fm_async_table() -> str:
     worker's CPU time included: the fold moves, it does not vanish); only seeds whose two runs both finished."""
     from convergence_tables import _by, _ci, _ms
     from whitenlayers.experiment.config import METHOD_LABELS
-    from whitenlayers.experiment.report import geometric_t_interval, informative
 
     head = ["block", "method", "sync: val acc (%)", "async: val acc (%)", "paired Δ async − sync, final [95 % CI]",
             "epoch 1 of 2: sync → async (%)", "paired Δ at epoch 1 [95 % CI]", "CPU s / epoch, async vs sync",
@@ -328,23 +337,17 @@ def fm_async_table() -> str:
             if not seeds:
                 lines.append(f"| {block} | {METHOD_LABELS.get(m, m)} | (not run) |" + " |" * (len(head) - 3))
                 continue
-            cpu = [np.mean([r["cpu_time"] for r in g[s]]) / np.mean([r["cpu_time"] for r in a[s]]) for s in seeds]
-            if len(cpu) >= 3:
-                mid, lo, hi = geometric_t_interval(cpu)
-                ratio = f"{mid:.2f}x [{lo:.2f}, {hi:.2f}]" if informative(lo, hi) else f"{mid:.2f}x"
-            else:
-                ratio = "—"
+            cpu = _ratio([np.mean([r["cpu_time"] for r in g[s]]) / np.mean([r["cpu_time"] for r in a[s]])
+                          for s in seeds])
             lines.append("| " + " | ".join([
                 str(block), METHOD_LABELS.get(m, m), _ms([a[s][-1]["test_acc"] for s in seeds]),
                 _ms([g[s][-1]["test_acc"] for s in seeds]),
                 _ci([g[s][-1]["test_acc"] - a[s][-1]["test_acc"] for s in seeds]),
                 f"{_ms([a[s][0]['test_acc'] for s in seeds])} → {_ms([g[s][0]['test_acc'] for s in seeds])}",
-                _ci([g[s][0]["test_acc"] - a[s][0]["test_acc"] for s in seeds]), ratio, str(len(seeds))]) + " |")
+                _ci([g[s][0]["test_acc"] - a[s][0]["test_acc"] for s in seeds]), cpu, str(len(seeds))]) + " |")
     from convergence_tables import _cmd
     text = "\n".join(lines)
-    if loads:
-        text += (f"\n\nLoad (1-minute load average at the epochs' ends): median {np.median(loads):.2f}, "
-                 f"range {min(loads):.2f}-{max(loads):.2f} on {os.cpu_count()} cores, one run at a time, 1 thread.")
+    text += _load_line(loads)
     first = [n for n, _ in _fashion_async() if n.startswith(f"fm-async-s{FM_ASYNC_SEEDS[0]}-")]
     return text + "\n\nCommands (seed 0; the other seeds change `--seeds` and `--out` only):\n\n" + \
         "\n".join(f"    {_cmd(n)}" for n in first) + "\n"

@@ -29,6 +29,15 @@ def test_fm_schedule_stage_pairs_the_arms():
     assert cmd.count("--seeds") == 1 and opt(cmd, "--threads") == "1"
 
 
+def _runs_in(tmp_path, monkeypatch):
+    """docs/convergence.py with its runs folder (both modules' RUNS) at ``tmp_path``: the module and the folder."""
+    c, ct = _convergence()
+    root = str(tmp_path)
+    monkeypatch.setattr(c, "RUNS", root)
+    monkeypatch.setattr(ct, "RUNS", root)
+    return c, root
+
+
 def _write(root, name, seed, curves):
     d = os.path.join(root, name)
     os.makedirs(d)
@@ -44,10 +53,7 @@ def _write(root, name, seed, curves):
 
 
 def test_fm_schedule_table_on_written_runs(tmp_path, monkeypatch):
-    c, ct = _convergence()
-    root = str(tmp_path)
-    monkeypatch.setattr(c, "RUNS", root)
-    monkeypatch.setattr(ct, "RUNS", root)
+    c, root = _runs_in(tmp_path, monkeypatch)
     for seed, bump in ((0, 0.0), (1, 0.5), (2, -0.5)):
         _write(root, f"fm-schedule-b2-s{seed}-e1b10", seed,
                [("baseline", [80 + bump, 88 + bump], 10.0), ("grad", [84 + bump, 89 + bump], 11.0),
@@ -79,10 +85,7 @@ def test_fm_async_stage_pairs_the_arms():
 
 
 def test_fm_async_table_on_written_runs(tmp_path, monkeypatch):
-    c, ct = _convergence()
-    root = str(tmp_path)
-    monkeypatch.setattr(c, "RUNS", root)
-    monkeypatch.setattr(ct, "RUNS", root)
+    c, root = _runs_in(tmp_path, monkeypatch)
     for seed, bump in ((0, 0.0), (1, 0.5), (2, -0.5)):
         _write(root, f"fm-async-s{seed}-b10-sync", seed, [("grad", [84 + bump, 89 + bump], 10.0),
                                                           ("recursive", [83, 89], 10.0)])
