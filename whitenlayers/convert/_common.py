@@ -14,7 +14,7 @@ from typing import (
 from torch import Tensor, nn
 
 from .._deprecated import module_getattr
-from ..coordinator import FoldCoordinator
+from ..coordinator import FoldCoordinator, ForwardBegins
 from ..layers import (
     DirectWhiten,
 )
@@ -108,6 +108,9 @@ def _coordinators(module: nn.Module) -> List[Tuple[int, FoldCoordinator]]:
 def _remove_coordinators(module: nn.Module) -> None:
     for key, _ in _coordinators(module):
         for attr in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
+            getattr(module, attr, {}).pop(key, None)
+    for key in [k for k, h in module._forward_pre_hooks.items() if isinstance(h, ForwardBegins)]:
+        for attr in ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs"):
             getattr(module, attr, {}).pop(key, None)
 
 __getattr__ = module_getattr("whitenlayers.convert._common", "DirectWhitened")  # pickles of old direct models

@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.utils import parametrize
 
-from ..coordinator import FoldCoordinator, check_fold_async
+from ..coordinator import FoldCoordinator, ForwardBegins, check_fold_async
 from ..fold import check_strategy
 from ..layers import (
     GRAD_LAYER_TYPES,
@@ -54,14 +54,18 @@ def _install_coordinator(model: nn.Module, strategy: str = "auto",
         return None
     existing = _coordinators(model)
     if existing:
-        coord = existing[0][1]
+        key, coord = existing[0]
         if coord.fold_async and not fold_async:
             coord.wait()  # its folds in flight are written at the layers' next block ends, as loaded ones are
         coord.strategy = strategy
         coord.fold_async = fold_async
+        model._forward_hooks_always_called[key] = True  # a coordinator installed before it collected batches
     else:
         coord = FoldCoordinator(strategy, fold_async)
-        coord.handle = model.register_forward_hook(coord)
+        # always called: a forward that raises still adds the batches its layers handed over
+        coord.handle = model.register_forward_hook(coord, always_call=True)
+    if not any(isinstance(h, ForwardBegins) and h.coordinator is coord for h in model._forward_pre_hooks.values()):
+        coord.begin_handle = model.register_forward_pre_hook(ForwardBegins(coord))
     for layer in layers:
         layer._fold_coordinator = coord
     coord.layers = layers

@@ -425,6 +425,108 @@ def accumulate_moments(acc: Tensor, x: Tensor, shift: Optional[Tensor],
     _product_add(acc, a, a.t())
 
 
+def accumulate_moments_grouped(acc: Tensor, xs: Sequence[Tensor], shifts: Optional[Sequence[Tensor]] = None) -> None:
+    """:func:`accumulate_moments` of several layers' batches of one shape at once, into their stacked accumulators:
+    a few operations for all of them instead of two or more per layer (a host-bound step pays per operation, not
+    per number).
+
+    ``acc`` ``(L, M + 1, M + 1)`` holds layer ``i``'s accumulator at ``acc[i]`` (:func:`stacked_moments_accumulator`
+    makes one with aligned rows); ``xs[i]`` is its batch (``(B, M)`` or ``(B, M, *spatial)``; one shape, dtype and
+    device for all) and ``shifts[i]`` the shift it is summed about (broadcasting against it; ``None``: all summed
+    about 0). The batches are stacked (one copy; a channels_last or 2-D batch as rows ``(P, M)``, otherwise
+    features first), the shifts subtracted (one operation, in the accumulators' dtype), then one batched product
+    adds every ``sum (x - k)(x - k)^T`` into ``acc[:, :M, :M]`` and one sum every ``sum (x - k)`` into
+    ``acc[:, :M, M]``. The same sums as :func:`accumulate_moments` up to rounding (products in another order).
+
+    A bf16 / fp16 batch summed about 0 goes into the batched product as it is where the device multiplies it into
+    float32 (CUDA, ``bmm``'s ``out_dtype``), as in :func:`accumulate_moments`; elsewhere it is converted first.
+
+    Args:
+        acc: the stacked accumulators, ``(L, M + 1, M + 1)``, float32 or float64 (a strided view is fine).
+        xs: the ``L`` batches, features on dim 1.
+        shifts: the ``L`` shifts (``(1, M, 1, ...)`` or ``(M,)``), or ``None``.
+
+    Example:
+        >>> import torch
+        >>> from whitenlayers.functional import accumulate_moments_grouped, stacked_moments_accumulator
+        >>> acc = stacked_moments_accumulator(2, 3)
+        >>> xs = [torch.randn(5, 3), torch.randn(5, 3)]
+        >>> accumulate_moments_grouped(acc, xs)
+        >>> torch.allclose(acc[1, :3, :3], xs[1].t() @ xs[1], atol=1e-5)
+        True
+    """
+    if acc.dim() != 3 or acc.shape[0] != len(xs) or (shifts is not None and len(shifts) != len(xs)) or not xs:
+        raise ValueError(f"accumulate_moments_grouped: expected a stacked accumulator (L, M + 1, M + 1) and L >= 1 "
+                         f"batches (and shifts), but got acc of shape {tuple(acc.shape)}, {len(xs)} batches and "
+                         f"{'no' if shifts is None else len(shifts)} shifts")
+    shape = xs[0].shape
+    m = acc.shape[-1] - 1
+    if any(x.shape != shape for x in xs) or len(shape) < 2 or shape[1] != m:
+        raise ValueError(f"accumulate_moments_grouped: the batches must share one shape with {m} features on dim "
+                         f"1, but got shapes {sorted({tuple(x.shape) for x in xs})}")
+    dtype = acc.dtype
+    if len(shape) == 2:
+        a = torch.stack(list(xs))  # (L, B, M)
+        samples, features = 1, 2
+    elif len(shape) == 4 and _as_rows(xs[0]) is not None:
+        # channels_last batches stack channels_last: the rows (L, P, M) are a view of the stack
+        a = torch.stack(list(xs)).permute(0, 1, 3, 4, 2).reshape(len(xs), -1, m)
+        samples, features = 1, 2
+    else:  # (L, M, N): each batch's features first, copied once by the stack
+        a = torch.stack([x.transpose(0, 1) for x in xs]).flatten(2)
+        samples, features = 2, 1
+    if shifts is not None:  # x - k in the accumulators' dtype (a bf16 batch is promoted by the subtraction)
+        k = torch.stack([s.reshape(-1) for s in shifts]).to(dtype).unsqueeze(samples)
+        a = torch.sub(a, k)
+    lowp = a.dtype != dtype and a.dtype in LOW_PRECISION and _probe_bmm_out_dtype(a.device)
+    if a.dtype != dtype and not lowp:
+        a = a.to(dtype)
+    left, right = (a.mT, a) if features == 2 else (a, a.mT)
+    s2 = acc[:, :m, :m]
+    if lowp:
+        s2.add_(torch.bmm(left, right, out_dtype=dtype))
+        acc[:, :m, m].add_(a.sum(samples, dtype=dtype))
+        return
+    if acc.device.type == "cpu":  # the CPU's baddbmm_ into strided matrices loops over them: product, then add
+        s2.add_(torch.bmm(left, right))
+    else:  # cuBLAS writes the strided matrices (aligned rows) in place
+        s2.baddbmm_(left, right)
+    acc[:, :m, m].add_(a.sum(samples))
+
+
+def stacked_moments_accumulator(layers: int, num_features: int, dtype: torch.dtype = torch.float32,
+                                device: Optional[Union[str, torch.device]] = None) -> Tensor:
+    """``layers`` zeroed accumulators for :func:`accumulate_moments_grouped`, ``(L, M + 1, M + 1)``, each with
+    :func:`moments_accumulator`'s aligned rows (a view of ``(L, M + 1, M')`` storage).
+
+    Example:
+        >>> stacked_moments_accumulator(2, 3).stride()
+        (32, 8, 1)
+    """
+    m1 = num_features + 1
+    return torch.zeros(layers, m1, -(-m1 // _ACC_ROW_ALIGN) * _ACC_ROW_ALIGN, dtype=dtype, device=device)[:, :, :m1]
+
+
+_LOWP_BMM: dict = {}  # device type -> whether bmm takes out_dtype there
+
+
+def _probe_bmm_out_dtype(device: torch.device) -> bool:
+    """Whether ``torch.bmm(bf16, bf16, out_dtype=torch.float32)`` runs on ``device`` (CUDA, torch 2.8 and later;
+    the CPU has no such kernel): tried once per device type."""
+    key = device.type
+    if key not in _LOWP_BMM:
+        ok = False
+        if device.type == "cuda":
+            a = torch.ones(2, 4, 3, dtype=torch.bfloat16, device=device)
+            try:
+                torch.bmm(a.mT, a, out_dtype=torch.float32)
+                ok = True
+            except (RuntimeError, TypeError, NotImplementedError):
+                pass
+        _LOWP_BMM[key] = ok
+    return _LOWP_BMM[key]
+
+
 def unshifted_accurate(block: "BlockSummary", max_mean2_var: float) -> bool:
     """Whether ``block``'s statistics allow summing the next block about 0: ``mean^2 <= max_mean2_var * var`` for
     every feature (then :func:`batch_sums` without a shift loses at most ``log2(1 + max_mean2_var)`` bits to the

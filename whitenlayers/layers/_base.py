@@ -459,6 +459,10 @@ class _GradWhitenMixin(WhiteningLayer):
                 w = grad_transformed(w, state["grad_transform"])
         return w
 
+    def _input_saved(self, x: Tensor) -> bool:
+        # the convolution (or linear map) saves its input for the weight's gradient
+        return self.weight.requires_grad
+
     def _capture_fold_inputs(self) -> None:
         # The fold at the end of the model's forward compensates with the weight of this forward: under a sharded
         # wrapper (FSDP) the full weight exists only now. Its taps summed, float64: all the fold needs.

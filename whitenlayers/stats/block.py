@@ -76,7 +76,7 @@ class _BlockMixin(_LayerCore):
             aug, m1 = self.__dict__.get("_acc_aug"), self.num_features + 1
             dtype = self._acc_dtype()
             if aug is not None and aug.device == dev and aug.shape == (m1, m1) and aug.dtype == dtype:
-                zero.append(aug if aug._base is None else aug._base)  # its storage, padding too: a dense tensor
+                zero.append(self.__dict__.get("_acc_dense", aug))  # its storage, padding too: a dense tensor
             else:
                 self._set_accumulator(F_w.moments_accumulator(self.num_features, dtype, dev))
             return zero
@@ -91,7 +91,14 @@ class _BlockMixin(_LayerCore):
             self._acc_s2 = torch.zeros(self._block_shape, dtype=torch.float64, device=dev)
         return zero
 
-    def _set_accumulator(self, aug: Tensor) -> None:
+    def _set_accumulator(self, aug: Tensor, dense: Optional[Tensor] = None) -> None:
+        """Make ``aug`` the block's augmented accumulator; ``dense``: the dense storage it views, which a new block
+        zeroes (default: its base, a :func:`~whitenlayers.functional.moments_accumulator`'s padded rows; a slice of
+        a fold coordinator's stacked accumulator passes its own rows)."""
+        if dense is None:
+            base = aug._base
+            dense = base if base is not None and base.dim() == 2 and base.shape[0] == aug.shape[0] else aug
+        self.__dict__["_acc_dense"] = dense
         self._acc_aug = aug
         self._acc_s2 = aug[:-1, :-1]
         self._acc_s1 = aug[:-1, -1]
@@ -124,6 +131,7 @@ class _BlockMixin(_LayerCore):
         """Fold this layer alone, now (not at the end of the forward that ended its block); synchronously, a fold
         of an asynchronous coordinator that it still has pending written first."""
         self._fold_weight = None
+        self._flush_handed()  # the batches this forward's layers handed over, this one's too
         if self._fold_coordinator is not None:
             self._fold_coordinator.wait()
         fold_layers([cast("WhiteningLayer", self)])
@@ -139,7 +147,15 @@ class _BlockMixin(_LayerCore):
         overflow the input's precision), else ``0.0``: float64, on the device (checked once per block)."""
         return ((self._acc_s1.sum() + self._acc_s2.sum()) * 0 != 0).to(torch.float64)  # x * 0: NaN for NaN, Inf
 
+    def _flush_handed(self) -> None:
+        """Add the batches that the layers handed to their fold coordinator in the forward under way (a read of the
+        block inside the model's forward sees this layer's batches so far)."""
+        coordinator = self._fold_coordinator
+        if coordinator is not None and coordinator._scopes:
+            coordinator.flush_stats()
+
     def _block_summary(self) -> BlockSummary:
+        self._flush_handed()
         return F_w.summarize_block(*self._block_sums())
 
     # -------------------------------------------------------------------- fold
@@ -301,4 +317,5 @@ class _BlockMixin(_LayerCore):
 
     def discard_block(self) -> None:
         """Drop the current partial block (its statistics and its batch count); the state in force is kept."""
+        self._flush_handed()
         self._reset_accumulators()

@@ -80,10 +80,14 @@ class _StateIOMixin(_LayerCore):
                           "_rows_cache", "_shift_store", "_deferred_grad", "_deferred_q",
                           "_spares", "_double_buffered"):  # the last two: set by versions before 2026-11-28
             state.pop(transient, None)
-        if state.get("_acc_aug") is not None:  # views of it: made again on load (a pickle would copy them apart)
+        state.pop("_acc_dense", None)
+        aug = state.get("_acc_aug")
+        if aug is not None:  # views of it: made again on load (a pickle would copy them apart)
             state.pop("_acc_s1", None)
             state.pop("_acc_s2", None)
             state.pop("_acc_blocks", None)
+            if aug._base is not None and aug._base.dim() == 3:  # a slice of a coordinator's stacked accumulator
+                state["_acc_aug"] = F_w.moments_accumulator(aug.shape[0] - 1, aug.dtype, aug.device).copy_(aug)
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
@@ -117,6 +121,7 @@ class _StateIOMixin(_LayerCore):
         layout tag 3 and the fold after the block: ``_PENDING_HEAD``, its new mean, mean change and next
         shift, and the buffers its outcome holds, so that a resume writes it where the run would have.
         """
+        self._flush_handed()
         self._wait_for_fold()
         pending = cast(Optional[PendingFold], self._pending_fold)
         f64: Dict[str, Any] = {"dtype": torch.float64, "device": self.running_mean.device}

@@ -10,6 +10,7 @@ Part of :mod:`whitenlayers.stats`.
 """
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Dict, Optional, Tuple, cast
 
 import torch
@@ -27,6 +28,11 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["recomputing"]
 
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+_jit_tracing = torch._C._is_tracing
+#: The innermost saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks``: activation checkpointing,
+#: ``save_on_cpu``), or ``None``; a torch without the query answers "some" (nothing handed over).
+_saved_tensor_hooks = (functools.partial(torch._C._autograd._top_saved_tensors_default_hooks, False)
+                       if hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks") else lambda: True)
 _eager = torch.compiler.disable
 
 
@@ -173,7 +179,7 @@ class _PerStepMixin(_LayerCore):
         the device multiplies it into float32 (``functional.accumulate_moments``); otherwise it is converted to
         float32 first."""
         aug = self._acc_aug is not None
-        x = self._stats_batch(x, low_precision=aug)
+        x_in, x = x, self._stats_batch(x, low_precision=aug)
         if self._acc_s1.device != x.device:
             self._reset_accumulators_to(x.device)
         shift_x = self._acc_shift_x  # made for the rank of the block's first batch: made again for another rank
@@ -182,8 +188,13 @@ class _PerStepMixin(_LayerCore):
             # The hot path, within a block: accumulate_moments' two-op path is in place or takes out= or an explicit
             # dtype, apart from a subtraction and (a contiguous NC... batch) a concatenation, none of which autocast
             # touches: no context. Eager only (_accumulate traces elsewhere): the accumulator's blocks as sliced
-            # once (_set_accumulator).
-            F_w.accumulate_moments(cast(Tensor, self._acc_aug), x, self._acc_shift_x, self._acc_blocks)
+            # once (_set_accumulator). Inside a model's forward the batch is handed to its fold coordinator, which
+            # adds those of all layers at the forward's end, grouped by shape (a few operations for all of them).
+            sink = self._stats_sink(x_in)
+            if sink is not None:
+                sink.append((self, x, x._version, self._acc_shift_x))
+            else:
+                F_w.accumulate_moments(cast(Tensor, self._acc_aug), x, self._acc_shift_x, self._acc_blocks)
         else:
             with _no_autocast(x.device):  # under autocast, products would run (and overflow) in fp16/bf16
                 if self._acc_shift is None:
@@ -193,6 +204,25 @@ class _PerStepMixin(_LayerCore):
                     self._acc_shift_x = self._acc_shift.to(_work_dtype(x)).view((1, -1) + (1,) * (x.dim() - 2))
                 self._add_sums(x, self._acc_shift_x)
         self.__dict__["_acc_count"] = self._acc_count + x.numel() // self.num_features  # a plain counter
+
+    def _stats_sink(self, x: Tensor) -> Optional[list]:
+        """Where this training forward hands its batch ``x`` (the layer's input) for the statistics: the fold
+        coordinator's list while the model's forward runs (:meth:`FoldCoordinator.flush_stats` adds it at the
+        forward's end), or ``None``: added now. Handed over only where holding the batch until then keeps nothing
+        alive that the forward would free: a backward is recorded that saves the input (:meth:`_input_saved`), and
+        no saved-tensor hooks are active (activation checkpointing, offloading to the host)."""
+        coordinator = self._fold_coordinator
+        if coordinator is None or not coordinator._scopes:
+            return None
+        sink = coordinator.stats_sink()
+        if sink is None or not torch.is_grad_enabled() or _saved_tensor_hooks() is not None or _jit_tracing():
+            return None  # (a torch.jit trace records the layer's own operations)
+        return sink if self._input_saved(x) else None
+
+    def _input_saved(self, x: Tensor) -> bool:
+        """Whether the forward's backward keeps the input ``x`` anyway (a grad layer: its weight's gradient needs
+        it); here, whether ``x`` is part of the recorded graph."""
+        return x.requires_grad
 
     # ------------------------------------------------------------ torch.compile
     # Inside a compiled graph a layer reads no Python number that changes from step to step (dynamo would guard on
