@@ -482,16 +482,19 @@ def accumulate_moments_grouped(acc: Tensor, xs: Sequence[Tensor], shifts: Option
     if a.dtype != dtype and not lowp:
         a = a.to(dtype)
     left, right = (a.mT, a) if features == 2 else (a, a.mT)
-    s2 = acc[:, :m, :m]
-    if lowp:
-        s2.add_(torch.bmm(left, right, out_dtype=dtype))
-        acc[:, :m, m].add_(a.sum(samples, dtype=dtype))
-        return
-    if acc.device.type == "cpu":  # the CPU's baddbmm_ into strided matrices loops over them: product, then add
-        s2.add_(torch.bmm(left, right))
-    else:  # cuBLAS writes the strided matrices (aligned rows) in place
+    # Two products added in place into the accumulators' strided blocks (cuBLAS writes aligned rows as they are),
+    # the column sums as the product with a column of ones, as accumulate_moments does: two kernels.
+    s2, s1 = acc[:, :m, :m], acc[:, :m, m:]
+    ones = _ones((a.shape[0], a.shape[samples], 1), a.dtype, a.device)  # (L, P or N, 1)
+    if not lowp:
         s2.baddbmm_(left, right)
-    acc[:, :m, m].add_(a.sum(samples))
+        s1.baddbmm_(left, ones)
+    elif _probe_baddbmm_out_dtype(a.device):  # bf16 / fp16 products into float32 on tensor cores, in place
+        torch.baddbmm(s2, left, right, out_dtype=dtype, out=s2)
+        torch.baddbmm(s1, left, ones, out_dtype=dtype, out=s1)
+    else:  # the products into float32, then added
+        s2.add_(torch.bmm(left, right, out_dtype=dtype))
+        s1.add_(torch.bmm(left, ones, out_dtype=dtype))
 
 
 def stacked_moments_accumulator(layers: int, num_features: int, dtype: torch.dtype = torch.float32,
@@ -507,24 +510,35 @@ def stacked_moments_accumulator(layers: int, num_features: int, dtype: torch.dty
     return torch.zeros(layers, m1, -(-m1 // _ACC_ROW_ALIGN) * _ACC_ROW_ALIGN, dtype=dtype, device=device)[:, :, :m1]
 
 
-_LOWP_BMM: dict = {}  # device type -> whether bmm takes out_dtype there
+_LOWP_BMM: dict = {}  # (device type, in place) -> whether (b)addbmm takes out_dtype there
 
 
-def _probe_bmm_out_dtype(device: torch.device) -> bool:
+def _probe_bmm_out_dtype(device: torch.device, in_place: bool = False) -> bool:
     """Whether ``torch.bmm(bf16, bf16, out_dtype=torch.float32)`` runs on ``device`` (CUDA, torch 2.8 and later;
-    the CPU has no such kernel): tried once per device type."""
-    key = device.type
+    the CPU has no such kernel); ``in_place``: whether ``torch.baddbmm(acc, bf16, bf16, out_dtype=torch.float32,
+    out=acc)`` adds the products into a strided float32 ``acc`` (checked against the float32 products). Tried once
+    per device type."""
+    key = (device.type, in_place)
     if key not in _LOWP_BMM:
         ok = False
         if device.type == "cuda":
-            a = torch.ones(2, 4, 3, dtype=torch.bfloat16, device=device)
+            a = (torch.arange(24, device=device).view(2, 4, 3) % 5 - 2).to(torch.bfloat16)
             try:
-                torch.bmm(a.mT, a, out_dtype=torch.float32)
-                ok = True
+                want = a.mT.float() @ a.float()
+                if in_place:
+                    acc = torch.ones(2, 3, 8, device=device)[:, :, :3]
+                    torch.baddbmm(acc, a.mT, a, out_dtype=torch.float32, out=acc)
+                    ok = bool(torch.equal(acc, want + 1))
+                else:
+                    ok = bool(torch.equal(torch.bmm(a.mT, a, out_dtype=torch.float32), want))
             except (RuntimeError, TypeError, NotImplementedError):
                 pass
         _LOWP_BMM[key] = ok
     return _LOWP_BMM[key]
+
+
+def _probe_baddbmm_out_dtype(device: torch.device) -> bool:
+    return _probe_bmm_out_dtype(device, in_place=True)
 
 
 def unshifted_accurate(block: "BlockSummary", max_mean2_var: float) -> bool:
