@@ -3,21 +3,26 @@ from __future__ import annotations
 
 from typing import (
     TYPE_CHECKING,
+    Any,
     Callable,
     Iterable,
     List,
     Sequence,
     Tuple,
     Union,
+    cast,
 )
 
+import torch
 from torch import Tensor, nn
 
 from .._deprecated import module_getattr
 from ..coordinator import FoldCoordinator, ForwardBegins
+from ..functional import transform_weight_grad
 from ..layers import (
     DirectWhiten,
 )
+from ..layers._base import _autocast_enabled, _check_not_tracing_function
 from ..stats import WhiteningLayer
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -76,15 +81,71 @@ class DirectWhitenWrapper(nn.Module):
                                       error_msgs)
 
     def forward(self, x: Tensor) -> Tensor:
-        """``layer(whiten(x))``.
+        """``layer(whiten(x))``, computed as ``layer(x - mu)`` with the weight ``W T`` where that is the same.
+
+        A plain conv or linear layer (``nn.Conv1d/2d/3d``, ``nn.Linear``) after a dense ``T`` (``groups=1``), with
+        no hooks on either module, takes its weight times ``T`` on the input-feature axis instead of the whitened
+        input: ``conv(pad(T (x - mu)), W) = conv(pad(x - mu), W T)`` (every padding mode pads each position's
+        features as a whole, which ``T`` does not mix), and the gradients of ``W`` and ``x`` are those of the
+        whitened form (``dW = dW' T^T``, ``dx = T^T conv^T(dz, W)``), up to rounding. One subtraction on the input
+        and one small product on the weight replace two 1x1 products over the activations (forward and
+        backward). Otherwise (hooks, a grouped ``T``, another layer type) the two modules are called in turn.
 
         Args:
             x: the wrapped layer's input (features on dim 1 for a conv, on the last dim for an ``nn.Linear``).
         """
+        if self._fusable():
+            return self._fused_forward(x)
         if isinstance(self.layer, nn.Linear) and x.dim() != 2:
             # A linear layer acts on the last dim: whiten the (N, C) rows of x (statistics over all leading dims).
             return self.layer(self.whiten(x.reshape(-1, x.shape[-1])).reshape(x.shape))
         return self.layer(self.whiten(x))
+
+
+    def _fusable(self) -> bool:
+        whiten, layer = self.whiten, self.layer
+        if type(layer) not in _FUSED_LAYERS or whiten.groups != 1:
+            return False
+        for module in (whiten, layer):
+            if (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                    or module._backward_pre_hooks):
+                return False
+        return not _global_module_hooks()
+
+    def _fused_forward(self, x: Tensor) -> Tensor:
+        """``layer(x - mu)`` with the weight ``W T`` (:meth:`forward`)."""
+        whiten, layer = self.whiten, cast(Any, self.layer)
+        linear = type(layer) is nn.Linear
+        training, state = whiten._begin(x.reshape(-1, x.shape[-1]) if linear and x.dim() != 2 else x)
+        t, mean = state["whitening_matrix"], state["running_mean"]
+        if torch.is_grad_enabled() and x.requires_grad:  # as the DirectWhiten's own forward (its Function)
+            _check_not_tracing_function(whiten, "the whitening's backward")
+        w = layer.weight
+        if _autocast_enabled(w.device.type):  # W T in the weight's dtype (autocast would multiply in bf16 / fp16)
+            with torch.autocast(device_type=w.device.type, enabled=False):
+                wt = transform_weight_grad(w, t)
+        else:
+            wt = transform_weight_grad(w, t)
+        shift = whiten._shift_for(mean, x, linear)
+        if linear:
+            out = nn.functional.linear(x - shift, wt, layer.bias)
+        else:
+            out = layer._conv_forward(x - shift, wt, layer.bias)
+        if training:
+            whiten._end_batch()
+        return out
+
+
+#: The layers whose weight DirectWhitenWrapper multiplies by T instead of whitening their input.
+_FUSED_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
+
+
+def _global_module_hooks() -> bool:
+    """Whether any global module hook (``nn.modules.module.register_module_forward_hook`` and kin) is registered:
+    it would see the two modules' calls."""
+    mod = nn.modules.module
+    return any(getattr(mod, name, None) for name in ("_global_forward_hooks", "_global_forward_pre_hooks",
+                                                     "_global_backward_hooks", "_global_backward_pre_hooks"))
 
 
 def _is_whitening(m: nn.Module) -> bool:

@@ -2,7 +2,7 @@
 Part of :mod:`whitenlayers.layers`."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -110,6 +110,33 @@ class DirectWhiten(WhiteningLayer, nn.Module):
             rest = f"groups={self.groups}" + (f", {rest}" if rest else "")
         return f"{self.num_features}" + (f", {rest}" if rest else "")
 
+    def _begin(self, x: Tensor) -> Tuple[bool, Dict[str, Tensor]]:
+        """A forward's first half: the input checks, and in training mode the batch added to the block statistics;
+        whether it is a training batch and the buffers it reads (``_forward_state``). The second half is
+        ``_end_batch()`` after the output, for a training batch (:class:`~whitenlayers.DirectWhitenWrapper` runs
+        the two around the layer it whitens for)."""
+        _check_input(self, x, dim=1, ndims=tuple(range(2, 9)), what="an input of shape (B, C) or (B, C, *spatial)")
+        training, state = self._forward_state()
+        if training:
+            _check_gathering_untransformed(self)
+            self._accumulate(x)
+        return training, state
+
+    def _shift_for(self, mean: Tensor, x: Tensor, features_last: bool) -> Tensor:
+        """``mu`` as ``x`` subtracts it (``x``'s dtype; on dim 1, or the last dim when ``features_last``): made once
+        per block (cached by tensor and version), in the graph when compiled."""
+        shape = (-1,) if features_last else (1, -1) + (1,) * (x.dim() - 2)
+        if _is_compiling():
+            return mean.to(x.dtype).view(shape)
+        cached = self.__dict__.get("_shift_cache")
+        if (cached is not None and cached[0] is mean and cached[1] == mean._version and cached[2] == x.dtype
+                and cached[3] == shape):
+            return cached[4]
+        value = mean.to(x.dtype).view(shape)
+        if _cacheable(mean) and _cacheable(x):
+            self.__dict__["_shift_cache"] = (mean, mean._version, x.dtype, shape, value)
+        return value
+
     def forward(self, x: Tensor) -> Tensor:
         """``T (x - mu)`` along dim 1; in training mode the batch also joins the block statistics.
 
@@ -119,11 +146,7 @@ class DirectWhiten(WhiteningLayer, nn.Module):
         Returns:
             The whitened input, same shape and dtype.
         """
-        _check_input(self, x, dim=1, ndims=tuple(range(2, 9)), what="an input of shape (B, C) or (B, C, *spatial)")
-        training, state = self._forward_state()
-        if training:
-            _check_gathering_untransformed(self)
-            self._accumulate(x)
+        training, state = self._begin(x)
         t = state["whitening_matrix"]
         grads = torch.is_grad_enabled() and x.requires_grad
         if grads:

@@ -152,6 +152,7 @@ class WhiteningLayer(_PerStepMixin, _BlockMixin, _StateIOMixin):
         self.__dict__.pop("_snapshot", None)
         self._mean_taps = None
         self._pointwise_cache = None
+        self.__dict__.pop("_shift_cache", None)
         self._wait_for_fold()
         self._pending_fold = None
         with torch.no_grad():
@@ -216,6 +217,7 @@ class WhiteningLayer(_PerStepMixin, _BlockMixin, _StateIOMixin):
         self.__dict__.pop("_snapshot", None)
         self._mean_taps = None
         self._pointwise_cache = None
+        self.__dict__.pop("_shift_cache", None)
         return result
 
     def whitened_covariance(self) -> Tensor:

@@ -76,7 +76,7 @@ class _StateIOMixin(_LayerCore):
         # The buffers of the last forward and the weight of a fold under way are transient: not pickled or copied;
         # nor is the deferral's state (a copy is stepped by no optimizer of the deferral, defer_grad_transform).
         state = dict(self.__dict__)
-        for transient in ("_in_force", "_snapshot", "_fold_weight", "_mean_taps", "_pointwise_cache",
+        for transient in ("_in_force", "_snapshot", "_fold_weight", "_mean_taps", "_pointwise_cache", "_shift_cache",
                           "_rows_cache", "_shift_store", "_deferred_grad", "_deferred_q",
                           "_spares", "_double_buffered"):  # the last two: set by versions before 2026-11-28
             state.pop(transient, None)
