@@ -32,6 +32,10 @@
 #                                            # model (one recording per graph now?), then ResNet-50 reduce-overhead,
 #                                            # plain and grad, with the converted model's long compilation (>250 s)
 #                                            # given room; then `tests` as the second call
+#   bash benchmarks/gpu_session.sh grouped   # one call (~8 minutes): the CUDA tests of the statistics added by groups
+#                                            # at the forward's end and of the fused direct wrapper, then the
+#                                            # ResNet-50 step table (plain, grad, recursive, direct; host time per
+#                                            # step) and the kernel counts after them
 #
 # Muon and SOAP need pytorch-optimizer, which the device image lacks and cannot download: carry its wheel in
 # .whl/ (git-ignored; `pip download --no-deps pytorch_optimizer==4.1.0 -d .whl`); without it those rows are left
@@ -141,8 +145,16 @@ case "${1:-bench}" in
       --compile-modes reduce-overhead --json "$OUT/compile50.json" > "$OUT/compile50.txt" 2>&1
     echo "gpu.py (compile, ResNet-50) exit $?" >> "$OUT/machine.txt"
     ;;
+  grouped)
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_handed_stats.py tests/test_direct_fused.py \
+      > "$OUT/pytest_grouped.txt" 2>&1
+    echo "pytest (grouped statistics, fused direct) exit $?" >> "$OUT/machine.txt"
+    timeout 330 python3 benchmarks/gpu.py --threads 8 --rounds 50 --skip compile,resnet110 \
+      --variants "grad;recursive;direct" --json "$OUT/gpu_grouped.json" > "$OUT/gpu_grouped.txt" 2>&1
+    echo "gpu.py (step table, kernels) exit $?" >> "$OUT/machine.txt"
+    ;;
   *)
-    echo "usage: bash benchmarks/gpu_session.sh bench|short|tests|compile|compile50|graphs|async|async2|graphs2" >&2
+    echo "usage: bash benchmarks/gpu_session.sh bench|short|tests|compile|compile50|graphs|async|async2|graphs2|grouped" >&2
     exit 2
     ;;
 esac

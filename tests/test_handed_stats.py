@@ -274,3 +274,22 @@ def test_a_layer_called_twice_in_one_forward_adds_both_batches():
     for key, value in b.state_dict().items():
         if value.is_floating_point():
             torch.testing.assert_close(a.state_dict()[key], value, rtol=1e-10, atol=1e-12, msg=key)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("shifted", [False, True])
+def test_grouped_bf16_sums_on_cuda_are_each_layers_own(shifted):
+    """On CUDA a bf16 batch summed about 0 goes into the batched products as it is (float32 output, in place where
+    the torch has it); summed about a shift, in float32: each layer's own sums either way, to float32 rounding."""
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    xs = [torch.randn(8, 16, 6, 6, generator=gen, device=dev).to(memory_format=torch.channels_last).bfloat16()
+          for _ in range(3)]
+    shifts = [torch.randn(1, 16, 1, 1, generator=gen, device=dev) for _ in range(3)] if shifted else None
+    acc = stacked_moments_accumulator(3, 16, device=dev)
+    own = [moments_accumulator(16, device=dev) for _ in range(3)]
+    accumulate_moments_grouped(acc, xs, shifts)
+    for i, (a, x) in enumerate(zip(own, xs)):
+        accumulate_moments(a, x, None if shifts is None else shifts[i])
+        scale = float(a[:16, :17].abs().max())
+        assert float((acc[i, :16, :17] - a[:16, :17]).abs().max()) <= 1e-5 * scale
