@@ -8,13 +8,14 @@ runs one forward to collect its 52 whitening layers' inputs. Then, outside the m
 * **per layer**, the library's hot path: ``functional.accumulate_moments`` into each layer's accumulator (a float32
   copy of the bf16 batch, the subtraction of the shift, two products into the accumulator), within
   ``functional.fused_moments`` (CUDA's path);
-* **grouped by shape**: for each group of layers whose inputs share a shape, the inputs stacked (one copy), the
-  shifts subtracted, one batched product into stacked accumulators (``baddbmm_``) and one sum for the column sums.
+* **grouped by shape**: what a converted model's fold coordinator now runs at the end of each forward
+  (``functional.accumulate_moments_grouped``): for each group of layers whose inputs share a shape, the inputs
+  stacked (one copy), the shifts subtracted, two batched products in place into stacked accumulators (``x^T x``
+  and ``x^T 1``).
 
 Only the statistics' operations are timed (this process's CPU time, one thread): not the layer's Python around
-them, not the stacking's place in a real forward (the inputs would have to be kept until the model's forward ends,
-and on a GPU the stack is a copy of those activations). It says how many microseconds a layer's statistics
-operations are, and how many of them a grouped design would take back.
+them, not the hand-over in a real forward (``host_overhead.py`` times whole steps). It says how many microseconds
+a layer's statistics operations are, and how many of them the grouped path takes back.
 
     python benchmarks/grouped_stats.py
     python benchmarks/grouped_stats.py --tiny     # CI
@@ -32,7 +33,12 @@ from _common import add_common_args, command_line, loadavg, md_table, setup, wri
 from _resnet50 import resnet50
 
 import whitenlayers as wl
-from whitenlayers.functional.moments import accumulate_moments, moments_accumulator
+from whitenlayers.functional.moments import (
+    accumulate_moments,
+    accumulate_moments_grouped,
+    moments_accumulator,
+    stacked_moments_accumulator,
+)
 
 
 def _inputs(width: int, size: int) -> List[torch.Tensor]:
@@ -64,20 +70,15 @@ def main(argv=None) -> int:
     groups: Dict[Tuple[int, ...], List[int]] = collections.defaultdict(list)
     for i, x in enumerate(inputs):
         groups[tuple(x.shape)].append(i)
-    g_acc = {s: torch.zeros(len(ix), s[1], s[1]) for s, ix in groups.items()}
-    g_s1 = {s: torch.zeros(len(ix), s[1]) for s, ix in groups.items()}
-    g_shift = {s: torch.stack([shifts[i].view(-1) for i in ix]).view(len(ix), 1, -1) for s, ix in groups.items()}
+    g_acc = {s: stacked_moments_accumulator(len(ix), s[1]) for s, ix in groups.items()}
 
     def per_layer() -> None:
         for x, acc, shift in zip(inputs, accs, shifts):
-            accumulate_moments(acc, x.float(), shift)
+            accumulate_moments(acc, x, shift)
 
     def grouped() -> None:
         for s, ix in groups.items():
-            rows = torch.stack([inputs[i] for i in ix]).permute(0, 1, 3, 4, 2).reshape(len(ix), -1, s[1])  # (L, P, M)
-            rows = rows.float() - g_shift[s]
-            g_acc[s].baddbmm_(rows.transpose(1, 2), rows)
-            g_s1[s].add_(rows.sum(1))
+            accumulate_moments_grouped(g_acc[s], [inputs[i] for i in ix], [shifts[i] for i in ix])
 
     # the two compute the same sums (float32 products in another order): one step each from zero, compared
     with wl.functional.fused_moments(True):
@@ -88,8 +89,7 @@ def main(argv=None) -> int:
         for j, i in enumerate(ix):
             m = s[1]
             scale = float(accs[i][:m, :m].abs().max()) + 1e-30
-            gap = max(gap, float((accs[i][:m, :m] - g_acc[s][j]).abs().max()) / scale,
-                      float((accs[i][:m, m] - g_s1[s][j]).abs().max()) / scale)
+            gap = max(gap, float((accs[i][:m, : m + 1] - g_acc[s][j, :m, : m + 1]).abs().max()) / scale)
     if gap > 1e-4:
         raise SystemExit(f"grouped_stats.py: the grouped sums differ from the per-layer ones by {gap:.2e} (relative)")
     variants = {"per layer": per_layer, "grouped by shape": grouped}

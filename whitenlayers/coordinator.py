@@ -262,31 +262,41 @@ def _add_handed_batches(entries: Sequence[tuple], arenas: Dict[tuple, list]) -> 
             key: tuple = ("alone", len(groups))
         else:
             seen.add(id(layer))
-            key = (tuple(x.shape), x.stride(), x.dtype, x.device, layer._acc_aug.dtype, shift is None)
+            key = (x.shape, x.stride(), x.dtype, x.get_device(), layer._acc_aug.dtype, shift is None)
         groups.setdefault(key, []).append(entry)
-    for key, members in groups.items():
-        x0 = members[0][1]
-        size = max(1, GROUP_BYTES // max(1, x0.numel() * x0.element_size()))
-        with torch.no_grad(), _no_autocast(x0.device):
+    with torch.no_grad(), contextlib.ExitStack() as ctx:
+        for device_type in {entry[1].device.type for entry in entries}:
+            if _autocast_on(device_type):
+                ctx.enter_context(torch.autocast(device_type=device_type, enabled=False))
+        for key, members in groups.items():
+            x0 = members[0][1]
+            size = max(1, GROUP_BYTES // max(1, x0.numel() * x0.element_size()))
             for start in range(0, len(members), size):
                 part = members[start:start + size]
                 if len(part) == 1:
                     layer, x, _, shift = part[0]
                     accumulate_moments(layer._acc_aug, x, shift, layer._acc_blocks)
                     continue
-                acc = _arena(arenas, key + (start,), [e[0] for e in part])
+                acc, blocks = _arena(arenas, key + (start,), [e[0] for e in part])
                 shifts: Optional[List[Tensor]] = None if part[0][3] is None else [e[3] for e in part]
-                accumulate_moments_grouped(acc, [e[1] for e in part], shifts)
+                accumulate_moments_grouped(acc, [e[1] for e in part], shifts, blocks)
 
 
-def _arena(arenas: Dict[tuple, list], key: tuple, layers: List[Any]) -> Tensor:
-    """The stacked accumulator whose slices are ``layers``' accumulators: the one kept under ``key`` while every
-    layer's accumulator is still its slice, else a new one holding their sums so far (the layers' accumulators
-    become its slices)."""
+def _autocast_on(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except TypeError:  # torch < 2.4 takes no device type
+        return torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
+
+
+def _arena(arenas: Dict[tuple, list], key: tuple, layers: List[Any]) -> Tuple[Tensor, Tuple[Tensor, Tensor]]:
+    """The stacked accumulator whose slices are ``layers``' accumulators, and its ``s2`` and ``s1`` blocks: the
+    one kept under ``key`` while every layer's accumulator is still its slice, else a new one holding their sums
+    so far (the layers' accumulators become its slices)."""
     kept = arenas.get(key)
     if kept is not None and len(kept[0]) == len(layers) and all(
             a is b and layer._acc_aug is view for a, b, layer, view in zip(kept[0], layers, layers, kept[2])):
-        return kept[1]
+        return kept[1], kept[3]
     first = layers[0]._acc_aug
     acc = stacked_moments_accumulator(len(layers), first.shape[0] - 1, first.dtype, first.device)
     views = []
@@ -294,8 +304,10 @@ def _arena(arenas: Dict[tuple, list], key: tuple, layers: List[Any]) -> Tensor:
         acc[i].copy_(layer._acc_aug)
         layer._set_accumulator(acc[i], dense=acc._base[i] if acc._base is not None else acc[i])
         views.append(layer._acc_aug)
-    arenas[key] = [list(layers), acc, views]
-    return acc
+    m = acc.shape[-1] - 1
+    blocks = (acc[:, :m, :m], acc[:, :m, m:])
+    arenas[key] = [list(layers), acc, views, blocks]
+    return acc, blocks
 
 
 def check_fold_async(fold_async: bool, strategy: str) -> bool:

@@ -425,7 +425,8 @@ def accumulate_moments(acc: Tensor, x: Tensor, shift: Optional[Tensor],
     _product_add(acc, a, a.t())
 
 
-def accumulate_moments_grouped(acc: Tensor, xs: Sequence[Tensor], shifts: Optional[Sequence[Tensor]] = None) -> None:
+def accumulate_moments_grouped(acc: Tensor, xs: Sequence[Tensor], shifts: Optional[Sequence[Tensor]] = None,
+                               blocks: Optional[Tuple[Tensor, Tensor]] = None) -> None:
     """:func:`accumulate_moments` of several layers' batches of one shape at once, into their stacked accumulators:
     a few operations for all of them instead of two or more per layer (a host-bound step pays per operation, not
     per number).
@@ -445,6 +446,7 @@ def accumulate_moments_grouped(acc: Tensor, xs: Sequence[Tensor], shifts: Option
         acc: the stacked accumulators, ``(L, M + 1, M + 1)``, float32 or float64 (a strided view is fine).
         xs: the ``L`` batches, features on dim 1.
         shifts: the ``L`` shifts (``(1, M, 1, ...)`` or ``(M,)``), or ``None``.
+        blocks: ``acc[:, :M, :M]`` and ``acc[:, :M, M:]`` as sliced once by the caller (default: sliced here).
 
     Example:
         >>> import torch
@@ -484,7 +486,7 @@ def accumulate_moments_grouped(acc: Tensor, xs: Sequence[Tensor], shifts: Option
     left, right = (a.mT, a) if features == 2 else (a, a.mT)
     # Two products added in place into the accumulators' strided blocks (cuBLAS writes aligned rows as they are),
     # the column sums as the product with a column of ones, as accumulate_moments does: two kernels.
-    s2, s1 = acc[:, :m, :m], acc[:, :m, m:]
+    s2, s1 = (acc[:, :m, :m], acc[:, :m, m:]) if blocks is None else blocks
     ones = _ones((a.shape[0], a.shape[samples], 1), a.dtype, a.device)  # (L, P or N, 1)
     if not lowp:
         s2.baddbmm_(left, right)
