@@ -132,10 +132,11 @@ def test_a_training_forward_hands_its_batches_over_and_the_hook_adds_them():
     assert len(handed) == len(sums)  # every layer's batch was added at the forward's end
 
 
-@pytest.mark.parametrize("how", ["no_grad", "checkpoint", "frozen weight", "save_on_cpu"])
+@pytest.mark.parametrize("how", ["no_grad", "checkpoint", "frozen weight", "save_on_cpu", "replica"])
 def test_batches_that_would_not_outlive_their_layer_are_added_at_once(how):
     """Nothing is held that the forward would free: without a recorded backward, under activation checkpointing or
-    any saved-tensor hooks, or for a layer whose weight needs no gradient, a layer adds its own batch."""
+    any saved-tensor hooks, or for a layer whose weight needs no gradient, a layer adds its own batch; so does a
+    ``DataParallel`` replica."""
     model = _model()
     x, y = _batches(2)
     _train(model, [x])
@@ -146,6 +147,10 @@ def test_batches_that_would_not_outlive_their_layer_are_added_at_once(how):
     elif how == "save_on_cpu":
         with torch.autograd.graph.save_on_cpu():
             sums = _sums_during_forward(model, y)
+    elif how == "replica":  # DataParallel's replicas share their accumulators with the module they copy
+        for m in layers:
+            m.__dict__["_is_replica"] = True
+        sums = _sums_during_forward(model, y)
     elif how == "frozen weight":
         for m in layers:
             m.weight.requires_grad_(False)

@@ -212,8 +212,8 @@ class _PerStepMixin(_LayerCore):
         alive that the forward would free: a backward is recorded that saves the input (:meth:`_input_saved`), and
         no saved-tensor hooks are active (activation checkpointing, offloading to the host)."""
         coordinator = self._fold_coordinator
-        if coordinator is None or not coordinator._scopes:
-            return None
+        if coordinator is None or not coordinator._scopes or self.__dict__.get("_is_replica"):
+            return None  # (a DataParallel replica shares its accumulators with the module it copies: added now)
         sink = coordinator.stats_sink()
         if sink is None or not torch.is_grad_enabled() or _saved_tensor_hooks() is not None or _jit_tracing():
             return None  # (a torch.jit trace records the layer's own operations)
