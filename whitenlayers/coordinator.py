@@ -67,7 +67,7 @@ class FoldCoordinator:
     same sums up to rounding, far fewer operations per step on a host-bound step. A layer keeps its own two
     operations where the batch would otherwise not outlive its layer (no backward recorded, activation
     checkpointing or any saved-tensor hooks, a weight and an input that need no gradient) and inside compiled
-    graphs. The pre-hook that opens a forward's collection is :class:`ForwardBegins`.
+    graphs. The pre-hook that opens a forward's collection is ``ForwardBegins``.
 
     At the first fold after a conversion it checks that every whitening layer
     of the model (:attr:`layers`) in training mode was called: a layer whose
@@ -139,7 +139,7 @@ class FoldCoordinator:
             layer._pending_fold = fold
 
     def begin_forward(self) -> None:
-        """Open this thread's collection of the layers' batches (:class:`ForwardBegins`, before the model's
+        """Open this thread's collection of the layers' batches (``ForwardBegins``, before the model's
         forward). A forward of the same model inside it (nested) adds to the open one."""
         scopes = self._scopes
         if scopes is None:
