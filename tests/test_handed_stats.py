@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from state_utils import assert_states_close
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -101,11 +102,7 @@ def test_handed_batches_train_as_each_layer_adding_its_own(method, views):
     arenas = _coordinator(a)._arenas
     assert arenas and max(len(v[0]) for v in arenas.values()) >= 3  # grouped, not one by one
     assert not _coordinator(b)._arenas
-    for key, value in b.state_dict().items():
-        if value.is_floating_point():
-            torch.testing.assert_close(a.state_dict()[key], value, rtol=1e-10, atol=1e-12, msg=key)
-        else:
-            assert torch.equal(a.state_dict()[key], value), key
+    assert_states_close(a.state_dict(), b.state_dict(), rtol=1e-10, atol=1e-12)
 
 
 def _sums_during_forward(model, x, **ctx):
@@ -276,9 +273,7 @@ def test_a_layer_called_twice_in_one_forward_adds_both_batches():
 
     a, b = run(True), run(False)
     assert _coordinator(a)._arenas  # a and b grouped (first calls), their second calls on their own
-    for key, value in b.state_dict().items():
-        if value.is_floating_point():
-            torch.testing.assert_close(a.state_dict()[key], value, rtol=1e-10, atol=1e-12, msg=key)
+    assert_states_close(a.state_dict(), b.state_dict(), rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

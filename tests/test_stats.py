@@ -7,6 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from state_utils import assert_states_close
 
 import whitenlayers as wl
 
@@ -302,12 +303,7 @@ def test_two_op_statistics_path_trains_like_the_cpu_path(method):
                 opt.step()
         return model.state_dict()
 
-    a, b = run(False), run(True)
-    for key, value in a.items():
-        if value.is_floating_point():
-            torch.testing.assert_close(b[key], value, rtol=1e-10, atol=1e-12, msg=key)
-        else:
-            assert torch.equal(b[key], value), key
+    assert_states_close(run(True), run(False), rtol=1e-10, atol=1e-12)
 
 
 def _assert_float32_close_to_twin(layer, twin, blocks=3):
