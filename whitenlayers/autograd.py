@@ -24,8 +24,8 @@ from torch import Tensor
 from .functional import transform_weight_grad
 from .stats import _is_compiling
 
-__all__ = ["DirectWhitenFunction", "WeightGradTransform", "PointwiseWhitenFunction", "direct_whiten",
-           "grad_transformed", "pointwise_whiten"]
+__all__ = ["DirectWhitenFunction", "WeightGradTransform", "SharedWeightGradTransform", "PointwiseWhitenFunction",
+           "direct_whiten", "grad_transformed", "pointwise_whiten"]
 
 
 def _channels_last(x: Tensor) -> bool:
@@ -120,6 +120,24 @@ class WeightGradTransform(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tuple[Tensor, None]:
         return transform_weight_grad(grad, ctx.q), None
+
+
+class SharedWeightGradTransform(torch.autograd.Function):
+    """:class:`WeightGradTransform` of several layers' weights in one autograd node: the identity on each weight in
+    the forward (a view of it); in the backward, called once for all of them, each weight's gradient right-multiplied
+    by its own ``Q`` (``None`` where a weight took no gradient). One Python call per forward and per backward
+    instead of one per layer each (the fold coordinator applies it before a model's forward). Not for the
+    torch.func transforms (no vmap or jvp rule)."""
+
+    @staticmethod
+    def forward(ctx: Any, qs: Tuple[Tensor, ...], *weights: Tensor) -> Tuple[Tensor, ...]:
+        ctx.qs = qs
+        ctx.set_materialize_grads(False)
+        return tuple(w.view_as(w) for w in weights)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
+        return (None,) + tuple(None if g is None else transform_weight_grad(g, q) for g, q in zip(grads, ctx.qs))
 
 
 def _pointwise(x: Tensor, weight: Tensor, bias: Optional[Tensor], groups: int) -> Tensor:

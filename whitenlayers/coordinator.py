@@ -98,6 +98,11 @@ class FoldCoordinator:
     #: The stacked accumulators of the groups of layers whose batches are added together (``_arena``); never
     #: pickled (the layers' accumulators are pickled apart, and stacked again at the next forward).
     _arenas: Optional[Dict[tuple, list]] = None
+    #: Called with the layers and the model before each forward (``convert_model`` sets the layers' shared
+    #: weight-gradient transform, ``layers._base.share_weight_transforms``); returns whether it left views on them.
+    on_forward: Any = None
+    #: Whether this forward's layers hold views of the shared transform (dropped at the forward's end).
+    shared_weights: bool = False
 
     def __init__(self, strategy: str = "auto", fold_async: bool = False) -> None:
         check_strategy(strategy)
@@ -138,13 +143,16 @@ class FoldCoordinator:
         for layer, fold in zip(layers, folds):
             layer._pending_fold = fold
 
-    def begin_forward(self) -> None:
+    def begin_forward(self, module: Any = None) -> None:
         """Open this thread's collection of the layers' batches (``ForwardBegins``, before the model's
-        forward). A forward of the same model inside it (nested) adds to the open one."""
+        forward). A forward of the same model inside it (nested) adds to the open one. Then :attr:`on_forward`, if
+        set (the layers' shared weight-gradient transform, set by ``convert_model``)."""
         scopes = self._scopes
         if scopes is None:
             scopes = self._scopes = {}
         scopes.setdefault(_get_ident(), [])
+        if self.on_forward is not None and self.on_forward(self.layers, module):
+            self.shared_weights = True
 
     def stats_sink(self) -> Optional[List[tuple]]:
         """The list a layer hands its batch to in this thread's forward, or ``None`` outside one."""
@@ -168,6 +176,10 @@ class FoldCoordinator:
     @torch.compiler.disable  # Python bookkeeping: outside any compiled graph, never guarded on
     def __call__(self, module, inputs, output) -> None:
         self.flush_stats(end=True)  # registered with always_call: a forward that raised still leaves its sums
+        if self.shared_weights:  # the views of the shared weight transform that no layer used in this forward
+            self.shared_weights = False
+            for layer in self.layers:
+                layer.__dict__.pop("_shared_weight", None)
         for layer in self.layers:
             if layer._traced_calls:  # called inside a compiled graph: count its batches here (WhiteningLayer)
                 layer._count_traced_batches()
@@ -219,7 +231,8 @@ class FoldCoordinator:
         self.wait()
         self.flush_stats()
         return {"pending": list(self.pending), "handle": None, "begin_handle": None, "strategy": self.strategy,
-                "layers": list(self.layers), "checked": self.checked, "fold_async": self.fold_async}
+                "layers": list(self.layers), "checked": self.checked, "fold_async": self.fold_async,
+                "on_forward": self.on_forward}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update({"strategy": "auto", **state})  # coordinators pickled before strategies existed
@@ -235,7 +248,7 @@ class ForwardBegins:
 
     def __call__(self, module: Any, inputs: Any) -> None:
         if not torch.compiler.is_compiling():
-            self.coordinator.begin_forward()
+            self.coordinator.begin_forward(module)
 
 
 #: The largest stack of handed batches made at once (bytes): a group of layers with more is added in parts.

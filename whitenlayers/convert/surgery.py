@@ -24,6 +24,7 @@ from ..fold import check_strategy
 from ..layers import (
     GRAD_LAYER_TYPES,
 )
+from ..layers._base import share_weight_transforms
 from ..methods import get_method, method_of
 from ..patches import PATCH_MAX_FEATURES
 from ..stats import WhiteningLayer
@@ -69,6 +70,7 @@ def _install_coordinator(model: nn.Module, strategy: str = "auto",
     for layer in layers:
         layer._fold_coordinator = coord
     coord.layers = layers
+    coord.on_forward = share_weight_transforms  # one autograd node for the layers' weight-gradient transforms
     coord.checked = False  # the first fold checks that every layer is called (FoldCoordinator)
     return coord
 

@@ -6,7 +6,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple, Type, Union, cast
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence, Tuple, Type, Union, cast
 
 import torch
 from torch import Tensor, nn
@@ -15,8 +15,8 @@ from torch.nn.utils import parametrize
 
 from .. import functional as F_w
 from .._rebuild import conv_like, share_parameters
+from ..autograd import SharedWeightGradTransform, grad_transformed
 from ..autograd import _transforms_active as _func_transforms_active
-from ..autograd import grad_transformed
 from ..config import EVDConfig, WhiteningConfig, make_config
 from ..stats import WhiteningLayer, _is_compiling
 
@@ -137,6 +137,45 @@ def _check_input(layer: WhiteningLayer, x: Tensor, *, dim: int, ndims: tuple, wh
             f"{layer._describe()}: expected {expected} input {unit} on dim {dim % x.dim()}, but got {x.shape[dim]} "
             f"(input shape {tuple(x.shape)})"
         )
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def share_weight_transforms(layers: Sequence[Any], module: nn.Module) -> bool:
+    """Before a converted model's forward (its fold coordinator's pre-hook): put the weights of its grad / recursive
+    layers through one :class:`~whitenlayers.autograd.SharedWeightGradTransform` instead of one
+    ``WeightGradTransform`` per layer, and give each layer its weight's view for this forward (consumed by
+    ``_weight_for_forward`` when it is the weight and ``Q_s`` of the layer's forward; one Python call per forward
+    and per backward for all of them). Returns whether it did.
+
+    Only where every weight's gradient arriving at the end of the backward changes nothing: a single process (under
+    ``torch.distributed`` DDP all-reduces gradients while the backward runs, and FSDP gathers the weights only in
+    each unit's forward), a recorded backward outside the torch.func transforms, ``torch.jit`` traces and
+    ``inference_mode``, not a ``DataParallel`` replica; and for the layers whose weight is a plain Parameter that
+    needs a gradient (not parametrized, not deferred, channel features). Everything else keeps the per-layer
+    Function: a layer called twice (its second call), a forward recomputed by activation checkpointing, a compiled
+    graph. Views left unused by the forward are dropped at its end (:meth:`FoldCoordinator.__call__`)."""
+    if (not torch.is_grad_enabled() or _func_transforms_active() or _jit_tracing() or torch.is_inference_mode_enabled()
+            or module.__dict__.get("_is_replica") or _distributed()):
+        return False
+    chosen, weights, qs = [], [], []
+    for layer in layers:
+        w = layer._parameters.get("weight")
+        if (not isinstance(layer, _GradWhitenMixin) or type(w) is not nn.Parameter or not w.requires_grad
+                or layer.features != "channels" or "_deferred_grad" in layer.__dict__
+                or "parametrizations" in cast(Any, layer)._modules or getattr(w, "_fsdp_flattened", False)):
+            continue
+        chosen.append(layer)
+        weights.append(w)
+        qs.append(layer._forward_snapshot()["grad_transform"])
+    if len(chosen) < 2:
+        return False
+    views = SharedWeightGradTransform.apply(tuple(qs), *weights)
+    for layer, view, w, q in zip(chosen, views, weights, qs):
+        layer.__dict__["_shared_weight"] = (view, w, q)
+    return True
 
 
 class _GradWhitenMixin(WhiteningLayer):
@@ -439,6 +478,9 @@ class _GradWhitenMixin(WhiteningLayer):
         # Under a torch.func transform a weight with a forward-mode tangent (jvp, jacfwd) requires no grad: it takes
         # the Function too, whose jvp is its backward's adjoint (jacfwd equals jacrev).
         if torch.is_grad_enabled() and (w.requires_grad or _func_transforms_active()):
+            shared = None if _is_compiling() else self.__dict__.pop("_shared_weight", None)
+            if shared is not None and shared[1] is w and shared[2] is state["grad_transform"]:
+                return shared[0]  # this weight's view from the model's shared transform (share_weight_transforms)
             deferred = self.__dict__.get("_deferred_grad")
             if deferred is not None and _is_compiling():  # the graph takes the Function below; the hook must go
                 deferred.leave()
