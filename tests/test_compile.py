@@ -84,6 +84,9 @@ def test_compiled_converted_model_has_one_graph_per_step_kind_and_trains_like_ea
     layers = wl.whitening_layers(model)
     assert len({layer.num_features for _, layer in layers}) == 3
     assert all(int(layer.num_blocks) == 2 and layer.batches_in_block == 1 for _, layer in layers)
+    # the compiled layers take the per-layer transform in their graphs: the coordinator shares no weights any more
+    coordinator = next(h for h in model._forward_hooks.values() if isinstance(h, wl.coordinator.FoldCoordinator))
+    assert coordinator.traced and not any("_shared_weight" in layer.__dict__ for _, layer in layers)
     eager = _model(method)
     eager_losses = _train(eager, steps)
     # float64 and the same statistics: compiled and eager differ by the order of a few float64 sums (the compiled

@@ -103,6 +103,8 @@ class FoldCoordinator:
     on_forward: Any = None
     #: Whether this forward's layers hold views of the shared transform (dropped at the forward's end).
     shared_weights: bool = False
+    #: Whether a layer ran inside a compiled graph (which takes no view; then :attr:`on_forward` is not called).
+    traced: bool = False
 
     def __init__(self, strategy: str = "auto", fold_async: bool = False) -> None:
         check_strategy(strategy)
@@ -151,7 +153,7 @@ class FoldCoordinator:
         if scopes is None:
             scopes = self._scopes = {}
         scopes.setdefault(_get_ident(), [])
-        if self.on_forward is not None and self.on_forward(self.layers, module):
+        if self.on_forward is not None and not self.traced and self.on_forward(self.layers, module):
             self.shared_weights = True
 
     def stats_sink(self) -> Optional[List[tuple]]:
@@ -183,6 +185,7 @@ class FoldCoordinator:
         for layer in self.layers:
             if layer._traced_calls:  # called inside a compiled graph: count its batches here (WhiteningLayer)
                 layer._count_traced_batches()
+                self.traced = True  # compiled layers take no shared transform's view: on_forward runs no more
         if self.pending:
             self.flush()
 
@@ -232,7 +235,7 @@ class FoldCoordinator:
         self.flush_stats()
         return {"pending": list(self.pending), "handle": None, "begin_handle": None, "strategy": self.strategy,
                 "layers": list(self.layers), "checked": self.checked, "fold_async": self.fold_async,
-                "on_forward": self.on_forward}
+                "on_forward": self.on_forward, "traced": self.traced}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update({"strategy": "auto", **state})  # coordinators pickled before strategies existed
