@@ -33,9 +33,9 @@
 #                                            # plain and grad, with the converted model's long compilation (>250 s)
 #                                            # given room; then `tests` as the second call
 #   bash benchmarks/gpu_session.sh grouped   # one call (~8 minutes): the CUDA tests of the statistics added by groups
-#                                            # at the forward's end and of the fused direct wrapper, then the
-#                                            # ResNet-50 step table (plain, grad, recursive, direct; host time per
-#                                            # step) and the kernel counts after them
+#                                            # at the forward's end, the fused direct wrapper and the shared
+#                                            # weight-gradient node, then the ResNet-50 step table (plain, grad,
+#                                            # recursive, direct; host time per step) and the kernel counts after them
 #
 # Muon and SOAP need pytorch-optimizer, which the device image lacks and cannot download: carry its wheel in
 # .whl/ (git-ignored; `pip download --no-deps pytorch_optimizer==4.1.0 -d .whl`); without it those rows are left
@@ -147,7 +147,7 @@ case "${1:-bench}" in
     ;;
   grouped)
     timeout 120 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_handed_stats.py tests/test_direct_fused.py \
-      > "$OUT/pytest_grouped.txt" 2>&1
+      tests/test_shared_transform.py > "$OUT/pytest_grouped.txt" 2>&1
     echo "pytest (grouped statistics, fused direct) exit $?" >> "$OUT/machine.txt"
     timeout 330 python3 benchmarks/gpu.py --threads 8 --rounds 50 --skip compile,resnet110 \
       --variants "grad;recursive;direct" --json "$OUT/gpu_grouped.json" > "$OUT/gpu_grouped.txt" 2>&1
