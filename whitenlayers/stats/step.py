@@ -2,8 +2,10 @@
 
 A training forward begins with :meth:`~_PerStepMixin._forward_state` (the buffers it reads; a recomputed
 forward reads its original's), adds the batch's sums to the block's accumulators (:meth:`~_PerStepMixin._accumulate`:
-one product and one sum about the block's shift, no host synchronisation) and ends with
-:meth:`~_PerStepMixin._end_batch` (counts the batch; at the block's end, asks for a fold). Under ``torch.compile``
+one product and one sum about the block's shift, no host synchronisation; inside a converted model's forward on
+CUDA's path, handed to the model's fold coordinator, which adds the batches of all layers of one input shape
+together at the forward's end) and ends with :meth:`~_PerStepMixin._end_batch` (counts the batch; at the block's
+end, asks for a fold). Under ``torch.compile``
 the graph holds the tensor work only and the model's fold coordinator does the counting outside it. Everything
 else a layer does (the fold, checkpoints, casts) is in the other modules of :mod:`whitenlayers.stats`.
 Part of :mod:`whitenlayers.stats`.
