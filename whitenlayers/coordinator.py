@@ -67,7 +67,10 @@ class FoldCoordinator:
     same sums up to rounding, far fewer operations per step on a host-bound step. A layer keeps its own two
     operations where the batch would otherwise not outlive its layer (no backward recorded, activation
     checkpointing or any saved-tensor hooks, a weight and an input that need no gradient) and inside compiled
-    graphs. The pre-hook that opens a forward's collection is ``ForwardBegins``.
+    graphs. The pre-hook that opens a forward's collection is ``ForwardBegins``. It also calls :attr:`on_forward`,
+    which ``convert_model`` sets to put the grad / recursive layers' weights through one autograd node for their
+    weight-gradient transforms (in one process; ``layers._base.share_weight_transforms``); the views no layer used
+    are dropped at the forward's end.
 
     At the first fold after a conversion it checks that every whitening layer
     of the model (:attr:`layers`) in training mode was called: a layer whose
