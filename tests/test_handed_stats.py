@@ -293,3 +293,19 @@ def test_grouped_bf16_sums_on_cuda_are_each_layers_own(shifted):
         accumulate_moments(a, x, None if shifts is None else shifts[i])
         scale = float(a[:16, :17].abs().max())
         assert float((acc[i, :16, :17] - a[:16, :17]).abs().max()) <= 1e-5 * scale
+
+
+def test_a_forward_whose_end_hook_is_gone_holds_its_batches_one_forward_at_most():
+    """Without the coordinator's end hook (removed by hand), the next forward's start adds what the last one handed
+    over: no batch is held longer than one forward."""
+    model = _model()
+    x, y, z = _batches(3)
+    _train(model, [x])
+    coordinator = _coordinator(model)
+    coordinator.handle.remove()
+    layers = len(wl.whitening_layers(model))
+    with wl.functional.fused_moments(True):
+        model(y)
+        assert [len(held) for held in coordinator._scopes.values()] == [layers]  # held: no end hook
+        model(z)
+        assert [len(held) for held in coordinator._scopes.values()] == [layers]  # y's added, z's held

@@ -155,6 +155,8 @@ class FoldCoordinator:
         scopes = self._scopes
         if scopes is None:
             scopes = self._scopes = {}
+        if scopes.get(_get_ident()):  # batches a forward left (its end hook removed, or a nested forward): added now
+            self.flush_stats()
         scopes.setdefault(_get_ident(), [])
         if self.on_forward is not None and not self.traced and self.on_forward(self.layers, module):
             self.shared_weights = True
