@@ -101,7 +101,6 @@ class DirectWhitenWrapper(nn.Module):
             return self.layer(self.whiten(x.reshape(-1, x.shape[-1])).reshape(x.shape))
         return self.layer(self.whiten(x))
 
-
     def _fusable(self) -> bool:
         whiten, layer = self.whiten, self.layer
         if type(layer) not in _FUSED_LAYERS or whiten.groups != 1:
