@@ -33,12 +33,8 @@ from _common import add_common_args, command_line, loadavg, md_table, setup, wri
 from _resnet50 import resnet50
 
 import whitenlayers as wl
-from whitenlayers.functional.moments import (
-    accumulate_moments,
-    accumulate_moments_grouped,
-    moments_accumulator,
-    stacked_moments_accumulator,
-)
+from whitenlayers.functional.moments import accumulate_moments, moments_accumulator
+from whitenlayers.functional.stacked import accumulate_moments_grouped, stacked_moments_accumulator
 
 
 def _inputs(width: int, size: int) -> List[torch.Tensor]:

@@ -25,7 +25,8 @@ from .fold import (
     check_strategy,
     fold_layers,
 )
-from .functional.moments import accumulate_moments, accumulate_moments_grouped, stacked_moments_accumulator
+from .functional.moments import accumulate_moments
+from .functional.stacked import accumulate_moments_grouped, stacked_moments_accumulator
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.utils.hooks import RemovableHandle

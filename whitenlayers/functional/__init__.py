@@ -37,15 +37,11 @@ from .gradient import (  # noqa: F401
     transform_weight_grad,
     weight_mean_product,
 )
-
-# One module per concern; this package re-exports their public names (the module path of every name stays
-# ``whitenlayers.functional``) and the two CPU switches that tests and benchmarks read.
 from .moments import (  # noqa: F401
     _CPU_UNSHIFTED_MIN_ELEMENTS,
     STATS_MIN_ROWS_PER_FEATURE,
     BlockSummary,
     accumulate_moments,
-    accumulate_moments_grouped,
     accumulate_moments_split,
     all_finite,
     batch_moments,
@@ -67,7 +63,6 @@ from .moments import (  # noqa: F401
     ones_for_moments,
     recursive_average,
     scatter_about,
-    stacked_moments_accumulator,
     stats_samples,
     summarize_block,
     symmetrize,
@@ -92,6 +87,10 @@ from .spectrum import (  # noqa: F401
     normalized_rank,
     whiteness,
 )
+
+# One module per concern; this package re-exports their public names (the module path of every name stays
+# ``whitenlayers.functional``) and the two CPU switches that tests and benchmarks read.
+from .stacked import accumulate_moments_grouped, stacked_moments_accumulator  # noqa: F401
 
 __all__ = [
     "BlockSummary",
