@@ -11,6 +11,7 @@ from torch import Tensor
 
 from .fold import (
     PendingFold,
+    _autocast_enabled,
     _begin,
     _compute_folds,
     _dist_group,
@@ -288,8 +289,8 @@ def _add_handed_batches(entries: Sequence[tuple], arenas: Dict[tuple, list]) -> 
         groups.setdefault(key, []).append(entry)
     with torch.no_grad(), contextlib.ExitStack() as ctx:
         for device_type in {entry[1].device.type for entry in entries}:
-            if _autocast_on(device_type):
-                ctx.enter_context(torch.autocast(device_type=device_type, enabled=False))
+            if _autocast_enabled(device_type):
+                ctx.enter_context(_no_autocast(torch.device(device_type)))
         for key, members in groups.items():
             x0 = members[0][1]
             size = max(1, GROUP_BYTES // max(1, x0.numel() * x0.element_size()))
@@ -304,20 +305,13 @@ def _add_handed_batches(entries: Sequence[tuple], arenas: Dict[tuple, list]) -> 
                 accumulate_moments_grouped(acc, [e[1] for e in part], shifts, blocks)
 
 
-def _autocast_on(device_type: str) -> bool:
-    try:
-        return torch.is_autocast_enabled(device_type)
-    except TypeError:  # torch < 2.4 takes no device type
-        return torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
-
-
 def _arena(arenas: Dict[tuple, list], key: tuple, layers: List[Any]) -> Tuple[Tensor, Tuple[Tensor, Tensor]]:
     """The stacked accumulator whose slices are ``layers``' accumulators, and its ``s2`` and ``s1`` blocks: the
     one kept under ``key`` while every layer's accumulator is still its slice, else a new one holding their sums
     so far (the layers' accumulators become its slices)."""
     kept = arenas.get(key)
     if kept is not None and len(kept[0]) == len(layers) and all(
-            a is b and layer._acc_aug is view for a, b, layer, view in zip(kept[0], layers, layers, kept[2])):
+            held is layer and layer._acc_aug is view for held, layer, view in zip(kept[0], layers, kept[2])):
         return kept[1], kept[3]
     first = layers[0]._acc_aug
     acc = stacked_moments_accumulator(len(layers), first.shape[0] - 1, first.dtype, first.device)

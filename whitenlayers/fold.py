@@ -54,6 +54,14 @@ def _no_autocast(device: torch.device):
     return torch.autocast(device_type=device.type, enabled=False)
 
 
+def _autocast_enabled(device_type: str) -> bool:
+    """Whether autocast is on for ``device_type`` (a test before entering :func:`_no_autocast` on a hot path)."""
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except TypeError:  # torch < 2.4 takes no device type
+        return torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
+
+
 def _dist_group(layers: Sequence["WhiteningLayer"]):
     if not (dist.is_available() and dist.is_initialized()):
         return None, 1

@@ -18,11 +18,12 @@ from torch import Tensor, nn
 
 from .._deprecated import module_getattr
 from ..coordinator import FoldCoordinator, ForwardBegins
+from ..fold import _autocast_enabled, _no_autocast
 from ..functional import transform_weight_grad
 from ..layers import (
     DirectWhiten,
 )
-from ..layers._base import _autocast_enabled, _check_not_tracing_function
+from ..layers._base import _check_not_tracing_function
 from ..stats import WhiteningLayer
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -121,7 +122,7 @@ class DirectWhitenWrapper(nn.Module):
             _check_not_tracing_function(whiten, "the whitening's backward")
         w = layer.weight
         if _autocast_enabled(w.device.type):  # W T in the weight's dtype (autocast would multiply in bf16 / fp16)
-            with torch.autocast(device_type=w.device.type, enabled=False):
+            with _no_autocast(w.device):
                 wt = transform_weight_grad(w, t)
         else:
             wt = transform_weight_grad(w, t)

@@ -18,6 +18,7 @@ from .._rebuild import conv_like, share_parameters
 from ..autograd import SharedWeightGradTransform, grad_transformed
 from ..autograd import _transforms_active as _func_transforms_active
 from ..config import EVDConfig, WhiteningConfig, make_config
+from ..fold import _autocast_enabled
 from ..stats import WhiteningLayer, _is_compiling
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -56,13 +57,6 @@ def _weight_once(forward: Callable[[Any, Tensor], Tensor]) -> Callable[[Any, Ten
         return forward(self, x)
 
     return wrapper
-
-
-def _autocast_enabled(device_type: str) -> bool:
-    try:
-        return torch.is_autocast_enabled(device_type)
-    except TypeError:  # torch < 2.4 takes no device type
-        return torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
 
 
 def _onnx_exporting() -> bool:
