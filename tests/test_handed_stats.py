@@ -14,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 import whitenlayers as wl
 import whitenlayers.stats.step as step_module
+from whitenlayers.layers._base import _GradWhitenMixin
 from whitenlayers.functional import (
     accumulate_moments,
     accumulate_moments_grouped,
@@ -77,8 +78,9 @@ def _batches(n, dtype=torch.float64, seed=1):
 def _train(model, batches, *, hand_over=True, views=1):
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     with pytest.MonkeyPatch.context() as mp, wl.functional.fused_moments(True):
-        if not hand_over:
+        if not hand_over:  # each layer's full path, adding its own batch
             mp.setattr(step_module._PerStepMixin, "_stats_sink", lambda self, x: None)
+            mp.setattr(_GradWhitenMixin, "_step_plan", lambda self, view, state, sink: None)
         for x in batches:
             opt.zero_grad()
             loss = sum(model(x * (1 + v)).logsumexp(1).mean() for v in range(views))

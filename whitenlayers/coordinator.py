@@ -188,7 +188,9 @@ class FoldCoordinator:
         if self.shared_weights:  # the views of the shared weight transform that no layer used in this forward
             self.shared_weights = False
             for layer in self.layers:
-                layer.__dict__.pop("_shared_weight", None)
+                attrs = layer.__dict__
+                attrs.pop("_shared_weight", None)
+                attrs.pop("_step_plan", None)
         for layer in self.layers:
             if layer._traced_calls:  # called inside a compiled graph: count its batches here (WhiteningLayer)
                 layer._count_traced_batches()

@@ -19,7 +19,7 @@ from ..autograd import SharedWeightGradTransform, grad_transformed
 from ..autograd import _transforms_active as _func_transforms_active
 from ..config import EVDConfig, WhiteningConfig, make_config
 from ..fold import _autocast_enabled
-from ..stats import WhiteningLayer, _is_compiling
+from ..stats import WhiteningLayer, _is_compiling, recomputing
 
 if TYPE_CHECKING:  # pragma: no cover
     pass
@@ -154,7 +154,7 @@ def share_weight_transforms(layers: Sequence[Any], module: nn.Module) -> bool:
     if (not torch.is_grad_enabled() or _func_transforms_active() or _jit_tracing() or torch.is_inference_mode_enabled()
             or module.__dict__.get("_is_replica") or _distributed()):
         return False
-    chosen, weights, qs = [], [], []
+    chosen, weights, states = [], [], []
     for layer in layers:
         w = layer._parameters.get("weight")
         if (not isinstance(layer, _GradWhitenMixin) or type(w) is not nn.Parameter or not w.requires_grad
@@ -163,12 +163,21 @@ def share_weight_transforms(layers: Sequence[Any], module: nn.Module) -> bool:
             continue
         chosen.append(layer)
         weights.append(w)
-        qs.append(layer._forward_snapshot()["grad_transform"])
+        states.append(layer._forward_snapshot())
     if len(chosen) < 2:
         return False
-    views = SharedWeightGradTransform.apply(tuple(qs), *weights)
-    for layer, view, w, q in zip(chosen, views, weights, qs):
-        layer.__dict__["_shared_weight"] = (view, w, q)
+    qs = tuple(state["grad_transform"] for state in states)
+    views = SharedWeightGradTransform.apply(qs, *weights)
+    coordinator = cast(Any, chosen[0])._fold_coordinator
+    sink = None if coordinator is None else coordinator.stats_sink()
+    planned = sink is not None and not recomputing()  # (reentrant checkpointing recomputes the model: full paths)
+    for layer, view, w, q, state in zip(chosen, views, weights, qs, states):
+        attrs = layer.__dict__
+        attrs["_shared_weight"] = (view, w, q)
+        if planned and layer._fold_coordinator is coordinator:
+            plan = layer._step_plan(view, state, sink)
+            if plan is not None:
+                attrs["_step_plan"] = plan
     return True
 
 
@@ -495,6 +504,78 @@ class _GradWhitenMixin(WhiteningLayer):
                 w = grad_transformed(w, state["grad_transform"])
         return w
 
+    # ------------------------------------------------------------ planned steps
+    # A plan: what the layer's next training forward inside its converted model does, decided by the fold
+    # coordinator's pre-hook for all layers at once (share_weight_transforms), so that the forward itself runs its
+    # operations with few checks: (view, state, gather, end, sink, absorbed, payload): the weight's view of the shared
+    # transform, the forward's buffers (_forward_state), the statistics and the count (stats.step._step_counts), the
+    # coordinator's list for the batch, and the centring: 0 absorbed, the offset's update one addmv_ (payload: d,
+    # rows, mu per tap, beta, alpha); 1 absorbed, _track_absorbed_offset (payload: the BatchNorm); 2 absorbed, no
+    # update (a BatchNorm that keeps no running mean); 3 centred by the layer. The same operations, in the same
+    # order, as the full path; a forward that is not what was planned (grad mode off, eval mode, an unbatched input,
+    # a second call) takes the full path.
+    def _step_plan(self, view: Tensor, state: Dict[str, Tensor], sink: list) -> Optional[tuple]:
+        """This layer's plan for its next training forward (see above), or ``None``: the full path."""
+        if not self.training or "_is_replica" in self.__dict__:  # (a DataParallel replica: stats._stats_sink)
+            return None
+        counts = self._step_counts(view.dim(), view.device)
+        if counts is None:
+            return None
+        ref = self._centring_ref
+        if ref is None:
+            return (view, state, counts[0], counts[1], sink, 3, None)
+        # The offset's update as the last forward planned it, while it is the same update: the same BatchNorm
+        # (looked up again: it may have been replaced), still updating its running mean with the same momentum, the
+        # same buffers of the forward, offset buffer and weight memory (_absorbed_rows' view).
+        parent, bn = ref
+        if parent is not None:
+            bn = parent._modules.get(bn)
+        cached = self.__dict__.get("_absorb_plan")
+        param = self._parameters["weight"]
+        if (cached is not None and cached[0] is bn and cached[1] is state and bn.training
+                and bn.running_mean is not None and bn.momentum == cached[2] and bn.track_running_stats
+                and cached[3] is self._buffers.get("absorbed_offset") and cached[4] == param.data_ptr()):
+            return (view, state, counts[0], counts[1], sink, 0, cached[5])
+        absorbed, payload = 3, None
+        bn = self._batchnorm_absorbing_now()
+        if bn is None:
+            pass
+        elif not (bn.training and bn.track_running_stats and bn.running_mean is not None):
+            absorbed = 2
+        else:
+            d = self._buffers["absorbed_offset"]
+            factor = bn.momentum
+            if isinstance(factor, float) and self.groups == 1 and view.dtype == d.dtype:
+                rows, taps_last = self._absorbed_rows(view, d.dtype)
+                absorbed = 0
+                payload = (d, rows, self._mean_per_tap(state["running_mean"], rows.dtype, taps_last),
+                           1.0 - factor, -factor)
+                self.__dict__["_absorb_plan"] = (bn, state, factor, d, param.data_ptr(), payload)
+            else:
+                absorbed, payload = 1, bn
+        return (view, state, counts[0], counts[1], sink, absorbed, payload)
+
+    def _take_plan(self, x: Tensor, rank: int) -> Optional[tuple]:
+        """This forward's plan (:meth:`_step_plan`) if it is the forward planned for: grad mode and training mode
+        on, ``x`` of ``rank`` dimensions; the plan is dropped either way (a second call takes the full path)."""
+        plan = self.__dict__.pop("_step_plan", None)
+        if plan is not None and x.dim() == rank and self.training and torch.is_grad_enabled():
+            self.__dict__.pop("_shared_weight", None)
+            return plan
+        return None
+
+    def _run_plan(self, plan: tuple, x_stats: Tensor) -> None:
+        """A planned forward before the layer's operation: the buffers in force, the statistics, the offset."""
+        view, state, gather, _, sink, absorbed, payload = plan
+        self.__dict__["_in_force"] = state
+        if gather:
+            self._planned_stats(x_stats, gather, sink)
+        if absorbed == 0:
+            d, rows, mean_k, beta, alpha = payload
+            d.addmv_(rows, mean_k, beta=beta, alpha=alpha)
+        elif absorbed == 1:
+            self._track_absorbed_offset(view, payload, state)
+
     def _input_saved(self, x: Tensor) -> bool:
         # the convolution (or linear map) saves its input for the weight's gradient
         return self.weight.requires_grad
@@ -517,6 +598,18 @@ class _GradWhitenMixin(WhiteningLayer):
     def _whitened_conv_forward(self, x: Tensor, nd: int) -> Tensor:
         """Statistics, the weight with its gradient transform, and the centring, around the plain convolution."""
         conv_forward = cast(Any, self)._conv_forward
+        plan = self._take_plan(x, nd + 2)
+        if plan is not None:
+            self._run_plan(plan, self._stats_input(x))
+            w, state = plan[0], plan[1]
+            if plan[5] != 3:  # absorbed centring
+                out = conv_forward(x, w, self.bias)
+            elif self.bias is None:  # the training path below: the centring term added in place
+                out = conv_forward(x, w, None).add_(self._layer_bias(w, state).view((-1,) + (1,) * nd))
+            else:
+                out = conv_forward(x, w, self._layer_bias(w, state))
+            self._planned_end(plan[3])
+            return out
         training, state = self._forward_state()
         if training:
             _check_gathering_untransformed(self)

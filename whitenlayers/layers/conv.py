@@ -228,6 +228,13 @@ class GradWhitenLinear(_GradWhitenMixin, nn.Linear):  # type: ignore[misc]
             ``(*, out_features)``, as ``nn.Linear``.
         """
         _check_input(self, x, dim=-1, ndims=tuple(range(1, 9)), what="an input of shape (*, in_features)")
+        plan = self._take_plan(x, 2)  # a (B, in_features) training forward planned by the model's coordinator
+        if plan is not None:
+            self._run_plan(plan, x)
+            w = plan[0]
+            out = nn.functional.linear(x, w, self.bias if plan[5] != 3 else self._layer_bias(w, plan[1]))
+            self._planned_end(plan[3])
+            return out
         bn = self._batchnorm_absorbing_now()  # centring absorbed by the following BatchNorm1d (absorb_centring)
         if bn is not None and x.dim() != 2:
             raise ValueError(

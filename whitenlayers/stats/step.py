@@ -226,6 +226,57 @@ class _PerStepMixin(_LayerCore):
         it); here, whether ``x`` is part of the recorded graph."""
         return x.requires_grad
 
+    # ------------------------------------------------------------ planned steps
+    # Inside a converted model's eager forward the fold coordinator's pre-hook decides, for all its grad / recursive
+    # layers at once, what their next training forward does (layers._base.plan_forward): the checks of the path above
+    # that hold for the whole forward are made there, once, and the layer's forward runs the rest
+    # (:meth:`_planned_stats`, :meth:`_planned_end`). The same operations in the same order as the path above.
+    def _step_counts(self, rank: int, device: torch.device) -> Optional[Tuple[int, Optional[Tuple[int, bool]]]]:
+        """What this layer's next training forward adds and counts, decided before it (``rank``: the dimensions of
+        its statistics' input; ``device``: where its weight is, so its input is): ``(gather, end)``, or ``None``
+        where that forward takes the full path (frozen, a fold pending). ``gather``: 0 nothing (``stats_every``),
+        1 the hot path of :meth:`_add_batch` (handed to the coordinator or added with two products), 2
+        :meth:`_add_batch` itself; ``end``: the block's batch count and ``_gather_next`` after it, or ``None`` where
+        the block ends (:meth:`_end_batch`, which asks for the fold)."""
+        if self.frozen or self._fold_pending:
+            return None
+        config = self.config
+        batches = self._acc_batches
+        gather = 0
+        if batches % config.stats_every == 0:
+            gather = 2
+            aug, shift_x = self._acc_aug, self._acc_shift_x
+            if (aug is not None and self._acc_shift is not None and config.stats_fraction == 1.0
+                    and aug.device == device and F_w.fused_moments_on(device)
+                    and (self._stats_unshifted or (shift_x is not None and shift_x.dim() == rank))):
+                gather = 1
+        batches += 1
+        if batches >= config.block_size * config.accumulation_steps:
+            return gather, None
+        return gather, (batches, batches % config.stats_every == 0)
+
+    def _planned_stats(self, x: Tensor, gather: int, sink: Optional[list]) -> None:
+        """:meth:`_accumulate` of a planned forward (:meth:`_step_counts`' ``gather``): ``x`` handed to ``sink``
+        (the coordinator's list; not under saved-tensor hooks, as :meth:`_stats_sink`) or added now."""
+        if gather == 1:
+            x = x.detach()
+            shift_x = self._acc_shift_x
+            if sink is not None and _saved_tensor_hooks() is None:
+                sink.append((self, x, x._version, shift_x))
+            else:
+                F_w.accumulate_moments(cast(Tensor, self._acc_aug), x, shift_x, self._acc_blocks)
+            self.__dict__["_acc_count"] = self._acc_count + x.numel() // self.num_features
+        elif gather == 2:
+            self._add_batch(x)
+
+    def _planned_end(self, end: Optional[Tuple[int, bool]]) -> None:
+        """:meth:`_end_batch` of a planned forward (:meth:`_step_counts`' ``end``)."""
+        if end is None:
+            self._end_batch()
+        else:
+            attrs = self.__dict__
+            attrs["_acc_batches"], attrs["_gather_next"] = end
+
     # ------------------------------------------------------------ torch.compile
     # Inside a compiled graph a layer reads no Python number that changes from step to step (dynamo would guard on
     # it and recompile at every step of a block). The graph holds the tensor work only: the batch's sums added to

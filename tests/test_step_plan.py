@@ -1,0 +1,166 @@
+"""Planned forwards (issue 48): the fold coordinator's pre-hook decides what each grad / recursive layer's next
+training forward does (``layers._base.share_weight_transforms``, ``_GradWhitenMixin._step_plan``), and the layer's
+forward runs the operations with few checks. Within one process that is the full path's operations in the full
+path's order: training is bit-identical, which these tests assert against the same model with plans switched off."""
+import pytest
+import torch
+from torch import nn
+
+import whitenlayers as wl
+from whitenlayers.coordinator import FoldCoordinator
+from whitenlayers.layers._base import _GradWhitenMixin
+
+DT = torch.float64
+
+
+def _coordinator(model):
+    return next(h for h in model._forward_hooks.values() if isinstance(h, FoldCoordinator))
+
+
+class _Net(nn.Module):
+    """Convs centred by their layer and absorbed by a BatchNorm, and a linear head converted too."""
+
+    def __init__(self, momentum=0.1, track=True):
+        super().__init__()
+        self.net = wl.models.cifar_resnet(8, width=4)
+        for m in self.net.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.momentum = momentum
+                m.track_running_stats = track
+                if not track:
+                    m.running_mean = m.running_var = m.num_batches_tracked = None
+        self.extra = nn.Conv2d(16, 16, 1, bias=True)  # centred convs: with a bias, and without
+        self.extra2 = nn.Conv2d(16, 16, 3, padding=1, bias=False)
+
+    def forward(self, x):
+        n = self.net
+        x = n.layer3(n.layer2(n.layer1(n.bn1(n.conv1(x)).relu())))
+        x = self.extra2(self.extra(x).relu()).relu()
+        return n.fc(x.mean((2, 3)))
+
+
+def _model(method, planned, **kw):
+    torch.manual_seed(0)
+    net = _Net(**{k: kw.pop(k) for k in ("momentum", "track") if k in kw}).to(DT)
+    model = wl.convert_model(net, method, block_size=3, targets="all", include_classifier=True, **kw)
+    if not planned:
+        for _, layer in wl.whitening_layers(model):
+            layer.__dict__["_step_plan_off"] = True
+    return model
+
+
+@pytest.fixture(autouse=True)
+def _plans_switchable(monkeypatch):
+    """A layer marked ``_step_plan_off`` takes the full path (the reference); the others are planned."""
+    original = _GradWhitenMixin._step_plan
+
+    def step_plan(self, view, state, sink):
+        return None if self.__dict__.get("_step_plan_off") else original(self, view, state, sink)
+
+    monkeypatch.setattr(_GradWhitenMixin, "_step_plan", step_plan)
+
+
+def _train(model, steps=8, fused=False, channels_last=False, views=1):
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    gen = torch.Generator().manual_seed(1)
+    with wl.functional.fused_moments(fused):
+        for _ in range(steps):
+            x = torch.randn(4, 3, 8, 8, generator=gen, dtype=DT) * 2 + 1
+            if channels_last:
+                x = x.to(memory_format=torch.channels_last)
+            opt.zero_grad()
+            sum(model(x * (1 + v)).logsumexp(1).mean() for v in range(views)).backward()
+            opt.step()
+    return model
+
+
+def _assert_identical(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        assert torch.equal(sa[key], sb[key]), key
+
+
+@pytest.mark.parametrize("method", ["grad", "recursive"])
+@pytest.mark.parametrize("fused,channels_last", [(False, False), (True, True), (True, False)])
+@pytest.mark.parametrize("kw", [{}, {"stats_every": 2}, {"momentum": None}, {"track": False}],
+                         ids=["defaults", "stats_every", "cumulative_bn", "bn_without_running_stats"])
+def test_planned_forwards_train_bit_identically(method, fused, channels_last, kw):
+    """Folds included (8 steps, block 3): every parameter, buffer and accumulator equal to the bit, on the CPU's
+    own path and on CUDA's (statistics handed to the coordinator), absorbed centring with a BatchNorm's momentum, a
+    cumulative average or no running statistics, and ``stats_every``."""
+    planned = _train(_model(method, True, **kw), fused=fused, channels_last=channels_last)
+    reference = _train(_model(method, False, **kw), fused=fused, channels_last=channels_last)
+    _assert_identical(planned, reference)
+
+
+def test_forwards_planned_are_the_model_layers_training_forwards():
+    """Every layer's first training forward in the model takes its plan; a second forward per step (two views) and
+    eval mode, no_grad and inference_mode forwards take the full path; a plan left unused is dropped."""
+    model = _model("grad", True)
+    layers = [m for _, m in wl.whitening_layers(model)]
+    taken = []
+    original = _GradWhitenMixin._run_plan
+
+    def run_plan(self, plan, x):
+        taken.append(self)
+        return original(self, plan, x)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_GradWhitenMixin, "_run_plan", run_plan)
+        _train(model, steps=2, views=2)
+        assert len(taken) == 2 * 2 * len(layers)  # each forward's layers, once each (one call per forward)
+        taken.clear()
+        x = torch.randn(2, 3, 8, 8, dtype=DT)
+        with torch.no_grad():
+            model(x)
+        with torch.inference_mode():
+            model(x)
+        model.eval()(x).sum().backward()
+        assert taken == []
+    assert not any("_step_plan" in m.__dict__ for m in layers)
+
+
+def test_a_layer_called_twice_and_a_forward_under_no_grad_inside_the_model():
+    """A layer called twice in one forward plans its first call only; a part of the forward run under no_grad
+    takes the full path (its layers' plans are dropped); training is bit-identical to the full path."""
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.Conv2d(3, 4, 3, padding=1, bias=False, dtype=DT)
+            self.a = nn.Conv2d(4, 4, 3, padding=1, bias=False, dtype=DT)
+            self.frozen_part = nn.Conv2d(4, 4, 3, padding=1, bias=False, dtype=DT)
+            self.head = nn.Linear(4, 2, dtype=DT)
+
+        def forward(self, x):
+            x = self.a(self.a(self.stem(x).relu()).relu())
+            with torch.no_grad():
+                y = self.frozen_part(x)
+            return self.head((x + y).mean((2, 3)))
+
+    def run(planned):
+        torch.manual_seed(0)
+        model = wl.convert_model(Odd(), "grad", block_size=2, targets="all")
+        if not planned:
+            for _, layer in wl.whitening_layers(model):
+                layer.__dict__["_step_plan_off"] = True
+        return _train(model, steps=5)
+
+    _assert_identical(run(True), run(False))
+
+
+def test_plans_are_not_pickled_or_copied():
+    import copy
+    import pickle
+
+    model = _model("grad", True)
+    _train(model, steps=2)
+    for _, layer in wl.whitening_layers(model):
+        assert "_absorb_plan" in layer.__dict__ or layer._centring_ref is None
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert not any(k in layer.__dict__ for _, layer in wl.whitening_layers(clone)
+                       for k in ("_absorb_plan", "_step_plan", "_shared_weight"))
+        _train(clone, steps=2)
+    _coordinator(model)  # still installed
