@@ -514,7 +514,7 @@ class _GradWhitenMixin(WhiteningLayer):
     # update (a BatchNorm that keeps no running mean); 3 centred by the layer. The same operations, in the same
     # order, as the full path; a forward that is not what was planned (grad mode off, eval mode, an unbatched input,
     # a second call) takes the full path.
-    def _step_plan(self, view: Tensor, state: Dict[str, Tensor], sink: list) -> Optional[tuple]:
+    def _step_plan(self, view: Tensor, state: Dict[str, Tensor], sink: Optional[list]) -> Optional[tuple]:
         """This layer's plan for its next training forward (see above), or ``None``: the full path."""
         if not self.training or "_is_replica" in self.__dict__:  # (a DataParallel replica: stats._stats_sink)
             return None
@@ -531,7 +531,7 @@ class _GradWhitenMixin(WhiteningLayer):
         if parent is not None:
             bn = parent._modules.get(bn)
         cached = self.__dict__.get("_absorb_plan")
-        param = self._parameters["weight"]
+        param = cast(Any, self)._parameters["weight"]
         if (cached is not None and cached[0] is bn and cached[1] is state and bn.training
                 and bn.running_mean is not None and bn.momentum == cached[2] and bn.track_running_stats
                 and cached[3] is self._buffers.get("absorbed_offset") and cached[4] == param.data_ptr()):
