@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import whitenlayers as wl
+import whitenlayers.convert._common as convert_common
 import whitenlayers.stats.step as step_module
 from whitenlayers.layers._base import _GradWhitenMixin
 from whitenlayers.functional import (
@@ -81,6 +82,7 @@ def _train(model, batches, *, hand_over=True, views=1):
         if not hand_over:  # each layer's full path, adding its own batch
             mp.setattr(step_module._PerStepMixin, "_stats_sink", lambda self, x: None)
             mp.setattr(_GradWhitenMixin, "_step_plan", lambda self, view, state, sink: None)
+            mp.setattr(convert_common, "_plan_direct", lambda layers: False)
         for x in batches:
             opt.zero_grad()
             loss = sum(model(x * (1 + v)).logsumexp(1).mean() for v in range(views))

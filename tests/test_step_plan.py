@@ -7,6 +7,8 @@ import torch
 from torch import nn
 
 import whitenlayers as wl
+import whitenlayers.convert._common as convert_common
+from whitenlayers.autograd import SharedWeightProduct
 from whitenlayers.coordinator import FoldCoordinator
 from whitenlayers.layers._base import _GradWhitenMixin
 
@@ -164,3 +166,49 @@ def test_plans_are_not_pickled_or_copied():
                        for k in ("_absorb_plan", "_step_plan", "_shared_weight"))
         _train(clone, steps=2)
     _coordinator(model)  # still installed
+
+
+# ---------------------------------------------------------------- direct
+def _direct_model(planned, **kw):
+    torch.manual_seed(0)
+    model = wl.convert_model(_Net().to(DT), "direct", block_size=3, targets="all", include_classifier=True, **kw)
+    _coordinator(model).on_forward = convert_common.plan_forward if planned else None
+    return model
+
+
+@pytest.mark.parametrize("fused,channels_last", [(False, False), (True, True), (True, False)])
+@pytest.mark.parametrize("kw", [{}, {"stats_every": 2}], ids=["defaults", "stats_every"])
+def test_planned_direct_wrappers_train_as_their_full_path(fused, channels_last, kw):
+    """A fused ``direct`` wrapper's planned forward (``W T`` of every wrapper from one shared node made before the
+    model's forward): the same training as each wrapper's full path, float64, folds included. Not to the bit: the
+    shared node's backward multiplies ``d(W T)`` by ``T^T`` itself, where the full path's product takes autograd's
+    backward; the statistics and counts are the same operations."""
+    planned = _train(_direct_model(True, **kw), fused=fused, channels_last=channels_last)
+    reference = _train(_direct_model(False, **kw), fused=fused, channels_last=channels_last)
+    sa, sb = planned.state_dict(), reference.state_dict()
+    for key in sb:
+        if sb[key].is_floating_point():
+            torch.testing.assert_close(sa[key], sb[key], rtol=1e-12, atol=1e-13, msg=key)
+        else:
+            assert torch.equal(sa[key], sb[key]), key
+
+
+def test_direct_plans_one_product_node_and_leave_hooked_wrappers_alone(monkeypatch):
+    """One backward call of the shared product per forward, for every fused wrapper; a wrapper with a hook on its
+    layer is not fused (its hook sees the whitened input) and not planned; nothing is left on the layers."""
+    calls = []
+    original = SharedWeightProduct.backward
+
+    def counted(ctx, *grads):
+        calls.append(sum(g is not None for g in grads))
+        return original(ctx, *grads)
+
+    monkeypatch.setattr(SharedWeightProduct, "backward", staticmethod(counted))
+    model = _direct_model(True)
+    wrappers = [m for m in model.modules() if isinstance(m, convert_common.DirectWhitenWrapper)]
+    seen = []
+    wrappers[1].layer.register_forward_hook(lambda m, i, o: seen.append(i[0]))
+    _train(model, steps=2)
+    assert calls == [len(wrappers) - 1] * 2
+    assert len(seen) == 2  # the hooked layer was called on its own, with the whitened input
+    assert not any(k in w.whiten.__dict__ for w in wrappers for k in ("_step_plan",))

@@ -15,6 +15,7 @@ input), for ``jvp`` / ``jacfwd``: Dynamo cannot trace a Function that has one.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Optional, Tuple
 
 import torch
@@ -24,8 +25,8 @@ from torch import Tensor
 from .functional import transform_weight_grad
 from .stats import _is_compiling
 
-__all__ = ["DirectWhitenFunction", "WeightGradTransform", "SharedWeightGradTransform", "PointwiseWhitenFunction",
-           "direct_whiten", "grad_transformed", "pointwise_whiten"]
+__all__ = ["DirectWhitenFunction", "WeightGradTransform", "SharedWeightGradTransform", "SharedWeightProduct",
+           "PointwiseWhitenFunction", "direct_whiten", "grad_transformed", "pointwise_whiten"]
 
 
 def _channels_last(x: Tensor) -> bool:
@@ -138,6 +139,29 @@ class SharedWeightGradTransform(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
         return (None,) + tuple(None if g is None else transform_weight_grad(g, q) for g, q in zip(grads, ctx.qs))
+
+
+class SharedWeightProduct(torch.autograd.Function):
+    """Several layers' weights times their ``T`` on the input-feature axis (``W T``, what a fused ``direct`` wrapper
+    convolves with) in one autograd node: ``transform_weight_grad(W, T)`` each in the forward, and in the backward,
+    called once for all of them, each weight's gradient ``dW = d(W T) T^T`` (``None`` where a product took no
+    gradient). The products are computed in the weights' dtype (the forward runs without autocast). One Python call
+    per forward and per backward instead of a product's nodes per layer. Not for the torch.func transforms."""
+
+    @staticmethod
+    def forward(ctx: Any, ts: Tuple[Tensor, ...], ts_transposed: Tuple[Tensor, ...], *weights: Tensor
+                ) -> Tuple[Tensor, ...]:
+        ctx.ts_transposed = ts_transposed  # each T^T (``T.mT``; the caller may keep them across forwards)
+        ctx.set_materialize_grads(False)
+        with contextlib.ExitStack() as stack:
+            for device_type in {w.device.type for w in weights}:
+                stack.enter_context(torch.autocast(device_type=device_type, enabled=False))
+            return tuple(transform_weight_grad(w, t) for w, t in zip(weights, ts))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
+        return (None, None) + tuple(None if g is None else transform_weight_grad(g, tt)
+                                    for g, tt in zip(grads, ctx.ts_transposed))
 
 
 def _pointwise(x: Tensor, weight: Tensor, bias: Optional[Tensor], groups: int) -> Tensor:

@@ -185,7 +185,7 @@ class FoldCoordinator:
     @torch.compiler.disable  # Python bookkeeping: outside any compiled graph, never guarded on
     def __call__(self, module, inputs, output) -> None:
         self.flush_stats(end=True)  # registered with always_call: a forward that raised still leaves its sums
-        if self.shared_weights:  # the views of the shared weight transform that no layer used in this forward
+        if self.shared_weights:  # the views of the shared weight nodes and the plans no layer used in this forward
             self.shared_weights = False
             for layer in self.layers:
                 attrs = layer.__dict__

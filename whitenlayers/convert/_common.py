@@ -17,14 +17,16 @@ import torch
 from torch import Tensor, nn
 
 from .._deprecated import module_getattr
+from ..autograd import SharedWeightProduct
 from ..coordinator import FoldCoordinator, ForwardBegins
 from ..fold import _autocast_enabled, _no_autocast
 from ..functional import transform_weight_grad
 from ..layers import (
     DirectWhiten,
 )
-from ..layers._base import _check_not_tracing_function
+from ..layers._base import _check_input, _check_not_tracing_function, plannable_forward, share_weight_transforms
 from ..stats import WhiteningLayer
+from ..stats.step import _saved_tensor_hooks
 
 if TYPE_CHECKING:  # pragma: no cover
     pass
@@ -72,6 +74,7 @@ class DirectWhitenWrapper(nn.Module):
         super().__init__()
         self.whiten = whiten
         self.layer = layer
+        whiten.__dict__["_wrapper"] = self  # where plan_forward finds the layer it whitens for (not pickled)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -95,6 +98,13 @@ class DirectWhitenWrapper(nn.Module):
         Args:
             x: the wrapped layer's input (features on dim 1 for a conv, on the last dim for an ``nn.Linear``).
         """
+        whiten = self.whiten
+        plan = whiten.__dict__.pop("_step_plan", None)
+        if (plan is not None and plan[0] is self and x.dim() == plan[1].dim() and whiten.training
+                and torch.is_grad_enabled() and _saved_tensor_hooks() is None):
+            # (under activation checkpointing the full path: a recomputed forward saves what its original saved)
+            return self._planned_forward(x, plan)
+        whiten.__dict__["_wrapper"] = self  # (again after a copy or a pickle, which leave it out)
         if self._fusable():
             return self._fused_forward(x)
         if isinstance(self.layer, nn.Linear) and x.dim() != 2:
@@ -134,6 +144,80 @@ class DirectWhitenWrapper(nn.Module):
         if training:
             whiten._end_batch()
         return out
+
+
+    def _planned_forward(self, x: Tensor, plan: tuple) -> Tensor:
+        """:meth:`_fused_forward` as planned by the model's fold coordinator (:func:`plan_forward`): ``W T`` made by
+        the model's shared product node, the checks that hold for the whole forward made there."""
+        _, wt, state, gather, end, sink = plan
+        whiten, layer = self.whiten, cast(Any, self.layer)
+        _check_input(whiten, x, dim=1, ndims=_INPUT_DIMS, what=_INPUT_WHAT)
+        whiten.__dict__["_in_force"] = state
+        if gather:  # (handed over as DirectWhiten's own forward does: while the input is in the recorded graph)
+            whiten._planned_stats(x, gather, sink if x.requires_grad else None)
+        linear = type(layer) is nn.Linear
+        shift = whiten._shift_for(state["running_mean"], x, linear)
+        if linear:
+            out = nn.functional.linear(x - shift, wt, layer.bias)
+        else:
+            out = layer._conv_forward(x - shift, wt, layer.bias)
+        whiten._planned_end(end)
+        return out
+
+
+#: DirectWhiten's input check (``_check_input``'s ranks and wording), for the planned forward.
+_INPUT_DIMS = tuple(range(2, 9))
+_INPUT_WHAT = "an input of shape (B, C) or (B, C, *spatial)"
+
+
+def plan_forward(layers: Sequence[Any], module: nn.Module) -> bool:
+    """A converted model's :attr:`FoldCoordinator.on_forward` (set by ``convert_model``): before each forward,
+    in a :func:`~whitenlayers.layers._base.plannable_forward`, the grad / recursive layers' weights through one
+    shared gradient-transform node with their steps planned (:func:`~whitenlayers.layers._base.share_weight_transforms`)
+    and the fused ``direct`` wrappers' ``W T`` made by one :class:`~whitenlayers.autograd.SharedWeightProduct` with
+    their steps planned (:meth:`DirectWhitenWrapper._planned_forward`). Returns whether it left anything on the
+    layers (dropped at the forward's end if unused)."""
+    if not plannable_forward(module):
+        return False
+    shared = share_weight_transforms(layers, module, checked=True)
+    return _plan_direct(layers) or shared
+
+
+def _plan_direct(layers: Sequence[Any]) -> bool:
+    """:func:`plan_forward`'s part for the fused ``direct`` wrappers: their training forwards in this model's forward,
+    with a weight Parameter that needs a gradient, on the device of the first."""
+    chosen: List[Tuple[Any, DirectWhiten, Any]] = []
+    weights: List[Tensor] = []
+    device = None
+    for layer in layers:
+        wrapper = layer.__dict__.get("_wrapper")
+        if wrapper is None or wrapper.whiten is not layer or not layer.training or not wrapper._fusable():
+            continue
+        w = wrapper.layer._parameters.get("weight")
+        if type(w) is not nn.Parameter or not w.requires_grad or (device is not None and w.device != device):
+            continue
+        device = w.device
+        state = layer._forward_snapshot()
+        chosen.append((wrapper, layer, state))
+        weights.append(w)
+    if not chosen:
+        return False
+    coordinator = chosen[0][1]._fold_coordinator
+    sink = None if coordinator is None else coordinator.stats_sink()
+    ts, ts_transposed = [], []
+    for _, layer, state in chosen:
+        t = state["whitening_matrix"]  # T^T as a view made once per snapshot (a view op is a dispatch)
+        kept = layer.__dict__.get("_t_transposed")
+        if kept is None or kept[0] is not t:
+            kept = layer.__dict__["_t_transposed"] = (t, t.mT)
+        ts.append(t)
+        ts_transposed.append(kept[1])
+    products = SharedWeightProduct.apply(tuple(ts), tuple(ts_transposed), *weights)
+    for (wrapper, layer, state), wt in zip(chosen, products):
+        counts = layer._step_counts(wt.dim(), wt.device) if layer._fold_coordinator is coordinator else None
+        if counts is not None and "_is_replica" not in layer.__dict__:
+            layer.__dict__["_step_plan"] = (wrapper, wt, state, counts[0], counts[1], sink)
+    return True
 
 
 #: The layers whose weight DirectWhitenWrapper multiplies by T instead of whitening their input.

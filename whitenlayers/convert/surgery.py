@@ -24,7 +24,6 @@ from ..fold import check_strategy
 from ..layers import (
     GRAD_LAYER_TYPES,
 )
-from ..layers._base import share_weight_transforms
 from ..methods import get_method, method_of
 from ..patches import PATCH_MAX_FEATURES
 from ..stats import WhiteningLayer
@@ -37,6 +36,7 @@ from ._common import (
     _coordinators,
     _is_whitening,
     _share_hooks,
+    plan_forward,
 )
 from .absorb import absorbing_batchnorms
 from .targets import _LAYER_WORDS, ConversionReport, TargetSpec, _plan, whitening_layers
@@ -70,7 +70,7 @@ def _install_coordinator(model: nn.Module, strategy: str = "auto",
     for layer in layers:
         layer._fold_coordinator = coord
     coord.layers = layers
-    coord.on_forward = share_weight_transforms  # one autograd node for the layers' weight-gradient transforms
+    coord.on_forward = plan_forward  # shared weight nodes and planned steps (_common.plan_forward)
     coord.checked = False  # the first fold checks that every layer is called (FoldCoordinator)
     return coord
 

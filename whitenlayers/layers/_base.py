@@ -137,22 +137,30 @@ def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-def share_weight_transforms(layers: Sequence[Any], module: nn.Module) -> bool:
+def plannable_forward(module: nn.Module) -> bool:
+    """Whether the forward of ``module`` (a converted model) about to run may share its layers' weight nodes and plan
+    their steps (:func:`share_weight_transforms`): where every weight's gradient arriving at the end of the backward
+    changes nothing: a single process (under ``torch.distributed`` DDP all-reduces gradients while the backward
+    runs, and FSDP gathers the weights only in each unit's forward), a recorded backward outside the torch.func
+    transforms, ``torch.jit`` traces and ``inference_mode``, not a ``DataParallel`` replica."""
+    return not (not torch.is_grad_enabled() or _func_transforms_active() or _jit_tracing()
+                or torch.is_inference_mode_enabled() or module.__dict__.get("_is_replica") or _distributed())
+
+
+def share_weight_transforms(layers: Sequence[Any], module: nn.Module, checked: bool = False) -> bool:
     """Before a converted model's forward (its fold coordinator's pre-hook): put the weights of its grad / recursive
     layers through one :class:`~whitenlayers.autograd.SharedWeightGradTransform` instead of one
     ``WeightGradTransform`` per layer, and give each layer its weight's view for this forward (consumed by
     ``_weight_for_forward`` when it is the weight and ``Q_s`` of the layer's forward; one Python call per forward
     and per backward for all of them). Returns whether it did.
 
-    Only where every weight's gradient arriving at the end of the backward changes nothing: a single process (under
-    ``torch.distributed`` DDP all-reduces gradients while the backward runs, and FSDP gathers the weights only in
-    each unit's forward), a recorded backward outside the torch.func transforms, ``torch.jit`` traces and
-    ``inference_mode``, not a ``DataParallel`` replica; and for the layers whose weight is a plain Parameter that
-    needs a gradient (not parametrized, not deferred, channel features). Everything else keeps the per-layer
-    Function: a layer called twice (its second call), a forward recomputed by activation checkpointing, a compiled
-    graph. Views left unused by the forward are dropped at its end (:meth:`FoldCoordinator.__call__`)."""
-    if (not torch.is_grad_enabled() or _func_transforms_active() or _jit_tracing() or torch.is_inference_mode_enabled()
-            or module.__dict__.get("_is_replica") or _distributed()):
+    Only in a :func:`plannable_forward`, and for the layers whose weight is a plain Parameter that needs a gradient
+    (not parametrized, not deferred, channel features). Everything else keeps the per-layer Function: a layer
+    called twice (its second call), a forward recomputed by activation checkpointing, a compiled graph. Views left
+    unused by the forward are dropped at its end (:meth:`FoldCoordinator.__call__`). Each such layer also gets the
+    plan of its step (:meth:`_GradWhitenMixin._step_plan`). ``checked``: the caller found the forward
+    :func:`plannable_forward`."""
+    if not checked and not plannable_forward(module):
         return False
     chosen, weights, states = [], [], []
     for layer in layers:
