@@ -11,7 +11,6 @@ from torch import Tensor
 
 from .fold import (
     PendingFold,
-    _autocast_enabled,
     _begin,
     _compute_folds,
     _dist_group,
@@ -289,10 +288,9 @@ def _add_handed_batches(entries: Sequence[tuple], arenas: Dict[tuple, list]) -> 
             seen.add(id(layer))
             key = (x.shape, x.stride(), x.dtype, x.get_device(), layer._acc_aug.dtype, shift is None)
         groups.setdefault(key, []).append(entry)
-    with torch.no_grad(), contextlib.ExitStack() as ctx:
-        for device_type in {entry[1].device.type for entry in entries}:
-            if _autocast_enabled(device_type):
-                ctx.enter_context(_no_autocast(torch.device(device_type)))
+    # (No autocast context: the products are in place or take out= / out_dtype, which autocast leaves alone; the
+    # one out-of-place product, accumulate_moments_grouped's fallback, turns it off itself.)
+    with torch.no_grad():
         for key, members in groups.items():
             x0 = members[0][1]
             size = max(1, GROUP_BYTES // max(1, x0.numel() * x0.element_size()))
@@ -302,19 +300,33 @@ def _add_handed_batches(entries: Sequence[tuple], arenas: Dict[tuple, list]) -> 
                     layer, x, _, shift = part[0]
                     accumulate_moments(layer._acc_aug, x, shift, layer._acc_blocks)
                     continue
-                acc, blocks = _arena(arenas, key + (start,), [e[0] for e in part])
-                shifts: Optional[List[Tensor]] = None if part[0][3] is None else [e[3] for e in part]
-                accumulate_moments_grouped(acc, [e[1] for e in part], shifts, blocks)
+                arena = _arena(arenas, key + (start,), [e[0] for e in part])
+                shifts: Optional[Tensor] = None if part[0][3] is None else _stacked_shifts(arena, part)
+                accumulate_moments_grouped(arena[1], [e[1] for e in part], shifts, arena[3])
 
 
-def _arena(arenas: Dict[tuple, list], key: tuple, layers: List[Any]) -> Tuple[Tensor, Tuple[Tensor, Tensor]]:
-    """The stacked accumulator whose slices are ``layers``' accumulators, and its ``s2`` and ``s1`` blocks: the
-    one kept under ``key`` while every layer's accumulator is still its slice, else a new one holding their sums
-    so far (the layers' accumulators become its slices)."""
+def _stacked_shifts(arena: list, part: Sequence[tuple]) -> Tensor:
+    """The shifts of a group's batches stacked ``(L, M)`` in its accumulators' dtype: kept in ``arena`` while they
+    are the same tensors, unwritten (within a block), so stacked once per block."""
+    shifts = tuple(e[3] for e in part)
+    versions = tuple(k._version for k in shifts)
+    kept = arena[4]
+    if kept is not None and kept[1] == versions and all(a is b for a, b in zip(kept[0], shifts)):
+        return kept[2]
+    stacked = torch.stack([k.reshape(-1) for k in shifts]).to(arena[1].dtype)
+    arena[4] = (shifts, versions, stacked)
+    return stacked
+
+
+def _arena(arenas: Dict[tuple, list], key: tuple, layers: List[Any]) -> list:
+    """``[layers, acc, views, blocks, shifts]``: the stacked accumulator ``acc`` whose slices (``views``) are
+    ``layers``' accumulators, its ``s2`` and ``s1`` blocks, and the group's stacked shifts
+    (:func:`_stacked_shifts`): the one kept under ``key`` while every layer's accumulator is still its slice, else
+    a new one holding their sums so far (the layers' accumulators become its slices)."""
     kept = arenas.get(key)
     if kept is not None and len(kept[0]) == len(layers) and all(
             held is layer and layer._acc_aug is view for held, layer, view in zip(kept[0], layers, kept[2])):
-        return kept[1], kept[3]
+        return kept
     first = layers[0]._acc_aug
     acc = stacked_moments_accumulator(len(layers), first.shape[0] - 1, first.dtype, first.device)
     views = []
@@ -324,8 +336,8 @@ def _arena(arenas: Dict[tuple, list], key: tuple, layers: List[Any]) -> Tuple[Te
         views.append(layer._acc_aug)
     m = acc.shape[-1] - 1
     blocks = (acc[:, :m, :m], acc[:, :m, m:])
-    arenas[key] = [list(layers), acc, views, blocks]
-    return acc, blocks
+    arena = arenas[key] = [list(layers), acc, views, blocks, None]
+    return arena
 
 
 def check_fold_async(fold_async: bool, strategy: str) -> bool:

@@ -77,11 +77,16 @@ def finite_each(*stacks: Tensor) -> Tensor:
     return total * 0 == 0  # x * 0 is NaN exactly for NaN and +-Inf
 
 
+def _rows_layout(x: Tensor) -> bool:
+    """Whether the 4-D ``x`` lies as ``(P, M)`` rows, features last (channels_last, not also contiguous)."""
+    return x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+
+
 def _as_rows(x: Tensor) -> Optional[Tensor]:
     """``x`` as a ``(P, M)`` view (features last) when that needs no copy."""
     if x.dim() == 2:
         return x
-    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
+    if x.dim() == 4 and _rows_layout(x):
         return x.permute(0, 2, 3, 1).reshape(-1, x.shape[1])
     return None
 

@@ -8,10 +8,11 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from .moments import _ACC_ROW_ALIGN, LOW_PRECISION, _as_rows, _ones
+from .moments import _ACC_ROW_ALIGN, LOW_PRECISION, _ones, _rows_layout
 
 
-def accumulate_moments_grouped(acc: Tensor, xs: Sequence[Tensor], shifts: Optional[Sequence[Tensor]] = None,
+def accumulate_moments_grouped(acc: Tensor, xs: Sequence[Tensor],
+                               shifts: Optional[Union[Sequence[Tensor], Tensor]] = None,
                                blocks: Optional[Tuple[Tensor, Tensor]] = None) -> None:
     """:func:`~whitenlayers.functional.accumulate_moments` of several layers' batches of one shape at once, into
     their stacked accumulators: a few operations for all of them instead of two or more per layer (a host-bound
@@ -32,7 +33,8 @@ def accumulate_moments_grouped(acc: Tensor, xs: Sequence[Tensor], shifts: Option
     Args:
         acc: the stacked accumulators, ``(L, M + 1, M + 1)``, float32 or float64 (a strided view is fine).
         xs: the ``L`` batches, features on dim 1.
-        shifts: the ``L`` shifts (``(1, M, 1, ...)`` or ``(M,)``), or ``None``.
+        shifts: the ``L`` shifts (``(1, M, 1, ...)`` or ``(M,)``), or ``None``; or already stacked, ``(L, M)`` in
+            ``acc``'s dtype (a caller that keeps them across calls).
         blocks: ``acc[:, :M, :M]`` and ``acc[:, :M, M:]`` as sliced once by the caller (default: sliced here).
 
     Example:
@@ -57,7 +59,7 @@ def accumulate_moments_grouped(acc: Tensor, xs: Sequence[Tensor], shifts: Option
     if len(shape) == 2:
         a = torch.stack(list(xs))  # (L, B, M)
         samples, features = 1, 2
-    elif len(shape) == 4 and _as_rows(xs[0]) is not None:
+    elif len(shape) == 4 and _rows_layout(xs[0]):
         # channels_last batches stack channels_last: the rows (L, P, M) are a view of the stack
         a = torch.stack(list(xs)).permute(0, 1, 3, 4, 2).reshape(len(xs), -1, m)
         samples, features = 1, 2
@@ -65,8 +67,8 @@ def accumulate_moments_grouped(acc: Tensor, xs: Sequence[Tensor], shifts: Option
         a = torch.stack([x.transpose(0, 1) for x in xs]).flatten(2)
         samples, features = 2, 1
     if shifts is not None:  # x - k in the accumulators' dtype (a bf16 batch is promoted by the subtraction)
-        k = torch.stack([s.reshape(-1) for s in shifts]).to(dtype).unsqueeze(samples)
-        a = torch.sub(a, k)
+        k = shifts if isinstance(shifts, Tensor) else torch.stack([s.reshape(-1) for s in shifts]).to(dtype)
+        a = torch.sub(a, k.unsqueeze(samples))
     lowp = a.dtype != dtype and a.dtype in LOW_PRECISION and _probe_bmm_out_dtype(a.device)
     if a.dtype != dtype and not lowp:
         a = a.to(dtype)
@@ -81,9 +83,10 @@ def accumulate_moments_grouped(acc: Tensor, xs: Sequence[Tensor], shifts: Option
     elif _probe_bmm_out_dtype(a.device, in_place=True):  # bf16 / fp16 products into float32 on tensor cores, in place
         torch.baddbmm(s2, left, right, out_dtype=dtype, out=s2)
         torch.baddbmm(s1, left, ones, out_dtype=dtype, out=s1)
-    else:  # the products into float32, then added
-        s2.add_(torch.bmm(left, right, out_dtype=dtype))
-        s1.add_(torch.bmm(left, ones, out_dtype=dtype))
+    else:  # the products into float32, then added (out of place: outside autocast, which would cast them)
+        with torch.autocast(device_type=a.device.type, enabled=False):
+            s2.add_(torch.bmm(left, right, out_dtype=dtype))
+            s1.add_(torch.bmm(left, ones, out_dtype=dtype))
 
 
 def stacked_moments_accumulator(layers: int, num_features: int, dtype: torch.dtype = torch.float32,

@@ -541,8 +541,9 @@ class _GradWhitenMixin(WhiteningLayer):
         cached = self.__dict__.get("_absorb_plan")
         param = cast(Any, self)._parameters["weight"]
         if (cached is not None and cached[0] is bn and cached[1] is state and bn.training
-                and bn.running_mean is not None and bn.momentum == cached[2] and bn.track_running_stats
-                and cached[3] is self._buffers.get("absorbed_offset") and cached[4] == param.data_ptr()):
+                and bn._buffers.get("running_mean") is not None and bn.momentum == cached[2]
+                and bn.track_running_stats and cached[3] is self._buffers.get("absorbed_offset")
+                and cached[4] == param.data_ptr()):
             return (view, state, counts[0], counts[1], sink, 0, cached[5])
         absorbed, payload = 3, None
         bn = self._batchnorm_absorbing_now()

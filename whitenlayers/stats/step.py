@@ -240,7 +240,7 @@ class _PerStepMixin(_LayerCore):
         the block ends (:meth:`_end_batch`, which asks for the fold)."""
         if self.frozen or self._fold_pending:
             return None
-        config = self.config
+        config = self.rule.config  # (the config property's value)
         batches = self._acc_batches
         gather = 0
         if batches % config.stats_every == 0:
