@@ -259,6 +259,10 @@ class _PointwiseWhitenFunc(PointwiseWhitenFunction):
 
 
 _direct_apply = _fast_apply(DirectWhitenFunction)
+#: The shared nodes' C++ apply (their callers run outside the torch.func transforms, with Parameters: nothing to
+#: unwrap), or their ``Function.apply``.
+shared_weight_grad_apply: Any = _fast_apply(SharedWeightGradTransform) or SharedWeightGradTransform.apply
+shared_weight_product_apply: Any = _fast_apply(SharedWeightProduct) or SharedWeightProduct.apply
 _weight_grad_apply = _fast_apply(WeightGradTransform)
 _pointwise_apply = _fast_apply(PointwiseWhitenFunction)
 

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from .._deprecated import module_getattr
-from ..autograd import SharedWeightProduct
+from ..autograd import shared_weight_product_apply
 from ..coordinator import FoldCoordinator, ForwardBegins
 from ..fold import _autocast_enabled, _no_autocast
 from ..functional import transform_weight_grad
@@ -212,7 +212,7 @@ def _plan_direct(layers: Sequence[Any]) -> bool:
             kept = layer.__dict__["_t_transposed"] = (t, t.mT)
         ts.append(t)
         ts_transposed.append(kept[1])
-    products = SharedWeightProduct.apply(tuple(ts), tuple(ts_transposed), *weights)
+    products = shared_weight_product_apply(tuple(ts), tuple(ts_transposed), *weights)
     for (wrapper, layer, state), wt in zip(chosen, products):
         counts = layer._step_counts(wt.dim(), wt.device) if layer._fold_coordinator is coordinator else None
         if counts is not None and "_is_replica" not in layer.__dict__:

@@ -15,8 +15,8 @@ from torch.nn.utils import parametrize
 
 from .. import functional as F_w
 from .._rebuild import conv_like, share_parameters
-from ..autograd import SharedWeightGradTransform, grad_transformed
 from ..autograd import _transforms_active as _func_transforms_active
+from ..autograd import grad_transformed, shared_weight_grad_apply
 from ..config import EVDConfig, WhiteningConfig, make_config
 from ..fold import _autocast_enabled
 from ..stats import WhiteningLayer, _is_compiling, recomputing
@@ -175,7 +175,7 @@ def share_weight_transforms(layers: Sequence[Any], module: nn.Module, checked: b
     if len(chosen) < 2:
         return False
     qs = tuple(state["grad_transform"] for state in states)
-    views = SharedWeightGradTransform.apply(qs, *weights)
+    views = shared_weight_grad_apply(qs, *weights)
     coordinator = cast(Any, chosen[0])._fold_coordinator
     sink = None if coordinator is None else coordinator.stats_sink()
     planned = sink is not None and not recomputing()  # (reentrant checkpointing recomputes the model: full paths)

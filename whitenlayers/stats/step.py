@@ -13,6 +13,7 @@ Part of :mod:`whitenlayers.stats`.
 from __future__ import annotations
 
 import functools
+import operator
 from typing import TYPE_CHECKING, Dict, Optional, Tuple, cast
 
 import torch
@@ -36,6 +37,7 @@ _jit_tracing = torch._C._is_tracing
 _saved_tensor_hooks = (functools.partial(torch._C._autograd._top_saved_tensors_default_hooks, False)
                        if hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks") else lambda: True)
 _eager = torch.compiler.disable
+_version = operator.attrgetter("_version")
 
 
 def _define_snapshot_op() -> None:
@@ -116,22 +118,18 @@ class _PerStepMixin(_LayerCore):
         load, DDP's buffer broadcast): per step, one identity and one version check per buffer."""
         buffers = self._buffers
         names = self._FORWARD_BUFFERS
-        if torch.jit.is_tracing():  # the trace reads the buffers themselves: no copy, nothing cached by one run
+        if _jit_tracing():  # the trace reads the buffers themselves: no copy, nothing cached by one run
             return {name: buffers[name] for name in names}
+        held = tuple(map(buffers.__getitem__, names))
         snap = self.__dict__.get("_snapshot")
-        if snap is not None:
-            for name, held, version in zip(names, snap[0], snap[1]):
-                buf = buffers[name]
-                if buf is not held or buf._version != version:
-                    break
-            else:
-                return snap[2]
+        # the same tensors (their ids, while the snapshot holds them), unwritten since (their versions)
+        if snap is not None and tuple(map(id, held)) == snap[1] and tuple(map(_version, held)) == snap[2]:
+            return snap[3]
         if torch.is_inference_mode_enabled():  # never keep an inference tensor (the next training step can't save it)
-            return {name: buffers[name] for name in names}
+            return dict(zip(names, held))
         with torch.no_grad():
-            state = {name: buffers[name].clone() for name in names}
-        held = tuple(buffers[name] for name in names)
-        self.__dict__["_snapshot"] = (held, tuple(buf._version for buf in held), state)
+            state = {name: buf.clone() for name, buf in zip(names, held)}
+        self.__dict__["_snapshot"] = (held, tuple(map(id, held)), tuple(map(_version, held)), state)
         return state
 
     def _add_sums(self, x: Tensor, shift_x: Optional[Tensor]) -> None:
