@@ -212,3 +212,45 @@ def test_direct_plans_one_product_node_and_leave_hooked_wrappers_alone(monkeypat
     assert calls == [len(wrappers) - 1] * 2
     assert len(seen) == 2  # the hooked layer was called on its own, with the whitened input
     assert not any(k in w.whiten.__dict__ for w in wrappers for k in ("_step_plan",))
+
+
+class _ConvNd(nn.Module):
+    """1-D and 3-D convs (one absorbed by its BatchNorm, one centred with a bias) in one model."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem1 = nn.Conv1d(3, 4, 3, padding=1, bias=False)
+        self.c1 = nn.Conv1d(4, 6, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm1d(6)
+        self.c3 = nn.Conv3d(6, 5, 3, padding=1, bias=True)
+        self.head = nn.Linear(5, 2)
+
+    def forward(self, x):  # x: (B, 3, 8, 8)
+        a = self.bn1(self.c1(self.stem1(x.flatten(2)).relu())).relu()  # (B, 6, 64)
+        b = self.c3(a.view(a.shape[0], 6, 4, 4, 4)).relu()
+        return self.head(b.mean((2, 3, 4)))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_planned_conv1d_and_conv3d_train_bit_identically(fused):
+    def run(planned):
+        torch.manual_seed(0)
+        model = wl.convert_model(_ConvNd().to(DT), "grad", block_size=3, targets="all", include_classifier=True)
+        assert len(wl.whitening_layers(model)) == 3
+        if not planned:
+            for _, layer in wl.whitening_layers(model):
+                layer.__dict__["_step_plan_off"] = True
+        return _train(model, fused=fused)
+
+    _assert_identical(run(True), run(False))
+
+
+def test_a_planned_layer_refuses_a_bad_input_as_its_full_path_does():
+    """An input the layer's check refuses is not taken by its plan: the full path's error, naming the layer."""
+    model = _model("grad", True)
+    name, layer = wl.whitening_layers(model)[2]
+    handle = layer.register_forward_pre_hook(lambda m, args: (args[0].float(),))  # the model is float64
+    with pytest.raises(TypeError, match=rf"{name}.*expected an input of dtype torch.float64"):
+        model(torch.randn(2, 3, 8, 8, dtype=DT))
+    handle.remove()
+    model(torch.randn(2, 3, 8, 8, dtype=DT)).sum().backward()  # and trains on afterwards

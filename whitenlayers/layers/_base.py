@@ -515,13 +515,14 @@ class _GradWhitenMixin(WhiteningLayer):
     # ------------------------------------------------------------ planned steps
     # A plan: what the layer's next training forward inside its converted model does, decided by the fold
     # coordinator's pre-hook for all layers at once (share_weight_transforms), so that the forward itself runs its
-    # operations with few checks: (view, state, gather, end, sink, absorbed, payload): the weight's view of the shared
-    # transform, the forward's buffers (_forward_state), the statistics and the count (stats.step._step_counts), the
-    # coordinator's list for the batch, and the centring: 0 absorbed, the offset's update one addmv_ (payload: d,
-    # rows, mu per tap, beta, alpha); 1 absorbed, _track_absorbed_offset (payload: the BatchNorm); 2 absorbed, no
-    # update (a BatchNorm that keeps no running mean); 3 centred by the layer. The same operations, in the same
-    # order, as the full path; a forward that is not what was planned (grad mode off, eval mode, an unbatched input,
-    # a second call) takes the full path.
+    # operations with few checks: (view, state, gather, end, sink, absorbed, payload, features, dtype): the weight's
+    # view of the shared transform, the forward's buffers (_forward_state), the statistics and the count
+    # (stats.step._step_counts), the coordinator's list for the batch, the centring (0 absorbed, the offset's update
+    # one addmv_, payload: d, rows, mu per tap, beta, alpha; 1 absorbed, _track_absorbed_offset, payload: the
+    # BatchNorm; 2 absorbed, no update: a BatchNorm that keeps no running mean; 3 centred by the layer), and what
+    # the input check expects (_check_input: the input features, the weight's dtype). The same operations, in the
+    # same order, as the full path; a forward that is not the one planned (grad mode off, eval mode, an unbatched
+    # input, an input the check refuses, a second call) takes the full path.
     def _step_plan(self, view: Tensor, state: Dict[str, Tensor], sink: Optional[list]) -> Optional[tuple]:
         """This layer's plan for its next training forward (see above), or ``None``: the full path."""
         if not self.training or "_is_replica" in self.__dict__:  # (a DataParallel replica: stats._stats_sink)
@@ -529,9 +530,11 @@ class _GradWhitenMixin(WhiteningLayer):
         counts = self._step_counts(view.dim(), view.device)
         if counts is None:
             return None
+        head = (view, state, counts[0], counts[1], sink)
+        tail = (getattr(self, "in_channels", self.num_features), view.dtype)
         ref = self._centring_ref
         if ref is None:
-            return (view, state, counts[0], counts[1], sink, 3, None)
+            return head + (3, None) + tail
         # The offset's update as the last forward planned it, while it is the same update: the same BatchNorm
         # (looked up again: it may have been replaced), still updating its running mean with the same momentum, the
         # same buffers of the forward, offset buffer and weight memory (_absorbed_rows' view).
@@ -544,7 +547,7 @@ class _GradWhitenMixin(WhiteningLayer):
                 and bn._buffers.get("running_mean") is not None and bn.momentum == cached[2]
                 and bn.track_running_stats and cached[3] is self._buffers.get("absorbed_offset")
                 and cached[4] == param.data_ptr()):
-            return (view, state, counts[0], counts[1], sink, 0, cached[5])
+            return head + (0, cached[5]) + tail
         absorbed, payload = 3, None
         bn = self._batchnorm_absorbing_now()
         if bn is None:
@@ -562,20 +565,24 @@ class _GradWhitenMixin(WhiteningLayer):
                 self.__dict__["_absorb_plan"] = (bn, state, factor, d, param.data_ptr(), payload)
             else:
                 absorbed, payload = 1, bn
-        return (view, state, counts[0], counts[1], sink, absorbed, payload)
+        return head + (absorbed, payload) + tail
 
     def _take_plan(self, x: Tensor, rank: int) -> Optional[tuple]:
         """This forward's plan (:meth:`_step_plan`) if it is the forward planned for: grad mode and training mode
-        on, ``x`` of ``rank`` dimensions; the plan is dropped either way (a second call takes the full path)."""
-        plan = self.__dict__.pop("_step_plan", None)
-        if plan is not None and x.dim() == rank and self.training and torch.is_grad_enabled():
-            self.__dict__.pop("_shared_weight", None)
+        on, ``x`` of ``rank`` dimensions that :func:`_check_input` accepts (its checks in the order of their
+        likelihood); the plan is dropped either way (a second call takes the full path, which checks the input)."""
+        attrs = self.__dict__
+        plan = attrs.pop("_step_plan", None)
+        if (plan is not None and isinstance(x, Tensor) and x.dim() == rank and x.shape[1] == plan[7]
+                and self.training and torch.is_grad_enabled()
+                and (x.dtype == plan[8] or (x.is_floating_point() and _autocast_enabled(x.device.type)))):
+            attrs.pop("_shared_weight", None)
             return plan
         return None
 
     def _run_plan(self, plan: tuple, x_stats: Tensor) -> None:
         """A planned forward before the layer's operation: the buffers in force, the statistics, the offset."""
-        view, state, gather, _, sink, absorbed, payload = plan
+        view, state, gather, _, sink, absorbed, payload = plan[:7]
         self.__dict__["_in_force"] = state
         if gather:
             self._planned_stats(x_stats, gather, sink)
@@ -584,6 +591,25 @@ class _GradWhitenMixin(WhiteningLayer):
             d.addmv_(rows, mean_k, beta=beta, alpha=alpha)
         elif absorbed == 1:
             self._track_absorbed_offset(view, payload, state)
+
+    def _planned_conv_forward(self, x: Tensor, plan: tuple, nd: int) -> Tensor:
+        """:meth:`_whitened_conv_forward` as planned (channel features: the statistics' input is ``x``)."""
+        self._run_plan(plan, x)
+        w = plan[0]
+        conv_forward = cast(Any, self)._conv_forward
+        if plan[5] != 3:  # absorbed centring
+            out = conv_forward(x, w, self.bias)
+        elif self.bias is None:  # the training path of _whitened_conv_forward: the centring term added in place
+            out = conv_forward(x, w, None).add_(self._layer_bias(w, plan[1]).view((-1,) + (1,) * nd))
+        else:
+            out = conv_forward(x, w, self._layer_bias(w, plan[1]))
+        end = plan[3]
+        if end is None:
+            self._end_batch()
+        else:
+            attrs = self.__dict__
+            attrs["_acc_batches"], attrs["_gather_next"] = end
+        return out
 
     def _input_saved(self, x: Tensor) -> bool:
         # the convolution (or linear map) saves its input for the weight's gradient
@@ -607,18 +633,6 @@ class _GradWhitenMixin(WhiteningLayer):
     def _whitened_conv_forward(self, x: Tensor, nd: int) -> Tensor:
         """Statistics, the weight with its gradient transform, and the centring, around the plain convolution."""
         conv_forward = cast(Any, self)._conv_forward
-        plan = self._take_plan(x, nd + 2)
-        if plan is not None:
-            self._run_plan(plan, self._stats_input(x))
-            w, state = plan[0], plan[1]
-            if plan[5] != 3:  # absorbed centring
-                out = conv_forward(x, w, self.bias)
-            elif self.bias is None:  # the training path below: the centring term added in place
-                out = conv_forward(x, w, None).add_(self._layer_bias(w, state).view((-1,) + (1,) * nd))
-            else:
-                out = conv_forward(x, w, self._layer_bias(w, state))
-            self._planned_end(plan[3])
-            return out
         training, state = self._forward_state()
         if training:
             _check_gathering_untransformed(self)

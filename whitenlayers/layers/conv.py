@@ -140,6 +140,9 @@ class GradWhitenConv2d(_GradWhitenMixin, nn.Conv2d):
         Returns:
             What ``nn.Conv2d`` returns for it, here ``conv(pad0(x) - mu, W) + b``.
         """
+        plan = self._take_plan(x, 4)  # a training forward planned by the model's fold coordinator
+        if plan is not None:
+            return self._planned_conv_forward(x, plan, 2)
         _check_input(self, x, dim=-3, ndims=(3, 4), what="an input of shape (B, C, H, W) or (C, H, W)")
         return self._whitened_conv_forward(x, 2)
 
@@ -227,7 +230,6 @@ class GradWhitenLinear(_GradWhitenMixin, nn.Linear):  # type: ignore[misc]
         Returns:
             ``(*, out_features)``, as ``nn.Linear``.
         """
-        _check_input(self, x, dim=-1, ndims=tuple(range(1, 9)), what="an input of shape (*, in_features)")
         plan = self._take_plan(x, 2)  # a (B, in_features) training forward planned by the model's coordinator
         if plan is not None:
             self._run_plan(plan, x)
@@ -235,6 +237,7 @@ class GradWhitenLinear(_GradWhitenMixin, nn.Linear):  # type: ignore[misc]
             out = nn.functional.linear(x, w, self.bias if plan[5] != 3 else self._layer_bias(w, plan[1]))
             self._planned_end(plan[3])
             return out
+        _check_input(self, x, dim=-1, ndims=tuple(range(1, 9)), what="an input of shape (*, in_features)")
         bn = self._batchnorm_absorbing_now()  # centring absorbed by the following BatchNorm1d (absorb_centring)
         if bn is not None and x.dim() != 2:
             raise ValueError(

@@ -56,6 +56,9 @@ class _GradWhitenConvNd(_GradWhitenMixin):
             What the plain conv returns for it, here ``conv(pad0(x) - mu, W) + b``.
         """
         nd = len(self.kernel_size)
+        plan = self._take_plan(x, nd + 2)  # a training forward planned by the model's fold coordinator
+        if plan is not None:
+            return self._planned_conv_forward(x, plan, nd)
         spatial = {1: "L", 2: "H, W", 3: "D, H, W"}[nd]
         _check_input(self, x, dim=-(nd + 1), ndims=(nd + 1, nd + 2),
                      what=f"an input of shape (B, C, {spatial}) or (C, {spatial})")
