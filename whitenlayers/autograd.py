@@ -134,7 +134,7 @@ class SharedWeightGradTransform(torch.autograd.Function):
     def forward(ctx: Any, qs: Tuple[Tensor, ...], *weights: Tensor) -> Tuple[Tensor, ...]:
         ctx.qs = qs
         ctx.set_materialize_grads(False)
-        return tuple(w.view_as(w) for w in weights)
+        return weights  # each an input returned as it is: autograd returns a view of it (made in C++), its output
 
     @staticmethod
     def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:

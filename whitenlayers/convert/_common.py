@@ -157,10 +157,12 @@ class DirectWhitenWrapper(nn.Module):
             whiten._planned_stats(x, gather, sink if x.requires_grad else None)
         linear = type(layer) is nn.Linear
         shift = whiten._shift_for(state["running_mean"], x, linear)
+        params = layer._parameters  # the bias Parameter (or None) without Module.__getattr__'s lookups
+        bias = params["bias"] if "bias" in params else layer.bias
         if linear:
-            out = nn.functional.linear(x - shift, wt, layer.bias)
+            out = nn.functional.linear(x - shift, wt, bias)
         else:
-            out = layer._conv_forward(x - shift, wt, layer.bias)
+            out = layer._conv_forward(x - shift, wt, bias)
         whiten._planned_end(end)
         return out
 

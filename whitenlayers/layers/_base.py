@@ -167,7 +167,7 @@ def share_weight_transforms(layers: Sequence[Any], module: nn.Module, checked: b
         w = layer._parameters.get("weight")
         if (not isinstance(layer, _GradWhitenMixin) or type(w) is not nn.Parameter or not w.requires_grad
                 or layer.features != "channels" or "_deferred_grad" in layer.__dict__
-                or "parametrizations" in cast(Any, layer)._modules or getattr(w, "_fsdp_flattened", False)):
+                or "parametrizations" in cast(Any, layer)._modules):  # (FSDP's flat weights: torch.distributed)
             continue
         chosen.append(layer)
         weights.append(w)
@@ -597,9 +597,11 @@ class _GradWhitenMixin(WhiteningLayer):
         self._run_plan(plan, x)
         w = plan[0]
         conv_forward = cast(Any, self)._conv_forward
+        params = cast(Any, self)._parameters  # the bias Parameter (or None) without Module.__getattr__'s lookups
+        bias = params["bias"] if "bias" in params else self.bias
         if plan[5] != 3:  # absorbed centring
-            out = conv_forward(x, w, self.bias)
-        elif self.bias is None:  # the training path of _whitened_conv_forward: the centring term added in place
+            out = conv_forward(x, w, bias)
+        elif bias is None:  # the training path of _whitened_conv_forward: the centring term added in place
             out = conv_forward(x, w, None).add_(self._layer_bias(w, plan[1]).view((-1,) + (1,) * nd))
         else:
             out = conv_forward(x, w, self._layer_bias(w, plan[1]))
