@@ -35,20 +35,26 @@ def _batch(layout, b, m, gen, dtype):
 
 @settings(max_examples=40, deadline=None)
 @given(layers=st.integers(1, 4), b=st.integers(1, 5), m=st.integers(1, 9), layout=st.sampled_from(LAYOUTS),
-       shifted=st.booleans(), bf16=st.booleans(), seed=st.integers(0, 2**16))
+       shifted=st.sampled_from(["none", "all", "some"]), bf16=st.booleans(), seed=st.integers(0, 2**16))
 def test_grouped_sums_are_each_layers_own_sums(layers, b, m, layout, shifted, bf16, seed):
     """Stacked, every layer's ``sum (x - k)(x - k)^T`` and ``sum (x - k)`` equal :func:`accumulate_moments`' own:
-    in float64 to rounding; a bf16 batch (converted to float32 first on the CPU) to float32 rounding."""
+    in float64 to rounding; a bf16 batch (converted to float32 first on the CPU) to float32 rounding. Shifts for
+    none, all, or some of the batches (the others summed about 0, as a zero shift)."""
     gen = torch.Generator().manual_seed(seed)
     dtype = torch.float32 if bf16 else torch.float64
     xs = [_batch(layout, b, m, gen, torch.float64).to(torch.bfloat16 if bf16 else dtype) for _ in range(layers)]
     shifts = [torch.randn(1, m, *([1] * (xs[0].dim() - 2)), generator=gen).to(dtype) for _ in range(layers)]
+    if shifted == "some":
+        shifts = [k if i % 2 else None for i, k in enumerate(shifts)]
+        if all(k is None for k in shifts):
+            shifts[0] = torch.zeros(1, m, *([1] * (xs[0].dim() - 2)), dtype=dtype)
+    given_shifts = None if shifted == "none" else shifts
     acc = stacked_moments_accumulator(layers, m, dtype)
     own = [moments_accumulator(m, dtype) for _ in range(layers)]
     for _ in range(2):  # added twice: into what is there
-        accumulate_moments_grouped(acc, xs, shifts if shifted else None)
+        accumulate_moments_grouped(acc, xs, given_shifts)
         for a, x, k in zip(own, xs, shifts):
-            accumulate_moments(a, x, k if shifted else None)
+            accumulate_moments(a, x, None if given_shifts is None else k)
     tol = 1e-5 if bf16 else 1e-12
     for i in range(layers):
         scale = float(own[i][:m, : m + 1].abs().max()) + 1.0

@@ -26,7 +26,7 @@ from .fold import (
     fold_layers,
 )
 from .functional.moments import accumulate_moments
-from .functional.stacked import accumulate_moments_grouped, stacked_moments_accumulator
+from .functional.stacked import accumulate_moments_grouped, stack_shifts, stacked_moments_accumulator
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.utils.hooks import RemovableHandle
@@ -267,8 +267,9 @@ GROUP_BYTES = 256 << 20
 
 
 def _add_handed_batches(entries: Sequence[tuple], arenas: Dict[tuple, list]) -> None:
-    """Add the batches of a forward's layers to their accumulators, grouped by input shape, dtype, layout and
-    whether they are summed about a shift (:func:`~whitenlayers.functional.accumulate_moments_grouped`). The
+    """Add the batches of a forward's layers to their accumulators, grouped by input shape, dtype and layout
+    (:func:`~whitenlayers.functional.accumulate_moments_grouped`; in a group where some are summed about a shift,
+    those summed about 0 take a zero shift: one group, the same sums up to rounding). The
     accumulators of a group's layers are slices of one stacked tensor (``arenas``, kept by the coordinator across
     steps, made again when a layer's accumulator was replaced: a reset, a move, a load); a layer whose batch is not
     the first it handed over this forward (called twice) adds on its own. No gradient, no autocast (a batched
@@ -286,7 +287,7 @@ def _add_handed_batches(entries: Sequence[tuple], arenas: Dict[tuple, list]) -> 
             key: tuple = ("alone", len(groups))
         else:
             seen.add(id(layer))
-            key = (x.shape, x.stride(), x.dtype, x.get_device(), layer._acc_aug.dtype, shift is None)
+            key = (x.shape, x.stride(), x.dtype, x.get_device(), layer._acc_aug.dtype)
         groups.setdefault(key, []).append(entry)
     # (No autocast context: the products are in place or take out= / out_dtype, which autocast leaves alone; the
     # one out-of-place product, accumulate_moments_grouped's fallback, turns it off itself.)
@@ -301,19 +302,22 @@ def _add_handed_batches(entries: Sequence[tuple], arenas: Dict[tuple, list]) -> 
                     accumulate_moments(layer._acc_aug, x, shift, layer._acc_blocks)
                     continue
                 arena = _arena(arenas, key + (start,), [e[0] for e in part])
-                shifts: Optional[Tensor] = None if part[0][3] is None else _stacked_shifts(arena, part)
+                shifted = any(e[3] is not None for e in part)
+                shifts: Optional[Tensor] = _stacked_shifts(arena, part) if shifted else None
                 accumulate_moments_grouped(arena[1], [e[1] for e in part], shifts, arena[3])
 
 
 def _stacked_shifts(arena: list, part: Sequence[tuple]) -> Tensor:
-    """The shifts of a group's batches stacked ``(L, M)`` in its accumulators' dtype: kept in ``arena`` while they
-    are the same tensors, unwritten (within a block), so stacked once per block."""
+    """The shifts of a group's batches stacked ``(L, M)`` in its accumulators' dtype (zeros for a batch summed
+    about 0, :func:`~whitenlayers.functional.stack_shifts`): kept in ``arena`` while they are the same tensors,
+    unwritten (within a block), so stacked once per block."""
     shifts = tuple(e[3] for e in part)
-    versions = tuple(k._version for k in shifts)
+    versions = tuple(-1 if k is None else k._version for k in shifts)
     kept = arena[4]
     if kept is not None and kept[1] == versions and all(a is b for a, b in zip(kept[0], shifts)):
         return kept[2]
-    stacked = torch.stack([k.reshape(-1) for k in shifts]).to(arena[1].dtype)
+    acc = arena[1]
+    stacked = stack_shifts(shifts, acc.shape[-1] - 1, acc.dtype)
     arena[4] = (shifts, versions, stacked)
     return stacked
 

@@ -90,7 +90,7 @@ from .spectrum import (  # noqa: F401
 
 # One module per concern; this package re-exports their public names (the module path of every name stays
 # ``whitenlayers.functional``) and the two CPU switches that tests and benchmarks read.
-from .stacked import accumulate_moments_grouped, stacked_moments_accumulator  # noqa: F401
+from .stacked import accumulate_moments_grouped, stack_shifts, stacked_moments_accumulator  # noqa: F401
 
 __all__ = [
     "BlockSummary",
@@ -100,6 +100,7 @@ __all__ = [
     "accumulate_moments_grouped",
     "accumulate_moments_split",
     "moments_accumulator",
+    "stack_shifts",
     "stacked_moments_accumulator",
     "ones_for_moments",
     "fused_moments",

@@ -12,7 +12,7 @@ from .moments import _ACC_ROW_ALIGN, LOW_PRECISION, _ones, _rows_layout
 
 
 def accumulate_moments_grouped(acc: Tensor, xs: Sequence[Tensor],
-                               shifts: Optional[Union[Sequence[Tensor], Tensor]] = None,
+                               shifts: Optional[Union[Sequence[Optional[Tensor]], Tensor]] = None,
                                blocks: Optional[Tuple[Tensor, Tensor]] = None) -> None:
     """:func:`~whitenlayers.functional.accumulate_moments` of several layers' batches of one shape at once, into
     their stacked accumulators: a few operations for all of them instead of two or more per layer (a host-bound
@@ -33,8 +33,9 @@ def accumulate_moments_grouped(acc: Tensor, xs: Sequence[Tensor],
     Args:
         acc: the stacked accumulators, ``(L, M + 1, M + 1)``, float32 or float64 (a strided view is fine).
         xs: the ``L`` batches, features on dim 1.
-        shifts: the ``L`` shifts (``(1, M, 1, ...)`` or ``(M,)``), or ``None``; or already stacked, ``(L, M)`` in
-            ``acc``'s dtype (a caller that keeps them across calls).
+        shifts: the ``L`` shifts (``(1, M, 1, ...)`` or ``(M,)``; ``None`` for a batch summed about 0), or
+            ``None`` (all about 0); or already stacked, ``(L, M)`` in ``acc``'s dtype (:func:`stack_shifts`, for a
+            caller that keeps them across calls).
         blocks: ``acc[:, :M, :M]`` and ``acc[:, :M, M:]`` as sliced once by the caller (default: sliced here).
 
     Example:
@@ -67,7 +68,7 @@ def accumulate_moments_grouped(acc: Tensor, xs: Sequence[Tensor],
         a = torch.stack([x.transpose(0, 1) for x in xs]).flatten(2)
         samples, features = 2, 1
     if shifts is not None:  # x - k in the accumulators' dtype (a bf16 batch is promoted by the subtraction)
-        k = shifts if isinstance(shifts, Tensor) else torch.stack([s.reshape(-1) for s in shifts]).to(dtype)
+        k = shifts if isinstance(shifts, Tensor) else stack_shifts(shifts, m, dtype)
         a = torch.sub(a, k.unsqueeze(samples))
     lowp = a.dtype != dtype and a.dtype in LOW_PRECISION and _probe_bmm_out_dtype(a.device)
     if a.dtype != dtype and not lowp:
@@ -87,6 +88,22 @@ def accumulate_moments_grouped(acc: Tensor, xs: Sequence[Tensor],
         with torch.autocast(device_type=a.device.type, enabled=False):
             s2.add_(torch.bmm(left, right, out_dtype=dtype))
             s1.add_(torch.bmm(left, ones, out_dtype=dtype))
+
+
+def stack_shifts(shifts: Sequence[Optional[Tensor]], num_features: int, dtype: torch.dtype) -> Tensor:
+    """The shifts of :func:`accumulate_moments_grouped` stacked ``(L, M)`` in ``dtype``, a row of zeros for each
+    ``None`` (a batch summed about 0); at least one shift must be a tensor (its device is the stack's).
+
+    Example:
+        >>> stack_shifts([torch.ones(1, 2, 1, 1), None], 2, torch.float64)
+        tensor([[1., 1.],
+                [0., 0.]], dtype=torch.float64)
+    """
+    first = next((k for k in shifts if k is not None), None)
+    if first is None:
+        raise ValueError("stack_shifts: expected at least one shift tensor, but got only None")
+    zeros = first.new_zeros(num_features)
+    return torch.stack([zeros if k is None else k.reshape(-1) for k in shifts]).to(dtype)
 
 
 def stacked_moments_accumulator(layers: int, num_features: int, dtype: torch.dtype = torch.float32,
