@@ -25,7 +25,8 @@ to the host; on a GPU each one also waits for the queue (``hot_path.py`` counts 
 model stepped with one part switched off at a time (the absorbed offset's update, the weight-gradient transform,
 the block's bookkeeping, the statistics), interleaved with the full step and the plain one. A step without a part
 is not a configuration anyone trains (nothing is folded without the bookkeeping); it only says what that part
-costs.
+costs. The parts are those of the layers' full path, so those rows run without the steps the coordinator plans
+(row "full path (no planned steps)", what each part is measured against); row "full" is the default, planned.
 """
 from __future__ import annotations
 
@@ -202,8 +203,9 @@ PARTS = {
 def _essential_forward(self, x: torch.Tensor) -> torch.Tensor:
     """A grad / recursive conv's per-batch work with none of the library's Python around it (no checks, no
     bookkeeping, no fold, no autocast handling): the statistics' two ops, the weight-gradient Function, the
-    absorbed offset's ``addmv_`` and the convolution. What an eager layer cannot go below (``--ablate``'s last
-    row); not a layer anyone can train with."""
+    absorbed offset's ``addmv_`` and the convolution, each layer's own (``--ablate``'s last row); not a layer anyone
+    can train with. It was the floor of a layer's own operations; the default step now goes below it (statistics
+    added by groups of layers, one weight-gradient node for all of them, planned steps)."""
     if self._centring_ref is None or self._acc_aug is None:
         return type(self).forward(self, x)
     wl.functional.accumulate_moments(self._acc_aug, x.detach(), None)
@@ -216,52 +218,55 @@ def _essential_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 #: ``--ablate``'s row of :func:`_essential_forward`.
 ESSENTIAL = "essential ops only (no library Python around them)"
+#: ``--ablate``'s row of the layers' full path, no step planned by the coordinator (what the parts are taken from).
+FULL_PATH = "full path (no planned steps)"
+
+
+def _no_plan(self, view, state, sink):
+    """``--ablate``'s stand-in for ``_GradWhitenMixin._step_plan``: no plan, every forward takes the full path."""
+    return None
 
 
 def ablate(args) -> Dict[str, object]:
-    from whitenlayers.layers._base import _GradWhitenMixin as layer_class
-
     setup(1 if args.threads == 2 else args.threads, args.seed, args.clock)
     method, kw = VARIANTS[args.ablate]
     if method == "direct":
         raise SystemExit("--ablate takes a grad or recursive variant (its parts are the grad layers')")
     base, x, y = _inputs(args.seed)
-    plain, converted = copy.deepcopy(base), wl.convert_model(copy.deepcopy(base), method, **kw)
+    converted = wl.convert_model(copy.deepcopy(base), method, **kw)
     layers = len(wl.whitening_layers(converted))
-    essential = copy.deepcopy(converted)
-    run_plain, run_converted = _stepper(plain, x, y), _stepper(converted, x, y)
-    run_essential = _stepper(essential, x, y)
+    # One model per row, its layers' parts replaced once, on the instances: replacing a class's method between
+    # steps would make Python drop its attribute caches for every layer at each step (a cost of its own). The parts
+    # are switched off in the layers' full path: the steps planned by the coordinator (docs/robustness.md, "Planned
+    # steps") bypass those methods, so every row but "full" runs without plans, and a part's time is against the
+    # full path without plans.
+    names = ["plain", "full", FULL_PATH] + list(PARTS) + [ESSENTIAL]
+    models = {name: copy.deepcopy(base) if name == "plain" else copy.deepcopy(converted) for name in names}
+    runners = {name: _stepper(model, x, y) for name, model in models.items()}
     with wl.functional.fused_moments(True):
-        run_essential()  # a first batch: the accumulators exist from here on
-    for _, layer in wl.whitening_layers(essential):
-        layer.forward = types.MethodType(_essential_forward, layer)
-    originals = {attr: getattr(layer_class, attr) for attr, _ in PARTS.values()}
-    names = ["plain", "full"] + list(PARTS) + [ESSENTIAL]
-    runners = {"plain": run_plain, ESSENTIAL: run_essential}
+        runners[ESSENTIAL]()  # a first batch: the accumulators exist from here on
+    for name, model in models.items():
+        for _, layer in (wl.whitening_layers(model) if name not in ("plain", "full") else []):
+            layer.__dict__["_step_plan"] = types.MethodType(_no_plan, layer)
+            if name in PARTS:
+                attr, stand_in = PARTS[name]
+                layer.__dict__[attr] = types.MethodType(stand_in, layer)
+            elif name == ESSENTIAL:
+                layer.__dict__["forward"] = types.MethodType(_essential_forward, layer)
     times: Dict[str, List[float]] = {k: [] for k in names}
     steps = 5 if args.tiny else 50 * args.blocks
     with wl.functional.fused_moments(True):
         for _ in range(2 if args.tiny else 50):
-            run_plain()
-            run_converted()
-            run_essential()
-        try:
-            for _ in range(steps):
-                for name in names:
-                    for attr, original in originals.items():
-                        setattr(layer_class, attr, original)
-                    if name in PARTS:
-                        attr, stand_in = PARTS[name]
-                        setattr(layer_class, attr, stand_in)
-                    t0 = _common._CLOCK()
-                    runners.get(name, run_converted)()
-                    times[name].append(_common._CLOCK() - t0)
-        finally:
-            for attr, original in originals.items():
-                setattr(layer_class, attr, original)
-    plain_med, full_med = statistics.median(times["plain"]), statistics.median(times["full"])
+            for name in names:
+                runners[name]()
+        for _ in range(steps):
+            for name in names:
+                t0 = _common._CLOCK()
+                runners[name]()
+                times[name].append(_common._CLOCK() - t0)
+    plain_med, full_med = statistics.median(times["plain"]), statistics.median(times[FULL_PATH])
     rows = [[name, 1e3 * statistics.median(t), 1e6 * (statistics.median(t) - plain_med) / layers,
-             0.0 if name in ("plain", "full", ESSENTIAL) else 1e6 * (full_med - statistics.median(t)) / layers]
+             0.0 if name in ("plain", "full", FULL_PATH, ESSENTIAL) else 1e6 * (full_med - statistics.median(t)) / layers]
             for name, t in times.items()]
     table = md_table(["step (parts switched off)", "median step ms", "extra us per layer", "the part's us per layer"],
                      rows, nd=1)

@@ -122,7 +122,7 @@ def test_forwards_planned_are_the_model_layers_training_forwards():
             model(x)
         model.eval()(x).sum().backward()
         assert taken == []
-    assert not any("_step_plan" in m.__dict__ for m in layers)
+    assert not any("_planned" in m.__dict__ for m in layers)
 
 
 def test_a_layer_called_twice_and_a_forward_under_no_grad_inside_the_model():
@@ -163,7 +163,7 @@ def test_plans_are_not_pickled_or_copied():
         assert "_absorb_plan" in layer.__dict__ or layer._centring_ref is None
     for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
         assert not any(k in layer.__dict__ for _, layer in wl.whitening_layers(clone)
-                       for k in ("_absorb_plan", "_step_plan", "_shared_weight"))
+                       for k in ("_absorb_plan", "_planned", "_shared_weight"))
         _train(clone, steps=2)
     _coordinator(model)  # still installed
 
@@ -211,7 +211,7 @@ def test_direct_plans_one_product_node_and_leave_hooked_wrappers_alone(monkeypat
     _train(model, steps=2)
     assert calls == [len(wrappers) - 1] * 2
     assert len(seen) == 2  # the hooked layer was called on its own, with the whitened input
-    assert not any(k in w.whiten.__dict__ for w in wrappers for k in ("_step_plan",))
+    assert not any(k in w.whiten.__dict__ for w in wrappers for k in ("_planned",))
 
 
 class _ConvNd(nn.Module):

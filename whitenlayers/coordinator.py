@@ -189,7 +189,7 @@ class FoldCoordinator:
             for layer in self.layers:
                 attrs = layer.__dict__
                 attrs.pop("_shared_weight", None)
-                attrs.pop("_step_plan", None)
+                attrs.pop("_planned", None)
         for layer in self.layers:
             if layer._traced_calls:  # called inside a compiled graph: count its batches here (WhiteningLayer)
                 layer._count_traced_batches()

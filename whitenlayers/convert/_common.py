@@ -99,7 +99,7 @@ class DirectWhitenWrapper(nn.Module):
             x: the wrapped layer's input (features on dim 1 for a conv, on the last dim for an ``nn.Linear``).
         """
         whiten = self.whiten
-        plan = whiten.__dict__.pop("_step_plan", None)
+        plan = whiten.__dict__.pop("_planned", None)
         if (plan is not None and plan[0] is self and x.dim() == plan[1].dim() and whiten.training
                 and torch.is_grad_enabled() and _saved_tensor_hooks() is None):
             # (under activation checkpointing the full path: a recomputed forward saves what its original saved)
@@ -218,7 +218,7 @@ def _plan_direct(layers: Sequence[Any]) -> bool:
     for (wrapper, layer, state), wt in zip(chosen, products):
         counts = layer._step_counts(wt.dim(), wt.device) if layer._fold_coordinator is coordinator else None
         if counts is not None and "_is_replica" not in layer.__dict__:
-            layer.__dict__["_step_plan"] = (wrapper, wt, state, counts[0], counts[1], sink)
+            layer.__dict__["_planned"] = (wrapper, wt, state, counts[0], counts[1], sink)
     return True
 
 

@@ -185,7 +185,7 @@ def share_weight_transforms(layers: Sequence[Any], module: nn.Module, checked: b
         if planned and layer._fold_coordinator is coordinator:
             plan = layer._step_plan(view, state, sink)
             if plan is not None:
-                attrs["_step_plan"] = plan
+                attrs["_planned"] = plan
     return True
 
 
@@ -572,7 +572,7 @@ class _GradWhitenMixin(WhiteningLayer):
         on, ``x`` of ``rank`` dimensions that :func:`_check_input` accepts (its checks in the order of their
         likelihood); the plan is dropped either way (a second call takes the full path, which checks the input)."""
         attrs = self.__dict__
-        plan = attrs.pop("_step_plan", None)
+        plan = attrs.pop("_planned", None)
         if (plan is not None and isinstance(x, Tensor) and x.dim() == rank and x.shape[1] == plan[7]
                 and self.training and torch.is_grad_enabled()
                 and (x.dtype == plan[8] or (x.is_floating_point() and _autocast_enabled(x.device.type)))):

@@ -78,7 +78,7 @@ class _StateIOMixin(_LayerCore):
         state = dict(self.__dict__)
         for transient in ("_in_force", "_snapshot", "_fold_weight", "_mean_taps", "_pointwise_cache", "_shift_cache",
                           "_rows_cache", "_shift_store", "_deferred_grad", "_deferred_q", "_absorb_plan",
-                          "_step_plan", "_shared_weight", "_wrapper", "_t_transposed",
+                          "_planned", "_shared_weight", "_wrapper", "_t_transposed",
                           "_spares", "_double_buffered"):  # the last two: set by versions before 2026-11-28
             state.pop(transient, None)
         state.pop("_acc_dense", None)
