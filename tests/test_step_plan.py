@@ -254,3 +254,27 @@ def test_a_planned_layer_refuses_a_bad_input_as_its_full_path_does():
         model(torch.randn(2, 3, 8, 8, dtype=DT))
     handle.remove()
     model(torch.randn(2, 3, 8, 8, dtype=DT)).sum().backward()  # and trains on afterwards
+
+
+def test_a_plan_left_by_a_forward_without_its_end_hook_is_replaced():
+    """A layer not called in a forward keeps its plan when the coordinator's end hook is gone (removed by hand); the
+    next forward plans it again over the old one (a plan is data, never the method that makes it)."""
+    class Skips(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = wl.models.cifar_resnet(8, width=4).to(DT)
+
+        def forward(self, x, skip=False):
+            n = self.net
+            x = n.bn1(n.conv1(x)).relu()
+            return n.fc(n.layer3(n.layer2(x if skip else n.layer1(x))).mean((2, 3)))
+
+    model = wl.convert_model(Skips(), "grad", block_size=2)
+    _coordinator(model).handle.remove()
+    x = torch.randn(2, 3, 8, 8, dtype=DT)
+    model(x, skip=True).sum().backward()
+    left = [m for _, m in wl.whitening_layers(model) if "_planned" in m.__dict__]
+    assert left  # layer1's convs were not called
+    for _ in range(3):
+        model(x).sum().backward()
+    assert all(int(m.num_blocks) >= 1 for _, m in wl.whitening_layers(model))
