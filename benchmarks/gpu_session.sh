@@ -147,7 +147,7 @@ case "${1:-bench}" in
     ;;
   grouped)
     timeout 120 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_handed_stats.py tests/test_direct_fused.py \
-      tests/test_shared_transform.py > "$OUT/pytest_grouped.txt" 2>&1
+      tests/test_shared_transform.py tests/test_step_plan.py > "$OUT/pytest_grouped.txt" 2>&1
     echo "pytest (grouped statistics, fused direct) exit $?" >> "$OUT/machine.txt"
     timeout 330 python3 benchmarks/gpu.py --threads 8 --rounds 50 --skip compile,resnet110 \
       --variants "grad;recursive;direct" --json "$OUT/gpu_grouped.json" > "$OUT/gpu_grouped.txt" 2>&1

@@ -278,3 +278,33 @@ def test_a_plan_left_by_a_forward_without_its_end_hook_is_replaced():
     for _ in range(3):
         model(x).sum().backward()
     assert all(int(m.num_blocks) >= 1 for _, m in wl.whitening_layers(model))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("method", ["grad", "direct"])
+def test_planned_forwards_on_cuda_train_as_the_full_path(method):
+    """On CUDA (its statistics path, bf16 autocast): the planned model trains as the one without plans, to float32
+    rounding (cuDNN's convolution backward need not be bit-reproducible)."""
+    def run(planned):
+        torch.manual_seed(0)
+        model = wl.convert_model(_Net(), method, block_size=3, targets="all", include_classifier=True).cuda()
+        if not planned:
+            _coordinator(model).on_forward = None
+        model = model.to(memory_format=torch.channels_last)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(8):
+            x = (torch.randn(8, 3, 8, 8, generator=gen) * 2 + 1).cuda().to(memory_format=torch.channels_last)
+            opt.zero_grad()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(x).float().logsumexp(1).mean()
+            loss.backward()
+            opt.step()
+        return model
+
+    a, b = run(True).state_dict(), run(False).state_dict()
+    for key in b:
+        if b[key].is_floating_point():
+            torch.testing.assert_close(a[key], b[key], rtol=2e-3, atol=2e-4, msg=key)
+        else:
+            assert torch.equal(a[key], b[key]), key
