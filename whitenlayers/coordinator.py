@@ -69,9 +69,10 @@ class FoldCoordinator:
     operations where the batch would otherwise not outlive its layer (no backward recorded, activation
     checkpointing or any saved-tensor hooks, a weight and an input that need no gradient) and inside compiled
     graphs. The pre-hook that opens a forward's collection is ``ForwardBegins``. It also calls :attr:`on_forward`,
-    which ``convert_model`` sets to put the grad / recursive layers' weights through one autograd node for their
-    weight-gradient transforms (in one process; ``layers._base.share_weight_transforms``); the views no layer used
-    are dropped at the forward's end.
+    which ``convert_model`` sets to ``convert._common.plan_forward``: in one process, the grad / recursive layers'
+    weights through one autograd node for their weight-gradient transforms, the fused ``direct`` wrappers' ``W T``
+    through another, and each layer's step planned (docs/robustness.md, "Planned steps"); the views and plans no
+    layer used are dropped at the forward's end.
 
     At the first fold after a conversion it checks that every whitening layer
     of the model (:attr:`layers`) in training mode was called: a layer whose
@@ -102,8 +103,8 @@ class FoldCoordinator:
     #: The stacked accumulators of the groups of layers whose batches are added together (``_arena``); never
     #: pickled (the layers' accumulators are pickled apart, and stacked again at the next forward).
     _arenas: Optional[Dict[tuple, list]] = None
-    #: Called with the layers and the model before each forward (``convert_model`` sets the layers' shared
-    #: weight-gradient transform, ``layers._base.share_weight_transforms``); returns whether it left views on them.
+    #: Called with the layers and the model before each forward (``convert_model`` sets ``convert._common.
+    #: plan_forward``: shared weight nodes and planned steps); returns whether it left views or plans on them.
     on_forward: Any = None
     #: Whether this forward's layers hold views of the shared transform (dropped at the forward's end).
     shared_weights: bool = False
