@@ -68,7 +68,8 @@ def test_host_overhead_ablation_tiny(tmp_path):
     out = tmp_path / "out.json"
     _run([str(BENCH / "host_overhead.py"), "--tiny", "--ablate", "recursive", "--json", str(out)], tmp_path)
     rows = json.loads(out.read_text())["rows"]
-    assert [r[0] for r in rows][:2] == ["plain", "full"] and len(rows) == 7 and rows[-1][0].startswith("essential")
+    assert [r[0] for r in rows][:3] == ["plain", "full", "full path (no planned steps)"] and len(rows) == 8
+    assert rows[-1][0].startswith("essential")
 
 
 def test_host_overhead_folds_tiny(tmp_path):
