@@ -308,3 +308,77 @@ def test_planned_forwards_on_cuda_train_as_the_full_path(method):
             torch.testing.assert_close(a[key], b[key], rtol=2e-3, atol=2e-4, msg=key)
         else:
             assert torch.equal(a[key], b[key]), key
+
+
+def _ddp_planned(rank, world, defer):
+    """A rank's training under DDP: a planned model and one whose layers take the full path (no plan, an instance
+    attribute over the method), and how many planned forwards the first ran."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    out = {}
+    for planned in (True, False):
+        torch.manual_seed(0)
+        model = wl.convert_model(_Net().to(DT), "grad", block_size=3, targets="all", include_classifier=True)
+        runs = []
+        for _, layer in wl.whitening_layers(model):
+            if planned:
+                original = layer._run_plan
+                layer.__dict__["_run_plan"] = lambda plan, x, original=original: runs.append(1) or original(plan, x)
+            else:
+                layer.__dict__["_step_plan"] = lambda view, state, sink: None
+        ddp = DDP(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        deferral = wl.defer_grad_transform(ddp, opt) if defer else None
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(7):
+            x = torch.randn(4, 3, 8, 8, generator=gen, dtype=DT) * 2 + 1
+            opt.zero_grad()
+            ddp(x.chunk(world)[rank]).logsumexp(1).mean().backward()
+            opt.step()
+        if deferral is not None:
+            deferral.remove()
+        out[planned] = ({k: v.clone() for k, v in model.state_dict().items()}, len(runs))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("defer", [False, True], ids=["default", "deferred"])
+def test_planned_forwards_under_ddp_train_bit_identically(defer):
+    """Under DDP (two gloo ranks) the layers' steps are planned without the shared node (each layer keeps its own
+    weight path, or the deferral's hook): the same training to the bit as the full path, on each rank."""
+    from dist_utils import run_distributed
+
+    results = run_distributed(_ddp_planned, defer)
+    layers = 9
+    for rank_result in results:
+        (planned, runs), (full, none) = rank_result[True], rank_result[False]
+        assert runs == 7 * layers and none == 0
+        for key in full:
+            assert torch.equal(planned[key], full[key]), key
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_deferred_layers_are_planned_with_their_own_weight_path(fused):
+    """``defer_grad_transform`` in one process: the deferred layers take no shared node but are planned (their
+    weight through the deferral's hook): bit-identical to the full path, and every layer's forward planned."""
+    def run(planned):
+        model = _model("grad", planned)
+        runs = []
+        for _, layer in wl.whitening_layers(model):
+            original = layer._run_plan
+            layer.__dict__["_run_plan"] = lambda plan, x, original=original: runs.append(plan[0]) or original(plan, x)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        deferral = wl.defer_grad_transform(model, opt)
+        gen = torch.Generator().manual_seed(1)
+        with wl.functional.fused_moments(fused):
+            for _ in range(8):
+                x = torch.randn(4, 3, 8, 8, generator=gen, dtype=DT) * 2 + 1
+                opt.zero_grad()
+                model(x).logsumexp(1).mean().backward()
+                opt.step()
+        deferral.remove()
+        return model, runs
+
+    (a, runs), (b, none) = run(True), run(False)
+    assert len(runs) == 8 * len(wl.whitening_layers(a)) and all(view is None for view in runs) and not none
+    _assert_identical(a, b)

@@ -24,7 +24,13 @@ from ..functional import transform_weight_grad
 from ..layers import (
     DirectWhiten,
 )
-from ..layers._base import _check_input, _check_not_tracing_function, plannable_forward, share_weight_transforms
+from ..layers._base import (
+    _check_input,
+    _check_not_tracing_function,
+    _distributed,
+    plannable_forward,
+    share_weight_transforms,
+)
 from ..stats import WhiteningLayer
 from ..stats.step import _saved_tensor_hooks
 
@@ -174,15 +180,18 @@ _INPUT_WHAT = "an input of shape (B, C) or (B, C, *spatial)"
 
 def plan_forward(layers: Sequence[Any], module: nn.Module) -> bool:
     """A converted model's :attr:`FoldCoordinator.on_forward` (set by ``convert_model``): before each forward,
-    in a :func:`~whitenlayers.layers._base.plannable_forward`, the grad / recursive layers' weights through one
-    shared gradient-transform node with their steps planned (:func:`~whitenlayers.layers._base.share_weight_transforms`)
-    and the fused ``direct`` wrappers' ``W T`` made by one :class:`~whitenlayers.autograd.SharedWeightProduct` with
-    their steps planned (:meth:`DirectWhitenWrapper._planned_forward`). Returns whether it left anything on the
-    layers (dropped at the forward's end if unused)."""
+    in a :func:`~whitenlayers.layers._base.plannable_forward`, the grad / recursive layers' steps planned and, in
+    one process, their weights through one shared gradient-transform node
+    (:func:`~whitenlayers.layers._base.share_weight_transforms`); in one process, the fused ``direct`` wrappers'
+    ``W T`` made by one :class:`~whitenlayers.autograd.SharedWeightProduct` with their steps planned
+    (:meth:`DirectWhitenWrapper._planned_forward`). Returns whether it left anything on the layers (dropped at the
+    forward's end if unused)."""
     if not plannable_forward(module):
         return False
-    shared = share_weight_transforms(layers, module, checked=True)
-    return _plan_direct(layers) or shared
+    planned = share_weight_transforms(layers, module, checked=True)
+    if _distributed():  # (DDP all-reduces a weight's gradient while the backward runs: no shared product node)
+        return planned
+    return _plan_direct(layers) or planned
 
 
 def _plan_direct(layers: Sequence[Any]) -> bool:

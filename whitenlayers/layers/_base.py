@@ -138,54 +138,74 @@ def _distributed() -> bool:
 
 
 def plannable_forward(module: nn.Module) -> bool:
-    """Whether the forward of ``module`` (a converted model) about to run may share its layers' weight nodes and plan
-    their steps (:func:`share_weight_transforms`): where every weight's gradient arriving at the end of the backward
-    changes nothing: a single process (under ``torch.distributed`` DDP all-reduces gradients while the backward
-    runs, and FSDP gathers the weights only in each unit's forward), a recorded backward outside the torch.func
-    transforms, ``torch.jit`` traces and ``inference_mode``, not a ``DataParallel`` replica."""
+    """Whether the forward of ``module`` (a converted model) about to run may plan its layers' steps
+    (:func:`share_weight_transforms`): a recorded backward outside the torch.func transforms, ``torch.jit`` traces
+    and ``inference_mode``, not a ``DataParallel`` replica (which shares its layers' state with the module it
+    copies)."""
     return not (not torch.is_grad_enabled() or _func_transforms_active() or _jit_tracing()
-                or torch.is_inference_mode_enabled() or module.__dict__.get("_is_replica") or _distributed())
+                or torch.is_inference_mode_enabled() or module.__dict__.get("_is_replica"))
 
 
-def share_weight_transforms(layers: Sequence[Any], module: nn.Module, checked: bool = False) -> bool:
-    """Before a converted model's forward (its fold coordinator's pre-hook): put the weights of its grad / recursive
-    layers through one :class:`~whitenlayers.autograd.SharedWeightGradTransform` instead of one
-    ``WeightGradTransform`` per layer, and give each layer its weight's view for this forward (consumed by
-    ``_weight_for_forward`` when it is the weight and ``Q_s`` of the layer's forward; one Python call per forward
-    and per backward for all of them). Returns whether it did.
+def share_weight_transforms(layers: Sequence[Any], module: nn.Module, checked: bool = False,
+                            share: Optional[bool] = None) -> bool:
+    """Before a converted model's forward (its fold coordinator's pre-hook): plan the steps of its grad / recursive
+    layers (:meth:`_GradWhitenMixin._step_plan`) and, with ``share`` (default: in one process), put their weights
+    through one :class:`~whitenlayers.autograd.SharedWeightGradTransform` instead of one ``WeightGradTransform`` per
+    layer, giving each layer its weight's view for this forward (consumed by ``_weight_for_forward`` when it is the
+    weight and ``Q_s`` of the layer's forward; one Python call per forward and per backward for all of them).
+    Returns whether it left views or plans on the layers.
 
     Only in a :func:`plannable_forward`, and for the layers whose weight is a plain Parameter that needs a gradient
-    (not parametrized, not deferred, channel features). Everything else keeps the per-layer Function: a layer
-    called twice (its second call), a forward recomputed by activation checkpointing, a compiled graph. Views left
-    unused by the forward are dropped at its end (:meth:`FoldCoordinator.__call__`). Each such layer also gets the
-    plan of its step (:meth:`_GradWhitenMixin._step_plan`). ``checked``: the caller found the forward
-    :func:`plannable_forward`."""
+    (not parametrized, channel features). Not shared: deferred layers (``defer_grad_transform``: their hooks), and
+    every layer under ``torch.distributed`` (DDP all-reduces a layer's gradient while the backward runs; one node
+    would hold them all until its end); those are planned with their own weight path, where the weight has its full
+    shape (a weight sharded by FSDP when the model's forward starts is left to the full path). Everything else keeps
+    the per-layer path: a layer called twice (its second call), a forward recomputed by activation checkpointing, a
+    compiled graph. Views and plans left unused by the forward are dropped at its end
+    (:meth:`FoldCoordinator.__call__`). ``checked``: the caller found the forward :func:`plannable_forward`."""
     if not checked and not plannable_forward(module):
         return False
-    chosen, weights, states = [], [], []
+    distributed = _distributed()
+    if share is None:
+        share = not distributed
+    chosen, weights, states, alone = [], [], [], []
     for layer in layers:
-        w = layer._parameters.get("weight")
-        if (not isinstance(layer, _GradWhitenMixin) or type(w) is not nn.Parameter or not w.requires_grad
-                or layer.features != "channels" or "_deferred_grad" in layer.__dict__
-                or "parametrizations" in cast(Any, layer)._modules):  # (FSDP's flat weights: torch.distributed)
+        if not isinstance(layer, _GradWhitenMixin):
             continue
-        chosen.append(layer)
-        weights.append(w)
-        states.append(layer._forward_snapshot())
-    if len(chosen) < 2:
+        w = cast(Any, layer)._parameters.get("weight")
+        if (type(w) is not nn.Parameter or not w.requires_grad or layer.features != "channels"
+                or "parametrizations" in cast(Any, layer)._modules):  # (FSDP's flat weights are no Parameter)
+            continue
+        if share and "_deferred_grad" not in layer.__dict__:
+            chosen.append(layer)
+            weights.append(w)
+            states.append(layer._forward_snapshot())
+        elif not distributed or tuple(w.shape) == layer._full_weight_shape():
+            alone.append(layer)
+    if len(chosen) < 2:  # nothing to share: planned on their own
+        alone += chosen
+        chosen, weights, states = [], [], []
+    if not chosen and not alone:
         return False
-    qs = tuple(state["grad_transform"] for state in states)
-    views = shared_weight_grad_apply(qs, *weights)
-    coordinator = cast(Any, chosen[0])._fold_coordinator
+    coordinator = cast(Any, (chosen or alone)[0])._fold_coordinator
     sink = None if coordinator is None else coordinator.stats_sink()
     planned = sink is not None and not recomputing()  # (reentrant checkpointing recomputes the model: full paths)
-    for layer, view, w, q, state in zip(chosen, views, weights, qs, states):
-        attrs = layer.__dict__
-        attrs["_shared_weight"] = (view, w, q)
-        if planned and layer._fold_coordinator is coordinator:
-            plan = layer._step_plan(view, state, sink)
-            if plan is not None:
-                attrs["_planned"] = plan
+    if chosen:
+        qs = tuple(state["grad_transform"] for state in states)
+        views = shared_weight_grad_apply(qs, *weights)
+        for layer, view, w, q, state in zip(chosen, views, weights, qs, states):
+            attrs = layer.__dict__
+            attrs["_shared_weight"] = (view, w, q)
+            if planned and layer._fold_coordinator is coordinator:
+                plan = layer._step_plan(view, state, sink)
+                if plan is not None:
+                    attrs["_planned"] = plan
+    if planned:
+        for layer in alone:
+            if layer._fold_coordinator is coordinator:
+                plan = layer._step_plan(None, layer._forward_snapshot(), sink)
+                if plan is not None:
+                    layer.__dict__["_planned"] = plan
     return True
 
 
@@ -523,15 +543,17 @@ class _GradWhitenMixin(WhiteningLayer):
     # the input check expects (_check_input: the input features, the weight's dtype). The same operations, in the
     # same order, as the full path; a forward that is not the one planned (grad mode off, eval mode, an unbatched
     # input, an input the check refuses, a second call) takes the full path.
-    def _step_plan(self, view: Tensor, state: Dict[str, Tensor], sink: Optional[list]) -> Optional[tuple]:
-        """This layer's plan for its next training forward (see above), or ``None``: the full path."""
+    def _step_plan(self, view: Optional[Tensor], state: Dict[str, Tensor], sink: Optional[list]) -> Optional[tuple]:
+        """This layer's plan for its next training forward (see above), or ``None``: the full path. ``view``: the
+        weight's view of the shared transform, or ``None``: the layer's own weight path (``_weight_for_forward``)."""
         if not self.training or "_is_replica" in self.__dict__:  # (a DataParallel replica: stats._stats_sink)
             return None
-        counts = self._step_counts(view.dim(), view.device)
+        param = cast(Any, self)._parameters["weight"]
+        counts = self._step_counts(param.dim(), param.device)
         if counts is None:
             return None
         head = (view, state, counts[0], counts[1], sink)
-        tail = (getattr(self, "in_channels", self.num_features), view.dtype)
+        tail = (getattr(self, "in_channels", self.num_features), param.dtype)
         ref = self._centring_ref
         if ref is None:
             return head + (3, None) + tail
@@ -542,7 +564,6 @@ class _GradWhitenMixin(WhiteningLayer):
         if parent is not None:
             bn = parent._modules.get(bn)
         cached = self.__dict__.get("_absorb_plan")
-        param = cast(Any, self)._parameters["weight"]
         if (cached is not None and cached[0] is bn and cached[1] is state and bn.training
                 and bn._buffers.get("running_mean") is not None and bn.momentum == cached[2]
                 and bn.track_running_stats and cached[3] is self._buffers.get("absorbed_offset")
@@ -557,8 +578,8 @@ class _GradWhitenMixin(WhiteningLayer):
         else:
             d = self._buffers["absorbed_offset"]
             factor = bn.momentum
-            if isinstance(factor, float) and self.groups == 1 and view.dtype == d.dtype:
-                rows, taps_last = self._absorbed_rows(view, d.dtype)
+            if isinstance(factor, float) and self.groups == 1 and param.dtype == d.dtype:
+                rows, taps_last = self._absorbed_rows(param, d.dtype)
                 absorbed = 0
                 payload = (d, rows, self._mean_per_tap(state["running_mean"], rows.dtype, taps_last),
                            1.0 - factor, -factor)
@@ -580,22 +601,31 @@ class _GradWhitenMixin(WhiteningLayer):
             return plan
         return None
 
-    def _run_plan(self, plan: tuple, x_stats: Tensor) -> None:
-        """A planned forward before the layer's operation: the buffers in force, the statistics, the offset."""
+    def _run_plan(self, plan: tuple, x_stats: Tensor) -> Tensor:
+        """A planned forward before the layer's operation: the buffers in force, the statistics, the weight (the
+        shared transform's view, or the layer's own path), the offset's update. Returns the weight."""
         view, state, gather, _, sink, absorbed, payload = plan[:7]
         self.__dict__["_in_force"] = state
         if gather:
             self._planned_stats(x_stats, gather, sink)
+        w = view if view is not None else self._weight_for_forward(state)
         if absorbed == 0:
             d, rows, mean_k, beta, alpha = payload
             d.addmv_(rows, mean_k, beta=beta, alpha=alpha)
         elif absorbed == 1:
-            self._track_absorbed_offset(view, payload, state)
+            self._track_absorbed_offset(w, payload, state)
+        return w
+
+    def _full_weight_shape(self) -> Tuple[int, ...]:
+        """The weight's shape as the layer's sizes give it (a sharded weight has another)."""
+        if hasattr(self, "kernel_size"):
+            conv = cast(Any, self)
+            return (conv.out_channels, conv.in_channels // conv.groups) + tuple(conv.kernel_size)
+        return (cast(Any, self).out_features, cast(Any, self).in_features)
 
     def _planned_conv_forward(self, x: Tensor, plan: tuple, nd: int) -> Tensor:
         """:meth:`_whitened_conv_forward` as planned (channel features: the statistics' input is ``x``)."""
-        self._run_plan(plan, x)
-        w = plan[0]
+        w = self._run_plan(plan, x)
         conv_forward = cast(Any, self)._conv_forward
         params = cast(Any, self)._parameters  # the bias Parameter (or None) without Module.__getattr__'s lookups
         bias = params["bias"] if "bias" in params else self.bias

@@ -232,8 +232,7 @@ class GradWhitenLinear(_GradWhitenMixin, nn.Linear):  # type: ignore[misc]
         """
         plan = self._take_plan(x, 2)  # a (B, in_features) training forward planned by the model's coordinator
         if plan is not None:
-            self._run_plan(plan, x)
-            w = plan[0]
+            w = self._run_plan(plan, x)
             out = nn.functional.linear(x, w, self.bias if plan[5] != 3 else self._layer_bias(w, plan[1]))
             self._planned_end(plan[3])
             return out
