@@ -25,6 +25,7 @@ from ..layers import (
     DirectWhiten,
 )
 from ..layers._base import (
+    _bias_of,
     _check_input,
     _check_not_tracing_function,
     _distributed,
@@ -151,7 +152,6 @@ class DirectWhitenWrapper(nn.Module):
             whiten._end_batch()
         return out
 
-
     def _planned_forward(self, x: Tensor, plan: tuple) -> Tensor:
         """:meth:`_fused_forward` as planned by the model's fold coordinator (:func:`plan_forward`): ``W T`` made by
         the model's shared product node, the checks that hold for the whole forward made there."""
@@ -163,8 +163,7 @@ class DirectWhitenWrapper(nn.Module):
             whiten._planned_stats(x, gather, sink if x.requires_grad else None)
         linear = type(layer) is nn.Linear
         shift = whiten._shift_for(state["running_mean"], x, linear)
-        params = layer._parameters  # the bias Parameter (or None) without Module.__getattr__'s lookups
-        bias = params["bias"] if "bias" in params else layer.bias
+        bias = _bias_of(layer)
         if linear:
             out = nn.functional.linear(x - shift, wt, bias)
         else:

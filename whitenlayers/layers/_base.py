@@ -137,6 +137,13 @@ def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
+def _bias_of(module: nn.Module) -> Optional[Tensor]:
+    """``module.bias`` (a Parameter or ``None``), from ``_parameters`` where it is registered there: without
+    ``Module.__getattr__``'s lookups, on a planned forward."""
+    params = module._parameters
+    return params["bias"] if "bias" in params else cast(Any, module).bias
+
+
 def plannable_forward(module: nn.Module) -> bool:
     """Whether the forward of ``module`` (a converted model) about to run may plan its layers' steps
     (:func:`share_weight_transforms`): a recorded backward outside the torch.func transforms, ``torch.jit`` traces
@@ -627,20 +634,14 @@ class _GradWhitenMixin(WhiteningLayer):
         """:meth:`_whitened_conv_forward` as planned (channel features: the statistics' input is ``x``)."""
         w = self._run_plan(plan, x)
         conv_forward = cast(Any, self)._conv_forward
-        params = cast(Any, self)._parameters  # the bias Parameter (or None) without Module.__getattr__'s lookups
-        bias = params["bias"] if "bias" in params else self.bias
+        bias = _bias_of(cast(nn.Module, self))
         if plan[5] != 3:  # absorbed centring
             out = conv_forward(x, w, bias)
         elif bias is None:  # the training path of _whitened_conv_forward: the centring term added in place
             out = conv_forward(x, w, None).add_(self._layer_bias(w, plan[1]).view((-1,) + (1,) * nd))
         else:
             out = conv_forward(x, w, self._layer_bias(w, plan[1]))
-        end = plan[3]
-        if end is None:
-            self._end_batch()
-        else:
-            attrs = self.__dict__
-            attrs["_acc_batches"], attrs["_gather_next"] = end
+        self._planned_end(plan[3])
         return out
 
     def _input_saved(self, x: Tensor) -> bool:

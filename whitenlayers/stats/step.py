@@ -190,11 +190,7 @@ class _PerStepMixin(_LayerCore):
             # touches: no context. Eager only (_accumulate traces elsewhere): the accumulator's blocks as sliced
             # once (_set_accumulator). Inside a model's forward the batch is handed to its fold coordinator, which
             # adds those of all layers at the forward's end, grouped by shape (a few operations for all of them).
-            sink = self._stats_sink(x_in)
-            if sink is not None:
-                sink.append((self, x, x._version, self._acc_shift_x))
-            else:
-                F_w.accumulate_moments(cast(Tensor, self._acc_aug), x, self._acc_shift_x, self._acc_blocks)
+            self._hand_or_add(x, self._stats_sink(x_in))
         else:
             with _no_autocast(x.device):  # under autocast, products would run (and overflow) in fp16/bf16
                 if self._acc_shift is None:
@@ -204,6 +200,14 @@ class _PerStepMixin(_LayerCore):
                     self._acc_shift_x = self._acc_shift.to(_work_dtype(x)).view((1, -1) + (1,) * (x.dim() - 2))
                 self._add_sums(x, self._acc_shift_x)
         self.__dict__["_acc_count"] = self._acc_count + x.numel() // self.num_features  # a plain counter
+
+    def _hand_or_add(self, x: Tensor, sink: Optional[list]) -> None:
+        """The hot path's sums of the batch ``x`` (detached) about the block's shift: handed to ``sink`` (the
+        coordinator's list, added at the forward's end), or, ``None``, added now with two products."""
+        if sink is not None:
+            sink.append((self, x, x._version, self._acc_shift_x))
+        else:
+            F_w.accumulate_moments(cast(Tensor, self._acc_aug), x, self._acc_shift_x, self._acc_blocks)
 
     def _stats_sink(self, x: Tensor) -> Optional[list]:
         """Where this training forward hands its batch ``x`` (the layer's input) for the statistics: the fold
@@ -226,7 +230,7 @@ class _PerStepMixin(_LayerCore):
 
     # ------------------------------------------------------------ planned steps
     # Inside a converted model's eager forward the fold coordinator's pre-hook decides, for all its grad / recursive
-    # layers at once, what their next training forward does (layers._base.plan_forward): the checks of the path above
+    # layers at once, what their next training forward does (convert._common.plan_forward): the checks of the path above
     # that hold for the whole forward are made there, once, and the layer's forward runs the rest
     # (:meth:`_planned_stats`, :meth:`_planned_end`). The same operations in the same order as the path above.
     def _step_counts(self, rank: int, device: torch.device) -> Optional[Tuple[int, Optional[Tuple[int, bool]]]]:
@@ -258,11 +262,7 @@ class _PerStepMixin(_LayerCore):
         (the coordinator's list; not under saved-tensor hooks, as :meth:`_stats_sink`) or added now."""
         if gather == 1:
             x = x.detach()
-            shift_x = self._acc_shift_x
-            if sink is not None and _saved_tensor_hooks() is None:
-                sink.append((self, x, x._version, shift_x))
-            else:
-                F_w.accumulate_moments(cast(Tensor, self._acc_aug), x, shift_x, self._acc_blocks)
+            self._hand_or_add(x, sink if _saved_tensor_hooks() is None else None)
             self.__dict__["_acc_count"] = self._acc_count + x.numel() // self.num_features
         elif gather == 2:
             self._add_batch(x)
