@@ -115,6 +115,40 @@ def test_handed_batches_train_as_each_layer_adding_its_own(method, views):
     assert_states_close(a.state_dict(), b.state_dict(), rtol=1e-10, atol=1e-12)
 
 
+class _TwoMeans(nn.Module):
+    """Convs of one input shape, two of them fed a batch with a large mean (summed about a shift after the first
+    fold), two a batch about 0 (summed unshifted): one group whose members differ in that."""
+
+    def __init__(self):
+        super().__init__()
+        self.convs = nn.ModuleList(nn.Conv2d(3, 4, 3, padding=1, bias=False) for _ in range(4))
+
+    def forward(self, x):
+        return sum(conv(x + 10.0 * (i % 2)).mean((2, 3)) for i, conv in enumerate(self.convs))
+
+
+@pytest.mark.parametrize("method", ["grad", "recursive"])
+def test_stacked_accumulators_are_kept_across_blocks(method):
+    """A group's stacked accumulator is made once and kept across folds: a block's first forward, where only the
+    batches summed about 0 are handed over (the others start the block's shift), adds those one by one instead of
+    stacking them anew (and the whole group again at the next forward). Sums as each layer's own (10 steps, block
+    3)."""
+    def model():
+        torch.manual_seed(0)
+        return wl.convert_model(_TwoMeans().double(), method, block_size=3, targets="all", include_stem=True,
+                                include_classifier=True).to(memory_format=torch.channels_last)
+
+    a = _train(model(), _batches(4))
+    unshifted = [layer._stats_unshifted for _, layer in wl.whitening_layers(a)]
+    assert unshifted == [True, False, True, False]  # the case this test is about
+    kept = {key: arena[1] for key, arena in _coordinator(a)._arenas.items()}  # (held: no id reused)
+    _train(a, _batches(6, seed=2))
+    arenas = _coordinator(a)._arenas
+    assert kept and arenas.keys() == kept.keys() and all(arenas[key][1] is acc for key, acc in kept.items())
+    b = _train(_train(model(), _batches(4), hand_over=False), _batches(6, seed=2), hand_over=False)
+    assert_states_close(a.state_dict(), b.state_dict(), rtol=1e-10, atol=1e-12)
+
+
 def _sums_during_forward(model, x, **ctx):
     """Each layer's accumulator as it is right after the layer's forward, and at the end of the model's."""
     during = {}

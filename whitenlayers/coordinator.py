@@ -303,6 +303,10 @@ def _add_handed_batches(entries: Sequence[tuple], arenas: Dict[tuple, list]) -> 
                     accumulate_moments(layer._acc_aug, x, shift, layer._acc_blocks)
                     continue
                 arena = _arena(arenas, key + (start,), [e[0] for e in part])
+                if arena is None:  # some of a kept group's layers (a block's first batch): each adds on its own
+                    for layer, x, _, shift in part:
+                        accumulate_moments(layer._acc_aug, x, shift, layer._acc_blocks)
+                    continue
                 shifted = any(e[3] is not None for e in part)
                 shifts: Optional[Tensor] = _stacked_shifts(arena, part) if shifted else None
                 accumulate_moments_grouped(arena[1], [e[1] for e in part], shifts, arena[3])
@@ -323,15 +327,19 @@ def _stacked_shifts(arena: list, part: Sequence[tuple]) -> Tensor:
     return stacked
 
 
-def _arena(arenas: Dict[tuple, list], key: tuple, layers: List[Any]) -> list:
+def _arena(arenas: Dict[tuple, list], key: tuple, layers: List[Any]) -> Optional[list]:
     """``[layers, acc, views, blocks, shifts]``: the stacked accumulator ``acc`` whose slices (``views``) are
     ``layers``' accumulators, its ``s2`` and ``s1`` blocks, and the group's stacked shifts
     (:func:`_stacked_shifts`): the one kept under ``key`` while every layer's accumulator is still its slice, else
-    a new one holding their sums so far (the layers' accumulators become its slices)."""
+    a new one holding their sums so far (the layers' accumulators become its slices). ``None`` where ``layers``
+    are some of the kept one's, still its slices (the layers whose batches a block's first forward hands over:
+    those summed about 0; a new stack for them would be replaced by the whole group's at the next forward)."""
     kept = arenas.get(key)
-    if kept is not None and len(kept[0]) == len(layers) and all(
-            held is layer and layer._acc_aug is view for held, layer, view in zip(kept[0], layers, kept[2])):
-        return kept
+    if kept is not None and all(layer._acc_aug is view for layer, view in zip(kept[0], kept[2])):
+        if len(kept[0]) == len(layers) and all(held is layer for held, layer in zip(kept[0], layers)):
+            return kept
+        if len(layers) < len(kept[0]) and {id(layer) for layer in layers} <= {id(layer) for layer in kept[0]}:
+            return None
     first = layers[0]._acc_aug
     acc = stacked_moments_accumulator(len(layers), first.shape[0] - 1, first.dtype, first.device)
     views = []
