@@ -15,11 +15,12 @@ from .fold import (
     _compute_folds,
     _dist_group,
     _fold_chunks,
-    _fold_state,
+    _fold_states,
     _global_summaries,
     _install_pending,
     _local_summaries,
     _no_autocast,
+    _taken_blocks,
     _warn_nonfinite,
     _warn_uncalled,
     check_strategy,
@@ -214,15 +215,15 @@ class FoldCoordinator:
             jobs: List[tuple] = []
             if world == 1:  # the block's sums copied, summarised by the worker
                 for chunk in _fold_chunks(layers):
-                    sums = [layer._taken_block() for layer in chunk]
+                    sums = _taken_blocks(chunk)
                     _begin(chunk, [0] * len(chunk))  # non-finite blocks: counted when their fold is written
                     _install_pending(chunk, [False] * len(chunk))
-                    jobs.append((chunk, sums, None, [_fold_state(layer) for layer in chunk], True))
+                    jobs.append((chunk, sums, None, _fold_states(chunk), True))
             else:  # all ranks' sums, on this thread (split in stacks by the worker): every rank folds every layer
                 summaries, nonfinite, firsts = _global_summaries(layers, None, group)
                 _begin(layers, [0] * len(layers))
                 firsts = _install_pending(layers, firsts)
-                jobs.append((layers, None, (summaries, nonfinite, firsts), [_fold_state(layer) for layer in layers],
+                jobs.append((layers, None, (summaries, nonfinite, firsts), _fold_states(layers),
                              False))
         stream = None
         if device.type == "cuda":

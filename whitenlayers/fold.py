@@ -326,7 +326,7 @@ def _local_summaries(layers: Sequence["WhiteningLayer"],
     """This process's block of each layer (layers of one :func:`_stack_key`), whether its sums are non-finite and
     whether it is the layer's first block: the summaries computed stacked (one set of operations for all the
     layers), the flags read in one host synchronisation. ``sums``: the blocks' ``(count, shift, s1, s2)``
-    (an asynchronous fold's copies, :meth:`~whitenlayers.stats.WhiteningLayer._taken_block`), default the
+    (an asynchronous fold's copies, :func:`_taken_blocks`), default the
     layers' accumulators."""
     f64 = torch.float64
     if sums is None:
@@ -395,7 +395,7 @@ def _stored_all(items: Sequence[Tuple["WhiteningLayer", str, Tensor]]) -> List[T
 
 def _states(layers: Sequence["WhiteningLayer"], states: Optional[Sequence[Dict[str, Tensor]]]
             ) -> Sequence[Dict[str, Tensor]]:
-    """The buffers a fold reads: ``states`` (an asynchronous fold's copies, :func:`_fold_state`), by default the
+    """The buffers a fold reads: ``states`` (an asynchronous fold's copies, :func:`_fold_states`), by default the
     layers' own."""
     return [layer._buffers for layer in layers] if states is None else states
 
@@ -618,7 +618,7 @@ def _compute_folds(layers: Sequence["WhiteningLayer"], summaries: Sequence[Block
     (``begin``) the start of their next block (:func:`_begin`, and a fold still pending from an asynchronous
     coordinator's checkpoint written first: :func:`_install_pending`). ``states``: the layers' buffers the fold
     reads (its previous mean, covariance, transform, ``Q_s``, the rule's state), default the buffers themselves;
-    an asynchronous fold passes copies (:func:`_fold_state`), taken when it starts."""
+    an asynchronous fold passes copies (:func:`_fold_states`), taken when it starts."""
     if one_stack:
         chunks = [list(range(len(layers)))]
     else:
@@ -664,6 +664,7 @@ def _finish_folds(layers: Sequence["WhiteningLayer"], folds: Sequence[PendingFol
     layers other ranks folded received first (owner strategy: one broadcast per rank), and count the folds that
     count in ``num_blocks`` (one multi-tensor add). Returns whether each layer's fold counted."""
     counted = [False] * len(layers)
+    writes: Tuple[List[Tensor], List[Tensor]] = ([], [])
     for src in ([None] if owners is None else range(dist.get_world_size(group))):
         idx = [i for i in range(len(layers)) if src is None or cast("Sequence[int]", owners)[i] == src]
         if not idx:
@@ -675,7 +676,9 @@ def _finish_folds(layers: Sequence["WhiteningLayer"], folds: Sequence[PendingFol
             # every outcome computed here (replicated) or received from src
             fold = folds[i]
             counted[i] = layers[i]._fold_finish(cast(FoldOutcome, outcome), fold.mean, fold.delta, fold.unshifted,
-                                                fold.shift)
+                                                fold.shift, writes)
+    if writes[0]:  # every layer's buffers written in place by one multi-tensor copy (converting dtype and device)
+        torch._foreach_copy_(writes[0], writes[1])
     blocks = [layer.num_blocks for layer, c in zip(layers, counted) if c]
     if blocks:
         torch._foreach_add_(blocks, 1)
@@ -702,11 +705,31 @@ def _install_pending(layers: Sequence["WhiteningLayer"], firsts: Sequence[bool])
     return firsts
 
 
-def _fold_state(layer: "WhiteningLayer") -> Dict[str, Tensor]:
-    """Copies of the buffers a fold of ``layer`` reads (its previous mean, covariance, transform, ``Q_s``, the
-    rule's state): what an asynchronous fold computes from while training goes on."""
-    names = ["running_mean"] + [name for name, _ in layer._outcome_layout()]
-    return {name: layer._buffers[name].clone() for name in names}
+def _fold_states(layers: Sequence["WhiteningLayer"]) -> List[Dict[str, Tensor]]:
+    """Copies of the buffers a fold of each layer reads (its previous mean, covariance, transform, ``Q_s``, the
+    rule's state), all made in one call (:func:`_own_all`): what an asynchronous fold computes from while training
+    goes on."""
+    names = [["running_mean"] + [name for name, _ in layer._outcome_layout()] for layer in layers]
+    copies = iter(_own_all([layer._buffers[name] for layer, group in zip(layers, names) for name in group]))
+    return [{name: next(copies) for name in group} for group in names]
+
+
+def _taken_blocks(layers: Sequence["WhiteningLayer"]) -> List[Tuple[float, Optional[Tensor], Tensor, Tensor]]:
+    """Copies of the layers' block sums, ``(count, shift, s1, s2)`` as :func:`_local_summaries` reads them (the
+    shift too: the next fold writes the next block's shift into it), all made in one call (:func:`_own_all`): for
+    an asynchronous fold to summarise while the next block accumulates."""
+    parts = [layer._block_parts() for layer in layers]
+    copies = iter(_own_all([t for _, shift, sums in parts for t in ((shift,) if shift is not None else ()) + sums]))
+    taken: List[Tuple[float, Optional[Tensor], Tensor, Tensor]] = []
+    for count, shift, sums in parts:
+        shift_copy = None if shift is None else next(copies)
+        if len(sums) == 1:  # the augmented accumulator: s1 and s2 are its views
+            aug = next(copies)
+            taken.append((count, shift_copy, aug[:-1, -1], aug[:-1, :-1]))
+        else:
+            s1 = next(copies)
+            taken.append((count, shift_copy, s1, next(copies)))
+    return taken
 
 
 def _named(layers: Sequence["WhiteningLayer"], most: int) -> str:

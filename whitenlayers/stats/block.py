@@ -188,16 +188,11 @@ class _BlockMixin(_LayerCore):
             self.nonfinite_blocks += nonfinite
             _note_nonfinite(cast("WhiteningLayer", self))  # one warning for the fold's layers (fold._warn_nonfinite)
 
-    def _taken_block(self) -> Tuple[float, Optional[Tensor], Tensor, Tensor]:
-        """Copies of this block's sums, ``(count, shift, s1, s2)`` as :func:`~whitenlayers.fold._local_summaries`
-        reads them (the shift too: the next fold writes the next block's shift into it), for an asynchronous fold to
-        summarise while the next block accumulates."""
-        shift = None if self._acc_shift is None else self._acc_shift.clone()
+    def _block_parts(self) -> Tuple[float, Optional[Tensor], Tuple[Tensor, ...]]:
+        """This block's row count, shift and sums as they lie (the augmented accumulator, or ``s1`` and ``s2``):
+        what :func:`~whitenlayers.fold._taken_blocks` copies for an asynchronous fold."""
         aug = self._acc_aug
-        if aug is not None:
-            aug = aug.clone()
-            return self._acc_count, shift, aug[:-1, -1], aug[:-1, :-1]
-        return self._acc_count, shift, self._acc_s1.clone(), self._acc_s2.clone()
+        return self._acc_count, self._acc_shift, (aug,) if aug is not None else (self._acc_s1, self._acc_s2)
 
     def _outcome_layout(self) -> List[Tuple[str, Tuple[int, ...]]]:
         """``(name, shape)`` of the buffers a fold's outcome may hold (:meth:`_fold_outcome`), in a fixed order."""
@@ -215,13 +210,16 @@ class _BlockMixin(_LayerCore):
         return list(cached[1])
 
     @torch.no_grad()
-    def _fold_finish(self, outcome: FoldOutcome, mean: Tensor, delta: Tensor, unshifted: bool, shift: Tensor) -> bool:
+    def _fold_finish(self, outcome: FoldOutcome, mean: Tensor, delta: Tensor, unshifted: bool, shift: Tensor,
+                     writes: Optional[Tuple[List[Tensor], List[Tensor]]] = None) -> bool:
         """Write a fold's ``outcome`` (a skipped fold, a failed transform: the previous one is kept, and
         counted), the new mean ``mean``, the bias compensation for the mean's change ``delta`` (float64), whether
         the next block sums unshifted and that block's shift ``shift`` (float64, a tensor of its own: 0 when
         ``unshifted``, else ``mean``). ``outcome.buffers`` and ``mean`` may be views of the fold's stacks, in
         another dtype: they are copied into the buffers (:meth:`_set_fold_buffer`). Returns whether the block
-        counts (the caller adds it to ``num_blocks``, many layers in one op); ``False`` for a skipped fold."""
+        counts (the caller adds it to ``num_blocks``, many layers in one op); ``False`` for a skipped fold. ``writes``:
+        ``(buffers, values)`` lists the in-place copies are appended to, for the caller to make for many layers in
+        one multi-tensor op (``torch._foreach_copy_``) before anything reads the buffers; ``None``: made here."""
         if outcome.status in SKIP_MESSAGES:
             self.skipped_folds += 1
             if SKIP_MESSAGES[outcome.status]:
@@ -231,9 +229,9 @@ class _BlockMixin(_LayerCore):
             self.eig_failures += 1
             self._warn_once("transform", self.rule.failure_message)
         for name, value in outcome.buffers.items():
-            self._set_fold_buffer(name, value)
+            self._set_fold_buffer(name, value, writes)
         self._on_mean_change(delta)
-        self._set_fold_buffer("running_mean", mean)
+        self._set_fold_buffer("running_mean", mean, writes)
         # Plain attributes, written straight into the instance dict (as in _end_batch). The next block's shift, as
         # its first gathered batch would choose it (_start_block after a counted fold): chosen here, a compiled
         # graph needs no second variant for a block's first batch.
@@ -242,12 +240,18 @@ class _BlockMixin(_LayerCore):
         store = self.__dict__.get("_shift_store")
         if (store is not None and store.shape == shift.shape and store.dtype == shift.dtype
                 and store.device == shift.device and not store.is_inference()):
-            shift = store.copy_(shift)
+            if writes is None:
+                store.copy_(shift)
+            else:
+                writes[0].append(store)
+                writes[1].append(shift)
+            shift = store
         self.__dict__.update(clamped_steps=self.clamped_steps + int(outcome.clamped), _stats_unshifted=unshifted,
                              _acc_shift=shift, _acc_shift_x=None)
         return True
 
-    def _set_fold_buffer(self, name: str, value: Tensor) -> None:
+    def _set_fold_buffer(self, name: str, value: Tensor, writes: Optional[Tuple[List[Tensor], List[Tensor]]] = None
+                         ) -> None:
         """Write a fold's new ``value`` into buffer ``name``: in place (``copy_``), so the buffer keeps its tensor
         and its storage across folds.
 
@@ -260,11 +264,16 @@ class _BlockMixin(_LayerCore):
         its forward.
 
         A new tensor only where ``value`` cannot go into the old one (another shape, dtype or device, an
-        inference tensor).
+        inference tensor). ``writes``: the copy appended to these ``(buffers, values)`` lists instead of made
+        (:meth:`_fold_finish`).
         """
         old = cast(Tensor, self._buffers.get(name))
         if old.shape == value.shape and not old.is_inference():
-            old.copy_(value)  # converts to the buffer's dtype and device
+            if writes is None:
+                old.copy_(value)  # converts to the buffer's dtype and device
+            else:
+                writes[0].append(old)
+                writes[1].append(value)
         else:
             self._replace_buffer(name, _owned(value, old))
 
