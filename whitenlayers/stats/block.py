@@ -196,9 +196,10 @@ class _BlockMixin(_LayerCore):
 
     def _outcome_layout(self) -> List[Tuple[str, Tuple[int, ...]]]:
         """``(name, shape)`` of the buffers a fold's outcome may hold (:meth:`_fold_outcome`), in a fixed order."""
-        names = ["running_cov", "whitening_matrix"] + (["grad_transform"] if hasattr(self, "grad_transform") else [])
+        buffers = self._buffers  # (read without Module.__getattr__: at every asynchronous block end, per layer)
+        names = ["running_cov", "whitening_matrix"] + (["grad_transform"] if "grad_transform" in buffers else [])
         names += self._rule_buffer_names()
-        return [(name, tuple(getattr(self, name).shape)) for name in names]
+        return [(name, tuple(buffers[name].shape)) for name in names]
 
     def _rule_buffer_names(self) -> List[str]:
         """The names of the rule's own buffers (:meth:`~whitenlayers.rules.Rule.initial_buffers`), kept with the rule
