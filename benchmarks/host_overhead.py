@@ -21,6 +21,17 @@ step), methods interleaved step by step, the time of each fold of all 52 layers 
 ``--clock cpu``) after a warm-up; median ms per fold and us per layer. A fold on a CPU pays nothing for its reads
 to the host; on a GPU each one also waits for the queue (``hot_path.py`` counts them).
 
+``--ddp`` (under ``torchrun``, gloo) steps each variant wrapped in ``DistributedDataParallel`` on every rank, the
+grad / recursive layers planned (the default: under ``torch.distributed`` each layer keeps its own weight path,
+so DDP all-reduces its gradient during the backward) and not planned (every forward the layers' full path, as
+``--ablate``'s row "full path"), and without DDP's buffer sync at every forward (``forward_sync_buffers=False``,
+``broadcast_buffers=False`` where DDP has no such argument; DDP's default re-sends every buffer, each whitening layer's matrices
+included, at every forward), interleaved step by step, each rank on its own
+batch; rank 0 prints each rank's median step (``--clock cpu``: the process's CPU time, gloo's threads
+included)::
+
+    torchrun --nproc_per_node 2 benchmarks/host_overhead.py --clock cpu --ddp
+
 ``--ablate METHOD`` attributes that method's time (defaults) to the parts of a layer's step: the same converted
 model stepped with one part switched off at a time (the absorbed offset's update, the weight-gradient transform,
 the block's bookkeeping, the statistics), interleaved with the full step and the plain one. A step without a part
@@ -32,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import inspect
 import statistics
 import types
 from typing import Callable, Dict, List
@@ -105,7 +117,10 @@ def main(argv=None) -> Dict[str, object]:
     p.add_argument("--ablate", choices=sorted(k for k, (_, kw) in VARIANTS.items() if "defer" not in kw),
                    help="attribute one variant's host time to its parts")
     p.add_argument("--folds", action="store_true", help="time whole-model folds instead of steps")
+    p.add_argument("--ddp", action="store_true", help="under torchrun: DDP steps, planned against not planned")
     args = p.parse_args(argv)
+    if args.ddp:
+        return ddp(args)
     if args.ablate:
         return ablate(args)
     if args.folds:
@@ -272,6 +287,76 @@ def ablate(args) -> Dict[str, object]:
                      rows, nd=1)
     head = (f"Command: `{command_line()}`; {machine_description().get('cpu', '')}; torch {torch.__version__}; "
             f"{args.ablate}, {layers} whitening layers, {steps} steps each, interleaved; load {loadavg()}")
+    return _report(head, table, rows, layers, args.json)
+
+
+#: DDP without its buffer broadcast at every forward: ``forward_sync_buffers=False`` (the buffers are still synced
+#: when DDP wraps the model) where DDP has it, else ``broadcast_buffers=False``.
+NO_FORWARD_BUFFER_SYNC = ({"forward_sync_buffers": False}
+                          if "forward_sync_buffers" in inspect.signature(nn.parallel.DistributedDataParallel).parameters
+                          else {"broadcast_buffers": False})
+#: ``--ddp``'s variants: (name, method, planned, DDP's buffer broadcast at every forward).
+DDP_VARIANTS = [("plain", None, False, True), ("grad", "grad", True, True), ("grad, not planned", "grad", False, True),
+                ("recursive", "recursive", True, True), ("recursive, not planned", "recursive", False, True),
+                ("plain, no forward buffer sync", None, False, False),
+                ("grad, no forward buffer sync", "grad", True, False),
+                ("recursive, no forward buffer sync", "recursive", True, False)]
+
+
+def ddp(args) -> Dict[str, object]:
+    """``--ddp``: see the module docstring."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    setup(1 if args.threads == 2 else args.threads, args.seed, args.clock)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        base, _, _ = _inputs(args.seed)
+        gen = torch.Generator().manual_seed(args.seed + 1 + rank)  # each rank its own batch
+        x = torch.randn(2, 3, 32, 32, generator=gen).to(memory_format=torch.channels_last)
+        y = torch.randint(0, 10, (2,), generator=gen)
+        steppers, layers = {}, 0
+        for name, method, planned, broadcast in DDP_VARIANTS:
+            model = copy.deepcopy(base) if method is None else wl.convert_model(copy.deepcopy(base), method)
+            for _, layer in ([] if method is None or planned else wl.whitening_layers(model)):
+                layer.__dict__["_step_plan"] = types.MethodType(_no_plan, layer)
+            if method is not None:
+                layers = len(wl.whitening_layers(model))
+            model.to(memory_format=torch.channels_last)
+            sync = {} if broadcast else NO_FORWARD_BUFFER_SYNC
+            steppers[name] = _stepper(DistributedDataParallel(model, **sync), x, y)
+        names = [name for name, _, _, _ in DDP_VARIANTS]
+        times: Dict[str, List[float]] = {k: [] for k in names}
+        steps = 5 if args.tiny else 50 * args.blocks
+        with wl.functional.fused_moments(True):
+            for _ in range(2 if args.tiny else 50):
+                for name in names:
+                    steppers[name]()
+            for s in range(steps):
+                order = names[s % len(names):] + names[: s % len(names)]  # the same order on every rank
+                for name in order:
+                    t0 = _common._CLOCK()
+                    steppers[name]()
+                    times[name].append(_common._CLOCK() - t0)
+        medians = {k: statistics.median(t) for k, t in times.items()}
+        gathered: List[Dict[str, float]] = [{} for _ in range(world)]
+        dist.all_gather_object(gathered, medians)
+    finally:
+        dist.destroy_process_group()
+    rows = []
+    for name, method, _, broadcast in DDP_VARIANTS:
+        per_rank = [g[name] for g in gathered]
+        plain = "plain" if broadcast else "plain, no forward buffer sync"  # against the plain model set alike
+        extra = 0.0 if method is None else 1e6 * statistics.mean(g[name] - g[plain] for g in gathered) / layers
+        rows.append([name] + [1e3 * t for t in per_rank]
+                    + [statistics.mean(g[name] / g[plain] for g in gathered), extra])
+    table = md_table(["variant"] + [f"median step ms, rank {r}" for r in range(world)]
+                     + ["vs plain, same buffer sync (mean over ranks)", "extra us per layer"], rows, nd=3)
+    head = (f"Command: `{command_line()}`; {machine_description().get('cpu', '')}; torch {torch.__version__}; "
+            f"DDP (gloo), {world} ranks, {layers} whitening layers, {steps} steps each, interleaved; load {loadavg()}")
+    if rank != 0:
+        return {"rows": rows}
     return _report(head, table, rows, layers, args.json)
 
 

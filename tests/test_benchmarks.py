@@ -81,6 +81,18 @@ def test_host_overhead_folds_tiny(tmp_path):
     assert all(r[1] >= 1 and r[2] > 0 for r in rows)  # folds timed, ms per fold
 
 
+def test_host_overhead_ddp_tiny(tmp_path):
+    """``--ddp`` under torchrun (two gloo ranks): every variant timed on both ranks, each against the plain model
+    with the same buffer sync."""
+    out = tmp_path / "out.json"
+    _run(["-m", "torch.distributed.run", "--nproc_per_node", "2", str(BENCH / "host_overhead.py"), "--tiny", "--ddp",
+          "--json", str(out)], tmp_path)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r[0] for r in rows][:3] == ["plain", "grad", "grad, not planned"] and len(rows) == 8
+    assert all(r[1] > 0 and r[2] > 0 for r in rows)  # both ranks' medians
+    assert rows[0][3] == 1.0 and rows[5][3] == 1.0  # each plain model against itself
+
+
 def test_gpu_probe_library_fold_compares_the_two_eigh_paths(monkeypatch):
     """gpu_probe.py's library-fold probe (CUDA only in the script) runs on a CPU taking the GPU's paths: the
     per-layer path makes one ``eigh`` call per wide layer, the batched one fewer, and the probe restores both."""

@@ -11,6 +11,8 @@ Spawning processes is slow, so one spawned run checks several properties.
 """
 from __future__ import annotations
 
+import inspect
+
 
 import pytest
 import torch
@@ -145,7 +147,37 @@ def _worker(rank: int, world: int) -> dict:
     """Everything this module checks in one spawned run (starting processes dominates the cost)."""
     out = {variant: _ddp_run(rank, world, variant) for variant in VARIANTS}
     out["standalone"] = _standalone_run(rank, world)
+    out["no-broadcast"] = _no_broadcast_run(rank, world)
     return out
+
+
+#: DDP without its buffer broadcast at every forward: ``forward_sync_buffers=False`` (which still syncs the buffers
+#: when DDP wraps the model) where DDP has it, else ``broadcast_buffers=False``.
+NO_FORWARD_BUFFER_SYNC = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
+                          else {"broadcast_buffers": False})
+
+
+def _no_broadcast_run(rank: int, world: int) -> list:
+    """A converted ResNet (BatchNorms absorbing the centring) under DDP without its buffer broadcast at every
+    forward (:data:`NO_FORWARD_BUFFER_SYNC`): each
+    rank's own batches, 7 steps of block 3; the whitening layers' buffers and the parameters after each step."""
+    torch.manual_seed(0)
+    model = wl.convert_model(wl.models.cifar_resnet(8, width=4, num_classes=4).double(), "grad", block_size=3)
+    ddp = DDP(model, **NO_FORWARD_BUFFER_SYNC)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    gen = torch.Generator().manual_seed(10 + rank)  # the ranks' batches differ
+    snaps = []
+    for _ in range(7):
+        x = torch.randn(4, 3, 8, 8, generator=gen, dtype=torch.float64) + 1
+        y = torch.randint(0, 4, (4,), generator=gen)
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(ddp(x), y).backward()
+        opt.step()
+        state = {f"param:{k}": p.detach().clone() for k, p in model.named_parameters()}
+        for name, layer in wl.whitening_layers(model):
+            state.update({f"{name}.{k}": b.clone() for k, b in layer.named_buffers()})
+        snaps.append(state)
+    return snaps
 
 
 def _ddp_run(rank: int, world: int, variant: str) -> dict:
@@ -209,6 +241,23 @@ def test_ddp_ranks_bit_identical_after_every_fold(ddp_runs, variant):
     last = r0["snaps"][-1]
     blocks = {k: int(v) for k, v in last.items() if k.endswith("num_blocks")}
     assert len(blocks) == 4 and set(blocks.values()) == {len(SPLITS) // BLOCK}, blocks
+
+
+def test_whitening_buffers_stay_bit_identical_without_ddp_buffer_broadcast(spawned):
+    """DDP without its buffer broadcast at every forward, which saves re-sending every whitening layer's matrices
+    (docs/performance.md): the library's own sums across ranks at each fold keep every whitening buffer (the
+    absorbed offset included) and every parameter bit-identical on both ranks, though the ranks' batches (and so
+    their BatchNorms' running statistics) differ."""
+    r0, r1 = (r["no-broadcast"] for r in spawned)
+    for step, (a, b) in enumerate(zip(r0, r1)):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k]), f"step {step}: {k} differs between ranks"
+    last = r0[-1]
+    assert any(k.endswith("absorbed_offset") for k in last)  # the absorbed case is in the comparison
+    assert {int(v) for k, v in last.items() if k.endswith("num_blocks")} == {2}  # folds happened (7 steps, block 3)
+    assert any((v - torch.eye(v.shape[0], dtype=v.dtype)).abs().max() > 1e-3
+               for k, v in last.items() if k.endswith("whitening_matrix"))
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
