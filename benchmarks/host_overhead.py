@@ -22,8 +22,9 @@ step), methods interleaved step by step, the time of each fold of all 52 layers 
 to the host; on a GPU each one also waits for the queue (``hot_path.py`` counts them).
 
 ``--ddp`` (under ``torchrun``, gloo) steps each variant wrapped in ``DistributedDataParallel`` on every rank, the
-grad / recursive layers planned (the default: under ``torch.distributed`` each layer keeps its own weight path,
-so DDP all-reduces its gradient during the backward) and not planned (every forward the layers' full path, as
+grad / recursive layers planned (the default: under ``torch.distributed`` their weights go through shared nodes in
+runs of ``DISTRIBUTED_RUN`` layers, so DDP all-reduces during the backward; row "a node per layer": one each;
+"deferred": ``wl.defer_grad_transform``) and not planned (every forward the layers' full path, as
 ``--ablate``'s row "full path"), and without DDP's buffer sync at every forward (``forward_sync_buffers=False``,
 ``broadcast_buffers=False`` where DDP has no such argument; DDP's default re-sends every buffer, each whitening layer's matrices
 included, at every forward), interleaved step by step, each rank on its own
@@ -297,10 +298,25 @@ NO_FORWARD_BUFFER_SYNC = ({"forward_sync_buffers": False}
                           else {"broadcast_buffers": False})
 #: ``--ddp``'s variants: (name, method, planned, DDP's buffer broadcast at every forward).
 DDP_VARIANTS = [("plain", None, False, True), ("grad", "grad", True, True), ("grad, not planned", "grad", False, True),
+                ("grad, a node per layer", "grad", True, True), ("grad, deferred", "grad", True, True),
                 ("recursive", "recursive", True, True), ("recursive, not planned", "recursive", False, True),
                 ("plain, no forward buffer sync", None, False, False),
                 ("grad, no forward buffer sync", "grad", True, False),
                 ("recursive, no forward buffer sync", "recursive", True, False)]
+
+
+def _one_node_each(step: Callable[[], None]) -> Callable[[], None]:
+    """``step`` with ``DISTRIBUTED_RUN = 1`` (a weight-gradient node per layer under ``torch.distributed``)."""
+    import whitenlayers.layers._base as layers_base
+
+    def stepped() -> None:
+        run, layers_base.DISTRIBUTED_RUN = layers_base.DISTRIBUTED_RUN, 1
+        try:
+            step()
+        finally:
+            layers_base.DISTRIBUTED_RUN = run
+
+    return stepped
 
 
 def ddp(args) -> Dict[str, object]:
@@ -325,7 +341,9 @@ def ddp(args) -> Dict[str, object]:
                 layers = len(wl.whitening_layers(model))
             model.to(memory_format=torch.channels_last)
             sync = {} if broadcast else NO_FORWARD_BUFFER_SYNC
-            steppers[name] = _stepper(DistributedDataParallel(model, **sync), x, y)
+            steppers[name] = _stepper(DistributedDataParallel(model, **sync), x, y, defer=name.endswith("deferred"))
+            if name.endswith("a node per layer"):  # each weight through a node of its own, as before runs
+                steppers[name] = _one_node_each(steppers[name])
         names = [name for name, _, _, _ in DDP_VARIANTS]
         times: Dict[str, List[float]] = {k: [] for k in names}
         steps = 5 if args.tiny else 50 * args.blocks

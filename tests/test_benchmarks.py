@@ -88,9 +88,9 @@ def test_host_overhead_ddp_tiny(tmp_path):
     _run(["-m", "torch.distributed.run", "--nproc_per_node", "2", str(BENCH / "host_overhead.py"), "--tiny", "--ddp",
           "--json", str(out)], tmp_path)
     rows = json.loads(out.read_text())["rows"]
-    assert [r[0] for r in rows][:3] == ["plain", "grad", "grad, not planned"] and len(rows) == 8
-    assert all(r[1] > 0 and r[2] > 0 for r in rows)  # both ranks' medians
-    assert rows[0][3] == 1.0 and rows[5][3] == 1.0  # each plain model against itself
+    assert [r[0] for r in rows][:4] == ["plain", "grad", "grad, not planned", "grad, a node per layer"]
+    assert len(rows) == 10 and all(r[1] > 0 and r[2] > 0 for r in rows)  # both ranks' medians
+    assert rows[0][3] == 1.0 and rows[7][3] == 1.0  # each plain model against itself
 
 
 def test_gpu_probe_library_fold_compares_the_two_eigh_paths(monkeypatch):

@@ -315,8 +315,13 @@ def _ddp_planned(rank, world, defer):
     attribute over the method), and how many planned forwards the first ran."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    import whitenlayers.layers._base as layers_base
+
     out = {}
-    for planned in (True, False):
+    for planned in (True, False, "a node per layer"):
+        run = layers_base.DISTRIBUTED_RUN
+        if planned == "a node per layer":  # planned, each weight through a node of its own
+            layers_base.DISTRIBUTED_RUN = 1
         torch.manual_seed(0)
         model = wl.convert_model(_Net().to(DT), "grad", block_size=3, targets="all", include_classifier=True)
         runs = []
@@ -337,6 +342,7 @@ def _ddp_planned(rank, world, defer):
             opt.step()
         if deferral is not None:
             deferral.remove()
+        layers_base.DISTRIBUTED_RUN = run
         out[planned] = ({k: v.clone() for k, v in model.state_dict().items()}, len(runs))
     return out
 
@@ -344,17 +350,20 @@ def _ddp_planned(rank, world, defer):
 @pytest.mark.slow
 @pytest.mark.parametrize("defer", [False, True], ids=["default", "deferred"])
 def test_planned_forwards_under_ddp_train_bit_identically(defer):
-    """Under DDP (two gloo ranks) the layers' steps are planned without the shared node (each layer keeps its own
-    weight path, or the deferral's hook): the same training to the bit as the full path, on each rank."""
+    """Under DDP (two gloo ranks) the layers' steps are planned, their weights through shared nodes in runs of
+    ``DISTRIBUTED_RUN`` layers (or the deferral's hooks): the same training to the bit as the full path, and as
+    planned steps with a node per layer, on each rank."""
     from dist_utils import run_distributed
 
     results = run_distributed(_ddp_planned, defer)
     layers = 9
     for rank_result in results:
         (planned, runs), (full, none) = rank_result[True], rank_result[False]
-        assert runs == 7 * layers and none == 0
+        per_layer, per_layer_runs = rank_result["a node per layer"]
+        assert runs == per_layer_runs == 7 * layers and none == 0
         for key in full:
             assert torch.equal(planned[key], full[key]), key
+            assert torch.equal(planned[key], per_layer[key]), key
 
 
 @pytest.mark.parametrize("fused", [False, True])

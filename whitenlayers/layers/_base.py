@@ -153,43 +153,53 @@ def plannable_forward(module: nn.Module) -> bool:
                 or torch.is_inference_mode_enabled() or module.__dict__.get("_is_replica"))
 
 
+#: Under ``torch.distributed`` the grad / recursive weights go through a shared node in runs of this many layers
+#: (consecutive in the model's order), not one node for all: DDP all-reduces a bucket of gradients once every
+#: gradient in it is ready, so a run holds its layers' gradients only until its last layer's backward (a few
+#: layers' time, against a node per layer's Python call each way per layer). 1: a node per layer.
+DISTRIBUTED_RUN = 4
+
+
 def share_weight_transforms(layers: Sequence[Any], module: nn.Module, checked: bool = False,
                             share: Optional[bool] = None) -> bool:
     """Before a converted model's forward (its fold coordinator's pre-hook): plan the steps of its grad / recursive
-    layers (:meth:`_GradWhitenMixin._step_plan`) and, with ``share`` (default: in one process), put their weights
-    through one :class:`~whitenlayers.autograd.SharedWeightGradTransform` instead of one ``WeightGradTransform`` per
+    layers (:meth:`_GradWhitenMixin._step_plan`) and, with ``share`` (default), put their weights through
+    :class:`~whitenlayers.autograd.SharedWeightGradTransform` nodes instead of one ``WeightGradTransform`` per
     layer, giving each layer its weight's view for this forward (consumed by ``_weight_for_forward`` when it is the
-    weight and ``Q_s`` of the layer's forward; one Python call per forward and per backward for all of them).
-    Returns whether it left views or plans on the layers.
+    weight and ``Q_s`` of the layer's forward): in one process one node for all of them (one Python call per
+    forward and per backward), under ``torch.distributed`` one per run of :data:`DISTRIBUTED_RUN` layers (DDP
+    all-reduces a layer's gradient while the backward runs; one node would hold them all until its end). Returns
+    whether it left views or plans on the layers.
 
     Only in a :func:`plannable_forward`, and for the layers whose weight is a plain Parameter that needs a gradient
-    (not parametrized, channel features). Not shared: deferred layers (``defer_grad_transform``: their hooks), and
-    every layer under ``torch.distributed`` (DDP all-reduces a layer's gradient while the backward runs; one node
-    would hold them all until its end); those are planned with their own weight path, where the weight has its full
-    shape (a weight sharded by FSDP when the model's forward starts is left to the full path). Everything else keeps
-    the per-layer path: a layer called twice (its second call), a forward recomputed by activation checkpointing, a
-    compiled graph. Views and plans left unused by the forward are dropped at its end
-    (:meth:`FoldCoordinator.__call__`). ``checked``: the caller found the forward :func:`plannable_forward`."""
+    (not parametrized, channel features), of its full shape under ``torch.distributed`` (a weight sharded by FSDP
+    when the model's forward starts is left to the full path). Not shared, planned with their own weight path:
+    deferred layers (``defer_grad_transform``: their hooks), a run of one. Everything else keeps the per-layer
+    path: a layer called twice (its second call), a forward recomputed by activation checkpointing, a compiled
+    graph. Views and plans left unused by the forward are dropped at its end (:meth:`FoldCoordinator.__call__`).
+    ``checked``: the caller found the forward :func:`plannable_forward`."""
     if not checked and not plannable_forward(module):
         return False
     distributed = _distributed()
     if share is None:
-        share = not distributed
+        share = True
     chosen, weights, states, alone = [], [], [], []
     for layer in layers:
         if not isinstance(layer, _GradWhitenMixin):
             continue
         w = cast(Any, layer)._parameters.get("weight")
         if (type(w) is not nn.Parameter or not w.requires_grad or layer.features != "channels"
-                or "parametrizations" in cast(Any, layer)._modules):  # (FSDP's flat weights are no Parameter)
+                or "parametrizations" in cast(Any, layer)._modules  # (FSDP's flat weights are no Parameter)
+                or (distributed and tuple(w.shape) != layer._full_weight_shape())):
             continue
         if share and "_deferred_grad" not in layer.__dict__:
             chosen.append(layer)
             weights.append(w)
             states.append(layer._forward_snapshot())
-        elif not distributed or tuple(w.shape) == layer._full_weight_shape():
+        else:
             alone.append(layer)
-    if len(chosen) < 2:  # nothing to share: planned on their own
+    run = DISTRIBUTED_RUN if distributed else max(1, len(chosen))
+    if run < 2 or len(chosen) < 2:  # nothing to share: planned on their own
         alone += chosen
         chosen, weights, states = [], [], []
     if not chosen and not alone:
@@ -199,7 +209,9 @@ def share_weight_transforms(layers: Sequence[Any], module: nn.Module, checked: b
     planned = sink is not None and not recomputing()  # (reentrant checkpointing recomputes the model: full paths)
     if chosen:
         qs = tuple(state["grad_transform"] for state in states)
-        views = shared_weight_grad_apply(qs, *weights)
+        views: Tuple[Tensor, ...] = ()
+        for start in range(0, len(chosen), run):  # (a run of one: its own node of one weight)
+            views += tuple(shared_weight_grad_apply(qs[start:start + run], *weights[start:start + run]))
         for layer, view, w, q, state in zip(chosen, views, weights, qs, states):
             attrs = layer.__dict__
             attrs["_shared_weight"] = (view, w, q)
