@@ -366,6 +366,63 @@ def test_planned_forwards_under_ddp_train_bit_identically(defer):
             assert torch.equal(planned[key], per_layer[key]), key
 
 
+class _Skipping(nn.Module):
+    """Six convs, one of them skipped on some forwards (DDP's ``find_unused_parameters``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.convs = nn.ModuleList(nn.Conv2d(4 if i else 3, 4, 3, padding=1) for i in range(6))
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x, skip=-1):
+        for i, conv in enumerate(self.convs):
+            if i != skip:
+                x = torch.relu(conv(x))
+        return self.fc(x.mean((2, 3)))
+
+
+def _ddp_skipping(rank, world):
+    """A rank's training under ``DDP(find_unused_parameters=True)`` with a layer skipped on every other step: with
+    runs of shared nodes, and with a node per layer."""
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import whitenlayers.layers._base as layers_base
+
+    out = {}
+    default = layers_base.DISTRIBUTED_RUN
+    for run in (default, 1):
+        layers_base.DISTRIBUTED_RUN = run
+        torch.manual_seed(0)
+        model = wl.convert_model(_Skipping().to(DT), "grad", targets="all", include_stem=True,
+                                 include_classifier=True, block_size=3)
+        ddp = DDP(model, find_unused_parameters=True)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        gen = torch.Generator().manual_seed(5 + rank)
+        for step in range(8):
+            x = torch.randn(2, 3, 6, 6, generator=gen, dtype=DT)
+            opt.zero_grad()
+            F.cross_entropy(ddp(x, skip=step % 3 + 1 if step % 2 else -1), torch.zeros(2, dtype=torch.long)).backward()
+            opt.step()
+        out[run] = {k: v.clone() for k, v in model.state_dict().items()}
+    layers_base.DISTRIBUTED_RUN = default
+    return out
+
+
+@pytest.mark.slow
+def test_shared_runs_under_ddp_with_layers_skipped():
+    """Under ``DDP(find_unused_parameters=True)``, a layer skipped by a forward still gets a view of its run's
+    shared node (made before the forward) but no gradient: DDP takes it as unused, and training is bit-identical to
+    a node per layer (two gloo ranks, 8 steps, folds included)."""
+    from dist_utils import run_distributed
+
+    for rank_result in run_distributed(_ddp_skipping):
+        runs, per_layer = rank_result.values()
+        assert runs.keys() == per_layer.keys()
+        for key in runs:
+            assert torch.equal(runs[key], per_layer[key]), key
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_deferred_layers_are_planned_with_their_own_weight_path(fused):
     """``defer_grad_transform`` in one process: the deferred layers take no shared node but are planned (their
