@@ -26,9 +26,9 @@ grad / recursive layers planned (the default: under ``torch.distributed`` their 
 runs of ``DISTRIBUTED_RUN`` layers, so DDP all-reduces during the backward; row "a node per layer": one each;
 "deferred": ``wl.defer_grad_transform``) and not planned (every forward the layers' full path, as
 ``--ablate``'s row "full path"), and without DDP's buffer sync at every forward (``forward_sync_buffers=False``,
-``broadcast_buffers=False`` where DDP has no such argument; DDP's default re-sends every buffer, each whitening layer's matrices
-included, at every forward), interleaved step by step, each rank on its own
-batch; rank 0 prints each rank's median step (``--clock cpu``: the process's CPU time, gloo's threads
+``broadcast_buffers=False`` where DDP has no such argument; DDP's default re-sends every buffer, each whitening
+layer's matrices included, at every forward), interleaved step by step (the order rotated each round), each rank on
+its own batch; rank 0 prints each rank's median step (``--clock cpu``: the process's CPU time, gloo's threads
 included)::
 
     torchrun --nproc_per_node 2 benchmarks/host_overhead.py --clock cpu --ddp
@@ -238,6 +238,23 @@ ESSENTIAL = "essential ops only (no library Python around them)"
 FULL_PATH = "full path (no planned steps)"
 
 
+def _interleaved(steppers: Dict[str, Callable[[], None]], names: List[str], steps: int, warmup: int,
+                 rotate: bool = False) -> Dict[str, List[float]]:
+    """Each of ``names``' steps timed ``steps`` times, interleaved step by step after ``warmup`` untimed rounds
+    (``rotate``: the order rotated by one at each round), with the statistics on CUDA's path."""
+    times: Dict[str, List[float]] = {k: [] for k in names}
+    with wl.functional.fused_moments(True):
+        for _ in range(warmup):
+            for name in names:
+                steppers[name]()
+        for s in range(steps):
+            for name in (names[s % len(names):] + names[: s % len(names)]) if rotate else names:
+                t0 = _common._CLOCK()
+                steppers[name]()
+                times[name].append(_common._CLOCK() - t0)
+    return times
+
+
 def _no_plan(self, view, state, sink):
     """``--ablate``'s stand-in for ``_GradWhitenMixin._step_plan``: no plan, every forward takes the full path."""
     return None
@@ -269,17 +286,8 @@ def ablate(args) -> Dict[str, object]:
                 layer.__dict__[attr] = types.MethodType(stand_in, layer)
             elif name == ESSENTIAL:
                 layer.__dict__["forward"] = types.MethodType(_essential_forward, layer)
-    times: Dict[str, List[float]] = {k: [] for k in names}
     steps = 5 if args.tiny else 50 * args.blocks
-    with wl.functional.fused_moments(True):
-        for _ in range(2 if args.tiny else 50):
-            for name in names:
-                runners[name]()
-        for _ in range(steps):
-            for name in names:
-                t0 = _common._CLOCK()
-                runners[name]()
-                times[name].append(_common._CLOCK() - t0)
+    times = _interleaved(runners, names, steps, 2 if args.tiny else 50)
     plain_med, full_med = statistics.median(times["plain"]), statistics.median(times[FULL_PATH])
     rows = [[name, 1e3 * statistics.median(t), 1e6 * (statistics.median(t) - plain_med) / layers,
              0.0 if name in ("plain", "full", FULL_PATH, ESSENTIAL) else 1e6 * (full_med - statistics.median(t)) / layers]
@@ -345,18 +353,8 @@ def ddp(args) -> Dict[str, object]:
             if name.endswith("a node per layer"):  # each weight through a node of its own, as before runs
                 steppers[name] = _one_node_each(steppers[name])
         names = [name for name, _, _, _ in DDP_VARIANTS]
-        times: Dict[str, List[float]] = {k: [] for k in names}
         steps = 5 if args.tiny else 50 * args.blocks
-        with wl.functional.fused_moments(True):
-            for _ in range(2 if args.tiny else 50):
-                for name in names:
-                    steppers[name]()
-            for s in range(steps):
-                order = names[s % len(names):] + names[: s % len(names)]  # the same order on every rank
-                for name in order:
-                    t0 = _common._CLOCK()
-                    steppers[name]()
-                    times[name].append(_common._CLOCK() - t0)
+        times = _interleaved(steppers, names, steps, 2 if args.tiny else 50, rotate=True)  # (same order on all ranks)
         medians = {k: statistics.median(t) for k, t in times.items()}
         gathered: List[Dict[str, float]] = [{} for _ in range(world)]
         dist.all_gather_object(gathered, medians)

@@ -212,7 +212,7 @@ class _BlockMixin(_LayerCore):
 
     @torch.no_grad()
     def _fold_finish(self, outcome: FoldOutcome, mean: Tensor, delta: Tensor, unshifted: bool, shift: Tensor,
-                     writes: Optional[Tuple[List[Tensor], List[Tensor]]] = None) -> bool:
+                     writes: Tuple[List[Tensor], List[Tensor]]) -> bool:
         """Write a fold's ``outcome`` (a skipped fold, a failed transform: the previous one is kept, and
         counted), the new mean ``mean``, the bias compensation for the mean's change ``delta`` (float64), whether
         the next block sums unshifted and that block's shift ``shift`` (float64, a tensor of its own: 0 when
@@ -220,7 +220,7 @@ class _BlockMixin(_LayerCore):
         another dtype: they are copied into the buffers (:meth:`_set_fold_buffer`). Returns whether the block
         counts (the caller adds it to ``num_blocks``, many layers in one op); ``False`` for a skipped fold. ``writes``:
         ``(buffers, values)`` lists the in-place copies are appended to, for the caller to make for many layers in
-        one multi-tensor op (``torch._foreach_copy_``) before anything reads the buffers; ``None``: made here."""
+        one multi-tensor op (``torch._foreach_copy_``) before anything reads the buffers."""
         if outcome.status in SKIP_MESSAGES:
             self.skipped_folds += 1
             if SKIP_MESSAGES[outcome.status]:
@@ -241,11 +241,8 @@ class _BlockMixin(_LayerCore):
         store = self.__dict__.get("_shift_store")
         if (store is not None and store.shape == shift.shape and store.dtype == shift.dtype
                 and store.device == shift.device and not store.is_inference()):
-            if writes is None:
-                store.copy_(shift)
-            else:
-                writes[0].append(store)
-                writes[1].append(shift)
+            writes[0].append(store)
+            writes[1].append(shift)
             shift = store
         self.__dict__.update(clamped_steps=self.clamped_steps + int(outcome.clamped), _stats_unshifted=unshifted,
                              _acc_shift=shift, _acc_shift_x=None)
