@@ -16,7 +16,7 @@ input), for ``jvp`` / ``jacfwd``: Dynamo cannot trace a Function that has one.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -138,7 +138,19 @@ class SharedWeightGradTransform(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
-        return (None,) + tuple(None if g is None else transform_weight_grad(g, q) for g, q in zip(grads, ctx.qs))
+        out: List[Optional[Tensor]] = [None]
+        for g, q in zip(grads, ctx.qs):
+            if g is None:
+                out.append(None)
+                continue
+            shape = g.shape
+            if (len(shape) == 4 and shape[2] == 1 and shape[3] == 1 and q.dim() == 2 and q.dtype == g.dtype
+                    and g.is_contiguous()):
+                # a 1x1 kernel's gradient, inline (most of a ResNet's layers): transform_weight_grad's one product
+                out.append(torch.mm(g.view(shape[0], shape[1]), q).view(shape))
+            else:
+                out.append(transform_weight_grad(g, q))
+        return tuple(out)
 
 
 class SharedWeightProduct(torch.autograd.Function):

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import operator
 import threading
+from collections import deque
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -37,6 +39,10 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["FoldCoordinator", "check_fold_async"]
 
 _get_ident = threading.get_ident
+_traced_calls = operator.attrgetter("_traced_calls")
+_dict_of = operator.attrgetter("__dict__")
+_pop_shared = operator.methodcaller("pop", "_shared_weight", None)
+_pop_planned = operator.methodcaller("pop", "_planned", None)
 
 
 class FoldCoordinator:
@@ -186,16 +192,17 @@ class FoldCoordinator:
     @torch.compiler.disable  # Python bookkeeping: outside any compiled graph, never guarded on
     def __call__(self, module, inputs, output) -> None:
         self.flush_stats(end=True)  # registered with always_call: a forward that raised still leaves its sums
+        layers = self.layers
         if self.shared_weights:  # the views of the shared weight nodes and the plans no layer used in this forward
             self.shared_weights = False
-            for layer in self.layers:
-                attrs = layer.__dict__
-                attrs.pop("_shared_weight", None)
-                attrs.pop("_planned", None)
-        for layer in self.layers:
-            if layer._traced_calls:  # called inside a compiled graph: count its batches here (WhiteningLayer)
-                layer._count_traced_batches()
-                self.traced = True  # compiled layers take no shared transform's view: on_forward runs no more
+            dicts = list(map(_dict_of, layers))
+            deque(map(_pop_shared, dicts), 0)  # (C-level loops: a layer's forward took its own already)
+            deque(map(_pop_planned, dicts), 0)
+        if any(map(_traced_calls, layers)):
+            for layer in layers:
+                if layer._traced_calls:  # called inside a compiled graph: count its batches here (WhiteningLayer)
+                    layer._count_traced_batches()
+                    self.traced = True  # compiled layers take no shared transform's view: on_forward runs no more
         if self.pending:
             self.flush()
 

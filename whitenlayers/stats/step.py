@@ -120,16 +120,17 @@ class _PerStepMixin(_LayerCore):
         names = self._FORWARD_BUFFERS
         if _jit_tracing():  # the trace reads the buffers themselves: no copy, nothing cached by one run
             return {name: buffers[name] for name in names}
-        held = tuple(map(buffers.__getitem__, names))
         snap = self.__dict__.get("_snapshot")
-        # the same tensors (their ids, while the snapshot holds them), unwritten since (their versions)
-        if snap is not None and tuple(map(id, held)) == snap[1] and tuple(map(_version, held)) == snap[2]:
-            return snap[3]
+        # the same tensors (the snapshot holds them), unwritten since (their versions): C-level loops, no tuple made
+        if (snap is not None and all(map(operator.is_, snap[0], map(buffers.__getitem__, names)))
+                and all(map(operator.eq, map(_version, snap[0]), snap[1]))):
+            return snap[2]
+        held = tuple(map(buffers.__getitem__, names))
         if torch.is_inference_mode_enabled():  # never keep an inference tensor (the next training step can't save it)
             return dict(zip(names, held))
         with torch.no_grad():
             state = {name: buf.clone() for name, buf in zip(names, held)}
-        self.__dict__["_snapshot"] = (held, tuple(map(id, held)), tuple(map(_version, held)), state)
+        self.__dict__["_snapshot"] = (held, tuple(map(_version, held)), state)
         return state
 
     def _add_sums(self, x: Tensor, shift_x: Optional[Tensor]) -> None:
@@ -261,9 +262,13 @@ class _PerStepMixin(_LayerCore):
         """:meth:`_accumulate` of a planned forward (:meth:`_step_counts`' ``gather``): ``x`` handed to ``sink``
         (the coordinator's list; not under saved-tensor hooks, as :meth:`_stats_sink`) or added now."""
         if gather == 1:
-            x = x.detach()
-            self._hand_or_add(x, sink if _saved_tensor_hooks() is None else None)
-            self.__dict__["_acc_count"] = self._acc_count + x.numel() // self.num_features
+            if sink is not None and _saved_tensor_hooks() is None:
+                # handed over as it is: the coordinator adds it under no_grad (no detached copy made per layer)
+                sink.append((self, x, x._version, self._acc_shift_x))
+            else:
+                F_w.accumulate_moments(cast(Tensor, self._acc_aug), x.detach(), self._acc_shift_x, self._acc_blocks)
+            attrs = self.__dict__
+            attrs["_acc_count"] = attrs["_acc_count"] + x.numel() // self.num_features
         elif gather == 2:
             self._add_batch(x)
 
