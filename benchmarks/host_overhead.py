@@ -39,6 +39,15 @@ the block's bookkeeping, the statistics), interleaved with the full step and the
 is not a configuration anyone trains (nothing is folded without the bookkeeping); it only says what that part
 costs. The parts are those of the layers' full path, so those rows run without the steps the coordinator plans
 (row "full path (no planned steps)", what each part is measured against); row "full" is the default, planned.
+
+``--ablate METHOD --planned`` attributes the default, planned step instead (what a converted model runs): each part
+switched off in the plans the coordinator makes before the forward (the statistics not gathered; gathered and
+handed to the coordinator, but not added at the forward's end; the absorbed offset not updated; the weight taken
+as it is, so the shared node's backward, the weight-gradient products, never runs), against row "full"; what is
+left (row "all four parts off") is the planning before the forward, the layers' planned forwards around their
+convolutions, the shared node's forward and the forward's end.
+
+    python benchmarks/host_overhead.py --clock cpu --ablate grad --planned
 """
 from __future__ import annotations
 
@@ -46,6 +55,7 @@ import argparse
 import copy
 import inspect
 import statistics
+import threading
 import types
 from typing import Callable, Dict, List
 
@@ -117,13 +127,15 @@ def main(argv=None) -> Dict[str, object]:
     p.add_argument("--blocks", type=int, default=3, help="whole blocks of 50 steps timed per variant")
     p.add_argument("--ablate", choices=sorted(k for k, (_, kw) in VARIANTS.items() if "defer" not in kw),
                    help="attribute one variant's host time to its parts")
+    p.add_argument("--planned", action="store_true",
+                   help="with --ablate: the parts of the planned step (the default path) instead of the full path's")
     p.add_argument("--folds", action="store_true", help="time whole-model folds instead of steps")
     p.add_argument("--ddp", action="store_true", help="under torchrun: DDP steps, planned against not planned")
     args = p.parse_args(argv)
     if args.ddp:
         return ddp(args)
     if args.ablate:
-        return ablate(args)
+        return ablate_planned(args) if args.planned else ablate(args)
     if args.folds:
         return fold_host_time(args)
     setup(1 if args.threads == 2 else args.threads, args.seed, args.clock)
@@ -294,6 +306,77 @@ def ablate(args) -> Dict[str, object]:
             for name, t in times.items()]
     table = md_table(["step (parts switched off)", "median step ms", "extra us per layer", "the part's us per layer"],
                      rows, nd=1)
+    head = (f"Command: `{command_line()}`; {machine_description().get('cpu', '')}; torch {torch.__version__}; "
+            f"{args.ablate}, {layers} whitening layers, {steps} steps each, interleaved; load {loadavg()}")
+    return _report(head, table, rows, layers, args.json)
+
+
+def _plan_without(parts: frozenset) -> Callable:
+    """An instance-level stand-in for ``_GradWhitenMixin._step_plan`` whose plans leave out ``parts`` (names of
+    :data:`PLANNED_PARTS`), for ``--ablate --planned``."""
+    def step_plan(self, view, state, sink):
+        plan = type(self)._step_plan(self, view, state, sink)
+        if plan is None:
+            return None
+        plan = list(plan)
+        if "statistics" in parts:
+            plan[2] = 0  # nothing gathered (stats_every's off steps)
+        if "offset" in parts and plan[5] == 0:
+            plan[5] = 2  # the absorbed offset left as it is (a BatchNorm that keeps no running mean)
+        if "transform" in parts and view is not None:
+            plan[0] = view._base  # the weight itself: the shared node's view unused, its backward never runs
+        return tuple(plan)
+    return step_plan
+
+
+def _drop_handed(self, end: bool = False) -> None:
+    """``--ablate --planned``'s stand-in for ``FoldCoordinator.flush_stats``: the batches handed over are dropped, not
+    added."""
+    scopes = self._scopes
+    if scopes:
+        entries = scopes.pop(threading.get_ident(), None) if end else scopes.get(threading.get_ident())
+        if entries:
+            entries.clear()
+
+
+#: ``--ablate --planned``'s rows: the parts switched off in the planned step.
+PLANNED_PARTS = {
+    "statistics (gathered, handed over, added)": frozenset({"statistics"}),
+    "statistics added at the forward's end": frozenset({"added"}),
+    "absorbed offset update": frozenset({"offset"}),
+    "weight-gradient transform (the shared node's backward)": frozenset({"transform"}),
+    "all four parts off": frozenset({"statistics", "offset", "transform"}),
+}
+
+
+def ablate_planned(args) -> Dict[str, object]:
+    setup(1 if args.threads == 2 else args.threads, args.seed, args.clock)
+    method, kw = VARIANTS[args.ablate]
+    if method == "direct":
+        raise SystemExit("--ablate takes a grad or recursive variant (its parts are the grad layers')")
+    base, x, y = _inputs(args.seed)
+    converted = wl.convert_model(copy.deepcopy(base), method, **kw)
+    layers = len(wl.whitening_layers(converted))
+    names = ["plain", "full"] + list(PLANNED_PARTS)
+    models = {name: copy.deepcopy(base) if name == "plain" else copy.deepcopy(converted) for name in names}
+    for name, parts in PLANNED_PARTS.items():  # (instance attributes, set once: no class attribute changes)
+        model = models[name]
+        if "added" in parts:
+            for hook in model._forward_hooks.values():
+                if isinstance(hook, fold_mod.FoldCoordinator):
+                    hook.__dict__["flush_stats"] = types.MethodType(_drop_handed, hook)
+            continue
+        for _, layer in wl.whitening_layers(model):
+            layer.__dict__["_step_plan"] = types.MethodType(_plan_without(parts), layer)
+    runners = {name: _stepper(model, x, y) for name, model in models.items()}
+    steps = 5 if args.tiny else 50 * args.blocks
+    times = _interleaved(runners, names, steps, 2 if args.tiny else 50)
+    plain_med, full_med = statistics.median(times["plain"]), statistics.median(times["full"])
+    rows = [[name, 1e3 * statistics.median(t), 1e6 * (statistics.median(t) - plain_med) / layers,
+             0.0 if name in ("plain", "full") else 1e6 * (full_med - statistics.median(t)) / layers]
+            for name, t in times.items()]
+    table = md_table(["planned step (parts switched off)", "median step ms", "extra us per layer",
+                      "the part's us per layer"], rows, nd=1)
     head = (f"Command: `{command_line()}`; {machine_description().get('cpu', '')}; torch {torch.__version__}; "
             f"{args.ablate}, {layers} whitening layers, {steps} steps each, interleaved; load {loadavg()}")
     return _report(head, table, rows, layers, args.json)

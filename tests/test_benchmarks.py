@@ -109,3 +109,66 @@ def test_gpu_probe_library_fold_compares_the_two_eigh_paths(monkeypatch):
     assert (EVDRule.batch_key, torch.linalg.eigh) == before
     (_, per_layer_calls, _), (_, batched_calls, _) = rows
     assert batched_calls < per_layer_calls
+
+
+def test_host_overhead_planned_ablation_tiny(tmp_path):
+    out = tmp_path / "out.json"
+    _run([str(BENCH / "host_overhead.py"), "--tiny", "--ablate", "grad", "--planned", "--json", str(out)], tmp_path)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r[0] for r in rows][:2] == ["plain", "full"] and len(rows) == 7
+    assert rows[-1][0] == "all four parts off"
+
+
+def test_planned_ablation_switches_off_what_it_names():
+    """``--ablate --planned``'s stand-ins do what their rows say: no statistics gathered or added, the absorbed
+    offset left as it is, the weight's gradient left untransformed; the rest of the step as the full one."""
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+
+    import whitenlayers as wl
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        import host_overhead as ho
+    finally:
+        sys.path.remove(str(BENCH))
+    torch.manual_seed(0)
+    base = wl.convert_model(wl.models.cifar_resnet(8, num_classes=10), "grad", block_size=3)
+    x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))
+    with wl.functional.fused_moments(True):
+        for _ in range(4):  # past a fold: Q is not the identity, the accumulators hold a block's first batch
+            F.cross_entropy(base(x), y).backward()
+        base.zero_grad()
+
+        def stepped(parts):
+            model = copy.deepcopy(base)
+            if "added" in parts:
+                for hook in model._forward_hooks.values():
+                    if isinstance(hook, wl.coordinator.FoldCoordinator):
+                        hook.__dict__["flush_stats"] = ho.types.MethodType(ho._drop_handed, hook)
+            else:
+                for _, layer in wl.whitening_layers(model):
+                    layer.__dict__["_step_plan"] = ho.types.MethodType(ho._plan_without(parts), layer)
+            before = {name: layer._acc_aug.clone() for name, layer in wl.whitening_layers(model)}
+            offsets = {name: layer.absorbed_offset.clone() for name, layer in wl.whitening_layers(model)}
+            F.cross_entropy(model(x), y).backward()
+            layers = dict(wl.whitening_layers(model))
+            return (all(torch.equal(before[n], layers[n]._acc_aug) for n in before),
+                    all(torch.equal(offsets[n], layers[n].absorbed_offset) for n in offsets),
+                    {n: layer.weight.grad.clone() for n, layer in layers.items()})
+
+        full = stepped(frozenset())
+        assert not full[0] and not full[1]  # the full step adds its batch and updates the offsets
+        assert stepped(frozenset({"statistics"}))[0]
+        assert stepped(frozenset({"added"}))[0]
+        assert stepped(frozenset({"offset"}))[1] and not stepped(frozenset({"offset"}))[0]
+        untransformed = stepped(frozenset({"transform"}))[2]
+        assert any(not torch.equal(full[2][n], untransformed[n]) for n in full[2])
+        layer = next(layer for _, layer in wl.whitening_layers(base))  # untransformed = transformed Q^-1, per layer
+        name = next(n for n, _ in wl.whitening_layers(base))
+        q = layer.grad_transform.double()
+        g = untransformed[name].double()
+        expected = torch.einsum("oi...,ij->oj...", g, q)
+        torch.testing.assert_close(full[2][name].double(), expected, rtol=1e-4, atol=1e-6)

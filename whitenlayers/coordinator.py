@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
 import threading
 from collections import deque
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -41,6 +42,16 @@ __all__ = ["FoldCoordinator", "check_fold_async"]
 _get_ident = threading.get_ident
 _traced_calls = operator.attrgetter("_traced_calls")
 _dict_of = operator.attrgetter("__dict__")
+# (for the C-level loops over a forward's handed batches, _add_handed_batches)
+_version = operator.attrgetter("_version")
+_shape = operator.attrgetter("shape")
+_stride = operator.methodcaller("stride")
+_dtype = operator.attrgetter("dtype")
+_get_device = operator.methodcaller("get_device")
+_acc_of = operator.attrgetter("_acc_aug")
+_acc_dtype = operator.attrgetter("_acc_aug.dtype")
+_fourth = operator.itemgetter(3)
+_not_none = functools.partial(operator.is_not, None)
 _pop_shared = operator.methodcaller("pop", "_shared_weight", None)
 _pop_planned = operator.methodcaller("pop", "_planned", None)
 
@@ -284,19 +295,25 @@ def _add_handed_batches(entries: Sequence[tuple], arenas: Dict[tuple, list]) -> 
     the first it handed over this forward (called twice) adds on its own. No gradient, no autocast (a batched
     product would run in bf16 there)."""
     groups: Dict[tuple, List[tuple]] = {}
-    seen: set = set()
-    for entry in entries:
-        layer, x, version, shift = entry
-        if x._version != version:
-            raise RuntimeError(
-                f"{layer._describe()}: its input was modified in place during the model's forward, after the layer "
-                f"read it, and before its statistics were added at the forward's end (the backward would fail on "
-                f"it too); do not write into a whitening layer's input")
-        if id(layer) in seen:
-            key: tuple = ("alone", len(groups))
-        else:
+    layers, xs, versions, _ = zip(*entries)
+    if not all(map(operator.eq, map(_version, xs), versions)):
+        for layer, x, version, _ in entries:
+            if x._version != version:
+                raise RuntimeError(
+                    f"{layer._describe()}: its input was modified in place during the model's forward, after the "
+                    f"layer read it, and before its statistics were added at the forward's end (the backward would "
+                    f"fail on it too); do not write into a whitening layer's input")
+    # (C-level loops over the entries: this runs once per forward for all of a model's layers)
+    keys: Iterable[tuple] = zip(map(_shape, xs), map(_stride, xs), map(_dtype, xs), map(_get_device, xs),
+                                map(_acc_dtype, layers))
+    if len(set(map(id, layers))) < len(layers):  # a layer called twice: its later batches each on their own
+        seen: set = set()
+        marked: List[tuple] = []
+        for layer, key in zip(layers, keys):
+            marked.append(("alone", len(marked)) if id(layer) in seen else key)
             seen.add(id(layer))
-            key = (x.shape, x.stride(), x.dtype, x.get_device(), layer._acc_aug.dtype)
+        keys = marked
+    for key, entry in zip(keys, entries):
         groups.setdefault(key, []).append(entry)
     # (No autocast context: the products are in place or take out= / out_dtype, which autocast leaves alone; the
     # one out-of-place product, accumulate_moments_grouped's fallback, turns it off itself.)
@@ -324,10 +341,10 @@ def _stacked_shifts(arena: list, part: Sequence[tuple]) -> Tensor:
     """The shifts of a group's batches stacked ``(L, M)`` in its accumulators' dtype (zeros for a batch summed
     about 0, :func:`~whitenlayers.functional.stack_shifts`): kept in ``arena`` while they are the same tensors,
     unwritten (within a block), so stacked once per block."""
-    shifts = tuple(e[3] for e in part)
-    versions = tuple(-1 if k is None else k._version for k in shifts)
+    shifts = tuple(map(_fourth, part))
+    versions = tuple(map(_version, filter(_not_none, shifts)))  # (of the shifts that are tensors)
     kept = arena[4]
-    if kept is not None and kept[1] == versions and all(a is b for a, b in zip(kept[0], shifts)):
+    if kept is not None and kept[1] == versions and all(map(operator.is_, kept[0], shifts)):
         return kept[2]
     acc = arena[1]
     stacked = stack_shifts(shifts, acc.shape[-1] - 1, acc.dtype)
@@ -343,8 +360,8 @@ def _arena(arenas: Dict[tuple, list], key: tuple, layers: List[Any]) -> Optional
     are some of the kept one's, still its slices (the layers whose batches a block's first forward hands over:
     those summed about 0; a new stack for them would be replaced by the whole group's at the next forward)."""
     kept = arenas.get(key)
-    if kept is not None and all(layer._acc_aug is view for layer, view in zip(kept[0], kept[2])):
-        if len(kept[0]) == len(layers) and all(held is layer for held, layer in zip(kept[0], layers)):
+    if kept is not None and all(map(operator.is_, map(_acc_of, kept[0]), kept[2])):
+        if len(kept[0]) == len(layers) and all(map(operator.is_, kept[0], layers)):
             return kept
         if len(layers) < len(kept[0]) and {id(layer) for layer in layers} <= {id(layer) for layer in kept[0]}:
             return None

@@ -406,10 +406,13 @@ def accumulate_moments(acc: Tensor, x: Tensor, shift: Optional[Tensor],
     numbers, on tensor cores, without a float32 copy of the batch. A shifted batch is converted first (``x -
     shift`` is not a bf16 number).
     """
-    if x.dtype != acc.dtype and not (shift is None and x.dtype in LOW_PRECISION and acc.dtype == torch.float32
-                                     and fused_moments_on(x.device) and low_precision_products_on(x.device)):
-        x = x.to(acc.dtype)
-    xs = x if shift is None else x - shift
+    if shift is not None and x.dtype in LOW_PRECISION and shift.dtype == acc.dtype:
+        xs = x - shift  # promoted to the accumulators' dtype by the subtraction (exactly: one pass, no copy first)
+    else:
+        if x.dtype != acc.dtype and not (shift is None and x.dtype in LOW_PRECISION and acc.dtype == torch.float32
+                                         and fused_moments_on(x.device) and low_precision_products_on(x.device)):
+            x = x.to(acc.dtype)
+        xs = x if shift is None else x - shift
     m = xs.shape[1]
     if not fused_moments_on(xs.device):
         # A CPU is not launch-bound: the product and the sums of batch_sums, added into the accumulator's blocks.

@@ -571,11 +571,11 @@ class _GradWhitenMixin(WhiteningLayer):
         counts = self._step_counts(param.dim(), param.device)
         if counts is None:
             return None
-        head = (view, state, counts[0], counts[1], sink)
-        tail = (getattr(self, "in_channels", self.num_features), param.dtype)
+        gather, end = counts
+        features = getattr(self, "in_channels", self.num_features)
         ref = self._centring_ref
         if ref is None:
-            return head + (3, None) + tail
+            return (view, state, gather, end, sink, 3, None, features, param.dtype)  # (one tuple made per plan)
         # The offset's update as the last forward planned it, while it is the same update: the same BatchNorm
         # (looked up again: it may have been replaced), still updating its running mean with the same momentum, the
         # same buffers of the forward, offset buffer and weight memory (_absorbed_rows' view).
@@ -587,7 +587,7 @@ class _GradWhitenMixin(WhiteningLayer):
                 and bn._buffers.get("running_mean") is not None and bn.momentum == cached[2]
                 and bn.track_running_stats and cached[3] is self._buffers.get("absorbed_offset")
                 and cached[4] == param.data_ptr()):
-            return head + (0, cached[5]) + tail
+            return (view, state, gather, end, sink, 0, cached[5], features, param.dtype)
         absorbed, payload = 3, None
         bn = self._batchnorm_absorbing_now()
         if bn is None:
@@ -605,7 +605,7 @@ class _GradWhitenMixin(WhiteningLayer):
                 self.__dict__["_absorb_plan"] = (bn, state, factor, d, param.data_ptr(), payload)
             else:
                 absorbed, payload = 1, bn
-        return head + (absorbed, payload) + tail
+        return (view, state, gather, end, sink, absorbed, payload, features, param.dtype)
 
     def _take_plan(self, x: Tensor, rank: int) -> Optional[tuple]:
         """This forward's plan (:meth:`_step_plan`) if it is the forward planned for: grad mode and training mode
