@@ -403,8 +403,8 @@ def accumulate_moments(acc: Tensor, x: Tensor, shift: Optional[Tensor],
     A bf16 / fp16 batch summed about 0 (``shift`` ``None``) goes into the products as it is where the device
     multiplies low-precision operands into float32 (:func:`low_precision_products_on`: CUDA): the products of
     bf16 numbers are exact in float32 and accumulate in float32, so this is the float32 product of the same
-    numbers, on tensor cores, without a float32 copy of the batch. A shifted batch is converted first (``x -
-    shift`` is not a bf16 number).
+    numbers, on tensor cores, without a float32 copy of the batch. A shifted batch reaches the accumulators' dtype
+    in the subtraction itself (``x - shift`` is not a bf16 number; one pass over the batch, no copy first).
     """
     if shift is not None and x.dtype in LOW_PRECISION and shift.dtype == acc.dtype:
         xs = x - shift  # promoted to the accumulators' dtype by the subtraction (exactly: one pass, no copy first)

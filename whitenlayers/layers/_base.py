@@ -209,16 +209,19 @@ def share_weight_transforms(layers: Sequence[Any], module: nn.Module, checked: b
     planned = sink is not None and not recomputing()  # (reentrant checkpointing recomputes the model: full paths)
     if chosen:
         qs = tuple(state["grad_transform"] for state in states)
-        views: Tuple[Tensor, ...] = ()
-        for start in range(0, len(chosen), run):  # (a run of one: its own node of one weight)
-            views += tuple(shared_weight_grad_apply(qs[start:start + run], *weights[start:start + run]))
+        if run >= len(chosen):  # one node for all (one process)
+            views: Tuple[Tensor, ...] = shared_weight_grad_apply(qs, *weights)
+        else:
+            views = ()
+            for start in range(0, len(chosen), run):  # (a run of one: its own node of one weight)
+                views += tuple(shared_weight_grad_apply(qs[start:start + run], *weights[start:start + run]))
         for layer, view, w, q, state in zip(chosen, views, weights, qs, states):
             attrs = layer.__dict__
-            attrs["_shared_weight"] = (view, w, q)
-            if planned and layer._fold_coordinator is coordinator:
-                plan = layer._step_plan(view, state, sink)
-                if plan is not None:
-                    attrs["_planned"] = plan
+            plan = layer._step_plan(view, state, sink) if planned and layer._fold_coordinator is coordinator else None
+            if plan is not None:
+                attrs["_planned"] = plan  # (it holds the view: a forward that refuses the plan takes it from there)
+            else:
+                attrs["_shared_weight"] = (view, w, q)
     if planned:
         for layer in alone:
             if layer._fold_coordinator is coordinator:
@@ -613,11 +616,14 @@ class _GradWhitenMixin(WhiteningLayer):
         likelihood); the plan is dropped either way (a second call takes the full path, which checks the input)."""
         attrs = self.__dict__
         plan = attrs.pop("_planned", None)
-        if (plan is not None and isinstance(x, Tensor) and x.dim() == rank and x.shape[1] == plan[7]
-                and self.training and torch.is_grad_enabled()
+        if plan is None:
+            return None
+        if (isinstance(x, Tensor) and x.dim() == rank and x.shape[1] == plan[7] and self.training
+                and torch.is_grad_enabled()
                 and (x.dtype == plan[8] or (x.is_floating_point() and _autocast_enabled(x.device.type)))):
-            attrs.pop("_shared_weight", None)
             return plan
+        if plan[0] is not None:  # the full path takes the weight's view of the shared transform, as unplanned
+            attrs["_shared_weight"] = (plan[0], cast(Any, self)._parameters["weight"], plan[1]["grad_transform"])
         return None
 
     def _run_plan(self, plan: tuple, x_stats: Tensor) -> Tensor:

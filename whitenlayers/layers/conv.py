@@ -130,7 +130,6 @@ class GradWhitenConv2d(_GradWhitenMixin, nn.Conv2d):
             return unfold_patches(x, self.kernel_size, self.dilation, self._patch_padding, self.stride)
         return x
 
-    @_weight_once
     def forward(self, x: Tensor) -> Tensor:
         """The convolution of the centred input; in training mode the batch also joins the block statistics.
 
@@ -141,8 +140,12 @@ class GradWhitenConv2d(_GradWhitenMixin, nn.Conv2d):
             What ``nn.Conv2d`` returns for it, here ``conv(pad0(x) - mu, W) + b``.
         """
         plan = self._take_plan(x, 4)  # a training forward planned by the model's fold coordinator
-        if plan is not None:
+        if plan is not None:  # (never a parametrized weight: such a layer is not planned)
             return self._planned_conv_forward(x, plan, 2)
+        return self._full_forward(x)
+
+    @_weight_once
+    def _full_forward(self, x: Tensor) -> Tensor:
         _check_input(self, x, dim=-3, ndims=(3, 4), what="an input of shape (B, C, H, W) or (C, H, W)")
         return self._whitened_conv_forward(x, 2)
 
@@ -220,7 +223,6 @@ class GradWhitenLinear(_GradWhitenMixin, nn.Linear):  # type: ignore[misc]
         nn.Linear.__init__(self, in_features, out_features, bias, device, dtype)
         self._init_grad_whitening(in_features, out_features, config, whitening, process_group, device, dtype)
 
-    @_weight_once
     def forward(self, x: Tensor) -> Tensor:
         """``(x - mu) W^T + b``; in training mode the batch also joins the block statistics.
 
@@ -231,11 +233,15 @@ class GradWhitenLinear(_GradWhitenMixin, nn.Linear):  # type: ignore[misc]
             ``(*, out_features)``, as ``nn.Linear``.
         """
         plan = self._take_plan(x, 2)  # a (B, in_features) training forward planned by the model's coordinator
-        if plan is not None:
+        if plan is not None:  # (never a parametrized weight: such a layer is not planned)
             w = self._run_plan(plan, x)
             out = nn.functional.linear(x, w, self.bias if plan[5] != 3 else self._layer_bias(w, plan[1]))
             self._planned_end(plan[3])
             return out
+        return self._full_forward(x)
+
+    @_weight_once
+    def _full_forward(self, x: Tensor) -> Tensor:
         _check_input(self, x, dim=-1, ndims=tuple(range(1, 9)), what="an input of shape (*, in_features)")
         bn = self._batchnorm_absorbing_now()  # centring absorbed by the following BatchNorm1d (absorb_centring)
         if bn is not None and x.dim() != 2:

@@ -44,7 +44,6 @@ class _GradWhitenConvNd(_GradWhitenMixin):
         self._init_grad_whitening(in_channels, out_channels, config, whitening, process_group, device, dtype,
                                   groups=groups)
 
-    @_weight_once
     def forward(self, x: Tensor) -> Tensor:
         """The convolution of the centred input; in training mode the batch also joins the block statistics.
 
@@ -57,8 +56,13 @@ class _GradWhitenConvNd(_GradWhitenMixin):
         """
         nd = len(self.kernel_size)
         plan = self._take_plan(x, nd + 2)  # a training forward planned by the model's fold coordinator
-        if plan is not None:
+        if plan is not None:  # (never a parametrized weight: such a layer is not planned)
             return self._planned_conv_forward(x, plan, nd)
+        return self._full_forward(x)
+
+    @_weight_once
+    def _full_forward(self, x: Tensor) -> Tensor:
+        nd = len(self.kernel_size)
         spatial = {1: "L", 2: "H, W", 3: "D, H, W"}[nd]
         _check_input(self, x, dim=-(nd + 1), ndims=(nd + 1, nd + 2),
                      what=f"an input of shape (B, C, {spatial}) or (C, {spatial})")
