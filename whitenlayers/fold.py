@@ -21,6 +21,7 @@ import warnings
 from typing import (
     TYPE_CHECKING,
     Any,
+    Callable,
     Dict,
     Hashable,
     Iterable,
@@ -54,12 +55,23 @@ def _no_autocast(device: torch.device):
     return torch.autocast(device_type=device.type, enabled=False)
 
 
-def _autocast_enabled(device_type: str) -> bool:
-    """Whether autocast is on for ``device_type`` (a test before entering :func:`_no_autocast` on a hot path)."""
+def _autocast_enabled_any(device_type: str) -> bool:
+    """:data:`_autocast_enabled` for a torch < 2.4, whose ``torch.is_autocast_enabled`` takes no device type."""
+    return torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
+
+
+def _autocast_takes_device_type() -> bool:
     try:
-        return torch.is_autocast_enabled(device_type)
-    except TypeError:  # torch < 2.4 takes no device type
-        return torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
+        torch.is_autocast_enabled("cpu")
+    except TypeError:
+        return False
+    return True
+
+
+#: Whether autocast is on for a device type (a test before entering :func:`_no_autocast` on a hot path): torch's own
+#: function, one C call, where it takes the device type (torch 2.4 and later).
+_autocast_enabled: Callable[[str], bool] = (cast(Callable[[str], bool], torch.is_autocast_enabled)
+                                            if _autocast_takes_device_type() else _autocast_enabled_any)
 
 
 def _dist_group(layers: Sequence["WhiteningLayer"]):
