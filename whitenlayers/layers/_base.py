@@ -137,11 +137,11 @@ def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-def _bias_of(module: nn.Module) -> Optional[Tensor]:
+def _bias_of(module: Any) -> Optional[Tensor]:
     """``module.bias`` (a Parameter or ``None``), from ``_parameters`` where it is registered there: without
     ``Module.__getattr__``'s lookups, on a planned forward."""
     params = module._parameters
-    return params["bias"] if "bias" in params else cast(Any, module).bias
+    return params["bias"] if "bias" in params else module.bias
 
 
 def plannable_forward(module: nn.Module) -> bool:
@@ -187,9 +187,9 @@ def share_weight_transforms(layers: Sequence[Any], module: nn.Module, checked: b
     for layer in layers:
         if not isinstance(layer, _GradWhitenMixin):
             continue
-        w = cast(Any, layer)._parameters.get("weight")
+        w = layer._parameters.get("weight")
         if (type(w) is not nn.Parameter or not w.requires_grad or layer.features != "channels"
-                or "parametrizations" in cast(Any, layer)._modules  # (FSDP's flat weights are no Parameter)
+                or "parametrizations" in layer._modules  # (FSDP's flat weights are no Parameter)
                 or (distributed and tuple(w.shape) != layer._full_weight_shape())):
             continue
         if share and "_deferred_grad" not in layer.__dict__:
@@ -204,7 +204,7 @@ def share_weight_transforms(layers: Sequence[Any], module: nn.Module, checked: b
         chosen, weights, states = [], [], []
     if not chosen and not alone:
         return False
-    coordinator = cast(Any, (chosen or alone)[0])._fold_coordinator
+    coordinator = (chosen or alone)[0]._fold_coordinator
     sink = None if coordinator is None else coordinator.stats_sink()
     planned = sink is not None and not recomputing()  # (reentrant checkpointing recomputes the model: full paths)
     if chosen:
@@ -248,6 +248,8 @@ class _GradWhitenMixin(WhiteningLayer):
 
     if TYPE_CHECKING:  # pragma: no cover
         bias_correction: Tensor  # the buffer :meth:`_init_grad_whitening` registers
+        # the convolution of the conv subclasses (nn.Conv1d / 2d / 3d's), for the planned conv forward
+        _conv_forward: Callable[[Tensor, Tensor, Optional[Tensor]], Tensor]
 
     def _init_grad_whitening(self, num_features: int, out_features: int, config: Optional[WhiteningConfig],
                              whitening: Dict[str, Any], process_group: Any, device, dtype, groups: int = 1) -> None:
@@ -570,7 +572,7 @@ class _GradWhitenMixin(WhiteningLayer):
         weight's view of the shared transform, or ``None``: the layer's own weight path (``_weight_for_forward``)."""
         if not self.training or "_is_replica" in self.__dict__:  # (a DataParallel replica: stats._stats_sink)
             return None
-        param = cast(Any, self)._parameters["weight"]
+        param = self._parameters["weight"]
         counts = self._step_counts(param.dim(), param.device)
         if counts is None:
             return None
@@ -623,7 +625,7 @@ class _GradWhitenMixin(WhiteningLayer):
                 and (x.dtype == plan[8] or (x.is_floating_point() and _autocast_enabled(x.device.type)))):
             return plan
         if plan[0] is not None:  # the full path takes the weight's view of the shared transform, as unplanned
-            attrs["_shared_weight"] = (plan[0], cast(Any, self)._parameters["weight"], plan[1]["grad_transform"])
+            attrs["_shared_weight"] = (plan[0], self._parameters["weight"], plan[1]["grad_transform"])
         return None
 
     def _run_plan(self, plan: tuple, x_stats: Tensor) -> Tensor:
@@ -651,8 +653,8 @@ class _GradWhitenMixin(WhiteningLayer):
     def _planned_conv_forward(self, x: Tensor, plan: tuple, nd: int) -> Tensor:
         """:meth:`_whitened_conv_forward` as planned (channel features: the statistics' input is ``x``)."""
         w = self._run_plan(plan, x)
-        conv_forward = cast(Any, self)._conv_forward
-        bias = _bias_of(cast(nn.Module, self))
+        conv_forward = self._conv_forward
+        bias = _bias_of(self)
         if plan[5] != 3:  # absorbed centring
             out = conv_forward(x, w, bias)
         elif bias is None:  # the training path of _whitened_conv_forward: the centring term added in place

@@ -49,6 +49,8 @@ class _LayerCore:
         # Provided by the ``nn.Module`` every layer class combines this mixin with.
         training: bool
         _buffers: Dict[str, Any]  # Module's: Dict[str, Optional[Tensor]]; a whitening layer registers no None buffer
+        _parameters: Dict[str, Any]
+        _modules: Dict[str, Any]
 
         def register_buffer(self, name: str, tensor: Optional[Tensor], persistent: bool = True) -> None: ...
 
