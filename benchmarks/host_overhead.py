@@ -272,14 +272,19 @@ def _no_plan(self, view, state, sink):
     return None
 
 
-def ablate(args) -> Dict[str, object]:
+def _ablated(args):
+    """``--ablate``'s set-up: the base model, its batch, the converted model of the variant and its layer count."""
     setup(1 if args.threads == 2 else args.threads, args.seed, args.clock)
     method, kw = VARIANTS[args.ablate]
     if method == "direct":
         raise SystemExit("--ablate takes a grad or recursive variant (its parts are the grad layers')")
     base, x, y = _inputs(args.seed)
     converted = wl.convert_model(copy.deepcopy(base), method, **kw)
-    layers = len(wl.whitening_layers(converted))
+    return base, x, y, converted, len(wl.whitening_layers(converted))
+
+
+def ablate(args) -> Dict[str, object]:
+    base, x, y, converted, layers = _ablated(args)
     # One model per row, its layers' parts replaced once, on the instances: replacing a class's method between
     # steps would make Python drop its attribute caches for every layer at each step (a cost of its own). The parts
     # are switched off in the layers' full path: the steps planned by the coordinator (docs/robustness.md, "Planned
@@ -350,13 +355,7 @@ PLANNED_PARTS = {
 
 
 def ablate_planned(args) -> Dict[str, object]:
-    setup(1 if args.threads == 2 else args.threads, args.seed, args.clock)
-    method, kw = VARIANTS[args.ablate]
-    if method == "direct":
-        raise SystemExit("--ablate takes a grad or recursive variant (its parts are the grad layers')")
-    base, x, y = _inputs(args.seed)
-    converted = wl.convert_model(copy.deepcopy(base), method, **kw)
-    layers = len(wl.whitening_layers(converted))
+    base, x, y, converted, layers = _ablated(args)
     names = ["plain", "full"] + list(PLANNED_PARTS)
     models = {name: copy.deepcopy(base) if name == "plain" else copy.deepcopy(converted) for name in names}
     for name, parts in PLANNED_PARTS.items():  # (instance attributes, set once: no class attribute changes)
