@@ -123,6 +123,7 @@ def test_planned_ablation_switches_off_what_it_names():
     """``--ablate --planned``'s stand-ins do what their rows say: no statistics gathered or added, the absorbed
     offset left as it is, the weight's gradient left untransformed; the rest of the step as the full one."""
     import copy
+    import types
 
     import torch
     import torch.nn.functional as F
@@ -147,10 +148,10 @@ def test_planned_ablation_switches_off_what_it_names():
             if "added" in parts:
                 for hook in model._forward_hooks.values():
                     if isinstance(hook, wl.coordinator.FoldCoordinator):
-                        hook.__dict__["flush_stats"] = ho.types.MethodType(ho._drop_handed, hook)
+                        hook.__dict__["flush_stats"] = types.MethodType(ho._drop_handed, hook)
             else:
                 for _, layer in wl.whitening_layers(model):
-                    layer.__dict__["_step_plan"] = ho.types.MethodType(ho._plan_without(parts), layer)
+                    layer.__dict__["_step_plan"] = types.MethodType(ho._plan_without(parts), layer)
             before = {name: layer._acc_aug.clone() for name, layer in wl.whitening_layers(model)}
             offsets = {name: layer.absorbed_offset.clone() for name, layer in wl.whitening_layers(model)}
             F.cross_entropy(model(x), y).backward()

@@ -209,12 +209,9 @@ def share_weight_transforms(layers: Sequence[Any], module: nn.Module, checked: b
     planned = sink is not None and not recomputing()  # (reentrant checkpointing recomputes the model: full paths)
     if chosen:
         qs = tuple(state["grad_transform"] for state in states)
-        if run >= len(chosen):  # one node for all (one process)
-            views: Tuple[Tensor, ...] = shared_weight_grad_apply(qs, *weights)
-        else:
-            views = ()
-            for start in range(0, len(chosen), run):  # (a run of one: its own node of one weight)
-                views += tuple(shared_weight_grad_apply(qs[start:start + run], *weights[start:start + run]))
+        views: Tuple[Tensor, ...] = ()
+        for start in range(0, len(chosen), run):  # (a run of one: its own node of one weight)
+            views += tuple(shared_weight_grad_apply(qs[start:start + run], *weights[start:start + run]))
         for layer, view, w, q, state in zip(chosen, views, weights, qs, states):
             attrs = layer.__dict__
             plan = layer._step_plan(view, state, sink) if planned and layer._fold_coordinator is coordinator else None

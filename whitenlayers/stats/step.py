@@ -203,8 +203,9 @@ class _PerStepMixin(_LayerCore):
         self.__dict__["_acc_count"] = self._acc_count + x.numel() // self.num_features  # a plain counter
 
     def _hand_or_add(self, x: Tensor, sink: Optional[list]) -> None:
-        """The hot path's sums of the batch ``x`` (detached) about the block's shift: handed to ``sink`` (the
-        coordinator's list, added at the forward's end), or, ``None``, added now with two products."""
+        """The hot path's sums of the batch ``x`` about the block's shift: handed to ``sink`` (the coordinator's
+        list, added at the forward's end under ``no_grad``: ``x`` may be the layer's input itself, no detached copy
+        made), or, ``None``, added now with two products (``x`` detached)."""
         if sink is not None:
             sink.append((self, x, x._version, self._acc_shift_x))
         else:
@@ -262,11 +263,8 @@ class _PerStepMixin(_LayerCore):
         """:meth:`_accumulate` of a planned forward (:meth:`_step_counts`' ``gather``): ``x`` handed to ``sink``
         (the coordinator's list; not under saved-tensor hooks, as :meth:`_stats_sink`) or added now."""
         if gather == 1:
-            if sink is not None and _saved_tensor_hooks() is None:
-                # handed over as it is: the coordinator adds it under no_grad (no detached copy made per layer)
-                sink.append((self, x, x._version, self._acc_shift_x))
-            else:
-                F_w.accumulate_moments(cast(Tensor, self._acc_aug), x.detach(), self._acc_shift_x, self._acc_blocks)
+            sink = sink if _saved_tensor_hooks() is None else None
+            self._hand_or_add(x if sink is not None else x.detach(), sink)
             attrs = self.__dict__
             attrs["_acc_count"] = attrs["_acc_count"] + x.numel() // self.num_features
         elif gather == 2:
