@@ -8,6 +8,7 @@ exactly, and torch.compile, the deferral and non-finite blocks behave as with th
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -203,7 +204,7 @@ def test_checkpoint_while_a_fold_is_in_flight_resumes_exactly():
     opt = _train(first, batches[: 2 * BLOCK + 1])  # block 1's fold in flight, block 2 one batch in
     saved = copy.deepcopy({"model": first.state_dict(), "opt": opt.state_dict()})
     extra = saved["model"][next(k for k in saved["model"] if k.endswith("_extra_state"))]
-    assert int(extra[0]) == 3  # the layout with a pending fold
+    assert int(extra[0]) == 4  # the layout of a fold_async layer (a pending fold there)
     resumed = _model()
     resumed.load_state_dict(saved["model"])
     opt2 = torch.optim.SGD(resumed.parameters(), lr=0.05, momentum=0.9)
@@ -217,6 +218,47 @@ def test_checkpoint_while_a_fold_is_in_flight_resumes_exactly():
         layer._pending_fold = None
     _train(dropped, batches[2 * BLOCK + 1 :], torch.optim.SGD(dropped.parameters(), lr=0.05, momentum=0.9))
     assert not torch.equal(_layers(dropped)[0].whitening_matrix, _layers(whole)[0].whitening_matrix)
+
+
+@pytest.mark.parametrize("stop", [1, BLOCK + 1, 2 * BLOCK + 1, 3 * BLOCK])
+def test_distributed_checkpoint_loads_into_a_fresh_model_and_resumes_exactly(stop, tmp_path):
+    """torch.distributed.checkpoint loads into the tensors of a fresh model's state_dict: the extra state of a
+    fold_async layer has one size, a fold pending or not (before the first fold, one in flight, one written)."""
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    batches = _batches(4 * BLOCK + 1)
+    whole = _model()
+    _train(whole, batches)
+    first = _model()
+    opt = _train(first, batches[:stop])
+    fresh_sizes = {k: v.shape for k, v in _model().state_dict().items()}
+    saved = first.state_dict()
+    assert {k: v.shape for k, v in saved.items()} == fresh_sizes
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (no process group: "assuming the intent is to save in a single process")
+        dcp.save({"model": saved, "opt": opt.state_dict()}, checkpoint_id=str(tmp_path))
+        resumed = _model()
+        opt2 = torch.optim.SGD(resumed.parameters(), lr=0.05, momentum=0.9)
+        _train(resumed, batches[:1], opt2)  # the optimizer's state exists, to be loaded into
+        target = {"model": resumed.state_dict(), "opt": opt2.state_dict()}
+        dcp.load(target, checkpoint_id=str(tmp_path))
+    resumed.load_state_dict(target["model"])
+    opt2.load_state_dict(target["opt"])
+    _train(resumed, batches[stop:], opt2)
+    _assert_identical(_state(whole), _state(resumed))
+
+
+def test_extra_state_of_a_fold_async_layer_loads_into_a_synchronous_model():
+    """A checkpoint of either layout loads into a model of the other (``load_state_dict``: no fixed size there)."""
+    batches = _batches(2 * BLOCK + 1)
+    lagged = _model()
+    _train(lagged, batches)
+    sync = _model(fold_async=False)
+    sync.load_state_dict(lagged.state_dict())
+    extra = sync.state_dict()[next(k for k in sync.state_dict() if k.endswith("_extra_state"))]
+    assert int(extra[0]) == 3  # its pending fold kept, in the variable layout
+    back = _model()
+    back.load_state_dict(sync.state_dict())
+    _assert_identical(_state(back), _state(lagged))
 
 
 def test_a_copy_while_a_fold_is_in_flight_trains_on_alike():

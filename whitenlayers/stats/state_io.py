@@ -24,6 +24,14 @@ __all__ = ["loading_plain_checkpoint"]
 _EXTRA_LAYOUT = 2
 #: The layout of a layer with a pending fold (an asynchronous fold in flight): layout 2's, then the fold.
 _EXTRA_LAYOUT_PENDING = 3
+#: The layout of a layer whose coordinator folds asynchronously (``fold_async``): layout 3's with the fold's part
+#: always there, every buffer of the outcome layout included (zeros where the fold holds none; status
+#: :data:`_NO_FOLD` where there is no pending fold), so that its size depends only on how the layer was built.
+#: Loaders that load into tensors shaped by a fresh model (``torch.distributed.checkpoint``) need that.
+_EXTRA_LAYOUT_SLOT = 4
+#: The status of an empty pending-fold slot (layout 4).
+_NO_FOLD = -1
+_LAYOUTS = (_EXTRA_LAYOUT, _EXTRA_LAYOUT_PENDING, _EXTRA_LAYOUT_SLOT)
 #: The scalar head of a pending fold, in order; then its new mean, mean change and next shift (``M`` each) and the
 #: buffers its outcome holds (:meth:`~whitenlayers.stats.WhiteningLayer._outcome_layout`, the first ``kept``).
 _PENDING_HEAD = ("status", "clamped", "unshifted", "nonfinite", "kept")
@@ -120,13 +128,18 @@ class _StateIOMixin(_LayerCore):
         tensors only (EMA helpers, safetensors and exporters iterate over it as tensors); a fresh one at each
         call, owned by nobody. A layer with a pending fold (``fold_async``: this waits for a fold in flight) has
         layout tag 3 and the fold after the block: ``_PENDING_HEAD``, its new mean, mean change and next
-        shift, and the buffers its outcome holds, so that a resume writes it where the run would have.
+        shift, and the buffers its outcome holds, so that a resume writes it where the run would have. A layer of
+        a model converted with ``fold_async=True`` always has layout tag 4: layout 3's with room for every buffer
+        of a fold, pending or not, so that the tensor's size depends only on how the layer was built
+        (``torch.distributed.checkpoint`` loads into the tensors of a fresh model's ``state_dict``).
         """
         self._flush_handed()
         self._wait_for_fold()
         pending = cast(Optional[PendingFold], self._pending_fold)
         f64: Dict[str, Any] = {"dtype": torch.float64, "device": self.running_mean.device}
-        layout = _EXTRA_LAYOUT if pending is None else _EXTRA_LAYOUT_PENDING
+        coordinator = self.__dict__.get("_fold_coordinator")
+        slot = coordinator is not None and coordinator.fold_async
+        layout = _EXTRA_LAYOUT_SLOT if slot else _EXTRA_LAYOUT if pending is None else _EXTRA_LAYOUT_PENDING
         head = torch.tensor([layout, self._acc_batches, self._acc_shift is not None]
                             + [getattr(self, name) for name in _COUNTERS] + [self._acc_count, self._stats_unshifted],
                             **f64)
@@ -134,10 +147,17 @@ class _StateIOMixin(_LayerCore):
         parts = [head, shift, self._acc_s1, self._acc_s2.reshape(-1)]
         if pending is not None:
             outcome = cast(FoldOutcome, pending.outcome)
-            kept = [name for name, _ in self._outcome_layout() if name in outcome.buffers]
+            layout_shapes = self._outcome_layout()
+            kept = [name for name, _ in layout_shapes if name in outcome.buffers]
             parts += [torch.tensor([outcome.status, outcome.clamped, pending.unshifted, pending.nonfinite, len(kept)],
                                    **f64),
                       pending.mean, pending.delta, pending.shift] + [outcome.buffers[name].reshape(-1) for name in kept]
+            if slot:  # the buffers the outcome does not hold (a failed fold keeps the transform): zeros
+                parts += [torch.zeros(math.prod(shape), **f64) for _, shape in layout_shapes[len(kept):]]
+        elif slot:
+            m = self.num_features
+            size = 3 * m + sum(math.prod(shape) for _, shape in self._outcome_layout())
+            parts += [torch.tensor([_NO_FOLD, 0, 0, 0, 0], **f64), torch.zeros(size, **f64)]
         return torch.cat([t.to(device=head.device, dtype=torch.float64) for t in parts])
 
     def set_extra_state(self, state: Union[Tensor, Dict[str, Any]]) -> None:
@@ -182,13 +202,12 @@ class _StateIOMixin(_LayerCore):
         if not isinstance(packed, Tensor) or packed.dim() != 1 or not packed.is_floating_point():
             raise RuntimeError(f"{self._describe()}: checkpoint extra state must be a 1-D float tensor (the partial "
                                f"block), but got {type(packed).__name__} {tuple(getattr(packed, 'shape', ()))}")
-        if packed.numel() < len(_EXTRA_HEAD) or int(packed[0]) not in (_EXTRA_LAYOUT, _EXTRA_LAYOUT_PENDING):
+        if packed.numel() < len(_EXTRA_HEAD) or int(packed[0]) not in _LAYOUTS:
             raise RuntimeError(f"{self._describe()}: checkpoint extra state has an unknown layout "
-                               f"(tag {float(packed[0]) if packed.numel() else None}, expected {_EXTRA_LAYOUT} or "
-                               f"{_EXTRA_LAYOUT_PENDING})")
+                               f"(tag {float(packed[0]) if packed.numel() else None}, expected one of {_LAYOUTS})")
         pending = None
-        if int(packed[0]) == _EXTRA_LAYOUT_PENDING:
-            pending = self._unpack_pending(packed[numel:])
+        if int(packed[0]) != _EXTRA_LAYOUT:
+            pending = self._unpack_pending(packed[numel:], padded=int(packed[0]) == _EXTRA_LAYOUT_SLOT)
             packed = packed[:numel]
         if packed.numel() != numel:
             raise RuntimeError(
@@ -202,14 +221,17 @@ class _StateIOMixin(_LayerCore):
                    acc_s1=s1, acc_s2=s2.view(block), pending=pending)
         return out
 
-    def _unpack_pending(self, packed: Tensor) -> PendingFold:
-        """The pending fold of a layout-3 extra state (what follows the block), on this layer's device."""
+    def _unpack_pending(self, packed: Tensor, padded: bool = False) -> Optional[PendingFold]:
+        """The pending fold of a layout-3 extra state (what follows the block), on this layer's device; ``padded``:
+        layout 4's slot (every buffer of the outcome layout there; ``None`` for an empty slot)."""
         m, layout = self.num_features, self._outcome_layout()
         n_head = len(_PENDING_HEAD)
         head = dict(zip(_PENDING_HEAD, packed[:n_head].tolist())) if packed.numel() >= n_head else {}
         kept = int(head.get("kept", -1))
-        sizes = [m, m, m] + [math.prod(shape) for _, shape in layout[: max(kept, 0)]]
-        status = int(head.get("status", -1))
+        status = int(head.get("status", -2))
+        sizes = [m, m, m] + [math.prod(shape) for _, shape in layout[: len(layout) if padded else max(kept, 0)]]
+        if padded and status == _NO_FOLD and kept == 0 and packed.numel() == n_head + sum(sizes):
+            return None
         expected = {FOLDED: len(layout), FAILED: 1}.get(status, 0)
         if kept != expected or packed.numel() != n_head + sum(sizes):
             raise RuntimeError(f"{self._describe()}: checkpoint extra state holds a pending fold of "
@@ -217,7 +239,7 @@ class _StateIOMixin(_LayerCore):
                                f"{kept} buffers for {m} features)")
         dev = self.running_mean.device
         values = [t.to(dev).clone() for t in torch.split(packed[n_head:], sizes)]
-        buffers = {name: t.view(shape) for (name, shape), t in zip(layout, values[3:])}
+        buffers = {name: t.view(shape) for (name, shape), t in zip(layout[:kept], values[3:])}
         return PendingFold(FoldOutcome(status, bool(head["clamped"]), buffers),
                            values[0].to(self.running_mean.dtype), values[1], bool(head["unshifted"]), values[2],
                            int(head["nonfinite"]))

@@ -106,6 +106,13 @@ class _PerStepMixin(_LayerCore):
             if state is None:  # no original forward seen (e.g. state loaded since): what is in force now
                 state = self._forward_snapshot()
             return False, state
+        if self._fold_pending:
+            # A block ended and no model forward's end folded it: the layer was called on its own or through a
+            # sub-module (a backbone, a neck), not through the converted model's root, or twice in one forward.
+            # Fold now, before this forward reads its buffers, as the root's end would have: the forward then
+            # uses the new transform and mean, and an absorbed offset follows the mean in force (read before the
+            # fold, it would track the old one).
+            self._fold_now()
         state = self._forward_snapshot()
         self.__dict__["_in_force"] = state  # a plain attribute (Module.__setattr__ costs more than this method)
         # Under torch.inference_mode a training-mode forward gathers nothing and counts nothing: a fold there would

@@ -1,0 +1,108 @@
+"""Training a converted model through one of its sub-modules (a backbone, a neck, ``model.features``), never the
+root's forward: the fold that the root's end would run is applied at the layer's next forward, before the forward
+reads its buffers. The model then trains and evaluates as one called through its root, absorbed centring included.
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import whitenlayers as wl
+from whitenlayers import models
+
+TOL = dict(rtol=1e-9, atol=1e-10)  # float64: rounding of a layer folded alone vs with the others (batched eigh)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _batch(seed, n=8):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 3, 12, 12, generator=g, dtype=torch.float64) * 2 + 0.5
+
+
+def _base():
+    torch.manual_seed(0)
+    return models.cifar_resnet(20, width=4).to(torch.float64)
+
+
+def _features(net, x):
+    """The backbone without the head: what a detection neck or a contrastive loss would train through."""
+    return net.layer2(net.layer1(F.relu(net.bn1(net.conv1(x)))))
+
+
+def _train_features(net, steps, lr=0.05):
+    opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
+    net.train()
+    for s in range(steps):
+        opt.zero_grad()
+        _features(net, _batch(s)).pow(2).mean().backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("method", ["grad", "recursive"])
+@pytest.mark.parametrize("steps", [5, 6])  # 6: the last training forward ends a block, folded by the eval forward
+def test_absorbed_centring_follows_the_mean_through_a_submodule(method, steps):
+    base = _base()
+    absorbed = wl.convert_model(copy.deepcopy(base), method, block_size=3)
+    centred = wl.convert_model(copy.deepcopy(base), method, block_size=3, absorb_centring=False)
+    assert any(layer.centring == "absorbed" for _, layer in wl.whitening_layers(absorbed))
+    for net in (absorbed, centred):
+        _train_features(net, steps)
+    absorbed.eval()
+    centred.eval()
+    x = _batch(100)
+    with torch.no_grad():
+        a, c = _features(absorbed, x), _features(centred, x)
+    assert c.abs().mean() > 0.1
+    torch.testing.assert_close(a, c, **TOL)
+
+
+def test_a_model_inside_a_container_trains_through_its_own_forward():
+    base = _base()
+    held = nn.ModuleList([copy.deepcopy(base)])
+    wl.convert_model(held, "grad", block_size=3)
+    centred_held = nn.ModuleList([copy.deepcopy(base)])
+    wl.convert_model(centred_held, "grad", block_size=3, absorb_centring=False)
+    net, centred = held[0], centred_held[0]
+    for model in (net, centred):
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        for s in range(7):
+            opt.zero_grad()
+            model(_batch(s)).logsumexp(1).mean().backward()
+            opt.step()
+    net.eval()
+    centred.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(net(_batch(50)), centred(_batch(50)), **TOL)
+
+
+def test_submodule_forwards_fold_where_the_root_would():
+    """Forwards only (no weight change): each batch through a sub-module is computed with the transform the same
+    model called through its root uses for it, and the layers end with the root-called model's buffers."""
+    base = _base()
+    root = wl.convert_model(copy.deepcopy(base), "grad", block_size=2)
+    sub = wl.convert_model(copy.deepcopy(base), "grad", block_size=2)
+    seen = []
+    root.layer2.register_forward_hook(lambda module, inputs, output: seen.append(output.detach()))
+    for s in range(8):
+        x = _batch(s)
+        root(x)  # the root's end folds the layers whose block ended
+        torch.testing.assert_close(_features(sub, x), seen[-1], **TOL)
+    first = sub.layer1[0].conv1
+    assert int(first.num_blocks) == 3 and first._fold_pending  # the 4th block's fold waits for the next forward
+    sub.eval()
+    root.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(_features(sub, _batch(9)), _features(root, _batch(9)), **TOL)
+    for (name, a), b in zip(sub.named_modules(), root.modules()):
+        if isinstance(a, wl.WhiteningLayer) and name.startswith(("layer1", "layer2")):
+            for key in ("running_mean", "grad_transform", "bias_correction", "num_blocks"):
+                torch.testing.assert_close(getattr(a, key), getattr(b, key), **TOL, msg=f"{name}.{key}")
