@@ -1,6 +1,6 @@
-"""Shared helpers of the benchmark scripts (timing, statistics, tables, machine description).
+"""The benchmark suite's harness: timing, statistics, tables, machine description (``bench.py`` runs the scenarios).
 
-Rules every script follows (issue 6):
+Rules every scenario follows:
 
 * ``torch.set_num_threads(2)`` (``--threads`` to change it);
 * variants are **interleaved** step by step (round ``r`` runs every variant
@@ -13,6 +13,7 @@ Rules every script follows (issue 6):
 * no absolute time is used on its own; absolute medians are printed only to
   show the scale.
 """
+# ruff: noqa: E741  (closures timed in the loop that makes them; long table lines)
 from __future__ import annotations
 
 import datetime as _dt
@@ -35,15 +36,38 @@ import torch  # noqa: E402
 
 from whitenlayers.experiment.report import git_state  # noqa: E402
 
-
 _CLOCK: Callable[[], float] = time.perf_counter
 
 
-def setup(threads: int = 2, seed: int = 0, clock: str = "wall") -> None:
-    """Threads, seed, and the clock of :class:`Interleaved`: ``"wall"`` (``perf_counter``, the default) or
+#: Keyword arguments every converted variant gets (``--layer-kwargs``), e.g. ``{"gains": "damped"}``.
+LAYER_KWARGS: Dict[str, object] = {}
+
+
+def parse_layer_kwargs(text: str) -> Dict[str, object]:
+    """``"gains=damped,block_size=50"`` -> ``{"gains": "damped", "block_size": 50}`` (Python literals where they
+    parse, else strings)."""
+    import ast
+
+    out: Dict[str, object] = {}
+    for item in filter(None, (t.strip() for t in (text or "").split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--layer-kwargs takes KEY=VALUE[,KEY=VALUE...], but got {item!r}")
+        try:
+            out[key.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            out[key.strip()] = value.strip()
+    return out
+
+
+def setup(threads: int = 2, seed: int = 0, clock: str = "wall", layer_kwargs: str = "") -> None:
+    """Threads, seed, the clock of :class:`Interleaved`: ``"wall"`` (``perf_counter``, the default) or
     ``"cpu"`` (``process_time``: this process's CPU time, which other processes on a shared machine disturb
-    far less; meaningful with ``--threads 1``, where no thread waits on another)."""
+    far less; meaningful with ``--threads 1``, where no thread waits on another), and the keyword arguments
+    of every converted variant (``LAYER_KWARGS``)."""
     global _CLOCK
+    LAYER_KWARGS.clear()
+    LAYER_KWARGS.update(parse_layer_kwargs(layer_kwargs))
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     if clock not in ("wall", "cpu"):
@@ -59,6 +83,9 @@ def add_common_args(parser) -> None:
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="clock of the interleaved timings: wall (default) or this process's CPU time "
                              "(use with --threads 1 on a loaded machine)")
+    parser.add_argument("--layer-kwargs", default="", metavar="KEY=VALUE,...",
+                        help="keyword arguments of every converted variant, e.g. gains=damped (scenarios step, "
+                             "fold, compile)")
 
 
 def loadavg() -> str:
@@ -77,8 +104,10 @@ def machine_description() -> Dict[str, str]:
         pass
     keep = ("Architecture", "Model name", "CPU(s):", "Thread(s) per core", "Core(s) per socket", "L2 cache", "L3 cache")
     lines = [l.strip() for l in lscpu.splitlines() if l.strip().startswith(keep)]
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
     return {
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "gpu": gpu,
         "cpu": "; ".join(" ".join(l.split()) for l in lines) or platform.processor(),
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -115,21 +144,6 @@ class Interleaved:
             if progress:
                 print(f"  [{progress}] round {r + 1}/{warmup + rounds}  load {loadavg()}", file=sys.stderr, flush=True)
         return self
-
-
-def sgd_layer_steps(mods: Mapping[str, "torch.nn.Module"], x: "torch.Tensor", lr: float = 1e-3) -> Dict[str, Callable[[], None]]:
-    """One SGD (momentum 0.9) training step per layer on the same input: ``(layer(x)**2).mean()`` backward."""
-    opts = {k: torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9) for k, m in mods.items()}
-
-    def mk(k: str) -> Callable[[], None]:
-        def step() -> None:
-            opts[k].zero_grad(set_to_none=True)
-            x.grad = None
-            mods[k](x).square().mean().backward()
-            opts[k].step()
-        return step
-
-    return {k: mk(k) for k in mods}
 
 
 def paired_ratios(a: Sequence[float], b: Sequence[float]) -> List[float]:
@@ -186,14 +200,3 @@ def write_json(path: Optional[str], payload: Dict[str, object]) -> None:
 def command_line() -> str:
     rel = os.path.relpath(sys.argv[0], ROOT) if os.path.isabs(sys.argv[0]) else sys.argv[0]
     return "python " + " ".join([rel] + [a for a in sys.argv[1:]])
-
-
-def timeit_median(fn: Callable[[], object], repeat: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)

@@ -29,14 +29,13 @@ The amortised cost of a periodic inverse (every 100 steps) is measured on its
 own and added as ``time / 100`` to the mean step time; the statistics steps
 (every 10) are inside the timed steps.
 """
+# ruff: noqa: E501  (closures timed in the loop that makes them; long table lines)
 from __future__ import annotations
 
 import copy
-import math
 from typing import Dict, List, Optional, Tuple
 
 import _common  # noqa: F401  (importing it puts the repository on sys.path)
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -100,14 +99,14 @@ class Variant:
         self.batches = batches
         self.i = 0
         self.pre: Optional[KroneckerPreconditioner] = None
-        kw = {}
+        kw = dict(_common.LAYER_KWARGS)
         if block_size is not None:
             kw["block_size"] = block_size
         if stats_fraction != 1.0:
             kw["stats_fraction"] = stats_fraction
         method = name.split(":")[0]
         if method in ("grad", "recursive") and ":centred" in name:
-            kw["absorb_centring"] = False  # every layer centres its input (before issue 12)
+            kw["absorb_centring"] = False  # every layer centres its input
         if method in WHITEN_METHODS:
             wl.convert_model(self.model, method, **kw)
         elif method == "iternorm":
@@ -115,7 +114,8 @@ class Variant:
         self.model.train()
         wd = 3e-3 if method == "kfac" else 5e-4
         if method in LIBRARY_PEERS:  # at its authors' default rate (timing does not depend on it)
-            from whitenlayers.experiment.peers import LIBRARY_PEERS as RATES, library_optimizer
+            from whitenlayers.experiment.peers import LIBRARY_PEERS as RATES
+            from whitenlayers.experiment.peers import library_optimizer
 
             self.opt = library_optimizer(method, self.model, RATES[method][1], weight_decay=wd)
         else:

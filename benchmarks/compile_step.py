@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""``torch.compile`` of converted models (issue 32): graphs, compile time and the steady compiled step.
+"""``torch.compile`` of converted models: graphs, compile time and the steady compiled step.
 
 Two tables, each against the plain model measured in the same run:
 
@@ -22,13 +22,12 @@ import time
 from typing import Dict, List
 
 import _common  # noqa: F401  (puts the repository on sys.path)
-from _common import add_common_args, command_line, loadavg, machine_description, md_table, setup, write_json
-from _resnet50 import resnet50
-from gpu import compiled_table
-
 import torch
 import torch._dynamo
 import torch.nn.functional as F
+from _common import add_common_args, command_line, loadavg, machine_description, md_table, setup, write_json
+from _resnet50 import resnet50
+from gpu import compiled_table
 from torch._dynamo.utils import counters
 
 import whitenlayers as wl

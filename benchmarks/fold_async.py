@@ -1,4 +1,4 @@
-"""The asynchronous fold (issue 47): the step that ends a block against the steps that do not, with the fold on
+"""The asynchronous fold: the step that ends a block against the steps that do not, with the fold on
 the training thread (``fold_async=False``, the default) and in a worker thread (``fold_async=True``).
 
 The ResNet-50 layout at 1/8 width (``width=8``: ``M`` up to 256), ``method="grad"``, ``block_size=4``, batch 4,

@@ -19,6 +19,7 @@ folded on its own (``fold_layers([layer])`` per layer) vs all together
     python benchmarks/fold_cost.py            # full (about a minute)
     python benchmarks/fold_cost.py --tiny     # seconds (CI)
 """
+# ruff: noqa: B023, E501, E741  (closures timed in the loop that makes them; long table lines)
 from __future__ import annotations
 
 import argparse
@@ -27,13 +28,12 @@ import sys
 import time
 from typing import Dict, List
 
+import torch
 from _common import Interleaved, add_common_args, loglog_slope, md_table, setup, write_json
 
-import torch
-
 import whitenlayers as wl
-from whitenlayers.fold import fold_layers
 from whitenlayers import functional as F
+from whitenlayers.fold import fold_layers
 
 
 def _layer(cls, m: int, gen: torch.Generator):

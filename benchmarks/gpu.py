@@ -1,4 +1,4 @@
-"""GPU checks in one short script (issue 12): run it whenever a GPU is at hand (under 5 minutes).
+"""GPU checks in one short script: run it whenever a GPU is at hand (under 5 minutes).
 
 On CUDA:
 
@@ -29,9 +29,9 @@ rot); check 3 is CUDA-only.
     python benchmarks/gpu.py --skip compile,kernels --rounds 50    # the step table alone
     python benchmarks/gpu.py --tiny     # CPU, seconds
 
-``benchmarks/gpu_probe.py`` (design probes: low-precision products, eigh on device and host, overlap) and
-``benchmarks/gpu_profile.py`` (where a step or a fold goes, by kernel) complete it on the same machine.
+The suite runs it as ``python benchmarks/bench.py gpu`` (``-- OPTIONS`` for the options above).
 """
+# ruff: noqa: B023, E501, E731  (closures timed in the loop that makes them; long table lines)
 from __future__ import annotations
 
 import argparse
@@ -40,19 +40,18 @@ import statistics
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
-from _common import add_common_args, md_table, setup, write_json
-
 import torch
+from _common import add_common_args, md_table, setup, write_json
+from _resnet50 import resnet50
 from torch import nn
 
 import whitenlayers as wl
-from _resnet50 import resnet50
 from whitenlayers.fold import fold_layers
 
 
 def sync(device: torch.device) -> None:
     """Wait for this thread's stream, as a training loop's ``loss.item()`` does: a ``fold_async`` fold on its own
-    stream (issue 47) goes on over the next steps, as it does in training (a device-wide synchronisation would wait
+    stream goes on over the next steps, as it does in training (a device-wide synchronisation would wait
     for it at every step)."""
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
@@ -153,7 +152,7 @@ def check_no_sync(device: torch.device) -> str:
     return "ok: no synchronisation in 5 non-folding steps"
 
 
-#: The GPU-recommended settings (benchmarks/gpu_levers.py: statistics on one forward in five, blocks of 50).
+#: The GPU-recommended settings (statistics on one forward in five, blocks of 50).
 RECOMMENDED = {"stats_every": 5, "block_size": 50}
 
 
@@ -439,7 +438,7 @@ def main(argv=None) -> Dict[str, object]:
     p.add_argument("--warmup", type=int, default=RECOMMENDED["block_size"] + 2,
                    help="untimed rounds first: past every variant's first block (its statistics are summed about a "
                         "shift, in float32: a transient, not the steady state; 2 measures it)")
-    p.add_argument("--batch", type=int, default=128, help="ResNet-50's batch (the issue's setting: 128)")
+    p.add_argument("--batch", type=int, default=128, help="ResNet-50's batch (default 128)")
     p.add_argument("--compile-variants", default="plain,grad,recursive,direct", help="variants of the compiled table")
     p.add_argument("--compile-modes", default="", help="torch.compile modes (default: default,reduce-overhead on CUDA)")
     p.add_argument("--compile-model", default="resnet20", choices=["resnet20", "resnet50"],

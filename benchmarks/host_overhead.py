@@ -1,7 +1,7 @@
-"""Host time a whitening layer adds to a training step (issue 30): the CPU proxy of a GPU step's dispatch cost.
+"""Host time a whitening layer adds to a training step: the CPU proxy of a GPU step's dispatch cost.
 
-On a GPU a converted ResNet-50's bf16 step at batch 128 is close to CPU-bound (benchmarks/RESULTS.md, "GPU:
-issue 30 on an H100"): every microsecond of Python and every launch a whitening layer adds per step adds to the
+On a GPU a converted ResNet-50's bf16 step at batch 128 is close to CPU-bound (benchmarks/RESULTS.md, "GPU
+checks and step table"): every microsecond of Python and every launch a whitening layer adds per step adds to the
 step. This script measures that host time on the CPU, where kernels can be made negligible: the ResNet-50
 layout at width 2, batch 2, 32x32, channels_last, bf16 autocast, the statistics on CUDA's path
 (``functional.fused_moments``), one thread. Variants are interleaved step by step; the figure is
@@ -49,6 +49,7 @@ convolutions, the shared node's forward and the forward's end.
 
     python benchmarks/host_overhead.py --clock cpu --ablate grad --planned
 """
+# ruff: noqa: B007, E501  (closures timed in the loop that makes them; long table lines)
 from __future__ import annotations
 
 import argparse
@@ -60,14 +61,13 @@ import types
 from typing import Callable, Dict, List
 
 import _common
-from _common import add_common_args, command_line, loadavg, machine_description, md_table, setup, write_json
-
 import torch
+from _common import add_common_args, command_line, loadavg, machine_description, md_table, setup, write_json
+from _resnet50 import resnet50
 from torch import nn
 
 import whitenlayers as wl
 import whitenlayers.coordinator as fold_mod  # the coordinator's fold_layers: the one a model's forward calls
-from _resnet50 import resnet50
 from whitenlayers.autograd import grad_transformed
 
 #: The variants: method and its settings.

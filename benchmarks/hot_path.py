@@ -26,6 +26,7 @@ product for inputs of at least ``functional._CPU_UNSHIFTED_MIN_ELEMENTS`` values
     python benchmarks/hot_path.py                       # counts for ResNet-20 and ResNet-50, timing ResNet-20, -110
     python benchmarks/hot_path.py --tiny --json out.json  # seconds (CI): ResNet-20 counts only
 """
+# ruff: noqa: E501  (closures timed in the loop that makes them; long table lines)
 from __future__ import annotations
 
 import argparse
@@ -33,16 +34,24 @@ import collections
 import copy
 import statistics
 import sys
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import _common  # noqa: F401  (puts the repository on sys.path)
-from _common import Interleaved, add_common_args, command_line, loadavg, machine_description, md_table, ratio_stats
-from _common import setup, write_json
-from _models import Variant, build_base, random_batches
-from _resnet50 import resnet50
-
 import torch
 import torch.nn.functional as F
+from _common import (
+    Interleaved,
+    add_common_args,
+    command_line,
+    loadavg,
+    machine_description,
+    md_table,
+    ratio_stats,
+    setup,
+    write_json,
+)
+from _models import Variant, build_base, random_batches
+from _resnet50 import resnet50
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import whitenlayers as wl

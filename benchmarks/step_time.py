@@ -13,7 +13,7 @@ amortised cost). Variants are interleaved step by step (see ``_common``).
 Variants: ``plain``; ``grad``, ``recursive``, ``direct`` (``convert_model``,
 defaults: the block convs' centring absorbed by their BatchNorms);
 ``grad:centred``, ``recursive:centred`` (``absorb_centring=False``: every
-layer centres its input, as before issue 12; ResNet-20 only by default);
+layer centres its input; ResNet-20 only by default);
 ``grad:sub`` (grad with the opt-in ``stats_fraction``); peers ``kfac``,
 ``foof``, ``iternorm`` (settings in ``_models``); ``shampoo``, ``soap``, ``muon``
 (pytorch-optimizer, at their authors' default rates) when the ``peers`` extra
@@ -34,6 +34,7 @@ different batches (the sampling noise that any block has anyway).
     python benchmarks/step_time.py                 # full (see RESULTS.md for the time it takes)
     python benchmarks/step_time.py --tiny          # seconds (CI)
 """
+# ruff: noqa: E501, E741  (closures timed in the loop that makes them; long table lines)
 from __future__ import annotations
 
 import argparse
@@ -42,12 +43,11 @@ import statistics
 import sys
 from typing import Dict, List
 
-from _common import Interleaved, add_common_args, loadavg, md_table, ratio_stats, setup, write_json
-
 import torch
+from _common import LAYER_KWARGS, Interleaved, add_common_args, loadavg, md_table, ratio_stats, setup, write_json
+from _models import Variant, build_base, mnist_batches, peak_step_memory, random_batches
 
 import whitenlayers as wl
-from _models import Variant, build_base, mnist_batches, peak_step_memory, random_batches
 
 ALL_VARIANTS = ("plain", "grad", "recursive", "direct", "grad:centred", "recursive:centred", "grad:sub", "kfac", "foof",
                 "iternorm")
@@ -120,7 +120,8 @@ def t_accuracy(args) -> Dict[str, object]:
     fractions = sorted(set(fractions))
 
     def run(fraction: float, part: int):
-        m = wl.convert_model(copy.deepcopy(base), "grad", block_size=L, stats_fraction=fraction).train()
+        m = wl.convert_model(copy.deepcopy(base), "grad", **{**LAYER_KWARGS, "block_size": L,
+                                                              "stats_fraction": fraction}).train()
         for x, _ in data[part * blocks * L:(part + 1) * blocks * L]:
             m(x)
         return [l.whitening_matrix.double() for l in m.modules() if isinstance(l, wl.WhiteningLayer)]
@@ -158,7 +159,7 @@ def main(argv=None) -> Dict[str, object]:
     p.add_argument("--fraction", type=float, default=0.25, help="stats_fraction of the grad:sub variant")
     p.add_argument("--skip-accuracy", action="store_true", help="timing only: skip the stats_fraction accuracy part")
     args = p.parse_args(argv)
-    setup(args.threads, args.seed, args.clock)
+    setup(args.threads, args.seed, args.clock, args.layer_kwargs)
     depths = [8] if args.tiny else [int(d) for d in args.depths.split(",")]
     results = {}
     md = []

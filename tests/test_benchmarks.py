@@ -1,24 +1,32 @@
-"""Every benchmark script runs in its tiny configuration (seconds): the scripts cannot rot.
+"""The benchmark suite runs: its entry point (``benchmarks/bench.py``) and every scenario in its tiny configuration
+(seconds each), so the scenarios cannot rot; each writes its tables under the command, machine, commit, torch and
+load that made them.
 
-No timing is asserted (timings are the scripts' output, not a property of the code).
+No timing is asserted (timings are the scenarios' output, not a property of the code).
 """
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-#: Every test here runs a benchmark script in a subprocess (2 s to minutes each): CI's slow step runs them.
+#: Every test here runs a benchmark in a subprocess (2 s to minutes each): CI's slow step runs them.
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
-SCRIPTS = ["fold_cost.py", "fold_scale.py", "gpu.py", "layer_step.py", "crossover.py", "step_time.py", "block_size.py", "ablation.py",
-           "hot_path.py", "compile_step.py", "host_overhead.py", "gpu_host.py", "stats_precision.py", "cuda_graphs.py",
-           "fold_async.py", "grouped_stats.py"]
+sys.path.insert(0, str(BENCH))
+try:
+    import bench
+finally:
+    sys.path.remove(str(BENCH))
+
+#: What the issue asks the suite to cover, by scenario name.
+SCENARIOS = ["step", "ops", "host", "fold", "compile", "async", "gpu"]
 
 
 def _run(args, tmp_path, timeout=600):
@@ -27,31 +35,54 @@ def _run(args, tmp_path, timeout=600):
     return proc
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_script_tiny(script, tmp_path):
-    out = tmp_path / "out.json"
-    proc = _run([str(BENCH / script), "--tiny", "--json", str(out)], tmp_path)
-    data = json.loads(out.read_text())
-    assert "| --- |" in data["markdown"]  # at least one Markdown table
-    assert "| --- |" in proc.stdout
+def test_the_suite_is_small():
+    """One harness, one entry point, a few scenarios: at most 12 scripts and 3,000 lines."""
+    scripts = [p for p in BENCH.iterdir() if p.suffix in (".py", ".sh")]
+    assert len(scripts) <= 12, sorted(p.name for p in scripts)
+    assert sum(len(p.read_text().splitlines()) for p in scripts) <= 3000
+    assert list(bench.SCENARIOS) == SCENARIOS
+    assert all((BENCH / s.script).exists() for s in bench.SCENARIOS.values())
 
 
-def test_run_all_tiny(tmp_path):
-    out = tmp_path / "RESULTS.md"
-    _run([str(BENCH / "run_all.py"), "--tiny", "--only", "fold_cost", "--out", str(out)], tmp_path)
+def test_entry_point_help_lists_every_scenario(tmp_path):
+    out = _run([str(BENCH / "bench.py"), "--help"], tmp_path).stdout
+    for name, scenario in bench.SCENARIOS.items():
+        assert re.search(rf"^  {name}\s+{re.escape(scenario.title)}", out, flags=re.M), name
+    assert _run([str(BENCH / "bench.py"), "list"], tmp_path).stdout.split() == SCENARIOS
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_scenario_tiny(name, tmp_path):
+    out = tmp_path / "out.md"
+    proc = _run([str(BENCH / "bench.py"), name, "--tiny", "--out", str(out)], tmp_path)
     text = out.read_text()
-    assert "python benchmarks/fold_cost.py --tiny" in text
-    assert "torch" in text and "| --- |" in text
+    assert text.startswith(f"## {bench.SCENARIOS[name].title} (tiny")
+    for row in ("command", "machine", "GPU", "commit", "torch", "load average", "date", "wall time"):
+        assert re.search(rf"^\| {row} \| .+ \|$", text, flags=re.M), row
+    assert f"| command | `python benchmarks/bench.py {name} --tiny` |" in text
+    assert text.count("| --- |") >= 2  # the provenance and at least one table of results
+    assert text in proc.stdout
 
 
-def test_gpu_session_script_parses_and_names_its_parts(tmp_path):
-    """benchmarks/gpu_session.sh (run on a device machine only): valid shell, and an unknown part is refused."""
-    script = str(BENCH / "gpu_session.sh")
-    assert subprocess.run(["bash", "-n", script]).returncode == 0
-    proc = subprocess.run(["bash", script, "no-such-part"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={"OUT": str(tmp_path), "PATH": "/usr/bin:/bin"})
-    assert proc.returncode == 2 and "bench|short|tests|compile|compile50" in proc.stderr
-    assert (tmp_path / "machine.txt").exists()
+def test_layer_kwargs_reach_every_converted_variant(monkeypatch):
+    """``--layer-kwargs`` (e.g. ``gains=damped``) goes into every converted variant of the step scenario."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import _common
+    import _models
+
+    assert _common.parse_layer_kwargs("gains=damped, block_size=5,eps=1e-4") == \
+        {"gains": "damped", "block_size": 5, "eps": 1e-4}
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        _common.parse_layer_kwargs("damped")
+    _common.setup(1, 0, "wall", "block_size=7")
+    try:
+        base = _models.build_base(8, 10)
+        variant = _models.Variant("grad", base, _models.random_batches(1, 2, 8, 10))
+        import whitenlayers as wl
+
+        assert {layer.block_size for _, layer in wl.whitening_layers(variant.model)} == {7}
+    finally:
+        _common.setup(1, 0, "wall")
 
 
 def test_gpu_compiled_resnet50_tiny(tmp_path):
@@ -91,24 +122,6 @@ def test_host_overhead_ddp_tiny(tmp_path):
     assert [r[0] for r in rows][:4] == ["plain", "grad", "grad, not planned", "grad, a node per layer"]
     assert len(rows) == 10 and all(r[1] > 0 and r[2] > 0 for r in rows)  # both ranks' medians
     assert rows[0][3] == 1.0 and rows[7][3] == 1.0  # each plain model against itself
-
-
-def test_gpu_probe_library_fold_compares_the_two_eigh_paths(monkeypatch):
-    """gpu_probe.py's library-fold probe (CUDA only in the script) runs on a CPU taking the GPU's paths: the
-    per-layer path makes one ``eigh`` call per wide layer, the batched one fewer, and the probe restores both."""
-    monkeypatch.syspath_prepend(str(BENCH))
-    import torch
-
-    import whitenlayers as wl
-    from whitenlayers.rules import EVDRule
-
-    gpu_probe = pytest.importorskip("gpu_probe")
-    before = (EVDRule.batch_key, torch.linalg.eigh)
-    with wl.functional.fused_moments(True):
-        rows = gpu_probe.probe_library_fold(torch.device("cpu"), width=8, reps=1)
-    assert (EVDRule.batch_key, torch.linalg.eigh) == before
-    (_, per_layer_calls, _), (_, batched_calls, _) = rows
-    assert batched_calls < per_layer_calls
 
 
 def test_host_overhead_planned_ablation_tiny(tmp_path):

@@ -117,3 +117,71 @@ HISTORY = re.compile(r"\b[Ii]ssues? \d+|#[\w-]*issue-\d+|\bcommits?\s+`?[0-9a-f]
 def test_user_pages_name_no_issue_or_commit(doc):
     hits = HISTORY.findall(doc.read_text())
     assert not hits, (doc.name, hits)
+
+
+#: Mentions of the project's own history: an issue number, a work session, a branch. The pages are for users; what
+#: changed when is git's and CHANGELOG.md's (commits may stay where a table names the code it measured).
+HISTORY_WORDS = re.compile(r"\b(?:[Ii]ssues?\s+#?\d+|[Ss]essions?\b|[Bb]ranch(?:es)?\b)|(?<![\w&])#\d+\b")
+#: Every page a user reads: the README, the site's pages and the fragments they include, the benchmark results.
+USER_PAGES = [ROOT / "README.md", *sorted(ROOT.glob("docs/*.md")), *sorted(ROOT.glob("docs/convergence/*.md")),
+              ROOT / "benchmarks" / "RESULTS.md"]
+
+
+@pytest.mark.parametrize("doc", USER_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_user_pages_name_no_issue_session_or_branch(doc):
+    hits = [m.group(0) for m in HISTORY_WORDS.finditer(doc.read_text())]
+    assert not hits, (doc.name, hits)
+
+
+def test_the_history_check_catches_what_it_names():
+    for text in ("issue 11 asks", "Issues 12-16", "in this session", "branch `x`", "(pre-#12)", "see #25"):
+        assert HISTORY_WORDS.search(text), text
+    for text in ("a tissue 3", "the sessionless API", "branching factor", "`block_size`"):
+        assert not HISTORY_WORDS.search(text), text
+
+
+#: Names outside the package that the design pages write with dots (``torch.linalg.eigh``, ``x.flatten``).
+FOREIGN = {"torch", "np", "numpy", "nn", "F", "dist", "math", "os", "sys", "einops", "pytest", "timm", "torchvision",
+           "transformers", "lightning", "hypothesis", "functools", "copy", "pickle", "safetensors", "onnx"}
+FILE_SUFFIXES = {"py", "md", "json", "csv", "png", "pt", "txt", "cfg", "toml", "sh"}
+
+
+def _defined_names() -> set:
+    """Every name the package and the benchmark suite define: functions, classes, assignments, annotated fields
+    (a NamedTuple's, a dataclass's), attributes set on ``self``, and string keys (buffer names)."""
+    src = "\n".join(p.read_text() for p in [*ROOT.glob("whitenlayers/**/*.py"), *ROOT.glob("benchmarks/*.py")])
+    return (set(re.findall(r"(?:def|class)\s+(\w+)", src))
+            | set(re.findall(r"^\s*(\w+)\s*(?::[^=\n]*)?=", src, flags=re.M))
+            | set(re.findall(r"^\s+(\w+)\s*:\s*[\w\[\]., \"']+(?:#.*)?$", src, flags=re.M))
+            | set(re.findall(r"\bself\.(\w+)\s*=", src)) | set(re.findall(r"[\"'](\w+)[\"']", src)))
+
+
+def _named_code(text: str):
+    """The code a page names in backticks: dotted names (``WhiteningLayer._fold_finish``, ``fold._outcomes``) and
+    private names (``_zca_from_eig``), with the parts that must exist: every private part and the last one."""
+    for span in re.findall(r"`([^`\n]+)`", text):
+        span = re.sub(r"\(.*\)$", "", span.strip())
+        if not re.fullmatch(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+|_\w+", span):
+            continue
+        parts = span.split(".")
+        if parts[0] in FOREIGN or parts[-1] in FILE_SUFFIXES or re.fullmatch(r"[a-z]", parts[0]):
+            continue  # another library, a file name, a local variable (``x.flatten``)
+        yield span, [p for i, p in enumerate(parts) if p.startswith("_") or i == len(parts) - 1]
+
+
+@pytest.mark.parametrize("page", ["PAPER.md", "development.md"])
+def test_design_pages_name_only_code_that_exists(page):
+    """docs/PAPER.md and docs/development.md name private helpers and attributes: each must be defined in the
+    package (a renamed helper fails here, not in a reader's search)."""
+    defined = _defined_names()
+    named = list(_named_code((ROOT / "docs" / page).read_text()))
+    assert named
+    missing = sorted({span for span, parts in named if any(p not in defined for p in parts)})
+    assert not missing, (page, missing)
+
+
+def test_the_code_check_catches_a_name_that_does_not_exist():
+    defined = _defined_names()
+    named = dict(_named_code("`_fold_start` and `WhiteningLayer._fold_finish` and `torch.linalg.eigh` and `x.view`"))
+    assert set(named) == {"_fold_start", "WhiteningLayer._fold_finish"}
+    assert "_fold_start" not in defined and "_fold_finish" in defined
