@@ -107,24 +107,30 @@ def _results(heading: str, column: str, row: Dict[str, str], index: int = 0) -> 
 
 def _gpu(variant: str, column: str = "**step vs plain**") -> Value:
     cell = _cell(RESULTS, column, {"model": "ResNet-50, 224px, batch 128, bf16, channels_last", "variant": variant},
-                 after="### 3. The step table")
+                 after="## GPU checks and step table")
     return _value(cell.strip("*"))
 
 
-HOT_PATH = "## Hot path (issue 22)"
-STEP_TIME = "### ResNet-20"
+OPS = "## Ops per step and host synchronisations"
+STEP = "## CPU training step and memory against peers"
 
 
 def _cpu_step(variant: str) -> Value:
-    """Mean step ratio, ResNet-20, 2 threads, wall clock: the hot-path run's current column."""
-    return _results(HOT_PATH, "now", {"model": "ResNet-20", "variant": variant})
+    """Mean step ratio, ResNet-20, 2 threads, wall clock: the ops scenario's step times (the current path)."""
+    return _results(OPS, "mean / paired", {"model": "ResNet-20", "variant": variant})
 
 
 def _memory(variant: str) -> Value:
-    return _results(STEP_TIME, "peak / plain", {"variant": variant})
+    return _results(STEP, "peak / plain", {"variant": variant})
 
 
-PEERS = ["grad", "recursive", "direct", "kfac", "foof", "iternorm", "shampoo", "soap", "muon"]
+def _fashion_lead(method: str) -> List[Value]:
+    """Paired lead over the baseline at the 1-epoch budget, Fashion-MNIST study: mean and 95 % interval."""
+    cell = _cell(CONVERGENCE, "1 ep", {"method": method}, after="### Paired difference from the baseline")
+    return [_value(cell, i) for i in range(3)]
+
+
+PEERS = ["kfac", "foof", "shampoo", "soap", "muon"]
 
 
 def _step_row(heading: str, column: str, variants: Sequence[str] = PEERS) -> List[Value]:
@@ -136,11 +142,6 @@ def _step_row(heading: str, column: str, variants: Sequence[str] = PEERS) -> Lis
 def _ratios(label: str, count: int) -> str:
     """A row of docs/performance.md's table: its label, then ``count`` ratios such as ``1.08x``."""
     return re.escape(f"| {label} |") + rf" ({NUMBER})x \|" + rf" ({NUMBER})x \|" * (count - 1)
-
-
-def _lr_test(method: str) -> List[Value]:
-    cell = _cell(CONVERGENCE, "paired Δ acc at epoch 2 [95 % CI]", {"method": method}, after="### lr-test")
-    return [_value(cell, i) for i in range(3)]
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -161,27 +162,21 @@ def _kappa_rho(page: str) -> List[Quote]:
 
 QUOTES = [
     *_kappa_rho("README.md"),
-    Quote("README.md", rf"lead the\s+baseline by ({NUMBER}) \[({NUMBER}), ({NUMBER})\] \(grad\) and ({NUMBER}) "
-                       rf"\[({NUMBER}), ({NUMBER})\] \(recursive\)",
+    Quote("README.md", rf"grad led the baseline by ({NUMBER}) \[({NUMBER}), ({NUMBER})\] points on a 2-core AMD EPYC "
+                       rf"\(recursive ({NUMBER}) \[({NUMBER}), ({NUMBER})\]\)",
           lambda: _epoch_lead("grad", 2) + _epoch_lead("recursive", 2)),
-    Quote("README.md", r"grad on (\d+) of (\d+) seeds, recursive on (\d+) of (\d+)",
+    Quote("README.md", r"grad reached the baseline's final accuracy on (\d+) of (\d+) seeds, recursive on (\d+) of (\d+)",
           lambda: _reached("EVD (grad)") + _reached("recursive")),
-    Quote("README.md", rf"an epoch costs ({NUMBER})x\s+\(grad\) / ({NUMBER})x \(recursive\)",
+    Quote("README.md", rf"epoch cost ({NUMBER})x \(grad\) / ({NUMBER})x \(recursive\)",
           lambda: [_summary("EVD (grad)", "time vs baseline"), _summary("recursive", "time vs baseline")]),
-    Quote("README.md", rf'`"grad"` \|[^|]*\| ({NUMBER})x, memory ({NUMBER})x \| ({NUMBER})x / ({NUMBER})x',
-          lambda: [_cpu_step("grad"), _memory("grad"), _gpu("grad"), _gpu("grad:every5,block50")]),
-    Quote("README.md", rf'`"recursive"` \|[^|]*\| ({NUMBER})x \| ({NUMBER})x / \*\*({NUMBER})x\*\*',
-          lambda: [_cpu_step("recursive"), _gpu("recursive"), _gpu("recursive:every5,block50")]),
-    Quote("README.md", rf'`"direct"` \|[^|]*\| ({NUMBER})x, memory ({NUMBER})x \| ({NUMBER})x, memory ({NUMBER})x',
-          lambda: [_cpu_step("direct"), _memory("direct"), _gpu("direct"),
-                   _gpu("direct", "peak memory vs plain")]),
-    Quote("README.md", rf"plain step of the\s+same run \(({NUMBER}) ms\)",
-          lambda: [_gpu("plain", "mean step ms")]),
-    Quote("README.md", rf"Muon costs ({NUMBER})x", lambda: [_gpu("muon")]),
-    Quote("README.md", rf"`eigh`, ({NUMBER}) ms per ResNet-50 fold", lambda: [_gpu("grad", "one fold ms")]),
-    Quote("README.md", rf"epoch 2: grad ({NUMBER}) \[({NUMBER}), ({NUMBER})\], recursive ({NUMBER}) \[({NUMBER}),"
-                       rf"\s+({NUMBER})\]",
-          lambda: _lr_test("EVD (grad)") + _lr_test("recursive")),
+    Quote("README.md", rf"1-epoch budget \(grad ({NUMBER}) \[({NUMBER}), ({NUMBER})\] points",
+          lambda: _fashion_lead("EVD (grad)")),
+    Quote("README.md", rf'`"grad"` \| ({NUMBER})x \| ({NUMBER})x \|[^|]*\(({NUMBER})x without\)',
+          lambda: [_cpu_step("grad"), _gpu("grad:every5,block50"), _gpu("grad")]),
+    Quote("README.md", rf'`"recursive"` \| ({NUMBER})x \| ({NUMBER})x \|[^|]*\(({NUMBER})x without\)',
+          lambda: [_cpu_step("recursive"), _gpu("recursive:every5,block50"), _gpu("recursive")]),
+    Quote("README.md", rf'`"direct"` \| ({NUMBER})x, memory ({NUMBER})x \| ({NUMBER})x \|',
+          lambda: [_cpu_step("direct"), _memory("direct"), _gpu("direct")]),
     *_kappa_rho("docs/default_run.md"),
     Quote("docs/default_run.md", rf"by ({NUMBER}) \[({NUMBER}), ({NUMBER})\] \(grad\) and ({NUMBER}) "
                                  rf"\[({NUMBER}), ({NUMBER})\] \(recursive\)",
@@ -190,17 +185,14 @@ QUOTES = [
           lambda: _reached("EVD (grad)") + _reached("recursive")),
     Quote("docs/default_run.md", rf"An epoch costs ({NUMBER})x \(grad\) and ({NUMBER})x \(recursive\)",
           lambda: [_summary("EVD (grad)", "time vs baseline"), _summary("recursive", "time vs baseline")]),
-    Quote("docs/performance.md", _ratios("mean step time vs plain, ResNet-20", 9),
-          lambda: _step_row("### ResNet-20", "mean / plain")),
-    Quote("docs/performance.md", _ratios("mean step time vs plain, ResNet-20, quiet machine, 2 threads, wall clock "
-                                         "(cross-check below)", 5),
-          lambda: _step_row("### Cross-check on a quiet machine", "mean / plain", PEERS[:5])),
-    Quote("docs/performance.md", _ratios("mean step time vs plain, ResNet-110", 9),
-          lambda: _step_row("### ResNet-110", "mean / plain")),
-    Quote("docs/performance.md", _ratios("peak memory vs plain, ResNet-110", 9),
-          lambda: _step_row("### ResNet-110", "peak / plain")),
-    Quote("docs/performance.md", rf"2 threads: ResNet-20 grad ({NUMBER})x, recursive ({NUMBER})x, direct ({NUMBER})x",
-          lambda: [_cpu_step("grad"), _cpu_step("recursive"), _cpu_step("direct")]),
+    Quote("docs/performance.md", _ratios("step vs plain", 8),
+          lambda: [_cpu_step("grad"), _cpu_step("recursive"), _cpu_step("direct"), *_step_row(STEP, "mean / plain")]),
+    Quote("docs/performance.md", _ratios("peak memory vs plain", 8),
+          lambda: _step_row(STEP, "peak / plain", ["grad", "recursive", "direct", *PEERS])),
+    Quote("docs/performance.md", _ratios("step vs plain, defaults", 5),
+          lambda: [_gpu(v) for v in ("grad", "recursive", "direct", "muon", "soap")]),
+    Quote("docs/performance.md", rf"\| step vs plain, `stats_every=5, block_size=50` \| ({NUMBER})x \| \*\*({NUMBER})x\*\*",
+          lambda: [_gpu("grad:every5,block50"), _gpu("recursive:every5,block50")]),
 ]
 
 
