@@ -138,6 +138,8 @@ is **no estimate** of a time ratio where fewer than 3 seeds reach it, and no cla
 An epoch costs {grad["time vs baseline"]} (grad) and {rec["time vs baseline"]} (recursive) the baseline's (block
 size 2: a fold every second batch).
 
+On another CPU the same command trains differently: on a 2-core Intel Xeon (load 2-4; 8 min 11 s) grad led the baseline at epoch 2 by +28.4 [-18.1, +75.0] points (all three seeds ahead: +41.7, +7.0, +36.6). Three seeds do not fix the size of an early lead; the headline comes from the multi-seed study ([the convergence study](CONVERGENCE.md)).
+
 `summary.md` of the run:
 
 {summary_tables}
