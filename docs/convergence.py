@@ -108,13 +108,13 @@ STAGES = {
     # Width 16 (the paper's), lr 0.1, validation.
     "width-val": lambda: [("width-val-w16", ["--methods", "baseline,grad,recursive", "--width", "16", *DIG, *VAL])],
     "width-test": lambda: [("width-test-w16", ["--methods", "baseline,grad,recursive", "--width", "16", *DIG])],
-    # Sub-sampled statistics (issue 12, lever 2): full statistics against stats_fraction=0.25 (the leading quarter
+    # Sub-sampled statistics: full statistics against stats_fraction=0.25 (the leading quarter
     # of each batch), both embedded datasets at the default run's settings, validation split; paired by seed
     # across the two runs of a dataset (same initial weights and data order).
     "stats-val": lambda: [(f"stats-val-{ds}-f{f:g}", ["--methods", "baseline,grad,recursive" if f == 1 else "grad,recursive",
                                                       "--dataset", ds, "--stats-fraction", f"{f:g}", *VAL])
                           for ds in ("mnist5k", "digits") for f in (1.0, 0.25)],
-    # Statistics on a schedule (issue 22): every training forward against stats_every=2 (the first forward of
+    # Statistics on a schedule: every training forward against stats_every=2 (the first forward of
     # each of the default run's 2-forward blocks: half the batches), both embedded datasets, validation split;
     # paired by seed across the two runs of a dataset.
     "every-val": lambda: [(f"every-val-{ds}-e{k}", ["--methods", "baseline,grad,recursive" if k == 1 else "grad,recursive",
@@ -122,7 +122,7 @@ STAGES = {
                           for ds in ("mnist5k", "digits") for k in (1, 2)],
     # The library's default block (block_size=10, as convert_model) with statistics on every forward against
     # stats_every=5 (2 of each block's 10 forwards gather), both embedded datasets, validation split; paired by
-    # seed across the two runs of a dataset. Whether a schedule can become the library default (issue 22).
+    # seed across the two runs of a dataset. Whether a schedule can become the library default.
     "every10-val": lambda: [(f"every10-val-{ds}-e{k}", ["--methods", "grad,recursive", "--dataset", ds,
                                                         "--block-size", "10", "--stats-every", str(k), *VAL])
                             for ds in ("mnist5k", "digits") for k in (1, 5)],
@@ -135,7 +135,7 @@ STAGES = {
 }
 
 
-# Fashion-MNIST, budgeted (issue 25): the official 60,000 / 10,000 split, CIFAR ResNet-8 width 8 (one input
+# Fashion-MNIST, budgeted: the official 60,000 / 10,000 split, CIFAR ResNet-8 width 8 (one input
 # channel), batch 128, SGD momentum 0.9 (Muon and SOAP their own), the library's defaults (block_size 10,
 # statistics on every forward), no augmentation, and a linear decay of the learning rate to 0 at the end of each
 # budget (--schedule linear, per step). Budgets 1, 2 and 4 epochs. Learning rate per method on a validation
@@ -174,7 +174,7 @@ def _fashion_test() -> List[Tuple[str, Optional[List[str]]]]:
 STAGES["fm-val"] = _fashion_val
 STAGES["fm-test"] = _fashion_test
 
-# The GPU schedule on Fashion-MNIST (issue 30, item 4): the library's defaults (block_size=10, statistics on every
+# The GPU schedule on Fashion-MNIST: the library's defaults (block_size=10, statistics on every
 # forward) against the GPU-recommended settings (stats_every=5, block_size=50: 10 of each block's 50 forwards
 # gather), grad and recursive, at the FM settings and the rates fm-val chose (baseline and grad 0.2, recursive
 # 0.4; the fm-val runs are not in the repository, so the rates are written here), on the validation split.
@@ -205,7 +205,7 @@ def _fashion_schedule() -> List[Tuple[str, List[str]]]:
 STAGES["fm-schedule"] = _fashion_schedule
 
 
-# The asynchronous fold on Fashion-MNIST (issue 47, item 4): convert_model(..., fold_async=True) installs the
+# The asynchronous fold on Fashion-MNIST: convert_model(..., fold_async=True) installs the
 # transform built from block i at block i + 2 instead of i + 1 (one block late). Against the synchronous fold, grad
 # and recursive, blocks of 10 and 50 forwards (statistics on every forward, so that only the block length and the
 # lag move), the fm-schedule settings and rates, the 2-epoch budget (final and halfway accuracy), validation split.

@@ -103,7 +103,7 @@ def grid_table(stage: str) -> str:
             base = float(np.mean([np.mean([r["epoch_time"] for r in lst]) for lst in _by(rows, "baseline").values()]))
             table.setdefault(m, []).append((lr, finals, epoch / base))
     if not cols:
-        return f"(stage {stage}: not finished in this session)\n"
+        return f"(stage {stage}: not finished)\n"
     try:
         chosen = _chosen(stage, methods)
     except SystemExit:
@@ -131,7 +131,7 @@ def test_table(name: str) -> str:
     """A test run at the chosen settings: time to accuracy, paired accuracy differences, kappa/rho, step ratio."""
     rows = _rows(name)
     if rows is None:
-        return f"(run {name}: not finished in this session)\n"
+        return f"(run {name}: not finished)\n"
     cfg = json.load(open(os.path.join(RUNS, name, "config.json")))
     methods = cfg["methods"]
     tta = time_to_accuracy(rows, methods, cfg["time_levels"])
@@ -174,7 +174,7 @@ def stats_table(stage: str) -> str:
     for full_name, sub_name in zip(*[iter([n for n, _ in STAGES[stage]()])] * 2):
         full, sub = _rows(full_name), _rows(sub_name)
         if full is None or sub is None:
-            return f"(stage {stage}: not finished in this session)\n"
+            return f"(stage {stage}: not finished)\n"
         cmds += [_cmd(full_name), _cmd(sub_name)]
         dataset = json.load(open(os.path.join(RUNS, full_name, "config.json")))["dataset"]
         base = _by(full, "baseline")

@@ -1,4 +1,4 @@
-"""The Fashion-MNIST budget study of docs/CONVERGENCE.md (issue 25): frontier, paired differences, time to target.
+"""The Fashion-MNIST budget study of docs/CONVERGENCE.md: frontier, paired differences, time to target.
 
     python docs/convergence.py run fm-val fm-test --jobs 2      # train (about 75 minutes on 2 cores)
     python docs/fashion_frontier.py                             # tables and figure from the runs
