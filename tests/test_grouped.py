@@ -309,7 +309,8 @@ def test_grouped_weight_grad_is_centred_grad_times_q_per_group(cls):
 def test_depthwise_layer_keeps_no_m_by_m_state_and_scales_per_channel():
     m = 96
     layer = wl.RecursiveWhitenConv2d(m, m, 3, padding=1, groups=m, bias=False, block_size=1)
-    big = [name for name, buf in layer.named_buffers() if buf.numel() > 2 * m]
+    # (the rule's identity, a fixed-width buffer whatever M, aside)
+    big = [name for name, buf in layer.named_buffers() if buf.numel() > 2 * m and name != "whitening_rule"]
     assert big == []
     layer(correlated(4, m, 6, 0, m))
     assert tuple(layer.grad_transform.shape) == (m, 1, 1)

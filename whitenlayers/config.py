@@ -28,10 +28,12 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Tuple, Type
 
-__all__ = ["WhiteningConfig", "EVDConfig", "RecursiveConfig", "make_config", "validate_hyperparameters",
+__all__ = ["GAINS", "WhiteningConfig", "EVDConfig", "RecursiveConfig", "make_config", "validate_hyperparameters",
            "field_range", "field_doc"]
 
 DEFAULT_BLOCK_SIZE = 10
+#: The EVD config's choices of gains (:attr:`EVDConfig.gains`).
+GAINS = ("practical", "zca", "damped")
 
 
 def _int_at_least_1(v: Any) -> bool:
@@ -52,7 +54,7 @@ _CHECKS = {
     "c_rel": (lambda v: v >= 0.0, ">= 0"),
     "c_abs": (lambda v: v >= 0.0, ">= 0"),
     "stats_fraction": (lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
-    "gains": (lambda v: v in ("practical", "zca"), "'practical' or 'zca'"),
+    "gains": (lambda v: v in GAINS, "'practical', 'zca' or 'damped'"),
 }
 
 
@@ -207,7 +209,10 @@ class WhiteningConfig:
     method = ""  # class attribute, not a field
 
     def __post_init__(self) -> None:
-        validate_hyperparameters(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+        # The fields of this module's classes; a subclass of a rule of one's own checks its extra fields in its own
+        # __post_init__ (calling this one).
+        validate_hyperparameters(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                                    if f.name in _CHECKS})
 
     @classmethod
     def field_names(cls) -> Tuple[str, ...]:
@@ -286,13 +291,20 @@ class EVDConfig(WhiteningConfig):
              "training turns unstable after the first folds; raise it to whiten well-estimated, badly "
              "conditioned features harder.")
     gains: str = _hp(
-        "practical", "'practical' gains (docs/PAPER.md, ERRATA 5) or plain ZCA 1/lambda ('zca')", None,
+        "practical", "'practical' gains (docs/PAPER.md, ERRATA 5), plain ZCA 1/lambda ('zca'), or 'damped' "
+        "c (Phi + d I)^-1 from a Cholesky factorisation", None,
         doc="``'practical'``: the ``round(M_s)`` strongest eigendirections (``M_s`` the effective rank) are "
             "brought to the mean eigenvalue, capped at ``gmax``, the others keep gain 1: the average input "
             "power is kept (eq. 34, ERRATA 5). ``'zca'``: ``1 / max(lambda, eps)`` for every direction, no "
-            "rank cut and no cap: unit variance.",
+            "rank cut and no cap: unit variance. ``'damped'``: ``Q = c (Phi + d I)^-1`` with ``c`` the mean "
+            "eigenvalue (at least ``eps``) and ``d = c / gmax``, gains ``c / (lambda + d)``: the practical "
+            "gains' normalisation and cap, smooth, without the rank cut, computed from a Cholesky "
+            "factorisation (no eigendecomposition); its ``T`` is the Cholesky whitening ``sqrt(c) L^-1``, "
+            "not symmetric, so ``DirectWhiten`` does not take it.",
         when="``'practical'`` is the paper's choice for training. ``'zca'`` for exact whitening (comparisons, "
-             "tests), knowing that it amplifies near-null directions up to ``1 / eps``.")
+             "tests), knowing that it amplifies near-null directions up to ``1 / eps``. ``'damped'`` where "
+             "the fold's eigendecompositions cost too much (wide layers, GPUs: ``docs/api.md``, \"Gains\"); "
+             "grad layers only.")
 
     method = "evd"
 

@@ -18,7 +18,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple, Type
 
 from torch import nn
 
-from .config import EVDConfig, RecursiveConfig, WhiteningConfig, make_config
+from .config import EVDConfig, RecursiveConfig, WhiteningConfig
 from .layers import (
     DirectWhiten,
     GradWhitenConv1d,
@@ -30,11 +30,12 @@ from .layers import (
     RecursiveWhitenConv3d,
     RecursiveWhitenLinear,
 )
+from .rules import TransformRule, layer_rule, rule_and_config
 
 __all__ = ["WhiteningMethod", "METHODS", "get_method", "method_of"]
 
 #: Layer keywords that are not whitening hyper-parameters.
-LAYER_OPTIONS = ("config", "process_group")
+LAYER_OPTIONS = ("config", "process_group", "rule")
 
 
 @dataclass(frozen=True)
@@ -81,10 +82,21 @@ class WhiteningMethod:
             kwargs: the layer keyword arguments to check.
         """
         whitening = {k: v for k, v in kwargs.items() if k not in LAYER_OPTIONS}
-        self.config.check_names(owner, whitening, exclude=self.exclude)
+        wanted = self.rule_class(owner, kwargs).config_class
+        wanted.check_names(owner, whitening, exclude=self.exclude)
         config = kwargs.get("config")
-        if config is not None and type(config) is not self.config:
-            raise TypeError(f"{owner} expects config to be a {self.config.__name__}, but got {type(config).__name__}")
+        if config is not None and not (type(config) is wanted or issubclass(wanted, type(config))):
+            raise TypeError(f"{owner} expects config to be a {wanted.__name__}, but got {type(config).__name__}")
+
+    def rule_class(self, owner: str, kwargs: Mapping[str, Any]) -> Type[TransformRule]:
+        """The rule class that layers built with ``kwargs`` get: ``kwargs["rule"]`` (a class or a registered name,
+        checked to take this method's config), else the default (:func:`~whitenlayers.rules.rule_and_config`).
+
+        Args:
+            owner: the name the messages give.
+            kwargs: the layer keyword arguments.
+        """
+        return layer_rule(self.config, owner, kwargs.get("config"), kwargs.get("rule"))
 
     def make_config(self, owner: str, kwargs: Mapping[str, Any]) -> WhiteningConfig:
         """The config that layers built with ``kwargs`` get (``ValueError`` naming a bad value).
@@ -93,8 +105,8 @@ class WhiteningMethod:
             owner: the name the messages give.
             kwargs: the layer keyword arguments (``config=`` and whitening hyper-parameters; others ignored).
         """
-        whitening = {k: v for k, v in kwargs.items() if k not in LAYER_OPTIONS}
-        return make_config(self.config, owner, kwargs.get("config"), whitening, exclude=self.exclude)
+        whitening = {k: v for k, v in kwargs.items() if k not in LAYER_OPTIONS or k == "rule"}
+        return rule_and_config(self.config, owner, kwargs.get("config"), whitening, exclude=self.exclude)[1]
 
 
 _LINEAR_AND_CONVS = (nn.Linear, nn.Conv2d, nn.Conv1d, nn.Conv3d)

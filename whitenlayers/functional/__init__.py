@@ -23,6 +23,9 @@ from __future__ import annotations
 import torch  # noqa: F401  (the namespace of the docstring examples, which run as tests under this module's name)
 
 from .evd import (  # noqa: F401
+    cholesky_dtype,
+    damped_transform,
+    damped_transform_batched,
     eigh_dtype,
     evd_transform,
     evd_transform_batched,
@@ -125,6 +128,9 @@ __all__ = [
     "whitening_gains",
     "evd_transform",
     "evd_transform_batched",
+    "damped_transform",
+    "damped_transform_batched",
+    "cholesky_dtype",
     "robust_eigh",
     "eigh_dtype",
     "principal_subspace",

@@ -309,3 +309,99 @@ def evd_transform_grouped_batched(
         pos += g
         out[i] = res if res is not None else evd_transform_grouped(covs[i], eps=eps, gmax=gmax, gains=gains)
     return out
+
+
+# --------------------------------------------------------------------------
+# Damped gains: a Cholesky factorisation instead of an eigendecomposition
+# --------------------------------------------------------------------------
+def cholesky_dtype(cov: Tensor) -> torch.dtype:
+    """The dtype a damped transform is factorised in first: ``cov``'s when float32 / float64, else float32 (also on
+    CUDA, where a float32 Cholesky factorisation is the fast one; a failed one is retried in float64)."""
+    return cov.dtype if cov.dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def _damped_stack(covs: Tensor, eps: float, gmax: float, dtype: torch.dtype) -> Tuple[Tensor, Tensor, Tensor]:
+    """``(T, Q, ok)`` of the damped gains for ``L`` layers of ``G`` blocks each, ``covs`` ``(L, G, k, k)``, in
+    ``dtype``: one batched ``cholesky_ex`` (no host synchronisation), ``ok`` ``(L,)`` a bool tensor on the device
+    (every block factorised, ``T`` and ``Q`` finite)."""
+    a = symmetrize(covs.to(dtype))
+    n_layers, groups, k = a.shape[0], a.shape[1], a.shape[-1]
+    c = torch.clamp(torch.diagonal(a, dim1=-2, dim2=-1).sum((-1, -2)) / (groups * k), min=eps)  # mean eigenvalue
+    eye = torch.eye(k, dtype=dtype, device=a.device)
+    shifted = a + (c / gmax).view(-1, 1, 1, 1) * eye  # Phi + d I, d = c / gmax
+    chol, info = torch.linalg.cholesky_ex(shifted)
+    t = torch.linalg.solve_triangular(chol, eye.expand_as(chol), upper=False).mul_(c.sqrt().view(-1, 1, 1, 1))
+    q = symmetrize(t.mT @ t)
+    ok = (info == 0).view(n_layers, groups).all(-1) & finite_each(t, q)
+    return t, q, ok
+
+
+def damped_transform_batched(
+    covs: Tensor, *, eps: float, gmax: float
+) -> List[Optional[Tuple[Tensor, Tensor]]]:
+    """:func:`damped_transform` of each layer of a stack, with one batched Cholesky factorisation.
+
+    Each layer gets ``Q = c (Phi + d I)^-1`` with ``c = max(tr(Phi) / M, eps)`` (its mean eigenvalue) and
+    ``d = c / gmax``, so its gains are ``c / (lambda + d)``: the practical gains' normalisation to the mean
+    eigenvalue and their cap ``gmax``, smooth, without the rank cut; and ``T = sqrt(c) L^-1`` for the Cholesky
+    factor ``Phi + d I = L L^T``, so that ``T^T T = Q`` (``T`` is lower triangular, not symmetric: a
+    whitening, not the ZCA one). No eigendecomposition and, on CUDA, no host synchronisation but the one
+    that reads which factorisations succeeded. A layer whose factorisation fails (or gives non-finite values)
+    is factorised again alone in float64; ``None`` when that fails too, or when its covariance is not finite.
+
+    Args:
+        covs: covariances ``(L, M, M)``, or grouped layers' diagonal blocks ``(L, G, k, k)`` (``M = G k``: the
+            mean eigenvalue ``c`` is the layer's, over all ``M``, as for the practical gains).
+        eps: floor on ``c`` (a layer of zero features gets ``Q = gmax I``).
+        gmax: the largest gain, ``c / d``.
+
+    Returns:
+        One ``(T, Q)`` (``covs``' dtype, each the shape of one layer's ``covs``) or ``None`` per layer.
+    """
+    grouped = covs.dim() == 4
+    stack = covs if grouped else covs.unsqueeze(1)
+    out: List[Optional[Tuple[Tensor, Tensor]]] = [None] * stack.shape[0]
+    if stack.shape[0] == 0:
+        return out
+    finite_in = torch.isfinite(stack).flatten(1).all(1)
+    eye = torch.eye(stack.shape[-1], dtype=stack.dtype, device=stack.device)
+    t, q, ok = _damped_stack(torch.where(finite_in.view(-1, 1, 1, 1), stack, eye), eps, gmax, cholesky_dtype(covs))
+    ok_in, ok_out = torch.stack([finite_in, ok]).tolist()  # one host synchronisation
+    t, q = t.to(covs.dtype), q.to(covs.dtype)
+    for j, (tj, qj) in enumerate(zip(t.unbind(0), q.unbind(0))):
+        if ok_in[j] and ok_out[j]:
+            out[j] = (tj, qj) if grouped else (tj[0], qj[0])
+    for j in range(len(out)):
+        if ok_in[j] and not ok_out[j] and cholesky_dtype(covs) != torch.float64:  # retried alone, in float64
+            t64, q64, ok64 = _damped_stack(stack[j : j + 1], eps, gmax, torch.float64)
+            if bool(ok64[0]):
+                tj, qj = t64[0].to(covs.dtype), q64[0].to(covs.dtype)
+                out[j] = (tj, qj) if grouped else (tj[0], qj[0])
+    return out
+
+
+def damped_transform(cov: Tensor, *, eps: float, gmax: float) -> Optional[Tuple[Tensor, Tensor]]:
+    """The damped whitening of one layer: ``Q = c (Phi + d I)^-1``, ``T = sqrt(c) L^-1`` (``Phi + d I = L L^T``).
+
+    ``c = max(tr(Phi) / M, eps)`` is the mean eigenvalue and ``d = c / gmax``: the gains ``c / (lambda + d)``
+    are at most ``gmax`` and keep the mean power (for ``lambda >> d``, ``c / lambda`` as the practical
+    gains), without an eigendecomposition (:func:`damped_transform_batched`, of which this is the stack of one).
+    ``None`` when the factorisation fails in float64 too, or ``cov`` is not finite.
+
+    Args:
+        cov: a covariance ``(M, M)``, or a grouped layer's diagonal blocks ``(G, k, k)``.
+        eps: floor on ``c``.
+        gmax: the largest gain.
+
+    Returns:
+        ``(T, Q)`` in ``cov``'s dtype and shape, or ``None``.
+
+    Example:
+        >>> phi = torch.tensor([[4.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
+        >>> t, q = damped_transform(phi, eps=1e-5, gmax=10.0)  # c = 2.5, d = 0.25
+        >>> q.diagonal()
+        tensor([0.5882, 2.0000], dtype=torch.float64)
+        >>> torch.allclose(t.T @ t, q)
+        True
+    """
+    return damped_transform_batched(cov.unsqueeze(0), eps=eps, gmax=gmax)[0]

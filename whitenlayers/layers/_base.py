@@ -17,8 +17,9 @@ from .. import functional as F_w
 from .._rebuild import conv_like, share_parameters
 from ..autograd import _transforms_active as _func_transforms_active
 from ..autograd import grad_transformed, shared_weight_grad_apply
-from ..config import EVDConfig, WhiteningConfig, make_config
+from ..config import EVDConfig, WhiteningConfig
 from ..fold import _autocast_enabled
+from ..rules import rule_and_config
 from ..stats import WhiteningLayer, _is_compiling, recomputing
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -250,9 +251,9 @@ class _GradWhitenMixin(WhiteningLayer):
 
     def _init_grad_whitening(self, num_features: int, out_features: int, config: Optional[WhiteningConfig],
                              whitening: Dict[str, Any], process_group: Any, device, dtype, groups: int = 1) -> None:
-        cfg = make_config(self._CONFIG, type(self).__name__, config, whitening)
+        rule, cfg = rule_and_config(self._CONFIG, type(self).__name__, config, whitening)
         self._init_whitening(num_features, cfg, grad_transform=True, process_group=process_group, device=device,
-                             dtype=dtype, groups=groups)
+                             dtype=dtype, groups=groups, rule=rule)
         # The compensation ``c`` of mean updates (ERRATA 8): a buffer, never written into a parameter (a sharded
         # wrapper holds the full bias only during the forward, and autograd may hold it until the backward).
         self.register_buffer("bias_correction", torch.zeros(out_features, device=device, dtype=self.running_mean.dtype))

@@ -9,7 +9,8 @@ from torch import Tensor, nn
 
 from .. import functional as F_w
 from ..autograd import POINTWISE_DIMS, _transform_mean, direct_whiten, pointwise_whiten
-from ..config import EVDConfig, make_config
+from ..config import EVDConfig
+from ..rules import rule_and_config
 from ..stats import WhiteningLayer, _is_compiling
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -83,9 +84,19 @@ class DirectWhiten(WhiteningLayer, nn.Module):
         **whitening: Any,
     ) -> None:
         nn.Module.__init__(self)
-        cfg = make_config(EVDConfig, type(self).__name__, config, whitening, exclude=self._unused_fields)
+        rule, cfg = rule_and_config(EVDConfig, type(self).__name__, config, whitening, exclude=self._unused_fields)
+        self._check_config(cfg)
         self._init_whitening(num_features, cfg, grad_transform=False, process_group=process_group, device=device,
-                             dtype=dtype, groups=groups)
+                             dtype=dtype, groups=groups, rule=rule)
+
+    def _check_config(self, config: Any) -> None:
+        """``ValueError`` for ``gains="damped"``: its ``T`` is a Cholesky factor's inverse, not symmetric, and this
+        layer applies ``T`` to the features (a non-symmetric ``T`` would rotate them anew at every fold)."""
+        if getattr(config, "gains", None) == "damped":
+            raise ValueError(f"{type(self).__name__}: gains='damped' gives a non-symmetric T (sqrt(c) L^-1, from a "
+                             "Cholesky factor), which the direct method applies to the features, rotating them "
+                             "anew at every fold; use gains='practical' or 'zca' with method='direct', or "
+                             "gains='damped' with method='grad', but got gains='damped'")
 
     def _pointwise_weights(self, t: Tensor, mean: Tensor, dtype: torch.dtype) -> Tuple[Tensor, Tensor, Tensor]:
         """``T`` as a 1x1 convolution's ``(M, M/G)`` weight, the bias ``-T mu`` and ``T^T``'s weight, in ``dtype``:

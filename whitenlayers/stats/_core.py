@@ -131,11 +131,16 @@ class _LayerCore:
 
     @config.setter
     def config(self, value: WhiteningConfig) -> None:
+        self._check_config(value)
         self.rule = type(self.rule)(value)  # type-checked by the rule
+
+    def _check_config(self, config: WhiteningConfig) -> None:
+        """Hook: ``ValueError`` for a config this layer class cannot use (``DirectWhiten``: damped gains)."""
 
     @property
     def method(self) -> str:
-        """The transform rule's name, ``"evd"`` or ``"recursive"``."""
+        """The transform rule's name (:attr:`~whitenlayers.rules.TransformRule.name`): ``"evd"``, ``"recursive"``
+        or a rule of one's own."""
         return self.rule.name
 
     @property

@@ -27,6 +27,7 @@ from ..fold import (
 )
 from ..functional import BlockSummary
 from ..functional.moments import _as_moments_accumulator
+from ..rules import batch_key_of
 from ._core import _LayerCore
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -163,10 +164,10 @@ class _BlockMixin(_LayerCore):
     # blocks and buffers; the layer's part: _begin_fold (every rank: counters, an empty block) and _fold_finish
     # (every rank: writes the outcome, counters, bias compensation).
     def _rule_batch_key(self) -> Optional[Hashable]:
-        if self.groups != 1:
-            return self.rule.batch_key(self.num_features, self.running_mean.dtype, self.running_mean.device,
-                                       groups=self.groups)
-        return self.rule.batch_key(self.num_features, self.running_mean.dtype, self.running_mean.device)
+        """The rule's batch key (:func:`~whitenlayers.rules.batch_key_of`: ``None`` for a rule class that does not
+        batch its own results)."""
+        return batch_key_of(self.rule, self.num_features, self.running_mean.dtype, self.running_mean.device,
+                            self.groups)
 
     def _fold(self, block: BlockSummary) -> None:
         """Fold this layer alone on ``block`` (already summed over ranks): every step here, nothing sent."""

@@ -5,7 +5,7 @@ Part of :mod:`whitenlayers.stats`.
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any, List, Optional, Tuple, cast
+from typing import TYPE_CHECKING, Any, List, Optional, Tuple, Type, cast
 
 import torch
 from torch import Tensor
@@ -13,10 +13,10 @@ from torch import Tensor
 from .. import functional as F_w
 from ..config import EVDConfig, RecursiveConfig, WhiteningConfig
 from ..fold import FoldOutcome, PendingFold
-from ..rules import rule_for
+from ..rules import TransformRule, rule_for
 from ._core import _try_low_precision_products
 from .block import _BlockMixin
-from .state_io import _StateIOMixin
+from .rule_state import _RuleStateMixin
 from .step import _PerStepMixin
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["WhiteningLayer"]
 
 
-class WhiteningLayer(_PerStepMixin, _BlockMixin, _StateIOMixin):
+class WhiteningLayer(_PerStepMixin, _BlockMixin, _RuleStateMixin):
     """Mixin: the block statistics, buffers and fold of one whitening layer; the rule computes the transform.
 
     Subclasses call ``_init_whitening`` after their ``nn.Module`` base
@@ -53,6 +53,7 @@ class WhiteningLayer(_PerStepMixin, _BlockMixin, _StateIOMixin):
         device=None,
         dtype=None,
         groups: int = 1,
+        rule: Optional[Type[TransformRule]] = None,
     ) -> None:
         if not isinstance(num_features, int) or isinstance(num_features, bool) or num_features < 1:
             raise ValueError(f"num_features must be a positive integer, but got num_features={num_features!r}")
@@ -61,7 +62,7 @@ class WhiteningLayer(_PerStepMixin, _BlockMixin, _StateIOMixin):
                              f"but got groups={groups!r}")
         self.num_features = num_features
         self.groups = groups
-        self.rule = rule_for(config)
+        self.rule = rule_for(config) if rule is None else rule(config)
         self.process_group = process_group
         self.layer_name: Optional[str] = None
         self.frozen = False
@@ -76,6 +77,7 @@ class WhiteningLayer(_PerStepMixin, _BlockMixin, _StateIOMixin):
         self.register_buffer("num_blocks", torch.tensor(0, dtype=torch.long, device=device))
         for name, value in self.rule.initial_buffers(m, fk, groups=groups).items():
             self.register_buffer(name, value)
+        self._register_rule_identity()  # the rule's name and config, for checkpoints (stats/rule_state.py)
         # Counters, readable attributes (also saved in extra state).
         self.eig_failures = 0
         self.skipped_folds = 0
@@ -171,6 +173,7 @@ class WhiteningLayer(_PerStepMixin, _BlockMixin, _StateIOMixin):
             fk = {"device": self.running_mean.device, "dtype": self.running_mean.dtype}
             for name, value in self.rule.initial_buffers(self.num_features, fk, groups=self.groups).items():
                 getattr(self, name).copy_(value)
+            self._refresh_rule_identity(force=True)
             self.num_blocks.zero_()
         self.eig_failures = self.skipped_folds = self.nonfinite_blocks = self.clamped_steps = 0
         self._stats_unshifted = False
