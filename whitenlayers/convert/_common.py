@@ -5,6 +5,7 @@ from typing import (
     TYPE_CHECKING,
     Any,
     Callable,
+    Dict,
     Iterable,
     List,
     Sequence,
@@ -32,6 +33,7 @@ from ..layers._base import (
     plannable_forward,
     share_weight_transforms,
 )
+from ..privacy import note_direct
 from ..stats import WhiteningLayer
 from ..stats.step import _saved_tensor_hooks
 
@@ -82,6 +84,11 @@ class DirectWhitenWrapper(nn.Module):
         self.whiten = whiten
         self.layer = layer
         whiten.__dict__["_wrapper"] = self  # where plan_forward finds the layer it whitens for (not pickled)
+        note_direct(self)  # Opacus' validator checks the wrapped layer (whitenlayers.privacy)
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        super().__setstate__(state)
+        note_direct(self)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):

@@ -403,6 +403,21 @@ def _check_arguments(model: nn.Module, method: str, fold_strategy: str, layer_kw
         raise ValueError("convert_model: convert the model before wrapping it in DistributedDataParallel")
     method_spec.check_kwargs(f"convert_model(method={method!r})", layer_kwargs)
     _check_existing(model, method, layer_kwargs)
+    _check_not_quantized(model)
+
+
+def _check_not_quantized(model: nn.Module) -> None:
+    """A model prepared for quantization (fake quantization or observers: ``prepare_qat`` / ``prepare``) is refused:
+    converting its convolutions would drop their fake quantization without a word."""
+    for name, m in model.named_modules():
+        if "weight_fake_quant" in m._modules or "activation_post_process" in m._modules:
+            where = f"'{name}'" if name else "the model"
+            raise ValueError(
+                f"convert_model: {where} ({type(m).__name__}) is prepared for quantization (fake quantization or "
+                "observers, torch.ao.quantization.prepare_qat / prepare); whitening layers have no quantized form "
+                "and converting would drop it. Convert the float model, train it, then quantize the plain model: "
+                "wl.to_plain_model(copy.deepcopy(model)), prepare_qat and fine-tune (or prepare and calibrate)."
+            )
 
 
 def _build_layers(method: str, selected: List[Tuple[str, nn.Module]], patch_stem: Optional[nn.Module],

@@ -113,8 +113,24 @@ def _check_not_tracing_function(layer: WhiteningLayer, what: str) -> None:
 
 def _check_input(layer: WhiteningLayer, x: Tensor, *, dim: int, ndims: tuple, what: str) -> None:
     if not isinstance(x, Tensor):
+        if isinstance(x, torch.fx.Proxy):
+            raise TypeError(
+                f"{layer._describe()}: torch.fx symbolic tracing (FX graph mode quantization such as prepare_qat_fx "
+                "or prepare_fx, torch.fx passes) cannot trace a whitening layer: its forward gathers statistics and "
+                "folds them in Python. Quantize or transform the plain model after training, "
+                "wl.to_plain_model(copy.deepcopy(model)); to trace the converted model as it is, keep its layers as "
+                "leaves (a torch.fx.Tracer whose is_leaf_module is True for wl.WhiteningLayer and "
+                "wl.DirectWhitenWrapper)"
+            )
         raise TypeError(f"{layer._describe()}: expected a Tensor input, but got {type(x).__name__}")
     if not x.is_floating_point():
+        if x.is_quantized:
+            raise TypeError(
+                f"{layer._describe()}: expected a floating-point input, but got a quantized one (dtype={x.dtype}): "
+                "a whitening layer has no quantized form, and eager quantization's convert leaves it in float. "
+                "Quantize the plain model after training, wl.to_plain_model(copy.deepcopy(model)), or dequantize "
+                "before the layer (torch.ao.quantization.DeQuantStub) and quantize after it (QuantStub)"
+            )
         raise TypeError(f"{layer._describe()}: expected a floating-point input, but got dtype={x.dtype}")
     params = cast(Any, layer)._parameters
     weight = params["weight"] if "weight" in params else getattr(layer, "weight", None)

@@ -90,6 +90,32 @@ class WhiteningLayer(_PerStepMixin, _BlockMixin, _RuleStateMixin):
         _try_low_precision_products(self.running_mean.device)
         self._reset_accumulators()
 
+    # ------------------------------------------------------------ quantization
+    # Eager-mode quantization (torch.ao.quantization.prepare / prepare_qat) gives every module a ``qconfig``
+    # (propagate_qconfig_), then swaps the module types it knows for quantized ones and observes the rest: a
+    # whitening layer would train and calibrate unquantized without a word and fail after ``convert``. Assigning it
+    # a qconfig is refused (the error names the layer and what to do); ``None`` keeps it in float on purpose.
+    @property
+    def qconfig(self) -> Any:
+        """Always ``None`` where set: a whitening layer has no quantized form (assigning a qconfig raises)."""
+        try:
+            return self.__dict__["_qconfig"]
+        except KeyError:  # unset: getattr(layer, "qconfig", parent's) takes the parent's, which the setter refuses
+            raise AttributeError("qconfig") from None
+
+    @qconfig.setter
+    def qconfig(self, value: Any) -> None:
+        if value is not None:
+            raise ValueError(
+                f"{self._describe()}: eager-mode quantization (torch.ao.quantization.prepare_qat / prepare) has no "
+                "quantized form of a whitening layer: it would train unquantized (no fake quantization) and fail "
+                "after convert. Quantize the plain model after training, wl.to_plain_model(copy.deepcopy(model)), "
+                "then prepare_qat and fine-tune (or prepare and calibrate) that; or keep the whitening layers in float "
+                "on purpose: set layer.qconfig = None on each of wl.whitening_layers(model) before prepare, and put a "
+                "DeQuantStub before each and a QuantStub after it"
+            )
+        self.__dict__["_qconfig"] = None
+
     @property
     def batches_in_block(self) -> int:
         """Training forwards accumulated in the current (partial) block, ``0 <= n < block_size``."""

@@ -1,0 +1,134 @@
+"""Differential privacy: Opacus' module validator refuses whitening layers, with the reason.
+
+A whitening layer keeps exact statistics of its training batches (their mean, covariance and the transform made
+of them) in its buffers and applies them to every later input, as a BatchNorm keeps its running statistics: state
+computed from private samples that differential privacy's noise never touches. Opacus refuses BatchNorm for that
+reason, through the registry of per-module checks that ``ModuleValidator.validate`` (and so
+``PrivacyEngine.make_private``) runs; this module adds the whitening layers to that registry: every grad and
+recursive layer, and, for ``method="direct"``, the conv or linear layer a :class:`DirectWhiten` sits in front of (a
+``DirectWhiten`` has no parameters, and Opacus checks only modules that have some).
+
+Opacus stays optional: nothing here imports it. :func:`install` (run when whitenlayers is imported) registers
+the checks at once where Opacus' validators are loaded already, and otherwise when they are.
+"""
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+import weakref
+from typing import Any, Callable, Iterator, List, Optional, Sequence
+
+from torch import nn
+
+__all__ = ["register_opacus_validators"]
+
+#: What a whitening layer keeps of the batches, and what to do instead (every error's reason).
+WHY = ("it keeps exact, un-noised statistics of the training batches (their mean, covariance and the whitening "
+       "transform made of them) in its buffers and applies them to every later input, as BatchNorm does, which "
+       "Opacus refuses for the same reason: differential privacy would not cover them. Train a model without "
+       "whitening under Opacus (the plain model, wl.to_plain_model(copy.deepcopy(model)), or one never converted)")
+
+#: The plain layers a ``direct`` wrapper holds, each to a weak reference to its wrapper (``note_direct``).
+_DIRECT: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
+#: The layer types whose validators are ours (also for plain conv / linear layers: chained to any earlier one).
+_PLAIN_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
+_VALIDATORS_MODULE = "opacus.validators"
+
+
+def note_direct(wrapper: Any) -> None:
+    """Remember that ``wrapper.layer`` is whitened by ``wrapper`` (a ``DirectWhitenWrapper``, when it is built or
+    unpickled): Opacus checks the plain layer, which has the parameters."""
+    _DIRECT[wrapper.layer] = weakref.ref(wrapper)
+
+
+def _unsupported(message: str) -> List[Exception]:
+    from opacus.validators.errors import UnsupportedModuleError
+
+    return [UnsupportedModuleError(message)]
+
+
+def _validate_whitening_layer(module: Any, **kwargs: Any) -> List[Exception]:
+    return _unsupported(f"{module._describe()} cannot be trained with differential privacy: {WHY}")
+
+
+def _validate_plain(previous: Optional[Callable[..., List[Exception]]]) -> Callable[..., List[Exception]]:
+    def validate(module: nn.Module, **kwargs: Any) -> List[Exception]:
+        ref = _DIRECT.get(module)
+        wrapper = ref() if ref is not None else None
+        errors: List[Exception] = []
+        if wrapper is not None and wrapper.layer is module:
+            errors += _unsupported(
+                f"{wrapper.whiten._describe()} whitens the input of this {type(module).__name__} "
+                f"(method='direct') and cannot be trained with differential privacy: {WHY}")
+        if previous is not None:
+            errors += previous(module, **kwargs)
+        return errors
+
+    validate._whitenlayers = True  # type: ignore[attr-defined]
+    return validate
+
+
+def _subclasses(cls: type) -> Iterator[type]:
+    sub: type
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _subclasses(sub)
+
+
+def register_opacus_validators(validator_class: Any = None) -> None:
+    """Add the whitening layers to Opacus' ``ModuleValidator`` registry (idempotent). Called for you when
+    whitenlayers or Opacus is imported; call it again after defining a subclass of a whitening layer, whose
+    exact type Opacus looks up.
+
+    Args:
+        validator_class: the registry's class (default: ``opacus.validators.module_validator.ModuleValidator``).
+    """
+    if validator_class is None:
+        from opacus.validators.module_validator import ModuleValidator
+
+        validator_class = ModuleValidator
+    from .stats import WhiteningLayer
+
+    registry = validator_class.VALIDATORS
+    for cls in _subclasses(WhiteningLayer):
+        registry[cls] = _validate_whitening_layer
+    for cls in _PLAIN_TYPES:
+        previous = registry.get(cls)
+        if not getattr(previous, "_whitenlayers", False):
+            registry[cls] = _validate_plain(previous)
+
+
+class _RegisterWhenLoaded(importlib.abc.MetaPathFinder):
+    """Registers the validators right after ``opacus.validators`` (the package, with all of Opacus' own checks)
+    is executed, whenever it is first imported: the import order of whitenlayers and Opacus does not matter."""
+
+    def find_spec(self, fullname: str, path: Optional[Sequence[str]], target: Any = None) -> Any:
+        if fullname != _VALIDATORS_MODULE:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        loader = getattr(spec, "loader", None)
+        if spec is None or loader is None or not hasattr(loader, "exec_module"):
+            return None
+        execute = loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            execute(module)
+            try:
+                register_opacus_validators()
+            except Exception as exc:  # never break the user's import of Opacus
+                import warnings
+
+                warnings.warn(f"whitenlayers could not register its checks with Opacus' validator ({exc!r}): "
+                              "Opacus' ModuleValidator will not flag whitening layers", RuntimeWarning, stacklevel=2)
+
+        loader.exec_module = exec_module  # (this spec's loader, made for it)
+        return spec
+
+
+def install() -> None:
+    """Register now if Opacus' validators are loaded, else when they are (once per process)."""
+    if _VALIDATORS_MODULE in sys.modules:
+        register_opacus_validators()
+    elif not any(isinstance(finder, _RegisterWhenLoaded) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterWhenLoaded())
