@@ -33,6 +33,7 @@ from .layers import (
     RecursiveWhitenConv3d,
     RecursiveWhitenLinear,
 )
+from .rules import Fold, RuleResult, TransformRule, register_rule
 from .stats import WhiteningLayer
 
 __version__ = "0.1.0"
@@ -50,6 +51,10 @@ __all__ = [
     "WhiteningLayer",
     "EVDConfig",
     "RecursiveConfig",
+    "TransformRule",
+    "Fold",
+    "RuleResult",
+    "register_rule",
     "config",
     "functional",
     "convert_model",

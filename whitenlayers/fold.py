@@ -552,9 +552,10 @@ def _checked_results(layers: Sequence["WhiteningLayer"], results: Sequence[Any])
                 problems[k] = "a gram (Q) that is not symmetric"
     for k, problem in problems.items():
         out[k] = None
-        rule = layers[k].rule
-        layers[k]._warn_once("rule_result", f"rule {rule.name!r} ({type(rule).__name__}) returned an invalid result: "
-                                            f"{problem}; the previous transform is kept (counted in eig_failures)")
+        layer, rule = layers[k], layers[k].rule
+        layer._warn_once("rule_result", f"rule {rule.name!r} ({type(rule).__name__}) returned an invalid result: "
+                                        f"{problem}; the previous transform is kept (counted in eig_failures)")
+        layer._warned.add("transform")  # (not the rule's failure_message as well: this says what failed)
     return out
 
 
