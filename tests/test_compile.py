@@ -16,10 +16,11 @@ from torch._dynamo.utils import counters
 
 import whitenlayers as wl
 
-#: The graphs a converted model compiles to: the very first training step (its first batch chooses the first
-#: block's shift from the batch mean) and every other step; each fold runs between two compiled forwards, in the
-#: coordinator's forward hook, outside the graphs. ``stats_every > 1`` adds one: the steps that gather nothing.
-MAX_GRAPHS = 2
+#: The graphs a converted model compiles to, as the plain model: one for every step, the very first included (its
+#: batches are summed about the shift tensor's values, and moved to the shift they choose outside the graph); each
+#: fold runs between two compiled forwards, in the coordinator's forward hook, outside the graphs. ``stats_every > 1``
+#: adds one: the steps that gather nothing.
+MAX_GRAPHS = 1
 
 
 def _model(method: str, **kwargs) -> torch.nn.Module:

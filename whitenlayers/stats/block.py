@@ -61,8 +61,12 @@ class _BlockMixin(_LayerCore):
         layers in one multi-tensor op)."""
         dev = self.running_mean.device if device is None else torch.device(device)
         shift = self.__dict__.get("_acc_shift")
-        if shift is not None:  # the next fold writes the next block's shift into it (_fold_finish)
-            self.__dict__["_shift_store"] = shift
+        if shift is not None and shift.device == dev:  # the next fold writes the next block's shift into it
+            self.__dict__["_shift_store"] = shift       # (_fold_finish), and a compiled forward sums about it
+        else:
+            store = self.__dict__.get("_shift_store")
+            if store is None or store.device != dev:  # a first block: made here, before any compiled forward
+                self.__dict__["_shift_store"] = torch.zeros(self.num_features, dtype=torch.float64, device=dev)
         # Plain attributes, written straight into the instance dict (as in _end_batch): at every fold, per layer.
         self.__dict__.update(
             _acc_batches=0,
@@ -117,11 +121,17 @@ class _BlockMixin(_LayerCore):
         """Apply ``fn`` (a move, ``to_empty``) to the partial block's tensors, keeping their dtypes."""
         sums = ("_acc_aug",) if self._acc_aug is not None else ("_acc_s1", "_acc_s2")
         names = ("_acc_shift", "_acc_shift_x") + sums
+        attrs = self.__dict__
+        shared = attrs.get("_shift_store") is not None and attrs.get("_shift_store") is attrs.get("_acc_shift")
+        if not shared:
+            names += ("_shift_store",)
         for name in names:
-            old = self.__dict__.get(name)
+            old = attrs.get(name)
             if old is not None:
                 new = fn(old)
-                self.__dict__[name] = new if new.dtype == old.dtype else old.to(device=new.device)
+                attrs[name] = new if new.dtype == old.dtype else old.to(device=new.device)
+        if shared:  # the block's shift and the tensor a compiled forward sums about: still one tensor
+            attrs["_shift_store"] = attrs["_acc_shift"]
         aug = self._acc_aug
         if aug is not None:
             # A float32 <-> float64 cast of the layer (the block's sums follow its statistics), or a move that
@@ -246,7 +256,7 @@ class _BlockMixin(_LayerCore):
             writes[1].append(shift)
             shift = store
         self.__dict__.update(clamped_steps=self.clamped_steps + int(outcome.clamped), _stats_unshifted=unshifted,
-                             _acc_shift=shift, _acc_shift_x=None)
+                             _acc_shift=shift, _acc_shift_x=None, _shift_store=shift)
         return True
 
     def _set_fold_buffer(self, name: str, value: Tensor, writes: Optional[Tuple[List[Tensor], List[Tensor]]] = None

@@ -249,6 +249,25 @@ class WhiteningLayer(_PerStepMixin, _BlockMixin, _RuleStateMixin):
         self.__dict__.pop("_shift_cache", None)
         return result
 
+    def __setstate__(self, state: Any) -> None:
+        super().__setstate__(state)
+        self._keep_shift_store()
+
+    def set_extra_state(self, state: Any) -> None:
+        super().set_extra_state(state)
+        self._keep_shift_store()
+
+    def _keep_shift_store(self) -> None:
+        """The tensor a compiled forward sums about (stats/step.py, ``_shift_store``) after a copy or a load: the
+        block's shift where one is chosen, else a tensor of its own (its values are moved to the block's shift
+        after the forward that starts the block)."""
+        attrs, shift = self.__dict__, self.__dict__.get("_acc_shift")
+        if shift is not None:
+            attrs["_shift_store"] = shift
+        elif attrs.get("_shift_store") is None and "running_mean" in attrs.get("_buffers", {}):
+            attrs["_shift_store"] = torch.zeros(self.num_features, dtype=torch.float64,
+                                                device=self.running_mean.device)
+
     def whitened_covariance(self) -> Tensor:
         """``T Phi_x T^T``: the covariance of the features the layer's weights effectively see. float64.
 

@@ -297,6 +297,10 @@ class _PerStepMixin(_LayerCore):
     # graph for that bookkeeping: a graph break per layer, still no recompilation.
     #: Whether the next training forward gathers statistics (``stats_every``), kept by the eager bookkeeping.
     _gather_next = True
+    #: The tensor a compiled forward sums its batch about: float64 ``(M,)``, made with the first block
+    #: (stats/block.py), the block's shift itself (``_acc_shift``) whenever one is chosen, written in place by
+    #: the folds (one address over any number of blocks).
+    _shift_store: Tensor
 
     def _accumulate_traced(self, x: Tensor) -> None:
         if self._fold_coordinator is None:
@@ -312,13 +316,12 @@ class _PerStepMixin(_LayerCore):
                 and F_w.fused_moments_on(x.device) and low_precision_products_known(x.device))
         x = self._stats_batch(x, low_precision=lowp)
         with _no_autocast(x.device):
-            if self._acc_shift is None:  # the first block's first batch (or after a reset): a second graph, once
-                self._start_block(x, shifted=True)
-                # the shift is this graph's output: the coordinator copies it out after the graph (CUDA graph trees
-                # overwrite a graph's outputs at its next replay, and the next steps read the shift)
-                self._traced_new_shift = True
-            # the shift as x subtracts it, made in the graph (one small cast; no attribute that may be None)
-            shift_x = cast(Tensor, self._acc_shift).to(_work_dtype(x)).view((1, -1) + (1,) * (x.dim() - 2))
+            # About the shift tensor (_shift_store), the block's shift whenever one is chosen, never None: one
+            # graph for every step, a block's first batch included. A batch of a block whose shift is not chosen
+            # yet (the very first one, or after a reset or a skipped fold) is summed about the tensor's values as
+            # they are, and the coordinator moves the sums to the shift the batch chooses, outside the graph
+            # (_recentre_block); the shift as x subtracts it is made in the graph (one small cast).
+            shift_x = self._shift_store.to(_work_dtype(x)).view((1, -1) + (1,) * (x.dim() - 2))
             if lowp:
                 F_w.accumulate_moments_split(cast(Tensor, aug), x, shift_x)
             else:
@@ -341,8 +344,8 @@ class _PerStepMixin(_LayerCore):
         the forward's later calls too, and the next block starts after the forward (a warning, once)."""
         calls = self._traced_calls
         self._traced_calls = []
-        if self.__dict__.pop("_traced_new_shift", False) and self._acc_shift is not None:
-            self._acc_shift, self._acc_shift_x = self._acc_shift.clone(), None
+        if self._acc_shift is None and self._gather_next:  # the block's first gathered batch: its shift now
+            self._recentre_block(sum(calls))
         for i, rows in enumerate(calls):
             self._acc_count += rows
             self._end_batch()
@@ -356,14 +359,43 @@ class _PerStepMixin(_LayerCore):
                 self._acc_batches += len(calls) - i - 1
                 break
 
+    def _recentre_block(self, rows: float) -> None:
+        """After a compiled forward whose batches started the block (no shift chosen before it), outside the graph:
+        the shift the block's first batch chooses in eager mode (:meth:`_start_block`: the mean in force, or for the
+        very first block the batch's mean, 0 where not finite), and the block's sums, which the graph took about the
+        shift tensor's values as they were, moved to it (float64: ``s2 - s1 d^T - d s1^T + n d d^T``,
+        ``s1 - n d``; the product's rounding stays that of the values it was taken about). The shift is written
+        into the tensor the graph reads (its address kept). ``rows``: the rows the forward gathered."""
+        store = self._shift_store
+        with torch.no_grad(), _no_autocast(store.device):
+            n = float(rows)
+            s1, s2 = self._acc_s1, self._acc_s2
+            s1_64 = s1.to(torch.float64)
+            first = torch.nan_to_num(store + s1_64 / n if n > 0 else torch.zeros_like(store), nan=0.0, posinf=0.0,
+                                     neginf=0.0)
+            in_force = self.running_mean.detach().to(device=store.device, dtype=torch.float64)
+            shift = torch.where(self.num_blocks.to(store.device) > 0, in_force, first)
+            d = shift - store
+            if self.groups == 1:
+                sd = torch.outer(s1_64, d)
+                s2.copy_(s2.to(torch.float64) - sd - sd.t() + n * torch.outer(d, d))
+            else:  # the diagonal blocks (G, k, k)
+                g = s2.shape[0]
+                a, b = s1_64.view(g, -1, 1), d.view(g, -1, 1)
+                sd = a @ b.transpose(1, 2)
+                s2.copy_(s2.to(torch.float64) - sd - sd.transpose(1, 2) + n * (b @ b.transpose(1, 2)))
+            s1.copy_(s1_64 - n * d)
+            store.copy_(shift)
+        self.__dict__.update(_acc_shift=store, _acc_shift_x=None)
+
     def _start_block(self, x: Tensor, shifted: bool = False) -> None:
         """Choose the block's shift at its first gathered batch (once per block): zero when the layer sums
         unshifted, else the mean in force, or for the very first block this batch's mean (0 where it is not
         finite, so that one bad batch cannot poison the block's other batches). Chosen on the device: no host
-        synchronisation, no graph break under torch.compile."""
+        synchronisation. The shift is also the tensor a compiled forward of the layer sums about (_shift_store)."""
         m = self.num_features
         if not shifted and self._stats_unshifted:  # `shifted` first: a traced block start never reads the flag
-            self._acc_shift = torch.zeros(m, dtype=torch.float64, device=x.device)
+            self._acc_shift = self.__dict__["_shift_store"] = torch.zeros(m, dtype=torch.float64, device=x.device)
             self._acc_shift_x = None
             return
         if x.numel() > 0:
@@ -373,7 +405,8 @@ class _PerStepMixin(_LayerCore):
         else:
             first = torch.zeros(m, dtype=torch.float64, device=x.device)
         in_force = self.running_mean.detach().to(device=x.device, dtype=torch.float64)
-        self._acc_shift = torch.where(self.num_blocks.to(x.device) > 0, in_force, first)
+        self._acc_shift = self.__dict__["_shift_store"] = torch.where(self.num_blocks.to(x.device) > 0, in_force,
+                                                                      first)
         self._acc_shift_x = self._acc_shift.to(_work_dtype(x)).view((1, m) + (1,) * (x.dim() - 2))
 
     def _end_batch(self) -> None:
