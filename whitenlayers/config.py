@@ -158,7 +158,7 @@ class WhiteningConfig:
             "form a block; after the block's last forward it is folded in: new ``mu``, ``Phi_x``, ``T`` and "
             "``Q_s``, used from the next forward on.",
         when="The paper does not give ``L`` (ERRATA 4); 10 makes a fold cost about 0.35 % of a ResNet-20 "
-             "training step on a CPU (``benchmarks/RESULTS.md``, \"Choice of block_size\"). Lower it (1-5) "
+             "training step on a CPU (``benchmarks/RESULTS.md``, \"Fold cost\"). Lower it (1-5) "
              "for short runs, so that the transform follows the fast-changing early features and many blocks "
              "fold per epoch (the runner uses 2 on its small datasets); raise it (20-50) when the folds' cost "
              "matters more than freshness (many whitened layers, small batches).")

@@ -119,7 +119,7 @@ def check_strategy(strategy: str, name: str = "strategy") -> str:
     return strategy
 
 #: ``"auto"`` spreads the transforms over ranks when the layers' summed ``M^3`` reaches this. Measured on
-#: a 2-core CPU with gloo (``benchmarks/fold_scale.py``, per-rank CPU time of the fold, 2 and 4 ranks):
+#: a 2-core CPU with gloo (per-rank CPU time of the fold, 2 and 4 ranks):
 #: the owner strategy was as fast or faster than replicated for both ResNet-110 (108 layers, M <= 64,
 #: summed M^3 ~1e7) and ResNet-50 (52 layers, M up to 2048). Below ~1e6 (a handful of narrow layers) the
 #: models stay replicated, sparing the extra collective (a guard, not a measured crossover).
