@@ -8,6 +8,7 @@ exactly, and torch.compile, the deferral and non-finite blocks behave as with th
 from __future__ import annotations
 
 import copy
+import threading
 import warnings
 
 import pytest
@@ -259,6 +260,36 @@ def test_extra_state_of_a_fold_async_layer_loads_into_a_synchronous_model():
     back = _model()
     back.load_state_dict(sync.state_dict())
     _assert_identical(_state(back), _state(lagged))
+
+
+def test_interpreter_exit_cancels_the_fold_in_flight():
+    """At exit (threading's atexit, before the worker is joined) the worker starts no further part of the fold in
+    flight, whose result no one would read; read anyway (an exit handler saving a checkpoint), it warns."""
+    from whitenlayers import coordinator as coord
+
+    model = _model()
+    _train(model, _batches(BLOCK))  # block 0's fold starts in the worker
+    calls = [getattr(f, "func", f) for f in threading._threading_atexits]  # (run in reverse order at exit)
+    names = [getattr(c, "__name__", "") for c in calls]
+    assert coord._EXITING.set in calls and calls.index(coord._EXITING.set) > names.index("_python_exit")
+    _coordinator(model).wait()
+    try:
+        coord._EXITING.set()  # what the interpreter's exit does
+        _train(model, _batches(BLOCK, seed=2))  # block 1's fold: no part of it is computed
+        with pytest.warns(RuntimeWarning, match="cancelled at interpreter exit"):
+            _coordinator(model).wait()
+    finally:
+        coord._EXITING.clear()
+    assert all(layer._pending_fold is None for layer in _layers(model))
+
+
+def test_an_asynchronous_fold_computes_in_parts_of_about_one_wide_layer():
+    from whitenlayers import coordinator as coord
+    from whitenlayers.fold import _fold_chunks
+
+    layers = [wl.GradWhitenLinear(2048, 4) for _ in range(3)] + [wl.GradWhitenLinear(512, 4) for _ in range(20)]
+    chunks = _fold_chunks(layers, coord.ASYNC_CHUNK_ELEMENTS)
+    assert [len(c) for c in chunks] == [1, 1, 1, 16, 4]
 
 
 def test_a_copy_while_a_fold_is_in_flight_trains_on_alike():

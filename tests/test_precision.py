@@ -4,8 +4,9 @@
   kept in float32: the same numbers as without autocast for the same layer
   input (autocast would otherwise run the moment products in bf16/fp16, which
   loses precision and, in fp16, overflows).
-* ``torch.amp.GradScaler``: an overflowing step is skipped and touches neither
-  the weights nor the whitening state.
+* ``torch.amp.GradScaler``: an overflowing step is skipped; the weights stay, and
+  the whitening state keeps its forward's statistics (as BatchNorm's running
+  statistics do), finite, identical to a step skipped by hand.
 * ``torch.compile`` of a converted model trains like eager (float tolerance);
   the fold runs outside the compiled graphs (``torch.compiler.disable``), which
   costs one graph break per fold, at the model's end. A small converted model
@@ -183,6 +184,43 @@ def test_gradscaler_overflow_step_is_skipped_without_touching_whitening_state():
         for b in WHITEN_STATE:
             assert torch.isfinite(getattr(l, b)).all()
         assert torch.isfinite(l.weight).all()
+
+
+def test_a_skipped_step_keeps_its_forwards_statistics_like_batchnorm():
+    """A step GradScaler skips (infinite gradients) is a batch of the whitening state, as it is one of BatchNorm's
+    running statistics: it counts toward its block, ends it and folds. The same as a step skipped by hand."""
+
+    def run(skip):
+        torch.manual_seed(0)
+        model = wl.convert_model(wl.models.cifar_resnet(8, width=8), method="grad", block_size=2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        for i in range(5):
+            x, y = batch(i)
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(x)
+                if i == 3 and skip == "scaler":
+                    out.register_hook(lambda g: g * float("inf"))
+                loss = Fn.cross_entropy(out, y)
+            if i == 3 and skip == "by hand":
+                scaler.update(2.0**9)  # what GradScaler does besides skipping: its scale backs off
+                continue
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        return model, scaler
+
+    skipped, scaler = run("scaler")
+    by_hand, scaler_b = run("by hand")
+    assert scaler.get_scale() == scaler_b.get_scale() == 2.0**9
+    for (n, a), (_, b) in zip(whitening(skipped), whitening(by_hand)):
+        assert int(a.num_blocks) == 2 and a.batches_in_block == 1, n  # step 3's batch ended block 2
+        for name in WHITEN_STATE + ("bias_correction",):
+            assert torch.isfinite(getattr(a, name)).all()
+            assert torch.equal(getattr(a, name), getattr(b, name)), (n, name)
+    for p, q in zip(skipped.parameters(), by_hand.parameters()):
+        assert torch.equal(p, q)
 
 
 # --------------------------------------------------------------------------

@@ -6,6 +6,7 @@ import contextlib
 import functools
 import operator
 import threading
+import warnings
 from collections import deque
 from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -162,6 +163,10 @@ class FoldCoordinator:
             return
         layers, future, device, jobs = in_flight
         folds, event = future.result()  # re-raises the worker's exception, if any
+        if folds is None:  # cancelled at interpreter exit (_cancel_at_exit): read by an exit handler after all
+            warnings.warn(f"whitenlayers: the fold in flight of {len(layers)} layers was cancelled at interpreter "
+                          "exit; their last block is not folded", RuntimeWarning, stacklevel=2)
+            return
         if event is not None:  # the fold ran on a CUDA stream of its own: this thread's stream waits for it
             torch.cuda.current_stream(device).wait_event(event)
         del jobs  # its tensors' memory may be reused now, after that wait
@@ -232,7 +237,7 @@ class FoldCoordinator:
             group, world = _dist_group(layers)
             jobs: List[tuple] = []
             if world == 1:  # the block's sums copied, summarised by the worker
-                for chunk in _fold_chunks(layers):
+                for chunk in _fold_chunks(layers, ASYNC_CHUNK_ELEMENTS):
                     sums = _taken_blocks(chunk)
                     _begin(chunk, [0] * len(chunk))  # non-finite blocks: counted when their fold is written
                     _install_pending(chunk, [False] * len(chunk))
@@ -255,6 +260,7 @@ class FoldCoordinator:
             from concurrent.futures import ThreadPoolExecutor
 
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="whitenlayers-fold")
+            _cancel_at_exit()
         self._in_flight = ([layer for job in jobs for layer in job[0]],
                            self._executor.submit(_compute_jobs, jobs, device, stream), device, jobs)
 
@@ -389,7 +395,28 @@ def check_fold_async(fold_async: bool, strategy: str) -> bool:
     return fold_async
 
 
-def _compute_jobs(jobs: Sequence[tuple], device: torch.device, stream: Any) -> Tuple[List[PendingFold], Any]:
+#: The most ``groups * M^2`` elements an asynchronous fold computes in one batched call: about one 2048-wide
+#: layer, so that a fold cancelled at interpreter exit (:func:`_cancel_at_exit`) stops within one such call.
+ASYNC_CHUNK_ELEMENTS = 1 << 22
+#: Set when the interpreter exits (its threads are joined): the worker starts no further part of a fold.
+_EXITING = threading.Event()
+_EXIT_REGISTERED = [False]
+
+
+def _cancel_at_exit() -> None:
+    """At interpreter exit the fold in flight is read by no one: the worker stops after the part it is computing.
+    ``threading._register_atexit`` runs before the interpreter joins the worker (an ``atexit`` handler would run
+    after that join); once per process."""
+    if _EXIT_REGISTERED[0]:
+        return
+    _EXIT_REGISTERED[0] = True
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        register(_EXITING.set)
+
+
+def _compute_jobs(jobs: Sequence[tuple], device: torch.device,
+                  stream: Any) -> Tuple[Optional[List[PendingFold]], Any]:
     """The worker thread's part of an asynchronous fold: for each job (layers of one stack, or all layers under
     ``torch.distributed``), the summaries of their copied sums (or the summaries made on the training thread) and
     ``fold._compute_folds`` from copies of their buffers; no gradient, no autocast (both are per thread), on
@@ -401,6 +428,8 @@ def _compute_jobs(jobs: Sequence[tuple], device: torch.device, stream: Any) -> T
             ctx.enter_context(torch.cuda.device(device))
             ctx.enter_context(torch.cuda.stream(stream))
         for chunk, sums, given, states, one_stack in jobs:
+            if _EXITING.is_set():
+                return None, None
             summaries, nonfinite, firsts = _local_summaries(chunk, sums) if given is None else given
             done = _compute_folds(chunk, summaries, nonfinite, firsts, one_stack=one_stack, begin=False,
                                   states=states)

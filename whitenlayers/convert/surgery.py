@@ -315,8 +315,9 @@ def convert_model(
 
     Args:
         model: the model to convert, in place (not wrapped in ``DistributedDataParallel`` yet).
-        method: ``"grad"`` (default: EVD gradient whitening, the cheapest), ``"recursive"`` (the ``O(M^2)``
-            transform update: for wide layers, whose ``O(M^3)`` EVD per fold costs too much) or
+        method: ``"grad"`` (default: EVD gradient whitening, the cheapest), ``"recursive"`` (rank-one
+            ``O(M^2)`` steps for ``T`` and ``Q``, no EVD; each fold tracks ``Phi_y = T Phi_x T^T`` with two ``M^3``
+            products, about half an EVD fold's time for wide layers) or
             ``"direct"`` (whitens the activations themselves; costs an extra pass and memory).
         targets: ``"blocks"`` (default: the convolutions inside residual blocks, the paper's placement) or
             ``"all"`` (every convertible conv / linear layer but the stem and the classifier): for models
