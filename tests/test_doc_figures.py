@@ -165,7 +165,8 @@ QUOTES = [
     Quote("README.md", rf"grad led the baseline by ({NUMBER}) \[({NUMBER}), ({NUMBER})\] points on a 2-core AMD EPYC "
                        rf"\(recursive ({NUMBER}) \[({NUMBER}), ({NUMBER})\]\)",
           lambda: _epoch_lead("grad", 2) + _epoch_lead("recursive", 2)),
-    Quote("README.md", r"grad reached the baseline's final accuracy on (\d+) of (\d+) seeds, recursive on (\d+) of (\d+)",
+    Quote("README.md",
+          r"grad reached the baseline's final accuracy on (\d+) of (\d+) seeds, recursive on (\d+) of (\d+)",
           lambda: _reached("EVD (grad)") + _reached("recursive")),
     Quote("README.md", rf"epoch cost ({NUMBER})x \(grad\) / ({NUMBER})x \(recursive\)",
           lambda: [_summary("EVD (grad)", "time vs baseline"), _summary("recursive", "time vs baseline")]),
@@ -191,7 +192,8 @@ QUOTES = [
           lambda: _step_row(STEP, "peak / plain", ["grad", "recursive", "direct", *PEERS])),
     Quote("docs/performance.md", _ratios("step vs plain, defaults", 5),
           lambda: [_gpu(v) for v in ("grad", "recursive", "direct", "muon", "soap")]),
-    Quote("docs/performance.md", rf"\| step vs plain, `stats_every=5, block_size=50` \| ({NUMBER})x \| \*\*({NUMBER})x\*\*",
+    Quote("docs/performance.md",
+          rf"\| step vs plain, `stats_every=5, block_size=50` \| ({NUMBER})x \| \*\*({NUMBER})x\*\*",
           lambda: [_gpu("grad:every5,block50"), _gpu("recursive:every5,block50")]),
 ]
 
