@@ -489,9 +489,17 @@ def plot_metrics(rows: Sequence[Dict[str, Any]], path: str, title: str,
         ins = ax.inset_axes([0.46, 0.07, 0.51, 0.42])
         draw(ins, "test_acc", bands=False)
         first = min(v[0][len(v[0]) // 2] for v in acc.values())
-        pad = max(0.1, 0.15 * (late.max() - late.min()))
+        # the zoom holds the error bars whole: a difference smaller than the seeds' spread reads as one
+        lows, highs = [late.min()], [late.max()]
+        for _, mean, spread in acc.values():
+            if spread is not None:
+                half = slice(len(mean) // 2, None)
+                lows.append(float(np.nanmin(mean[half] - spread[half])))
+                highs.append(float(np.nanmax(mean[half] + spread[half])))
+        lo, hi = min(lows), max(highs)
+        pad = max(0.1, 0.08 * (hi - lo))
         ins.set_xlim(first - 0.3, n_ep + 0.3)
-        ins.set_ylim(late.min() - pad, late.max() + pad)
+        ins.set_ylim(lo - pad, hi + pad)
         ins.xaxis.get_major_locator().set_params(integer=True)
         ins.tick_params(labelsize=8)
         ins.grid(True, alpha=0.3)
