@@ -187,3 +187,20 @@ def test_the_code_check_catches_a_name_that_does_not_exist():
     named = dict(_named_code("`_fold_start` and `WhiteningLayer._fold_finish` and `torch.linalg.eigh` and `x.view`"))
     assert set(named) == {"_fold_start", "WhiteningLayer._fold_finish"}
     assert "_fold_start" not in defined and "_fold_finish" in defined
+
+
+def test_user_pages_stay_short():
+    """The README is a front page (<= 150 lines) and the benchmark results hold current tables only (<= 500)."""
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 150
+    assert len((ROOT / "benchmarks" / "RESULTS.md").read_text().splitlines()) <= 500
+
+
+def test_which_method_is_one_table_with_a_cpu_and_a_gpu_number():
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Which method"):].split("\n## ")[0]
+    header = next(ln for ln in section.splitlines() if ln.startswith("| method"))
+    assert "CPU" in header and "GPU" in header and "use it when" in header
+    rows = [ln for ln in section.splitlines() if ln.startswith("| `")]
+    assert [r.split("|")[1].strip() for r in rows] == ['`"grad"`', '`"recursive"`', '`"direct"`']
+    assert all(re.search(r"\| [\d.]+x[^|]*\| [\d.]+x", r) for r in rows)
+    assert len([ln for ln in section.splitlines() if ln.strip()]) <= 12  # the mechanics live in docs/
