@@ -32,7 +32,7 @@ __all__ = ["GAINS", "WhiteningConfig", "EVDConfig", "RecursiveConfig", "make_con
            "field_range", "field_doc"]
 
 DEFAULT_BLOCK_SIZE = 10
-#: The EVD config's choices of gains (:attr:`EVDConfig.gains`).
+#: The EVD config's choices of gains (``EVDConfig.gains``).
 GAINS = ("practical", "zca", "damped")
 
 
@@ -303,7 +303,7 @@ class EVDConfig(WhiteningConfig):
             "not symmetric, so ``DirectWhiten`` does not take it.",
         when="``'practical'`` is the paper's choice for training. ``'zca'`` for exact whitening (comparisons, "
              "tests), knowing that it amplifies near-null directions up to ``1 / eps``. ``'damped'`` where "
-             "the fold's eigendecompositions cost too much (wide layers, GPUs: ``docs/api.md``, \"Gains\"); "
+             "the fold's eigendecompositions cost too much (wide layers, GPUs: ``docs/writing-a-rule.md``, \"Gains\"); "
              "grad layers only.")
 
     method = "evd"

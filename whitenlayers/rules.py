@@ -104,8 +104,8 @@ class TransformRule:
     results reach only the class that computed them. ``docs/writing-a-rule.md`` walks through an example.
     """
 
-    #: The rule's name: in checkpoints, messages and :func:`register_rule`'s registry. Every rule class sets its
-    #: own.
+    #: The name of the rule, saved in checkpoints, shown in messages and the key of :func:`register_rule`'s
+    #: registry. Every rule class sets its own.
     name: str = ""
     #: The config class its instances take (exactly this class).
     config_class: Type[WhiteningConfig] = WhiteningConfig
@@ -166,7 +166,7 @@ class TransformRule:
                 ``whitening_matrix`` (the ``T`` in force), ``grad_transform`` (``Q_s``, grad layers) and the
                 rule's own); read them, do not write them.
             precomputed: this layer's item of a :meth:`compute_batched` result, when there was one, else
-                :data:`NOT_COMPUTED`.
+                ``whitenlayers.rules.NOT_COMPUTED``.
         """
         raise NotImplementedError
 
@@ -341,7 +341,7 @@ def _own_name(cls: Type[TransformRule]) -> str:
 
 
 def register_rule(rule: Type[TransformRule]) -> Type[TransformRule]:
-    """Register a rule class under its :attr:`~TransformRule.name`, so that ``rule="<name>"`` finds it.
+    """Register a rule class under its :attr:`~whitenlayers.TransformRule.name`, so that ``rule="<name>"`` finds it.
 
     Usable as a class decorator; returns ``rule``. Registering the same class again is a no-op.
 
@@ -403,8 +403,9 @@ def rule_for(config: WhiteningConfig, rule: Optional[Union[str, Type[TransformRu
 
 
 def batches_own_results(cls: Type[TransformRule]) -> bool:
-    """Whether the :meth:`~TransformRule.update` of ``cls`` is that of the class defining its
-    :meth:`~TransformRule.compute_batched` (or of a base of it): only then does the fold hand it batched results.
+    """Whether the :meth:`~whitenlayers.TransformRule.update` of ``cls`` is that of the class defining its
+    :meth:`~whitenlayers.TransformRule.compute_batched` (or of a base of it): only then does the fold hand it
+    batched results.
     A subclass that overrides ``update`` alone gets each layer's fold unbatched."""
     owner_update = next(c for c in cls.__mro__ if "update" in c.__dict__)
     owner_batched = next(c for c in cls.__mro__ if "compute_batched" in c.__dict__)
@@ -413,8 +414,8 @@ def batches_own_results(cls: Type[TransformRule]) -> bool:
 
 def batch_key_of(rule: TransformRule, num_features: int, state_dtype: torch.dtype, device: torch.device,
                  groups: int = 1) -> Optional[Hashable]:
-    """``rule``'s :meth:`~TransformRule.batch_key`, or ``None`` where its class does not batch its own results
-    (:func:`batches_own_results`)."""
+    """``rule``'s :meth:`~whitenlayers.TransformRule.batch_key`, or ``None`` where its class does not batch its own
+    results (:func:`batches_own_results`)."""
     if not batches_own_results(type(rule)):
         return None
     if groups != 1:

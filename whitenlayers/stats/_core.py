@@ -139,7 +139,7 @@ class _LayerCore:
 
     @property
     def method(self) -> str:
-        """The transform rule's name (:attr:`~whitenlayers.rules.TransformRule.name`): ``"evd"``, ``"recursive"``
+        """The transform rule's name (:attr:`~whitenlayers.TransformRule.name`): ``"evd"``, ``"recursive"``
         or a rule of one's own."""
         return self.rule.name
 
