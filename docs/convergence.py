@@ -228,6 +228,33 @@ def _fashion_async() -> List[Tuple[str, List[str]]]:
 STAGES["fm-async"] = _fashion_async
 
 
+# The damped gains on Fashion-MNIST: grad with gains="damped" (Q = c (Phi + d I)^-1 from a Cholesky
+# factorisation, no eigendecomposition) against grad with the default practical gains and the baseline, at the
+# fm-schedule settings and rates (the library's defaults otherwise), budgets 2 then 1 epochs (final and halfway
+# accuracy), seeds 0-9, validation split. One run per (budget, seed, arm), paired by seed (same initial weights and
+# data order); the baseline rides in the practical arm's run. A seed's two arms one after the other, so that a
+# stopped stage leaves complete pairs.
+FM_DAMPED_ARMS = {"practical": ("baseline", "grad"), "damped": ("grad",)}
+FM_DAMPED_BUDGETS = (2, 1)
+FM_DAMPED_SEEDS = tuple(range(10))
+
+
+def _fashion_damped() -> List[Tuple[str, List[str]]]:
+    out = []
+    for b in FM_DAMPED_BUDGETS:
+        for seed in FM_DAMPED_SEEDS:
+            for arm, methods in FM_DAMPED_ARMS.items():
+                per = ",".join(f"{m}={FM_SCHEDULE_LR[m]:g}" for m in methods)
+                out.append((f"fm-damped-b{b}-s{seed}-{arm}",
+                            ["--methods", ",".join(methods), "--lr", f"{FM_SCHEDULE_LR['baseline']:g}", "--method-lr",
+                             per, "--epochs", str(b), "--val-fraction", "0.1", "--seeds", str(seed), "--gains", arm,
+                             *FM]))
+    return out
+
+
+STAGES["fm-damped"] = _fashion_damped
+
+
 def _ratio(vals: Sequence[float]) -> str:
     """A paired-table cell for per-seed ratios: geometric mean [95 % interval] (the interval only where it says
     something), ``—`` for fewer than 3 seeds."""

@@ -98,3 +98,38 @@ def test_fm_async_table_on_written_runs(tmp_path, monkeypatch):
     assert "| 10 | recursive | 89.00 ± 0.00 | 89.00 ± 0.00 | +0.00 [+0.00, +0.00] |" in text
     assert "| 50 | EVD (grad) | (not run) |" in text
     assert "runs/convergence/fm-async-s0-b10-async" in text and "runs/convergence/fm-async-s0-b50-sync" in text
+
+
+def test_fm_damped_stage_pairs_the_arms():
+    c, _ = _convergence()
+    runs = dict(c.STAGES["fm-damped"]())
+    assert len(runs) == 2 * len(c.FM_DAMPED_BUDGETS) * len(c.FM_DAMPED_SEEDS) == 40
+    practical, damped = runs["fm-damped-b1-s7-practical"], runs["fm-damped-b1-s7-damped"]
+    opt = lambda args, k: args[args.index(k) + 1]  # noqa: E731
+    for k in ("--epochs", "--seeds", "--val-fraction", "--dataset", "--model", "--width", "--schedule", "--lr"):
+        assert opt(practical, k) == opt(damped, k)
+    assert opt(practical, "--methods") == "baseline,grad" and opt(damped, "--methods") == "grad"
+    assert opt(practical, "--gains") == "practical" and opt(damped, "--gains") == "damped"
+    assert "grad=0.2" in opt(practical, "--method-lr") and opt(damped, "--method-lr") == "grad=0.2"
+
+
+def test_the_damped_arm_trains_ci_sized(tmp_path):
+    """The damped arm's options on the runner's synthetic data: grad trains with gains="damped" (a CI-sized run of
+    what the stage runs on Fashion-MNIST)."""
+    import whitenlayers.experiment as ex
+
+    c, _ = _convergence()
+    args = dict(c.STAGES["fm-damped"]())["fm-damped-b1-s0-damped"]
+    gains = args[args.index("--gains") + 1]
+    out = str(tmp_path / "run")
+    ex.main(["--quick", "--dataset", "synthetic", "--methods", "grad", "--gains", gains, "--epochs", "1",
+             "--threads", "1", "--device", "cpu", "--seeds", "0", "--out", out])
+    with open(os.path.join(out, "metrics.csv")) as fh:
+        rows = list(csv.DictReader(fh))
+    assert [r["method"] for r in rows] == ["grad"] and float(rows[0]["test_acc"]) > 50
+    import torch
+    from whitenlayers.stats.rule_state import decode_identity
+
+    state = torch.load(os.path.join(out, "checkpoints", "grad-seed0.pt"), weights_only=False)["model"]
+    rules = [decode_identity(v) for k, v in state.items() if k.endswith("whitening_rule")]
+    assert rules and all('"rule":"evd"' in r and '"gains":"damped"' in r for r in rules)  # the layers' own config
