@@ -50,12 +50,14 @@ def train(model, data, lr=0.1, keep_grads=False):
 
 
 def whitening_state(model, skip=("absorbed_offset",)):
-    """Every whitening buffer and counter of ``model``, by qualified name (the partial block included)."""
+    """Every whitening buffer and counter of ``model``, by qualified name (the partial block included); not the
+    rule's identity (``whitening_rule``: its config, which the runs compared may set apart, e.g.
+    ``accumulation_steps``)."""
     out = {}
     for name, layer in wl.whitening_layers(model):
         name = name.replace(".inner", "")
         for key, value in layer.state_dict().items():
-            if key in ("weight", "bias") or key in skip:
+            if key in ("weight", "bias", "whitening_rule") or key in skip:
                 continue
             out[f"{name}.{key}"] = value
         for counter in ("eig_failures", "skipped_folds", "nonfinite_blocks", "clamped_steps"):
@@ -232,7 +234,8 @@ def _ddp_accumulation_worker(rank, world, method):
             with model.no_sync() if i == 0 else contextlib.nullcontext():
                 (Fn.cross_entropy(model(xm), ym) / 2).backward()
         opt.step()
-    return {k: v.detach().clone() for k, v in model.module.state_dict().items() if not k.endswith("_extra_state")}
+    return {k: v.detach().clone() for k, v in model.module.state_dict().items()
+            if not k.endswith(("_extra_state", "whitening_rule"))}  # (the rule's config: accumulation_steps differs)
 
 
 @pytest.mark.parametrize("method", ["grad", "direct"])
@@ -240,7 +243,7 @@ def test_gradient_accumulation_under_ddp_no_sync_equals_the_big_batch(method):
     results = run_distributed(_ddp_accumulation_worker, method)
     big = conv_net(method, block_size=2)
     train(big, batches(4, size=16, dtype=F64), lr=0.05)
-    want = {k: v for k, v in big.state_dict().items() if not k.endswith("_extra_state")}
+    want = {k: v for k, v in big.state_dict().items() if not k.endswith(("_extra_state", "whitening_rule"))}
     assert_same(results[0], results[1])
     assert_same(results[0], want, rtol=1e-9, atol=1e-10)
 
