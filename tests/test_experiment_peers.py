@@ -213,6 +213,51 @@ def test_no_batchnorm_resnet_is_fixup_style():
         ex.RunConfig(model="resnet50", norm="none", out="unused", dataset="imagefolder:/x")
 
 
+def test_group_norm_resnet_replaces_every_batchnorm():
+    cfg = ex.RunConfig(dataset="synthetic", model="resnet8", norm="gn", out="unused")
+    model = engine.build_model(cfg, 4, 3)
+    assert not any(isinstance(m, nn.BatchNorm2d) for m in model.modules())
+    groups = [(m.num_groups, m.num_channels) for m in model.modules() if isinstance(m, nn.GroupNorm)]
+    assert groups and all(c // g == 4 or g == 32 for g, c in groups)
+    x = torch.randn(3, 3, 8, 8)
+    # no sample's output depends on the others' (the reason for GroupNorm at small batches)
+    torch.testing.assert_close(model.train()(x)[:1], model(x[:1]))
+    with pytest.raises(ValueError, match="norm gn"):
+        ex.RunConfig(model="resnet50", norm="gn", out="unused", dataset="imagefolder:/x")
+
+
+@pytest.mark.skipif(not HAVE_LIB, reason="needs pytorch-optimizer (the peers extra)")
+def test_agc_clips_each_unit_to_its_ratio_of_the_weight_norm_except_the_classifier():
+    cfg = ex.RunConfig(dataset="synthetic", model="resnet8", norm="none", agc=0.01, out="unused")
+    torch.manual_seed(0)
+    model = engine.build_model(cfg, 4, 3)
+    clip = engine.make_clip(cfg, model)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 10.0
+    head = model.fc.weight.grad.clone()
+    clip()
+    w, g = model.layer1[0].conv1.weight, model.layer1[0].conv1.weight.grad
+    ratio = g.flatten(1).norm(dim=1) / w.flatten(1).norm(dim=1).clamp_min(1e-3)
+    torch.testing.assert_close(ratio, torch.full_like(ratio, 0.01))  # every unit was above the ratio: clipped to it
+    zero = model.layer1[0].conv2.weight  # Fixup's zero-initialised convolution: clipped against 1e-3
+    assert float(zero.grad.flatten(1).norm(dim=1).max()) <= 0.01 * 1e-3 * (1 + 1e-5)
+    assert torch.equal(model.fc.weight.grad, head)  # the classifier is left out
+    assert engine.make_clip(ex.RunConfig(dataset="synthetic", model="resnet8", out="unused"), model) is None
+    with pytest.raises(ValueError, match="--agc"):
+        ex.RunConfig(dataset="synthetic", model="resnet8", agc=-1.0, out="unused")
+
+
+@pytest.mark.skipif(not HAVE_LIB, reason="needs pytorch-optimizer (the peers extra)")
+@pytest.mark.parametrize("arm", [["--norm", "gn"], ["--norm", "none", "--agc", "0.01"]])
+def test_the_normalisation_arms_in_a_tiny_run_at_a_small_batch(tmp_path, arm):
+    rows, out = _tiny(tmp_path, ["baseline", "grad"], "--batch-size", "8", *arm)
+    assert {r["method"] for r in rows} == {"baseline", "grad"}
+    assert all(torch.isfinite(torch.tensor(float(r["train_loss"]))) for r in rows)
+    with open(os.path.join(out, "config.json")) as f:
+        text = f.read()
+    assert f'"norm": "{arm[1]}"' in text and '"batch_size": 8' in text
+
+
 def test_cpu_default_is_one_thread_whatever_the_load(monkeypatch):
     # The thread count changes the arithmetic (and so the metrics): the default must not follow the machine's load
     # or cores, so a rerun on the same CPU reproduces metrics.csv whether the machine is idle or busy.

@@ -302,9 +302,14 @@ class RunConfig:
     epochs: int = _opt(6, "training epochs", _MODEL, cli=_INT, show_default=True)
     batch_size: int = _opt(128, "global batch size, split over processes", _MODEL, cli=_INT, show_default=True)
     norm: str = _opt(
-        "bn", "CIFAR ResNet normalisation: bn (BatchNorm, default) or none (Fixup-style: BatchNorm replaced by a "
-        "per-channel scale and bias, each block's last convolution and the classifier zero-initialised, the first "
-        "convolution of each block scaled by L^-1/2 for L blocks)", _MODEL, cli={"choices": ("bn", "none")})
+        "bn", "CIFAR ResNet normalisation: bn (BatchNorm, default), gn (GroupNorm in place of every BatchNorm, groups "
+        "of 4 channels, at most 32 groups) or none (Fixup-style: BatchNorm replaced by a per-channel scale and bias, "
+        "each block's last convolution and the classifier zero-initialised, the first convolution of each block "
+        "scaled by L^-1/2 for L blocks)", _MODEL, cli={"choices": ("bn", "gn", "none")})
+    agc: float = _opt(
+        0.0, "adaptive gradient clipping (NFNets, Brock et al. 2021; pytorch-optimizer's unit-wise agc): each "
+        "weight row's gradient norm clipped to this ratio of the row's norm, every parameter but the classifier's; "
+        "0 (default): off. With --norm none: the normalizer-free arm (needs the peers extra)", _MODEL, cli=_FLOAT)
     optimizer: str = _opt(
         "sgd", "optimizer of every method that has none of its own (baseline, the whitening methods, K-FAC, FOOF, "
         "IterNorm): sgd (with --momentum, --nesterov), adam or adamw (betas 0.9, 0.999; --weight-decay as L2 for "
@@ -406,7 +411,9 @@ class RunConfig:
         if not 0.0 <= float(self.val_fraction) < 1.0:
             raise ValueError(f"--val-fraction must be in [0, 1), but got {self.val_fraction}")
         if self.norm != "bn" and model_spec(self.model)[0] != "cifar":
-            raise ValueError("--norm none needs a CIFAR ResNet (--model resnetD)")
+            raise ValueError(f"--norm {self.norm} needs a CIFAR ResNet (--model resnetD)")
+        if not float(self.agc) >= 0.0:
+            raise ValueError(f"--agc must be >= 0 (0: off), but got {self.agc}")
         unknown = sorted(set(cast(Dict[str, Any], self.whitening)) - set(WHITEN_FIELDS))  # set in __post_init__
         if unknown:
             raise ValueError(f"unknown whitening option(s) {unknown}; the methods take {', '.join(WHITEN_FIELDS)}")
@@ -518,10 +525,10 @@ QUICK: Dict[str, Any] = dict(model="resnet8", width=8, epochs=2, batch_size=64, 
 _FINGERPRINT_KEYS = ("dataset", "test_fraction", "train_subset", "test_subset", "augment", "model", "width",
                      "batch_size", "lr", "momentum", "nesterov", "weight_decay", "schedule", "milestones", "lr_gamma",
                      "warmup_epochs", "layer_kw", "diag_batches", "sync_bn", "amp", "channels_last", "compile",
-                     "val_fraction", "norm", "optimizer", "method_lr")
+                     "val_fraction", "norm", "optimizer", "method_lr", "agc")
 #: Keys left out of the fingerprint at these values, so runs checkpointed before the option existed still resume.
 _UNSET: Dict[str, Any] = {"amp": "none", "channels_last": False, "compile": False, "val_fraction": 0.0, "norm": "bn",
-                          "optimizer": "sgd", "method_lr": {}, **{k: None for k in WHITEN_FIELDS}}
+                          "optimizer": "sgd", "method_lr": {}, "agc": 0.0, **{k: None for k in WHITEN_FIELDS}}
 
 
 def fingerprint(record: Mapping[str, Any]) -> Dict[str, Any]:

@@ -52,8 +52,8 @@ except ImportError:  # pragma: no cover - depends on the environment
     tqdm = None
 
 __all__ = ["build_model", "lr_at", "make_loaders", "diagnostic_batches", "measure_diagnostics",
-           "whitening_fingerprint", "Precision", "make_optimizer", "remove_batchnorm", "train_epoch", "evaluate", "Run",
-           "run"]
+           "whitening_fingerprint", "Precision", "make_optimizer", "remove_batchnorm",
+           "group_norm_in_place_of_batchnorm", "make_clip", "train_epoch", "evaluate", "Run", "run"]
 
 
 # ==========================================================================
@@ -94,6 +94,42 @@ def remove_batchnorm(model: nn.Module) -> nn.Module:
     return model
 
 
+def group_norm_in_place_of_batchnorm(model: nn.Module) -> nn.Module:
+    """Every ``BatchNorm2d`` of ``model`` replaced by a ``GroupNorm`` over the same channels (groups of 4 channels,
+    at most 32 groups, Wu and He's default; scale 1, bias 0), in place: batch statistics never mix samples."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.BatchNorm2d):
+                c = child.num_features
+                setattr(parent, name, nn.GroupNorm(min(32, max(1, c // 4)), c).to(child.weight.device))
+    return model
+
+
+def make_clip(cfg: RunConfig, model: nn.Module) -> Optional[Callable[[], None]]:
+    """``--agc``: the gradient clipping run after the backward (after unscaling under a GradScaler), before the
+    step: NFNets' adaptive gradient clipping (pytorch-optimizer's ``agc``: each output unit's gradient norm at most
+    ``agc`` times its weight norm, weights below 1e-3 counted as 1e-3) on every parameter but the classifier's, as
+    Brock et al. (2021) do; ``None`` when off."""
+    ratio = float(cfg.agc)
+    if ratio <= 0.0:
+        return None
+    try:
+        from pytorch_optimizer.optimizer.agc import agc
+    except ImportError as exc:  # pragma: no cover - the peers extra is installed wherever the runner is tested
+        raise RuntimeError("--agc needs pytorch-optimizer: pip install 'whitenlayers[peers]'") from exc
+    head = getattr(model, "fc", None)
+    left_out = {id(p) for p in head.parameters()} if isinstance(head, nn.Module) else set()
+    params = [p for p in model.parameters() if p.requires_grad and id(p) not in left_out]
+
+    @torch.no_grad()
+    def clip() -> None:
+        for p in params:
+            if p.grad is not None:
+                p.grad.copy_(agc(p, p.grad, agc_clip_val=ratio))
+
+    return clip
+
+
 def build_model(cfg: RunConfig, num_classes: int, in_channels: int) -> nn.Module:
     kind, depth = model_spec(cfg.model)
     if kind == "torchvision":
@@ -102,6 +138,8 @@ def build_model(cfg: RunConfig, num_classes: int, in_channels: int) -> nn.Module
                                 width=int(cast(int, cfg.width)))  # resolved in RunConfig.__post_init__
     if cfg.norm == "none":
         remove_batchnorm(model)
+    elif cfg.norm == "gn":
+        group_norm_in_place_of_batchnorm(model)
     return model
 
 
@@ -267,25 +305,32 @@ class Precision:
             x = x.contiguous(memory_format=torch.channels_last)
         return x
 
-    def backward_step(self, loss: torch.Tensor, opt: torch.optim.Optimizer, pre=None) -> None:
-        """Backward, the preconditioner's gradient rewrite (``pre.step()``, K-FAC/FOOF) if any, optimizer step."""
+    def backward_step(self, loss: torch.Tensor, opt: torch.optim.Optimizer, pre=None,
+                      clip: Optional[Callable[[], None]] = None) -> None:
+        """Backward, the preconditioner's gradient rewrite (``pre.step()``, K-FAC/FOOF) if any, the gradient clipping
+        (``clip()``, ``--agc``) if any, optimizer step."""
         if self.scaler is None:
             loss.backward()
             if pre is not None:
                 pre.step()
+            if clip is not None:
+                clip()
             opt.step()
         else:  # skips the step when a gradient is not finite, and adapts the scale
             self.scaler.scale(loss).backward()
-            if pre is not None:
+            if pre is not None or clip is not None:
                 self.scaler.unscale_(opt)
+            if pre is not None:
                 pre.step()
+            if clip is not None:
+                clip()
             self.scaler.step(opt)
             self.scaler.update()
 
 
 def train_epoch(model: nn.Module, opt: torch.optim.Optimizer, loader, ctx: Context, precision: Precision,
                 bar=None, pre=None, step_factor: Optional[Callable[[int], float]] = None,
-                method_lr: float = 0.0) -> Tuple[float, float, int]:
+                method_lr: float = 0.0, clip: Optional[Callable[[], None]] = None) -> Tuple[float, float, int]:
     """One pass over ``loader``; returns this rank's summed loss, correct count and sample count.
 
     ``step_factor(i)``: a per-step schedule (``--schedule linear``), the factor on each param group's ``base_lr``
@@ -308,7 +353,7 @@ def train_epoch(model: nn.Module, opt: torch.optim.Optimizer, loader, ctx: Conte
             out = model(x)
             loss = F.cross_entropy(out, y)
         opt.zero_grad(set_to_none=True)
-        precision.backward_step(loss, opt, pre)
+        precision.backward_step(loss, opt, pre, clip)
         with torch.no_grad():
             loss_sum += loss.detach().double() * y.shape[0]
             correct += (out.argmax(1) == y).sum()
@@ -392,6 +437,7 @@ class Run:
         self.opt = make_optimizer(cfg, method, model)
         make_pre = METHOD_REGISTRY[method].preconditioner
         self.pre = make_pre(model, cfg.method_lr_for(method)) if make_pre is not None else None
+        self.clip = make_clip(cfg, model)
         self.rows: List[Dict[str, Any]] = []
         self.epoch = 0  # epochs completed
         if cfg.resume:
@@ -460,7 +506,7 @@ class Run:
             step_factor = functools.partial(linear_factor, epoch, steps=steps, epochs=epochs, warmup_epochs=warm)
             lr = cfg.method_lr_for(self.method) * step_factor(0)
         loss_sum, correct, seen = train_epoch(self.net, self.opt, self.train_loader, ctx, self.precision, bar,
-                                              self.pre, step_factor, cfg.method_lr_for(self.method))
+                                              self.pre, step_factor, cfg.method_lr_for(self.method), self.clip)
         ctx.synchronize()
         epoch_time = time.perf_counter() - t0
         cpu_time = time.process_time() - c0
