@@ -49,10 +49,12 @@ def _lr_args(methods: Sequence[str], i: int, grid: Dict[str, Tuple[float, ...]] 
     return ["--lr", f"{grid.get('baseline', (0.1,) * 4)[i]:g}", "--method-lr", per]
 
 
-def _chosen(stage: str, methods: Sequence[str]) -> Dict[str, float]:
-    """Per method, the learning rate of the best mean validation final accuracy in ``stage``'s runs."""
+def _chosen(stage: str, methods: Sequence[str], runs: Optional[Sequence[Tuple[str, object]]] = None
+            ) -> Dict[str, float]:
+    """Per method, the learning rate of the best mean validation final accuracy in ``stage``'s runs (``runs``:
+    these runs of the stage instead of all)."""
     best: Dict[str, Tuple[float, float]] = {}
-    for name, _ in STAGES[stage]():
+    for name, _ in (STAGES[stage]() if runs is None else runs):
         rows = _rows(name)
         if rows is None:
             continue
@@ -253,6 +255,60 @@ def _fashion_damped() -> List[Tuple[str, List[str]]]:
 
 
 STAGES["fm-damped"] = _fashion_damped
+
+
+# Where whitening pays without BatchNorm, on Fashion-MNIST: at the FM settings, a 2-epoch budget (final accuracy,
+# and halfway at epoch 1), per batch regime (the study's 128, and 8, the per-sample budget fixed), the arms
+# BatchNorm; GroupNorm; no normalisation (Fixup-style, --norm none) with the baseline, grad and recursive; and
+# normalizer-free with NFNets' adaptive gradient clipping at two clipping ratios (a separate arm each: the
+# non-whitening answer gets the more trials, which can only favour it). Learning rates per arm, regime and method
+# from a 4-point grid on the validation split (seed 0), the best arm of each kind chosen there too; then seeds 0-9
+# on the test split, one run per (regime, seed, arm), paired by seed (same initial weights and data order), a
+# seed's arms one after the other, so that a stopped stage leaves complete seeds.
+FM_NOBN_ARMS: Dict[str, Tuple[List[str], Tuple[str, ...]]] = {
+    "bn": (["--norm", "bn"], ("baseline",)),
+    "gn": (["--norm", "gn"], ("baseline",)),
+    "none": (["--norm", "none"], ("baseline",) + OURS),
+    "nf-agc0.01": (["--norm", "none", "--agc", "0.01"], ("baseline",)),
+    "nf-agc0.1": (["--norm", "none", "--agc", "0.1"], ("baseline",)),
+}
+#: The learning-rate grid of each batch regime (batch 8: the linear scaling rule's rates, 16x smaller, about).
+FM_NOBN_GRID = {128: (0.05, 0.1, 0.2, 0.4), 8: (0.005, 0.01, 0.02, 0.04)}
+FM_NOBN_SEEDS = tuple(range(10))
+FM_NOBN_EPOCHS = 2
+
+
+def _nobn_args(batch: int, arm: str, lrs: Dict[str, float], *rest: str) -> List[str]:
+    flags, methods = FM_NOBN_ARMS[arm]
+    return ["--methods", ",".join(methods), "--lr", f"{lrs['baseline']:g}", "--method-lr",
+            ",".join(f"{m}={lrs[m]:g}" for m in methods), "--batch-size", str(batch), "--epochs",
+            str(FM_NOBN_EPOCHS), *flags, *rest, *FM]
+
+
+def _nobn_val(batch: int, arm: str) -> List[Tuple[str, List[str]]]:
+    methods = FM_NOBN_ARMS[arm][1]
+    return [(f"fm-nobn-val-b{batch}-{arm}-lr{i}",
+             _nobn_args(batch, arm, {m: FM_NOBN_GRID[batch][i] for m in methods}, "--val-fraction", "0.1", "--seeds",
+                        "0")) for i in range(len(FM_NOBN_GRID[batch]))]
+
+
+def _nobn_test() -> List[Tuple[str, Optional[List[str]]]]:
+    out: List[Tuple[str, Optional[List[str]]]] = []
+    for batch in FM_NOBN_GRID:
+        chosen = {}
+        for arm, (_, methods) in FM_NOBN_ARMS.items():
+            try:
+                chosen[arm] = _chosen("fm-nobn-val", methods, _nobn_val(batch, arm))
+            except SystemExit:
+                out.append((f"fm-nobn-b{batch}-{arm}", None))
+        for seed in FM_NOBN_SEEDS:
+            for arm, lrs in chosen.items():
+                out.append((f"fm-nobn-b{batch}-s{seed}-{arm}", _nobn_args(batch, arm, lrs, "--seeds", str(seed))))
+    return out
+
+
+STAGES["fm-nobn-val"] = lambda: [run for b in FM_NOBN_GRID for a in FM_NOBN_ARMS for run in _nobn_val(b, a)]
+STAGES["fm-nobn"] = _nobn_test
 
 
 def _ratio(vals: Sequence[float]) -> str:
