@@ -60,6 +60,14 @@ def parse_layer_kwargs(text: str) -> Dict[str, object]:
     return out
 
 
+def kwargs_for(method: str) -> Dict[str, object]:
+    """The ``LAYER_KWARGS`` of one method: the unprefixed ones and those written ``METHOD:KEY=VALUE`` for it
+    (``--layer-kwargs grad:gains=damped`` leaves the recursive variants as they are)."""
+    out = {k: v for k, v in LAYER_KWARGS.items() if ":" not in k}
+    out.update({k.split(":", 1)[1]: v for k, v in LAYER_KWARGS.items() if k.split(":", 1)[0] == method})
+    return out
+
+
 def setup(threads: int = 2, seed: int = 0, clock: str = "wall", layer_kwargs: str = "") -> None:
     """Threads, seed, the clock of :class:`Interleaved`: ``"wall"`` (``perf_counter``, the default) or
     ``"cpu"`` (``process_time``: this process's CPU time, which other processes on a shared machine disturb
@@ -84,8 +92,8 @@ def add_common_args(parser) -> None:
                         help="clock of the interleaved timings: wall (default) or this process's CPU time "
                              "(use with --threads 1 on a loaded machine)")
     parser.add_argument("--layer-kwargs", default="", metavar="KEY=VALUE,...",
-                        help="keyword arguments of every converted variant, e.g. gains=damped (scenarios step, "
-                             "fold, compile)")
+                        help="keyword arguments of every converted variant, e.g. gains=damped, or of one method's: "
+                             "grad:gains=damped (scenarios step, fold, compile)")
 
 
 def loadavg() -> str:

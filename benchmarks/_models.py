@@ -99,12 +99,12 @@ class Variant:
         self.batches = batches
         self.i = 0
         self.pre: Optional[KroneckerPreconditioner] = None
-        kw = dict(_common.LAYER_KWARGS)
+        method = name.split(":")[0]
+        kw = _common.kwargs_for(method)
         if block_size is not None:
             kw["block_size"] = block_size
         if stats_fraction != 1.0:
             kw["stats_fraction"] = stats_fraction
-        method = name.split(":")[0]
         if method in ("grad", "recursive") and ":centred" in name:
             kw["absorb_centring"] = False  # every layer centres its input
         if method in WHITEN_METHODS:

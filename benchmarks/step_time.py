@@ -44,7 +44,7 @@ import sys
 from typing import Dict, List
 
 import torch
-from _common import LAYER_KWARGS, Interleaved, add_common_args, loadavg, md_table, ratio_stats, setup, write_json
+from _common import Interleaved, add_common_args, kwargs_for, loadavg, md_table, ratio_stats, setup, write_json
 from _models import Variant, build_base, mnist_batches, peak_step_memory, random_batches
 
 import whitenlayers as wl
@@ -120,7 +120,7 @@ def t_accuracy(args) -> Dict[str, object]:
     fractions = sorted(set(fractions))
 
     def run(fraction: float, part: int):
-        m = wl.convert_model(copy.deepcopy(base), "grad", **{**LAYER_KWARGS, "block_size": L,
+        m = wl.convert_model(copy.deepcopy(base), "grad", **{**kwargs_for("grad"), "block_size": L,
                                                               "stats_fraction": fraction}).train()
         for x, _ in data[part * blocks * L:(part + 1) * blocks * L]:
             m(x)

@@ -74,13 +74,14 @@ def test_layer_kwargs_reach_every_converted_variant(monkeypatch):
         {"gains": "damped", "block_size": 5, "eps": 1e-4}
     with pytest.raises(ValueError, match="KEY=VALUE"):
         _common.parse_layer_kwargs("damped")
-    _common.setup(1, 0, "wall", "block_size=7")
+    _common.setup(1, 0, "wall", "block_size=7,recursive:block_size=3")
     try:
-        base = _models.build_base(8, 10)
-        variant = _models.Variant("grad", base, _models.random_batches(1, 2, 8, 10))
         import whitenlayers as wl
 
-        assert {layer.block_size for _, layer in wl.whitening_layers(variant.model)} == {7}
+        base = _models.build_base(8, 10)
+        for method, size in (("grad", 7), ("recursive", 3)):  # a METHOD: prefix wins for that method
+            variant = _models.Variant(method, base, _models.random_batches(1, 2, 8, 10))
+            assert {layer.block_size for _, layer in wl.whitening_layers(variant.model)} == {size}
     finally:
         _common.setup(1, 0, "wall")
 
