@@ -312,6 +312,115 @@ def test_compiled_bf16_statistics_take_the_tensor_core_split():
             assert rel < 2e-5, (name, rel)  # measured: at most 4.4e-6 (a covariance)
 
 
+def _counters() -> tuple:
+    return counters["stats"]["unique_graphs"], sum(counters["frames"].values()), dict(counters["graph_break"])
+
+
+def _compiled_counts(method: str, steps: int, **compile_kwargs) -> tuple:
+    """Dynamo's counters (graphs, frames compiled, graph breaks) after the first compiled step and after ``steps``
+    steps of a CIFAR ResNet-8 (block_size 3), plain (``method`` "plain") or converted; and the model."""
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = wl.models.cifar_resnet(8, width=4).double()
+    if method != "plain":
+        model = wl.convert_model(model, method, block_size=3)
+    compiled = torch.compile(model, **compile_kwargs)
+    first: list = []
+    with torch._dynamo.config.patch(recompile_limit=4):  # room to see a recompilation, should one happen
+        _train(compiled, steps, after_step=lambda: first.append(_counters()) if not first else None)
+    return first[0], _counters(), model
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_compiled_step_compiles_to_the_plain_models_graphs_over_three_blocks(method):
+    """The converted step compiles to as many graphs as the plain model's (one), its very first step included
+    (the first block's first batch), with no graph break and nothing compiled again after the first step over 3
+    blocks and their folds."""
+    (plain_graphs, _, _), (plain_after, _, _), _ = _compiled_counts("plain", 2, backend="aot_eager")
+    first, after, model = _compiled_counts(method, 10, backend="aot_eager")  # 3 blocks of 3 and one step
+    assert plain_graphs == plain_after == 1
+    assert first[0] == after[0] == plain_graphs
+    assert first[1] == after[1], (first, after)  # no frame compiled again: no recompilation
+    assert not first[2] and not after[2], after[2]
+    assert all(int(layer.num_blocks) == 3 for _, layer in wl.whitening_layers(model))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("WHITENLAYERS_TEST_COMPILE") != "1",
+                    reason="code generation: WHITENLAYERS_TEST_COMPILE=1")
+def test_compiled_reduce_overhead_compiles_one_graph_on_the_cpu():
+    """``mode="reduce-overhead"`` (inductor; on a CPU without CUDA graphs, whose recordings are the GPU check): one
+    graph, no graph break, no recompilation over 3 blocks, the state at one address (as under ``aot_eager``)."""
+    first, after, model = _compiled_counts("grad", 10, mode="reduce-overhead")
+    assert first[0] == after[0] == 1
+    assert first[1] == after[1] and not after[2], (first, after)
+    assert all(int(layer.num_blocks) == 3 for _, layer in wl.whitening_layers(model))
+
+
+def _state_addresses(layer) -> dict:
+    """The data pointers of what a compiled graph of ``layer`` reads or writes in its state: the forward's buffers,
+    the block's accumulators and the tensor its batches are summed about."""
+    names = list(layer._FORWARD_BUFFERS)
+    out = {name: layer._buffers[name].data_ptr() for name in names}
+    out["shift"] = layer._shift_store.data_ptr()
+    out["sums"] = (layer._acc_aug if layer._acc_aug is not None else layer._acc_s2).data_ptr()
+    return out
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_compiled_state_keeps_its_storage_from_the_first_step(method):
+    """Every tensor of a layer's state that the compiled graph reads or writes keeps its storage from the very
+    first step on, over 4 folds: the folds, outside the graph, write in place (a recorded CUDA graph stays valid:
+    ``cudagraph_recorded_non_static_inputs`` 0 after the first block, the GPU check). The block's shift is that
+    tensor from the first step on."""
+    torch._dynamo.reset()
+    model = _model(method)
+    compiled = torch.compile(model, backend="aot_eager")
+    layers = [layer for _, layer in wl.whitening_layers(model)]
+    before = [_state_addresses(layer) for layer in layers]
+    seen = []
+    _train(compiled, 13, after_step=lambda: seen.append([_state_addresses(layer) for layer in layers]))
+    assert all(int(layer.num_blocks) == 4 for layer in layers)
+    assert all(step == before for step in seen)
+    assert all(layer._acc_shift is layer._shift_store for layer in layers)
+
+
+class _OneConv(torch.nn.Module):
+    def __init__(self, groups: int) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(4, 4, 3, padding=1, groups=groups)
+
+    def forward(self, x):
+        return self.conv(x)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_compiled_first_batch_takes_the_shift_and_sums_eager_chooses(groups):
+    """The first block's first compiled batch is summed about the shift tensor's values (zeros), and moved outside
+    the graph to the batch's mean, eager's shift: after one step the shift and the block's sums are eager's
+    (float64, inputs of mean 50: the move is exact to rounding), and so is the first fold (block_size 2)."""
+    def run(compile_: bool):
+        torch.manual_seed(0)
+        model = wl.convert_model(_OneConv(groups), "grad", predicate=lambda name, _: name == "conv", block_size=2)
+        model = model.double()
+        run_ = torch.compile(model, backend="aot_eager") if compile_ else model
+        gen = torch.Generator().manual_seed(3)
+        states = []
+        for _ in range(2):
+            run_(torch.randn(3, 4, 5, 5, generator=gen, dtype=torch.float64) * 2 + 50).square().mean().backward()
+            layer = model.conv
+            states.append([t.clone() for t in (layer._acc_shift, layer._acc_s1, layer._acc_s2, layer.running_mean,
+                                               layer.running_cov)])
+        return states
+
+    torch._dynamo.reset()
+    compiled, eager = run(True), run(False)
+    for step_c, step_e in zip(compiled, eager):
+        for got, want in zip(step_c, step_e):
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "aot_eager"])
 def test_the_next_blocks_shift_keeps_its_tensor_across_folds(compiled):
     """A fold writes the next block's shift into the tensor of the block before: a compiled graph reads it at one

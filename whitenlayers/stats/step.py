@@ -324,6 +324,14 @@ class _PerStepMixin(_LayerCore):
             shift_x = self._shift_store.to(_work_dtype(x)).view((1, -1) + (1,) * (x.dim() - 2))
             if lowp:
                 F_w.accumulate_moments_split(cast(Tensor, aug), x, shift_x)
+            elif aug is not None and x.dim() > 2 and x.is_contiguous() and not F_w.fused_moments_on(x.device):
+                # A contiguous (B, M, *spatial) batch where the products are not fused (the CPU): its rows (M, B P)
+                # made in the subtraction's pass, one product, an external kernel (a batched product summed over
+                # the batch is a reduction inductor generates code for, per layer width: compile time)
+                m = x.shape[1]
+                rows = (x - shift_x).transpose(0, 1).reshape(m, -1)
+                aug[:m, :m].add_(rows @ rows.t())
+                aug[:m, m].add_(rows.sum(1))
             else:
                 self._add_sums(x, shift_x)
         self._traced_calls.append(x.numel() // self.num_features)
