@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import weakref
 from typing import Any, Dict, Hashable, List, NamedTuple, Optional, Sequence, Tuple, Type, Union, cast
 
 import torch
@@ -402,14 +403,21 @@ def rule_for(config: WhiteningConfig, rule: Optional[Union[str, Type[TransformRu
     raise TypeError(f"no transform rule takes a {type(config).__name__}")
 
 
+#: :func:`batches_own_results` by class (asked per layer at every fold).
+_OWN_RESULTS: "weakref.WeakKeyDictionary[type, bool]" = weakref.WeakKeyDictionary()
+
+
 def batches_own_results(cls: Type[TransformRule]) -> bool:
     """Whether the :meth:`~whitenlayers.TransformRule.update` of ``cls`` is that of the class defining its
     :meth:`~whitenlayers.TransformRule.compute_batched` (or of a base of it): only then does the fold hand it
     batched results.
     A subclass that overrides ``update`` alone gets each layer's fold unbatched."""
-    owner_update = next(c for c in cls.__mro__ if "update" in c.__dict__)
-    owner_batched = next(c for c in cls.__mro__ if "compute_batched" in c.__dict__)
-    return issubclass(owner_batched, owner_update)
+    known = _OWN_RESULTS.get(cls)
+    if known is None:
+        owner_update = next(c for c in cls.__mro__ if "update" in c.__dict__)
+        owner_batched = next(c for c in cls.__mro__ if "compute_batched" in c.__dict__)
+        known = _OWN_RESULTS[cls] = issubclass(owner_batched, owner_update)
+    return known
 
 
 def batch_key_of(rule: TransformRule, num_features: int, state_dtype: torch.dtype, device: torch.device,

@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import torch
 from torch import Tensor
 
-from ..rules import rule_identity
+from ..rules import _BUILT_IN, rule_identity
 from .state_io import _StateIOMixin, _strict_load
 
 __all__ = ["IDENTITY_BUFFER", "IDENTITY_WIDTH", "encode_identity", "decode_identity"]
@@ -143,8 +143,8 @@ class _RuleStateMixin(_StateIOMixin):
         ours = json.loads(own)
         kept = {**state_dict, key: mine.detach().clone()}
         method = self._checkpoint_method(state_dict, prefix)[0]
-        if method not in (None, "plain", self._method_name()):
-            return kept  # another method: the method check's message says it (state_io)
+        if method not in (None, "plain", self._method_name()) and type(self.rule) in _BUILT_IN:
+            return kept  # another method's built-in rule: the method check's message says it (state_io)
         if theirs["rule"] != ours["rule"]:
             msg = (f"{self._describe()}: the checkpoint at '{where}' was saved with the rule {theirs['rule']!r}, but "
                    f"this layer's rule is {ours['rule']!r} ({type(self.rule).__name__}); build the model with "

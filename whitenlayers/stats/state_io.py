@@ -15,6 +15,7 @@ from torch import Tensor
 
 from .. import functional as F_w
 from ..fold import FAILED, FOLDED, FoldOutcome, PendingFold
+from ..rules import RecursiveRule
 from ._core import _LayerCore
 
 __all__ = ["loading_plain_checkpoint"]
@@ -258,7 +259,7 @@ class _StateIOMixin(_LayerCore):
 
     def _method_name(self) -> str:
         """``"grad"``, ``"recursive"`` or ``"direct"``: :func:`~whitenlayers.convert_model`'s name of the method."""
-        if self.rule.name == "recursive":
+        if isinstance(self.rule, RecursiveRule):  # (a subclass of one's own too: it keeps the recursive buffers)
             return "recursive"
         return "grad" if "grad_transform" in self._buffers else "direct"
 
