@@ -350,7 +350,9 @@ def convert_model(
         **layer_kwargs: for every new layer: the whitening hyper-parameters (the fields of
             :class:`~whitenlayers.EVDConfig` for ``grad`` / ``direct``, of
             :class:`~whitenlayers.RecursiveConfig` for ``recursive``, each documented there), ``config=``,
-            ``process_group=``. Default: none (the paper's values).
+            ``process_group=``, ``rule=`` (a :class:`~whitenlayers.TransformRule` subclass or a registered name,
+            each layer getting its own instance; the fields of the rule's config class are keyword arguments
+            then). Default: none (the paper's values, the built-in rules).
 
     Returns:
         ``model`` (the new layer when ``model`` itself is a converted conv / linear layer), or

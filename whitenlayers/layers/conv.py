@@ -58,6 +58,9 @@ class GradWhitenConv2d(_GradWhitenMixin, nn.Conv2d):
         process_group: under ``torch.distributed``, the group whose ranks sum their block statistics at a
             fold (default ``None``: the default group, every rank; ignored by a single process). Change it
             only to whiten per sub-group of ranks.
+        rule: keyword-only: the transform rule, a :class:`~whitenlayers.TransformRule` subclass or a registered
+            name (default: the built-in rule of the config, EVD here); a rule's config subclass adds its own
+            keyword arguments ("Writing a rule" in the docs).
         features: what a feature vector is: ``"channels"`` (default, the paper: the ``M`` input channels at
             each position) or ``"patches"`` (the unfolded ``M k_h k_w`` input patch: K-FAC's activation
             side; needs ``groups=1`` and ``padding_mode="zeros"``). Patches whiten more but cost
@@ -191,8 +194,8 @@ class GradWhitenLinear(_GradWhitenMixin, nn.Linear):  # type: ignore[misc]
         device, dtype: as for ``nn.Linear`` (default ``None``); they also place the whitening buffers.
         config: the whitening hyper-parameters as one :class:`~whitenlayers.EVDConfig` (default ``None``: its
             defaults); the keyword arguments below override its values.
-        process_group: the ranks that sum their block statistics at a fold (default ``None``: every rank),
-            as for :class:`GradWhitenConv2d`.
+        process_group, rule: as for :class:`GradWhitenConv2d` (default ``None``: every rank; the built-in
+            rule).
         block_size, alpha, eps, stats_fraction, accumulation_steps, stats_every, beta, gmax, gains:
             keyword-only: the :class:`~whitenlayers.EVDConfig` field of that name (meaning, range, default).
 
@@ -313,7 +316,8 @@ class RecursiveWhitenConv2d(GradWhitenConv2d):
     Args:
         in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode:
             as for :class:`GradWhitenConv2d` (``nn.Conv2d``'s arguments and defaults).
-        device, dtype, process_group, features: as for :class:`GradWhitenConv2d`: same meaning and defaults.
+        device, dtype, process_group, features, rule: as for :class:`GradWhitenConv2d`: same meaning and
+            defaults (a rule of one's own takes a :class:`~whitenlayers.RecursiveConfig` here).
         config: the whitening hyper-parameters as one :class:`~whitenlayers.RecursiveConfig` (default
             ``None``: its defaults); the keyword arguments below override its values.
         block_size, alpha, eps, stats_fraction, accumulation_steps, stats_every, beta, gamma, delta, c_rel, c_abs:
@@ -358,7 +362,7 @@ class RecursiveWhitenLinear(GradWhitenLinear):
     """:class:`GradWhitenLinear` with the recursive transform update; see :class:`RecursiveWhitenConv2d`.
 
     Args:
-        in_features, out_features, bias, device, dtype, process_group: as for :class:`GradWhitenLinear`
+        in_features, out_features, bias, device, dtype, process_group, rule: as for :class:`GradWhitenLinear`
             (``nn.Linear``'s arguments and defaults).
         config: the whitening hyper-parameters as one :class:`~whitenlayers.RecursiveConfig` (default
             ``None``: its defaults); the keyword arguments below override its values.

@@ -96,7 +96,7 @@ class GradWhitenConv1d(_GradWhitenConvNd, nn.Conv1d):
         in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode:
             as for ``nn.Conv1d``: same meaning and defaults (``M = in_channels`` features are whitened).
         device, dtype: as for ``nn.Conv1d`` (default ``None``); they also place the whitening buffers.
-        config, process_group: as for :class:`GradWhitenConv2d` (an :class:`~whitenlayers.EVDConfig` or
+        config, process_group, rule: as for :class:`GradWhitenConv2d` (an :class:`~whitenlayers.EVDConfig` or
             ``None`` for its defaults; the ranks that sum the statistics, default every rank).
         block_size, alpha, eps, stats_fraction, accumulation_steps, stats_every, beta, gmax, gains:
             keyword-only: the :class:`~whitenlayers.EVDConfig` field of that name (meaning, range, default).
@@ -142,7 +142,7 @@ class GradWhitenConv3d(_GradWhitenConvNd, nn.Conv3d):
         in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode:
             as for ``nn.Conv3d``: same meaning and defaults (``M = in_channels`` features are whitened).
         device, dtype: as for ``nn.Conv3d`` (default ``None``); they also place the whitening buffers.
-        config, process_group: as for :class:`GradWhitenConv2d` (an :class:`~whitenlayers.EVDConfig` or
+        config, process_group, rule: as for :class:`GradWhitenConv2d` (an :class:`~whitenlayers.EVDConfig` or
             ``None`` for its defaults; the ranks that sum the statistics, default every rank).
         block_size, alpha, eps, stats_fraction, accumulation_steps, stats_every, beta, gmax, gains:
             keyword-only: the :class:`~whitenlayers.EVDConfig` field of that name (meaning, range, default).
@@ -179,7 +179,7 @@ class RecursiveWhitenConv1d(GradWhitenConv1d):
     Args:
         in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode:
             as for :class:`GradWhitenConv1d` (``nn.Conv1d``'s arguments and defaults).
-        device, dtype, process_group: as for :class:`GradWhitenConv1d`: same meaning and defaults.
+        device, dtype, process_group, rule: as for :class:`GradWhitenConv1d`: same meaning and defaults.
         config: the whitening hyper-parameters as one :class:`~whitenlayers.RecursiveConfig` (default
             ``None``: its defaults); the keyword arguments below override its values.
         block_size, alpha, eps, stats_fraction, accumulation_steps, stats_every, beta, gamma, delta, c_rel, c_abs:
@@ -218,7 +218,7 @@ class RecursiveWhitenConv3d(GradWhitenConv3d):
     Args:
         in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode:
             as for :class:`GradWhitenConv3d` (``nn.Conv3d``'s arguments and defaults).
-        device, dtype, process_group: as for :class:`GradWhitenConv3d`: same meaning and defaults.
+        device, dtype, process_group, rule: as for :class:`GradWhitenConv3d`: same meaning and defaults.
         config: the whitening hyper-parameters as one :class:`~whitenlayers.RecursiveConfig` (default
             ``None``: its defaults); the keyword arguments below override its values.
         block_size, alpha, eps, stats_fraction, accumulation_steps, stats_every, beta, gamma, delta, c_rel, c_abs:

@@ -49,6 +49,8 @@ class DirectWhiten(WhiteningLayer, nn.Module):
         process_group: under ``torch.distributed``, the group whose ranks sum their block statistics at a
             fold (default ``None``: the default group, i.e. every rank; a single process ignores it). Change
             it only to whiten per sub-group of ranks.
+        rule: keyword-only: the transform rule, as for :class:`~whitenlayers.GradWhitenConv2d` (its ``T`` is
+            applied to the features: a rule of one's own should give a symmetric one).
         device: where the buffers are created (default ``None``: the current default device), as for
             ``nn.Module`` layers.
         dtype: floating dtype of the buffers (default ``None``: the default dtype, float32); float64 for
