@@ -282,3 +282,11 @@ def test_a_recursive_layers_own_rule_saves_and_loads_its_checkpoint(rule):
     # (the identity rule keeps no recursive buffers: the method check also complains, about the extra keys)
     with pytest.raises(RuntimeError, match=f"saved with the rule 'recursive', but this layer's rule is '{rule.name}'"):
         b.load_state_dict(wl.RecursiveWhitenConv2d(4, 4, 3, block_size=1).state_dict())
+
+
+def test_converting_again_with_another_rule_is_refused():
+    model = wl.convert_model(wl.models.resnet20(), method="grad", rule=EigenbasisRule)
+    assert wl.convert_model(model, method="grad", rule=EigenbasisRule) is model  # the same rule: a no-op
+    with pytest.raises(ValueError, match="'layer1.0.conv1' was converted with the rule 'eigenbasis' \\(EigenbasisRule\\)"
+                                         ", and this call asks for 'evd' \\(EVDRule\\)"):
+        wl.convert_model(model, method="grad")

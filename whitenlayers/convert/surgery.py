@@ -87,7 +87,9 @@ def _check_existing(model: nn.Module, method: str, layer_kwargs: Dict[str, Any])
     that are still plain (e.g. after a partial conversion) and leaves the
     whitening layers as they are; anything else would silently mix layers.
     """
-    config = get_method(method).make_config(f"convert_model(method={method!r})", layer_kwargs)
+    owner = f"convert_model(method={method!r})"
+    config = get_method(method).make_config(owner, layer_kwargs)
+    rule = get_method(method).rule_class(owner, layer_kwargs)
     group = layer_kwargs.get("process_group")
     for name, m in model.named_modules():
         if isinstance(m, DirectWhitenWrapper):
@@ -103,6 +105,12 @@ def _check_existing(model: nn.Module, method: str, layer_kwargs: Dict[str, Any])
                 f"convert_model: the model is already converted with method={have!r} ({where} is a "
                 f"{type(m).__name__}), so method={method!r} cannot be applied on top of it. Convert the plain model "
                 "instead, or fold the whitening out first with to_plain_model(model) and convert that."
+            )
+        if type(layer.rule) is not rule:
+            raise ValueError(
+                f"convert_model: {where} was converted with the rule {layer.rule.name!r} "
+                f"({type(layer.rule).__name__}), and this call asks for {rule.name!r} ({rule.__name__}); converting "
+                "again would leave it as it is. Convert the plain model with the new rule instead."
             )
         if layer.config != config or layer.process_group is not group:
             what = ("another process_group" if layer.config == config else
