@@ -13,6 +13,7 @@ One module per concern:
 - :mod:`~whitenlayers.stats.step`: the per-step path, what a training forward runs when no fold is due;
 - :mod:`~whitenlayers.stats.block`: the block's accumulators and the layer's side of a fold;
 - :mod:`~whitenlayers.stats.state_io`: checkpoints, pickling, scripting;
+- :mod:`~whitenlayers.stats.rule_state`: the rule's name and config in the checkpoint, checked on load;
 - :mod:`~whitenlayers.stats.layer`: the class itself: construction, config, resets and casts;
 - ``_core``: what they share.
 
