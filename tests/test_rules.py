@@ -186,7 +186,7 @@ def test_the_checkpoint_holds_the_rules_name_and_hyper_parameters():
     layer.config = layer.config.replace(power_iterations=3)  # written from the rule in force at each save
     assert '"power_iterations":3' in decode_identity(layer.state_dict()["whitening_rule"])
     shape = layer.state_dict()["whitening_rule"].shape
-    assert shape == wl.GradWhitenConv2d(4, 4, 3, rule=EigenbasisRule).state_dict()["whitening_rule"].shape == (256,)
+    assert shape == wl.GradWhitenConv2d(4, 4, 3, rule=EigenbasisRule).state_dict()["whitening_rule"].shape == (512,)
 
 
 def test_a_checkpoint_of_another_rule_does_not_load_and_names_both():
@@ -231,7 +231,7 @@ def test_other_hyper_parameters_load_keep_the_layers_own_and_warn_once():
 def test_the_identity_survives_averaging_low_precision_casts_and_to_empty():
     text = '{"rule":"evd","gmax":10.0}'
     enc = encode_identity(text)
-    assert enc.shape == (256,) and decode_identity(enc.bfloat16()) == text  # bytes are exact in bf16
+    assert enc.shape == (512,) and decode_identity(enc.bfloat16()) == text  # bytes are exact in bf16
     assert decode_identity(torch.lerp(enc, enc.clone(), 0.1)) == text  # an EMA of equal values
     assert decode_identity(torch.full((4,), 300.0)) is None and decode_identity(torch.tensor([65.0, 0.0, 66.0])) is None
     layer = wl.GradWhitenConv2d(4, 4, 3, device="meta", rule=EigenbasisRule)

@@ -29,7 +29,9 @@ __all__ = ["IDENTITY_BUFFER", "IDENTITY_WIDTH", "encode_identity", "decode_ident
 #: The buffer that holds the rule's identity.
 IDENTITY_BUFFER = "whitening_rule"
 #: The least width of the identity buffer (elements, one byte each); a longer identity takes the next multiple.
-IDENTITY_WIDTH = 256
+#: The built-in rules' identities take under 300 bytes, so that a config changed after the layer was built keeps
+#: the buffer's shape (which a loader that shapes the state from a fresh model needs).
+IDENTITY_WIDTH = 512
 #: Hyper-parameter differences already warned about (one warning per difference, not one per layer).
 _warned_differences: Set[Tuple[str, str]] = set()
 
