@@ -40,7 +40,7 @@ from torch import Tensor
 
 from . import functional as F_w
 from .functional import BlockSummary
-from .rules import _BUILT_IN, NOT_COMPUTED, Fold, RuleResult, check_result
+from .rules import _BUILT_IN, NOT_COMPUTED, Fold, RuleResult, check_results
 
 if TYPE_CHECKING:  # pragma: no cover
     from .config import EVDConfig, RecursiveConfig
@@ -526,37 +526,19 @@ def _transforms(layers: Sequence["WhiteningLayer"], stacked: Fold,
     results = [lead.rule.update(fold, state, p) for fold, state, p in zip(folds, states, pre)]
     if type(lead.rule) in _BUILT_IN:  # they check their own results (finite; shapes by construction)
         return results
-    return _checked_results(layers, results)
-
-
-def _checked_results(layers: Sequence["WhiteningLayer"], results: Sequence[Any]) -> List[Optional[RuleResult]]:
-    """A rule's results, each checked (:func:`~whitenlayers.rules.check_result`: shapes, dtypes, finite, ``Q``
-    symmetric; the device checks read in one host synchronisation): a bad one becomes ``None`` (the previous
-    transform kept, counted in ``eig_failures``) and its layer warns once, naming the rule and the problem."""
-    out: List[Optional[RuleResult]] = list(results)
-    problems: Dict[int, str] = {}
-    pending: List[Tuple[int, List[Tensor]]] = []
-    for k, (layer, result) in enumerate(zip(layers, results)):
-        rule_buffers = {name: layer._buffers[name] for name in layer._rule_buffer_names()}
-        problem, checks = check_result(layer.rule, result, tuple(layer._block_shape), rule_buffers)
+    # Another rule's results are checked (shapes, dtypes, finite, Q symmetric): a bad one keeps the previous transform
+    # (counted in eig_failures) and its layer warns once, naming the rule and the problem.
+    problems = check_results(lead.rule, results, [tuple(layer._block_shape) for layer in layers],
+                             [{n: layer._buffers[n] for n in layer._rule_buffer_names()} for layer in layers])
+    for k, problem in enumerate(problems):
         if problem is not None:
-            problems[k] = problem
-        elif checks:
-            pending.append((k, checks))
-    if pending:
-        flags = torch.stack([torch.stack(checks) for _, checks in pending]).tolist()
-        for (k, _), (finite, symmetric) in zip(pending, flags):
-            if not finite:
-                problems[k] = "non-finite values"
-            elif not symmetric:
-                problems[k] = "a gram (Q) that is not symmetric"
-    for k, problem in problems.items():
-        out[k] = None
-        layer, rule = layers[k], layers[k].rule
-        layer._warn_once("rule_result", f"rule {rule.name!r} ({type(rule).__name__}) returned an invalid result: "
-                                        f"{problem}; the previous transform is kept (counted in eig_failures)")
-        layer._warned.add("transform")  # (not the rule's failure_message as well: this says what failed)
-    return out
+            results[k] = None
+            rule = lead.rule
+            layers[k]._warn_once("rule_result", f"rule {rule.name!r} ({type(rule).__name__}) returned an invalid "
+                                                f"result: {problem}; the previous transform is kept (counted in "
+                                                "eig_failures)")
+            layers[k]._warned.add("transform")  # (not the rule's failure_message as well: this says what failed)
+    return results
 
 
 def _broadcast_outcomes(layers: Sequence["WhiteningLayer"], outcomes: Sequence[Optional[FoldOutcome]],

@@ -474,6 +474,27 @@ def check_result(rule: TransformRule, result: Any, shape: Tuple[int, ...], buffe
     return None, [finite, symmetric]
 
 
+def check_results(rule: TransformRule, results: Sequence[Any], shapes: Sequence[Tuple[int, ...]],
+                  buffers: Sequence[Dict[str, Tensor]]) -> List[Optional[str]]:
+    """:func:`check_result` of each of ``results`` (layers with matrices of ``shapes`` and rule buffers
+    ``buffers``): the problem of each, or ``None``; the device checks of all read in one host synchronisation."""
+    problems: List[Optional[str]] = []
+    pending: List[Tuple[int, List[Tensor]]] = []
+    for k, (result, shape, own) in enumerate(zip(results, shapes, buffers)):
+        problem, checks = check_result(rule, result, shape, own)
+        problems.append(problem)
+        if problem is None and checks:
+            pending.append((k, checks))
+    if pending:
+        flags = torch.stack([torch.stack(checks) for _, checks in pending]).tolist()
+        for (k, _), (finite, symmetric) in zip(pending, flags):
+            if not finite:
+                problems[k] = "non-finite values"
+            elif not symmetric:
+                problems[k] = "a gram (Q) that is not symmetric"
+    return problems
+
+
 def rule_and_config(base: Type[WhiteningConfig], owner: str, config: Optional[WhiteningConfig],
                     whitening: Dict[str, Any], *, exclude: Tuple[str, ...] = ()
                     ) -> Tuple[Type[TransformRule], WhiteningConfig]:
