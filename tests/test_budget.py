@@ -38,9 +38,9 @@ def test_runner_applies_the_linear_schedule_per_step(tmp_path, monkeypatch):
     seen = []
     real = engine.train_epoch
 
-    def spy(model, opt, loader, ctx, precision, bar=None, pre=None, step_factor=None, method_lr=0.0):
+    def spy(model, opt, loader, ctx, precision, bar=None, pre=None, step_factor=None, method_lr=0.0, *rest):
         seen.append([step_factor(i) for i in range(len(loader))])
-        return real(model, opt, loader, ctx, precision, bar, pre, step_factor, method_lr)
+        return real(model, opt, loader, ctx, precision, bar, pre, step_factor, method_lr, *rest)
 
     monkeypatch.setattr(engine, "train_epoch", spy)
     out = str(tmp_path / "lin")
