@@ -436,6 +436,56 @@ def fm_async_table() -> str:
         "\n".join(f"    {_cmd(n)}" for n in first) + "\n"
 
 
+def fm_damped_table() -> str:
+    """The fm-damped stage's table: per budget, the baseline and grad with the practical gains (one run) and grad
+    with the damped gains (another, same seed), each one's final validation accuracy, the paired difference damped
+    minus practical at the final epoch and (2 epochs) at epoch 1, each arm's paired difference from the baseline, and
+    the CPU seconds per epoch of the damped arm against the practical one; only seeds whose two runs both finished."""
+    from convergence_tables import _by, _ci, _ms
+
+    head = ["budget", "baseline: val acc (%)", "grad practical: val acc (%)", "grad damped: val acc (%)",
+            "paired Δ damped − practical, final [95 % CI]", "epoch 1 of 2: practical → damped (%)",
+            "paired Δ at epoch 1 [95 % CI]", "practical − baseline [95 % CI]", "damped − baseline [95 % CI]",
+            "CPU s / epoch, damped vs practical", "seeds"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    loads: List[float] = []
+    for b in FM_DAMPED_BUDGETS:
+        base: Dict[int, List[dict]] = {}
+        prac: Dict[int, List[dict]] = {}
+        damp: Dict[int, List[dict]] = {}
+        for seed in FM_DAMPED_SEEDS:
+            rp, rd = _rows(f"fm-damped-b{b}-s{seed}-practical"), _rows(f"fm-damped-b{b}-s{seed}-damped")
+            if rp is None or rd is None:
+                continue
+            base.update(_by(rp, "baseline"))
+            prac.update(_by(rp, "grad"))
+            damp.update(_by(rd, "grad"))
+            loads += [r["load1"] for r in rp + rd if math.isfinite(r.get("load1", float("nan")))]
+        seeds = sorted(set(base) & set(prac) & set(damp))
+        if not seeds:
+            lines.append(f"| {b} | (not run) |" + " |" * (len(head) - 2))
+            continue
+
+        def acc(runs, s, at=-1):
+            return runs[s][at]["test_acc"]
+
+        cpu = _ratio([np.mean([r["cpu_time"] for r in damp[s]]) / np.mean([r["cpu_time"] for r in prac[s]])
+                      for s in seeds])
+        lines.append("| " + " | ".join([
+            str(b), _ms([acc(base, s) for s in seeds]), _ms([acc(prac, s) for s in seeds]),
+            _ms([acc(damp, s) for s in seeds]), _ci([acc(damp, s) - acc(prac, s) for s in seeds]),
+            f"{_ms([acc(prac, s, 0) for s in seeds])} → {_ms([acc(damp, s, 0) for s in seeds])}" if b > 1 else "—",
+            _ci([acc(damp, s, 0) - acc(prac, s, 0) for s in seeds]) if b > 1 else "(= final)",
+            _ci([acc(prac, s) - acc(base, s) for s in seeds]), _ci([acc(damp, s) - acc(base, s) for s in seeds]),
+            cpu, str(len(seeds))]) + " |")
+    from convergence_tables import _cmd
+    text = "\n".join(lines)
+    text += _load_line(loads)
+    first = [n for n, _ in _fashion_damped() if f"-s{FM_DAMPED_SEEDS[0]}-" in n]
+    return text + "\n\nCommands (seed 0; the other seeds change `--seeds` and `--out` only):\n\n" + \
+        "\n".join(f"    {_cmd(n)}" for n in first) + "\n"
+
+
 def _rows(name: str):
     path = os.path.join(RUNS, name, "metrics.csv")
     if not os.path.isfile(os.path.join(RUNS, name, "summary.md")):
@@ -486,7 +536,8 @@ def main(argv=None) -> int:
     if a.what == "tables":
         from convergence_tables import write_tables  # noqa: E402
         stages = a.stages or list(STAGES)
-        paired = {"fm-schedule": fm_schedule_table, "fm-async": fm_async_table}  # a table each, not one per run
+        paired = {"fm-schedule": fm_schedule_table, "fm-async": fm_async_table,  # a table each, not one per run
+                  "fm-damped": fm_damped_table}
         for name, table in paired.items():
             if name in stages:
                 os.makedirs(OUT, exist_ok=True)

@@ -161,3 +161,17 @@ def test_fm_nobn_stages_cover_the_arms_and_regimes(tmp_path, monkeypatch):
     gn = [args for name, args in runs.items() if name.startswith("fm-nobn-b8-s") and name.endswith("-gn")]
     assert len(gn) == len(c.FM_NOBN_SEEDS) and all(opt(a, "--lr") == "0.02" for a in gn)
     assert runs["fm-nobn-b8-bn"] is None and opt(runs["fm-nobn-b8-s3-gn"], "--seeds") == "3"
+
+
+def test_fm_damped_table_on_written_runs(tmp_path, monkeypatch):
+    c, root = _runs_in(tmp_path, monkeypatch)
+    for seed, bump in ((0, 0.0), (1, 0.5), (2, -0.5)):
+        _write(root, f"fm-damped-b2-s{seed}-practical", seed, [("baseline", [80 + bump, 88 + bump], 10.0),
+                                                                ("grad", [84 + bump, 89 + bump], 11.0)])
+        _write(root, f"fm-damped-b2-s{seed}-damped", seed, [("grad", [83 + bump, 89.5 + bump], 5.5)])
+    _write(root, "fm-damped-b1-s0-practical", 0, [("baseline", [85], 10.0), ("grad", [86], 11.0)])  # no pair
+    text = c.fm_damped_table()
+    assert "| 2 | 88.00 ± 0.50 | 89.00 ± 0.50 | 89.50 ± 0.50 | +0.50 [+0.50, +0.50] | 84.00 ± 0.50 → 83.00 ± 0.50 | " \
+           "-1.00 [-1.00, -1.00] | +1.00 [+1.00, +1.00] | +1.50 [+1.50, +1.50] | 0.50x [0.50, 0.50] | 3 |" in text
+    assert "| 1 | (not run) |" in text
+    assert "runs/convergence/fm-damped-b2-s0-damped" in text
