@@ -151,16 +151,20 @@ def cold_child(variant: str, device: torch.device, mode: str, steps: int, steady
             phases[name.split(".")[-1]] = round(sum(values), 1)
     frames = sum(counters["frames"].values())
     times = []
+    warm: Dict[str, int] = {}
     if steady:
         for _ in range(max(0, 12 - steps)):  # past the first block's fold
             step()
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
+        warm = {k: v for k, v in counters["inductor"].items() if k.startswith("cudagraph")}
         for _ in range(steady):
             t = time.perf_counter()
             step()
             times.append(time.perf_counter() - t)
-    recorded = {k: v for k, v in counters["inductor"].items() if k.startswith("cudagraph")}
+    # CUDA graph trees' counters over the steady steps only (after the first block): 0 re-recordings expected
+    recorded = {k: v - warm.get(k, 0) for k, v in counters["inductor"].items()
+                if k.startswith("cudagraph")}
     return {"variant": variant, "first": first, "cpu": cpu, "graphs": counters["stats"]["unique_graphs"],
             "breaks": sum(counters["graph_break"].values()), "recompiled": sum(counters["frames"].values()) - frames,
             "nodes": sum(nodes), "phases": phases, "steady_ms": 1e3 * sorted(times)[len(times) // 2] if times else None,
