@@ -402,7 +402,7 @@ class _PerStepMixin(_LayerCore):
         finite, so that one bad batch cannot poison the block's other batches). Chosen on the device: no host
         synchronisation. The shift is also the tensor a compiled forward of the layer sums about (_shift_store)."""
         m = self.num_features
-        if not shifted and self._stats_unshifted:  # `shifted` first: a traced block start never reads the flag
+        if not shifted and self._stats_unshifted:  # `shifted`: the mean in force or the batch's, whatever the flag
             self._acc_shift = self.__dict__["_shift_store"] = torch.zeros(m, dtype=torch.float64, device=x.device)
             self._acc_shift_x = None
             return
