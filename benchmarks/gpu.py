@@ -407,7 +407,7 @@ def compiled_table(device: torch.device, tiny: bool, rounds: int,
             step()
             sync(device)
             first = time.perf_counter() - t0
-            for _ in range(12):  # a whole block (10) and more: the second graph and the first fold
+            for _ in range(12):  # a whole block (10) and more: the first fold between replays
                 step()
             times, host = [], []
             for _ in range(max(rounds, 3) * 5):

@@ -356,7 +356,7 @@ def test_compiled_trains_like_eager():
     compiled = torch.compile(model, backend="aot_eager")
     with torch._dynamo.config.patch(recompile_limit=3):
         _train(compiled, batches)
-    assert 1 <= counters["stats"]["unique_graphs"] <= 2
+    assert counters["stats"]["unique_graphs"] == 1
     eager = _model()
     _train(eager, batches)
     assert all(int(layer.num_blocks) == 2 for layer in _layers(model))
