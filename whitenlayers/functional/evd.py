@@ -378,7 +378,9 @@ def _damped_stack(covs: Tensor, eps: float, gmax: float, dtype: torch.dtype) -> 
     chol, info = torch.linalg.cholesky_ex(a)
     t = _tril_inverse(chol).mul_(c.sqrt().view(-1, 1, 1, 1))
     q = _tril_gram(t)  # T^T T = c (L L^T)^-1
-    ok = (info == 0).view(n_layers, groups).all(-1) & finite_each(t, q)
+    # Q finite implies T finite (Q's diagonal sums the squares of T's columns: a NaN or Inf in T makes one NaN or
+    # Inf there), and a non-finite covariance gives a non-finite Q (or a failed factorisation): one check.
+    ok = (info == 0).view(n_layers, groups).all(-1) & finite_each(q)
     return t, q, ok
 
 
@@ -394,8 +396,8 @@ def damped_transform_batched(
     whitening, not the ZCA one). No eigendecomposition and, on CUDA, no host synchronisation but the one
     that reads which factorisations succeeded: a Cholesky factorisation, then ``L^-1`` and ``T^T T`` by halves
     (:func:`_tril_inverse`, :func:`_tril_gram`: matrix products). A layer whose factorisation fails (or gives
-    non-finite values) is factorised again alone in float64; ``None`` when that fails too, or when its
-    covariance is not finite (a non-finite matrix is factorised with the others, its result dropped).
+    non-finite values) is factorised again alone in float64; ``None`` when that fails too (a non-finite
+    covariance among them: the fold never hands one to its rule, whose inputs it checks first).
 
     Args:
         covs: covariances ``(L, M, M)``, or grouped layers' diagonal blocks ``(L, G, k, k)`` (``M = G k``: the
@@ -414,14 +416,13 @@ def damped_transform_batched(
     if stack.shape[0] == 0:
         return out
     work = cholesky_dtype(covs) if dtype is None else dtype
-    finite_in = finite_each(stack)  # (an overflowing sum counts as not finite)
     t, q, ok = _damped_stack(stack, eps, gmax, work)
-    ok_in, ok_out = torch.stack([finite_in, ok]).tolist()  # one host synchronisation
+    ok_out = ok.tolist()  # one host synchronisation
     for j, (tj, qj) in enumerate(zip(t.unbind(0), q.unbind(0))):
-        if ok_in[j] and ok_out[j]:
+        if ok_out[j]:
             out[j] = (tj, qj) if grouped else (tj[0], qj[0])
     for j in range(len(out)):
-        if ok_in[j] and not ok_out[j] and work != torch.float64:  # retried alone, in float64
+        if not ok_out[j] and work != torch.float64:  # retried alone, in float64
             t64, q64, ok64 = _damped_stack(stack[j : j + 1], eps, gmax, torch.float64)
             if bool(ok64[0]):
                 tj, qj = t64[0].to(work), q64[0].to(work)
