@@ -26,8 +26,10 @@ import torch
 import torch._dynamo
 import torch.nn.functional as F
 from _common import (
+    LAYER_KWARGS,
     add_common_args,
     command_line,
+    kwargs_for,
     loadavg,
     machine_description,
     md_table,
@@ -66,7 +68,7 @@ def graph_counts(methods: List[str], blocks: int = 3, block_size: int = 10, tiny
         for name in ["plain"] + methods:
             model = copy.deepcopy(base)
             if name != "plain":
-                model = wl.convert_model(model, name, block_size=block_size)
+                model = wl.convert_model(model, name, **{**kwargs_for(name), "block_size": block_size})
             torch._dynamo.reset()
             counters.clear()
             watch.hits = 0
@@ -100,7 +102,7 @@ def _cold_model(variant: str, device: torch.device, tiny: bool):
         model = resnet50(num_classes=classes)
     method, _, kwargs = variant.partition(":")
     if method != "plain":
-        model = wl.convert_model(model, method, **parse_layer_kwargs(kwargs))
+        model = wl.convert_model(model, method, **{**kwargs_for(method), **parse_layer_kwargs(kwargs)})
     model = model.to(device).train()
     x = torch.randn(batch, 3, hw, hw, device=device)
     if cuda:
@@ -191,7 +193,8 @@ def cold_table(variants: List[str], rounds: int, device: str, mode: str, steps: 
                            TORCHINDUCTOR_AUTOGRAD_CACHE="0")
                 load = loadavg()
                 out = subprocess.run([sys.executable, __file__, "--cold-child", variant, "--device", device, "--mode",
-                                      mode, "--cold-steps", str(steps), "--steady", str(steady)]
+                                      mode, "--cold-steps", str(steps), "--steady", str(steady),
+                                      "--layer-kwargs", ",".join(f"{k}={v!r}" for k, v in LAYER_KWARGS.items())]
                                      + (["--tiny"] if tiny else []), env=env, capture_output=True, text=True)
                 line = [s for s in out.stdout.splitlines() if s.startswith("{")]
                 if out.returncode != 0 or not line:
@@ -233,7 +236,7 @@ def main(argv=None) -> Dict[str, object]:
     p.add_argument("--mode", default="default", choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"])
     p.add_argument("--cold-child", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    setup(args.threads, args.seed, args.clock)
+    setup(args.threads, args.seed, args.clock, args.layer_kwargs)
     if args.cold_child:
         import json
 

@@ -29,16 +29,16 @@ import time
 from typing import Dict, List
 
 import torch
-from _common import Interleaved, add_common_args, loglog_slope, md_table, setup, write_json
+from _common import Interleaved, add_common_args, kwargs_for, loglog_slope, md_table, setup, write_json
 
 import whitenlayers as wl
 from whitenlayers import functional as F
 from whitenlayers.fold import fold_layers
 
 
-def _layer(cls, m: int, gen: torch.Generator):
+def _layer(cls, m: int, gen: torch.Generator, **kw):
     """A layer with one folded block behind it and a prepared summary of the next block."""
-    layer = cls(m, m, bias=False)
+    layer = cls(m, m, bias=False, **kw)
     mix = torch.randn(m, m, generator=gen) / m**0.5
     for _ in range(2):
         z = torch.randn(4 * m, m, generator=gen)
@@ -52,8 +52,8 @@ def _layer(cls, m: int, gen: torch.Generator):
 def one_fold(sizes: List[int], repeat: int, gen: torch.Generator) -> Dict[str, object]:
     rows, per_m = [], []
     for m in sizes:
-        evd, s_evd = _layer(wl.GradWhitenLinear, m, gen)
-        rec, s_rec = _layer(wl.RecursiveWhitenLinear, m, gen)
+        evd, s_evd = _layer(wl.GradWhitenLinear, m, gen, **kwargs_for("grad"))
+        rec, s_rec = _layer(wl.RecursiveWhitenLinear, m, gen, **kwargs_for("recursive"))
         cov = evd.running_cov.clone()
         t_prev = rec.whitening_matrix.double()
         q_prev = rec.whitening_gram.double()
@@ -92,7 +92,8 @@ def one_fold(sizes: List[int], repeat: int, gen: torch.Generator) -> Dict[str, o
 def _resnet110_layers(method: str, tiny: bool):
     """The whitening layers of a converted CIFAR ResNet-110 (or ResNet-8 when tiny), with a filled block."""
     depth = 8 if tiny else 110
-    model = wl.convert_model(wl.models.cifar_resnet(depth, num_classes=100), method, block_size=10**6)
+    model = wl.convert_model(wl.models.cifar_resnet(depth, num_classes=100), method,
+                             **{**kwargs_for(method), "block_size": 10**6})
     layers = [m for m in model.modules() if isinstance(m, wl.WhiteningLayer)]
     model.train()
     for _ in range(2):  # two blocks, so the second fold is a regular (non-first) fold
@@ -184,7 +185,7 @@ def main(argv=None) -> Dict[str, object]:
     p.add_argument("--sizes", default="64,128,256,512,1024")
     p.add_argument("--repeat", type=int, default=9)
     args = p.parse_args(argv)
-    setup(args.threads, args.seed, args.clock)
+    setup(args.threads, args.seed, args.clock, args.layer_kwargs)
     gen = torch.Generator().manual_seed(args.seed)
     sizes = [8, 16] if args.tiny else [int(s) for s in args.sizes.split(",")]
     repeat = 2 if args.tiny else args.repeat

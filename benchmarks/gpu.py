@@ -41,7 +41,7 @@ import time
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
-from _common import add_common_args, md_table, setup, write_json
+from _common import add_common_args, kwargs_for, md_table, setup, write_json
 from _resnet50 import resnet50
 from torch import nn
 
@@ -385,7 +385,8 @@ def compiled_table(device: torch.device, tiny: bool, rounds: int,
     for mode in modes:
         plain_step = plain_mean = float("nan")
         for name in names:
-            model = copy.deepcopy(base) if name == "plain" else wl.convert_model(copy.deepcopy(base), method=name)
+            model = copy.deepcopy(base) if name == "plain" else wl.convert_model(copy.deepcopy(base), method=name,
+                                                                                 **kwargs_for(name))
             model.to(device).train()
             if big and cuda:
                 model.to(memory_format=torch.channels_last)

@@ -64,6 +64,15 @@ def test_scenario_tiny(name, tmp_path):
     assert text in proc.stdout
 
 
+@pytest.mark.parametrize("name", ["fold", "compile"])
+def test_scenario_takes_layer_kwargs(name, tmp_path):
+    """The fold and compile scenarios pass ``--layer-kwargs`` to their converted layers (one method's here)."""
+    out = tmp_path / "out.md"
+    _run([str(BENCH / "bench.py"), name, "--tiny", "--out", str(out), "--", "--layer-kwargs", "grad:gains=damped"],
+         tmp_path)
+    assert "-- --layer-kwargs grad:gains=damped` |" in out.read_text()
+
+
 def test_layer_kwargs_reach_every_converted_variant(monkeypatch):
     """``--layer-kwargs`` (e.g. ``gains=damped``) goes into every converted variant of the step scenario."""
     monkeypatch.syspath_prepend(str(BENCH))
