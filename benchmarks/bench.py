@@ -56,7 +56,8 @@ SCENARIOS: Dict[str, Scenario] = {
                      "one fold of one layer, EVD vs recursive, M = 64 ... 1024; a whole-model fold of ResNet-110"),
     "compile": Scenario("compile_step.py", "torch.compile",
                         "graphs, breaks and recompiles of converted models (aot_eager); the compiled step "
-                        "(inductor) against the compiled plain model"),
+                        "(inductor) against the compiled plain model; --cold VARIANTS: each compiled in a fresh "
+                        "process"),
     "async": Scenario("fold_async.py", "The asynchronous fold",
                       "the step that ends a block against one that does not, fold_async=False / True "
                       "(ResNet-50 layout at width 8, one thread each; --device cuda on a GPU)"),
