@@ -425,7 +425,7 @@ def test_compiled_first_batch_takes_the_shift_and_sums_eager_chooses(groups):
 def test_the_next_blocks_shift_keeps_its_tensor_across_folds(compiled):
     """A fold writes the next block's shift into the tensor of the block before: a compiled graph reads it at one
     address over any number of blocks (CUDA graph trees record a graph again when an input moves: an H200 run
-    recorded again at every fold). The training is unchanged (benchmarks/state_identity.py: bit-identical)."""
+    recorded again at every fold). The training is unchanged (bit-identical, checked by a probe since retired)."""
     torch._dynamo.reset()
     model = _model("grad")
     run = torch.compile(model, backend="aot_eager") if compiled else model

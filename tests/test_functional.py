@@ -352,7 +352,7 @@ def test_accumulate_moments_split_matches_float64(b, m, hw, layout, dtype, offse
 def test_accumulate_moments_split_is_accurate_where_one_bf16_rounding_is_not():
     """Why two bf16 numbers per difference: ``x - shift`` rounded to bf16 once is biased (its rounding is the same
     for every element of a binade of the discrete bf16 inputs), ~1e-3 of the covariance on post-ReLU activations;
-    the split is within ~1e-5 (benchmarks/stats_precision.py has the table)."""
+    the split is within ~1e-5 (measured by a probe since retired, in git's history)."""
     gen = torch.Generator().manual_seed(0)
     m = 32
     x = (torch.relu(torch.randn(16384, m, generator=gen) * torch.linspace(0.2, 3.0, m)) + 0.3).bfloat16()

@@ -16,7 +16,7 @@ from .spectrum import effective_rank
 # --------------------------------------------------------------------------
 def eigh_dtype(cov: Tensor) -> torch.dtype:
     """The dtype ``eigh`` works in for ``cov``: float64 on CUDA (cuSOLVER's float64 ``syevd`` took 245 ms for
-    ResNet-50's 52 covariances where float32 took 318 ms, on an H100 with torch 2.11: ``benchmarks/gpu_probe.py``;
+    ResNet-50's 52 covariances where float32 took 318 ms, on an H100 with torch 2.11, a probe since retired;
     and it is the more accurate), else ``cov``'s dtype when float32 / float64, else float32."""
     if cov.is_cuda:
         return torch.float64
