@@ -106,3 +106,31 @@ def test_submodule_forwards_fold_where_the_root_would():
         if isinstance(a, wl.WhiteningLayer) and name.startswith(("layer1", "layer2")):
             for key in ("running_mean", "grad_transform", "bias_correction", "num_blocks"):
                 torch.testing.assert_close(getattr(a, key), getattr(b, key), **TOL, msg=f"{name}.{key}")
+
+
+def _pending_after_submodule_training():
+    model = wl.convert_model(_base(), "grad", block_size=3)
+    _train_features(model, 6)  # the 6th forward ended a block: its fold waits for the layers' next forward
+    assert model.layer1[0].conv1._fold_pending
+    return model.eval()
+
+
+def test_jit_trace_with_a_fold_pending_folds_outside_the_trace():
+    model = _pending_after_submodule_training()
+    x = _batch(7, n=2)
+    with torch.no_grad():
+        traced = torch.jit.trace(model, x)  # its check run traces again: the graphs must agree
+        assert not model.layer1[0].conv1._fold_pending
+        torch.testing.assert_close(traced(x), model(x), **TOL)
+
+
+def test_torch_export_with_a_fold_pending():
+    """The root's forward hook folds no pending layer while torch.export traces (under fake tensors it cannot);
+    the next eager forward does, and the exported program reads the buffers it writes in place."""
+    model = _pending_after_submodule_training()
+    x = _batch(7, n=2)
+    exported = torch.export.export(model, (x,))
+    with torch.no_grad():
+        y = model(x)
+    assert not model.layer1[0].conv1._fold_pending
+    torch.testing.assert_close(exported.module()(x), y, **TOL)

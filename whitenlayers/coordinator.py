@@ -41,6 +41,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["FoldCoordinator", "check_fold_async"]
 
 _get_ident = threading.get_ident
+_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
 _traced_calls = operator.attrgetter("_traced_calls")
 _dict_of = operator.attrgetter("__dict__")
 # (for the C-level loops over a forward's handed batches, _add_handed_batches)
@@ -219,7 +220,7 @@ class FoldCoordinator:
                 if layer._traced_calls:  # called inside a compiled graph: count its batches here (WhiteningLayer)
                     layer._count_traced_batches()
                     self.traced = True  # compiled layers take no shared transform's view: on_forward runs no more
-        if self.pending:
+        if self.pending and not _exporting():  # (torch.export traces the forward: a fold is no part of it)
             self.flush()
 
     @torch.compiler.disable  # host logic and the fold: outside any compiled graph

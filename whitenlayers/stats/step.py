@@ -12,9 +12,10 @@ Part of :mod:`whitenlayers.stats`.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
-from typing import TYPE_CHECKING, Dict, Optional, Tuple, cast
+from typing import TYPE_CHECKING, Dict, Iterator, Optional, Tuple, cast
 
 import torch
 from torch import Tensor
@@ -61,6 +62,18 @@ def _define_snapshot_op() -> None:
 _LIBRARIES: list = []
 _define_snapshot_op()
 _is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)  # torch.export (ONNX's exporter among its users)
+
+
+@contextlib.contextmanager
+def _tracing_suspended() -> Iterator[None]:
+    """No ``torch.jit.trace`` recording inside (what it would record is not part of the traced function)."""
+    set_state = torch._C._set_tracing_state  # type: ignore[attr-defined]  # (not in torch's type stubs)
+    state = torch._C._get_tracing_state()
+    set_state(None)
+    try:
+        yield
+    finally:
+        set_state(state)
 
 
 def _work_dtype(x: Tensor) -> torch.dtype:
@@ -111,8 +124,13 @@ class _PerStepMixin(_LayerCore):
             # sub-module (a backbone, a neck), not through the converted model's root, or twice in one forward.
             # Fold now, before this forward reads its buffers, as the root's end would have: the forward then
             # uses the new transform and mean, and an absorbed offset follows the mean in force (read before the
-            # fold, it would track the old one).
-            self._fold_now()
+            # fold, it would track the old one). Under torch.jit.trace outside the trace (its check run, which finds
+            # nothing pending, would record another graph).
+            if _jit_tracing():
+                with _tracing_suspended():
+                    self._fold_now()
+            else:
+                self._fold_now()
         state = self._forward_snapshot()
         self.__dict__["_in_force"] = state  # a plain attribute (Module.__setattr__ costs more than this method)
         # Under torch.inference_mode a training-mode forward gathers nothing and counts nothing: a fold there would
