@@ -8,6 +8,7 @@ draws fresh random examples for a local bug hunt::
 """
 import os
 
+import pytest
 from hypothesis import settings
 
 settings.register_profile("deterministic", derandomize=True, print_blob=True)
@@ -31,3 +32,15 @@ if os.environ.get("WHITENLAYERS_TEST_FUSED") == "1":
     from whitenlayers.functional import moments as _moments
 
     _moments._FUSED_ON_CPU[0] = True
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    """One intra-op thread for a module of tiny tensors (``pytestmark = pytest.mark.usefixtures("single_thread")``):
+    much faster than two on a shared 2-core machine."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -21,13 +21,7 @@ from whitenlayers import models
 TIGHT = dict(rtol=1e-9, atol=1e-11)  # float64: what rounding differences leave after a few SGD steps
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny tensors: one intra-op thread is much faster than two on a shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("single_thread")  # (tests/conftest.py)
 
 
 def batches(n, *, seed=1, size=16, channels=3, classes=10, batch=8, dtype=torch.float64):

@@ -18,12 +18,7 @@ CASES = [
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("single_thread")  # (tests/conftest.py)
 
 
 def data(b, m, nd, seed, size=5, dtype=torch.float32):

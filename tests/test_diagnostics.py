@@ -16,13 +16,7 @@ from whitenlayers.diagnostics import summarize
 METHODS = ["grad", "recursive", "direct"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny tensors: one intra-op thread is much faster than two on a shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("single_thread")  # (tests/conftest.py)
 
 
 def small_resnet(seed=0, **kw):

@@ -25,12 +25,7 @@ METHODS = ["grad", "recursive", "direct"]
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("single_thread")  # (tests/conftest.py)
 
 
 FAMILIES = {

@@ -24,13 +24,7 @@ GRAD_CONVS = [wl.GradWhitenConv2d, wl.RecursiveWhitenConv2d]
 DT = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny tensors: one intra-op thread is much faster than two on a shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("single_thread")  # (tests/conftest.py)
 
 
 def random_blocks(g, k, seed, scale=True):

@@ -15,12 +15,7 @@ from whitenlayers import models
 TOL = dict(rtol=1e-9, atol=1e-10)  # float64: rounding of a layer folded alone vs with the others (batched eigh)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("single_thread")  # (tests/conftest.py)
 
 
 def _batch(seed, n=8):
