@@ -138,29 +138,42 @@ def test_the_damped_arm_trains_ci_sized(tmp_path):
 def test_fm_nobn_stages_cover_the_arms_and_regimes(tmp_path, monkeypatch):
     c, _ = _convergence()
     val = dict(c.STAGES["fm-nobn-val"]())
-    assert len(val) == len(c.FM_NOBN_GRID) * len(c.FM_NOBN_ARMS) * 4 == 40
+    assert len(val) == len(c.FM_NOBN_GRID) * len(c.FM_NOBN_ARMS) * 4 + len(c.FM_NOBN_EXTEND) == 42
     opt = lambda args, k: args[args.index(k) + 1]  # noqa: E731
     small = val["fm-nobn-val-b8-none-lr1"]
     assert opt(small, "--batch-size") == "8" and opt(small, "--norm") == "none"
     assert opt(small, "--methods") == "baseline,grad,recursive" and opt(small, "--val-fraction") == "0.1"
     assert opt(small, "--method-lr") == "baseline=0.01,grad=0.01,recursive=0.01"
-    assert opt(val["fm-nobn-val-b128-nf-agc0.1-lr0"], "--agc") == "0.1"
+    nf = val["fm-nobn-val-b128-nf-agc0.1-lr0"]
+    assert opt(nf, "--agc") == "0.1" and opt(nf, "--norm") == "nf"
     assert opt(val["fm-nobn-val-b128-gn-lr3"], "--norm") == "gn"
+    assert opt(val["fm-nobn-val-b8-gn-lr4"], "--lr") == "0.08" and "fm-nobn-val-b8-bn-lr4" not in val
     # no validation run yet: the test stage waits for it, arm by arm
     c, root = _runs_in(tmp_path, monkeypatch)
     pending = c.STAGES["fm-nobn"]()
-    assert all(args is None for _, args in pending) and len(pending) == len(c.FM_NOBN_GRID) * len(c.FM_NOBN_ARMS)
+    assert all(args is None for _, args in pending) and len(pending) == len(c.FM_NOBN_GRID) * len(c.FM_NOBN_TEST_ARMS)
+
+    def val_run(arm, accs, batch=8):
+        for i, acc in enumerate(accs):
+            name = f"fm-nobn-val-b{batch}-{arm}-lr{i}"
+            _write(root, name, 0, [("baseline", [acc - 5, acc], 10.0)])
+            lr = dict(c._nobn_val(batch, arm))[name][3]
+            with open(os.path.join(root, name, "config.json"), "w") as fh:
+                fh.write('{"lr": %s, "method_lr": {"baseline": %s}}' % (lr, lr))
+
     # the GroupNorm arm's validation at batch 8 done: its test runs take the best rate (index 2), seeds 0-9
-    for i, acc in enumerate((70.0, 75.0, 80.0, 60.0)):
-        name = f"fm-nobn-val-b8-gn-lr{i}"
-        _write(root, name, 0, [("baseline", [acc - 5, acc], 10.0)])
-        lr = c.FM_NOBN_GRID[8][i]
-        with open(os.path.join(root, name, "config.json"), "w") as fh:
-            fh.write('{"lr": %r, "method_lr": {"baseline": %r}}' % (lr, lr))
+    val_run("gn", (70.0, 75.0, 80.0, 60.0, 50.0))
     runs = dict(c.STAGES["fm-nobn"]())
     gn = [args for name, args in runs.items() if name.startswith("fm-nobn-b8-s") and name.endswith("-gn")]
     assert len(gn) == len(c.FM_NOBN_SEEDS) and all(opt(a, "--lr") == "0.02" for a in gn)
     assert runs["fm-nobn-b8-bn"] is None and opt(runs["fm-nobn-b8-s3-gn"], "--seeds") == "3"
+    # the normalizer-free arm: one clipping ratio's grid is not enough, then the better ratio with its rate
+    val_run("nf-agc0.01", (60.0, 66.0, 70.0, 71.0))
+    assert dict(c.STAGES["fm-nobn"]())["fm-nobn-b8-nf"] is None
+    val_run("nf-agc0.1", (72.0, 79.0, 75.0, 70.0))
+    runs = dict(c.STAGES["fm-nobn"]())
+    nf = runs["fm-nobn-b8-s0-nf"]
+    assert opt(nf, "--agc") == "0.1" and opt(nf, "--lr") == "0.01" and opt(nf, "--norm") == "nf"
 
 
 def test_fm_damped_table_on_written_runs(tmp_path, monkeypatch):

@@ -226,6 +226,30 @@ def test_group_norm_resnet_replaces_every_batchnorm():
         ex.RunConfig(model="resnet50", norm="gn", out="unused", dataset="imagefolder:/x")
 
 
+def test_normalizer_free_resnet_standardises_weights_and_starts_each_block_as_the_identity():
+    cfg = ex.RunConfig(dataset="synthetic", model="resnet8", norm="nf", out="unused")
+    torch.manual_seed(0)
+    model = engine.build_model(cfg, 4, 3)
+    assert not any(isinstance(m, (nn.BatchNorm2d, nn.GroupNorm)) for m in model.modules())
+    convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
+    assert convs and all(torch.nn.utils.parametrize.is_parametrized(m, "weight") for m in convs)
+    for m in convs:  # each unit's weights: mean 0, variance gamma^2 / fan_in (the raw weights are not)
+        w = m.weight.detach().flatten(1).double()
+        var, mean = torch.var_mean(w, dim=1, unbiased=False)
+        torch.testing.assert_close(mean, torch.zeros_like(mean), atol=1e-6, rtol=0)
+        gamma = engine.ScaledStandardization.gamma
+        torch.testing.assert_close(var * w.shape[1], torch.full_like(var, gamma ** 2), rtol=1e-4, atol=0)
+        assert float(m.parametrizations.weight.original.detach().abs().sum()) > 0.0
+    blocks = [b for b in model.modules() if isinstance(b, whitenlayers.models.BasicBlock)]
+    assert blocks and all(float(b.conv2.parametrizations.weight.original.detach().abs().sum()) > 0.0 for b in blocks)
+    x = torch.randn(2, 3, 8, 8)
+    for b in blocks:  # the zero gain: every block starts as relu(shortcut(x)), whatever its convolutions
+        h = torch.randn(2, b.conv1.in_channels, 8, 8)
+        torch.testing.assert_close(b(h), torch.relu(b.shortcut(h)))
+    model(x).sum().backward()
+    assert all(b.bn2[1].gain.grad is not None and float(b.bn2[1].gain.grad.abs()) > 0 for b in blocks)
+
+
 @pytest.mark.skipif(not HAVE_LIB, reason="needs pytorch-optimizer (the peers extra)")
 def test_agc_clips_each_unit_to_its_ratio_of_the_weight_norm_except_the_classifier():
     cfg = ex.RunConfig(dataset="synthetic", model="resnet8", norm="none", agc=0.01, out="unused")
@@ -248,7 +272,7 @@ def test_agc_clips_each_unit_to_its_ratio_of_the_weight_norm_except_the_classifi
 
 
 @pytest.mark.skipif(not HAVE_LIB, reason="needs pytorch-optimizer (the peers extra)")
-@pytest.mark.parametrize("arm", [["--norm", "gn"], ["--norm", "none", "--agc", "0.01"]])
+@pytest.mark.parametrize("arm", [["--norm", "gn"], ["--norm", "none", "--agc", "0.01"], ["--norm", "nf", "--agc", "0.1"]])
 def test_the_normalisation_arms_in_a_tiny_run_at_a_small_batch(tmp_path, arm):
     rows, out = _tiny(tmp_path, ["baseline", "grad"], "--batch-size", "8", *arm)
     assert {r["method"] for r in rows} == {"baseline", "grad"}

@@ -303,13 +303,15 @@ class RunConfig:
     batch_size: int = _opt(128, "global batch size, split over processes", _MODEL, cli=_INT, show_default=True)
     norm: str = _opt(
         "bn", "CIFAR ResNet normalisation: bn (BatchNorm, default), gn (GroupNorm in place of every BatchNorm, groups "
-        "of 4 channels, at most 32 groups) or none (Fixup-style: BatchNorm replaced by a per-channel scale and bias, "
+        "of 4 channels, at most 32 groups), none (Fixup-style: BatchNorm replaced by a per-channel scale and bias, "
         "each block's last convolution and the classifier zero-initialised, the first convolution of each block "
-        "scaled by L^-1/2 for L blocks)", _MODEL, cli={"choices": ("bn", "gn", "none")})
+        "scaled by L^-1/2 for L blocks) or nf (normalizer-free, NF-ResNet style: BatchNorm replaced by a per-channel "
+        "scale and bias, scaled weight standardisation on every convolution, a zero-initialised scalar gain "
+        "ending each residual branch; with --agc, NFNets)", _MODEL, cli={"choices": ("bn", "gn", "none", "nf")})
     agc: float = _opt(
         0.0, "adaptive gradient clipping (NFNets, Brock et al. 2021; pytorch-optimizer's unit-wise agc): each "
         "weight row's gradient norm clipped to this ratio of the row's norm, every parameter but the classifier's; "
-        "0 (default): off. With --norm none: the normalizer-free arm (needs the peers extra)", _MODEL, cli=_FLOAT)
+        "0 (default): off. With --norm nf: the normalizer-free arm (needs the peers extra)", _MODEL, cli=_FLOAT)
     optimizer: str = _opt(
         "sgd", "optimizer of every method that has none of its own (baseline, the whitening methods, K-FAC, FOOF, "
         "IterNorm): sgd (with --momentum, --nesterov), adam or adamw (betas 0.9, 0.999; --weight-decay as L2 for "

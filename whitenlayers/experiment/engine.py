@@ -53,7 +53,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 __all__ = ["build_model", "lr_at", "make_loaders", "diagnostic_batches", "measure_diagnostics",
            "whitening_fingerprint", "Precision", "make_optimizer", "remove_batchnorm",
-           "group_norm_in_place_of_batchnorm", "make_clip", "train_epoch", "evaluate", "Run", "run"]
+           "normalizer_free", "group_norm_in_place_of_batchnorm", "make_clip", "train_epoch", "evaluate", "Run", "run"]
 
 
 # ==========================================================================
@@ -91,6 +91,58 @@ def remove_batchnorm(model: nn.Module) -> nn.Module:
         if isinstance(getattr(model, "fc", None), nn.Linear):
             cast(nn.Linear, model.fc).weight.zero_()
             cast(nn.Linear, model.fc).bias.zero_()
+    return model
+
+
+class ScaledStandardization(nn.Module):
+    """Scaled weight standardisation (Brock et al. 2021, NF-ResNets), a parametrization of a convolution's
+    weight: each output unit's weights centred and scaled to ``gamma / sqrt(fan_in)`` times unit variance, with
+    ``gamma = sqrt(2 / (1 - 1/pi))`` (the ReLU's), so that a ReLU network keeps its signal's variance without
+    normalising activations."""
+
+    gamma = math.sqrt(2.0 / (1.0 - 1.0 / math.pi))
+
+    def __init__(self, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        flat = w.flatten(1)
+        var, mean = torch.var_mean(flat, dim=1, unbiased=False, keepdim=True)
+        scale = self.gamma * torch.rsqrt(var * flat.shape[1] + self.eps)
+        return ((flat - mean) * scale).view_as(w)
+
+
+class ResidualGain(nn.Module):
+    """A learnable scalar gain on a residual branch, initialised to 0 (SkipInit, De and Smith 2020): each block
+    starts as the identity while its convolutions keep their ordinary initialisation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gain
+
+
+def normalizer_free(model: nn.Module) -> nn.Module:
+    """Normalizer-free CIFAR ResNet (NF-ResNet style, Brock et al. 2021), in place: every BatchNorm2d becomes a
+    :class:`ChannelAffine` (scale 1, bias 0), every convolution's weight a scaled weight standardisation
+    (:class:`ScaledStandardization`, weights left at their ordinary initialisation) and each residual block's
+    branch ends in a zero-initialised scalar gain (:class:`ResidualGain`). Trained with ``--agc``, NFNets'
+    adaptive gradient clipping, it is the normalizer-free arm; the convolutions stay ``nn.Conv2d``."""
+    from torch.nn.utils import parametrize
+
+    blocks = [m for m in model.modules() if isinstance(m, models.BasicBlock)]
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.BatchNorm2d):
+                setattr(parent, name, ChannelAffine(child.num_features).to(child.weight.device))
+    for b in blocks:
+        b.bn2 = nn.Sequential(b.bn2, ResidualGain().to(b.conv2.weight.device))  # type: ignore[assignment]
+    for m in list(model.modules()):
+        if isinstance(m, nn.Conv2d):
+            parametrize.register_parametrization(m, "weight", ScaledStandardization())
     return model
 
 
@@ -140,6 +192,8 @@ def build_model(cfg: RunConfig, num_classes: int, in_channels: int) -> nn.Module
         remove_batchnorm(model)
     elif cfg.norm == "gn":
         group_norm_in_place_of_batchnorm(model)
+    elif cfg.norm == "nf":
+        normalizer_free(model)
     return model
 
 
