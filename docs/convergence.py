@@ -263,10 +263,11 @@ STAGES["fm-damped"] = _fashion_damped
 # normalizer-free (--norm nf: scaled weight standardisation, zero-initialised residual gains) with NFNets' adaptive
 # gradient clipping, the non-whitening answer to the same problem. Learning rates per arm, regime and method from a
 # 4-point grid on the validation split (seed 0), extended by one rate above where the grid's top rate won
-# (GroupNorm at both batches); the clipping ratio (0.01, NFNets' large-batch value, or 0.1) is chosen there too,
-# with its rate (the normalizer-free arm gets the more trials, which can only favour it). Then seeds 0-9 on the
-# test split, one run per (regime, seed, arm), paired by seed (same initial weights and data order), a seed's arms
-# one after the other, so that a stopped stage leaves complete seeds.
+# (GroupNorm and the normalizer-free arm at 0.1, at both batches); the clipping ratio (0.01, NFNets' large-batch
+# value, or 0.1) is chosen there too, with its rate (the normalizer-free arm gets the more trials, which can only
+# favour it). Then seeds 0-9 on the test split, one run per (regime, seed, arm), paired by seed (same initial
+# weights and data order), a seed's arms one after the other and both regimes of a seed before the next seed, so
+# that a stopped stage leaves complete seeds.
 FM_NOBN_ARMS: Dict[str, Tuple[List[str], Tuple[str, ...]]] = {
     "bn": (["--norm", "bn"], ("baseline",)),
     "gn": (["--norm", "gn"], ("baseline",)),
@@ -279,7 +280,7 @@ FM_NOBN_TEST_ARMS = {"bn": ("bn",), "gn": ("gn",), "none": ("none",), "nf": ("nf
 #: The learning-rate grid of each batch regime (batch 8: the linear scaling rule's rates, 16x smaller, about).
 FM_NOBN_GRID = {128: (0.05, 0.1, 0.2, 0.4), 8: (0.005, 0.01, 0.02, 0.04)}
 #: One rate above the grid, for the arms whose top rate won on the grid (decided from the grid's results).
-FM_NOBN_EXTEND = {(128, "gn"): 0.8, (8, "gn"): 0.08}
+FM_NOBN_EXTEND = {(128, "gn"): 0.8, (8, "gn"): 0.08, (128, "nf-agc0.1"): 0.8, (8, "nf-agc0.1"): 0.08}
 FM_NOBN_SEEDS = tuple(range(10))
 FM_NOBN_EPOCHS = 2
 
@@ -321,15 +322,16 @@ def _opt_of(args: Sequence[str], flag: str) -> str:
 
 def _nobn_test() -> List[Tuple[str, Optional[List[str]]]]:
     out: List[Tuple[str, Optional[List[str]]]] = []
+    chosen: Dict[int, Dict[str, Tuple[str, Dict[str, float]]]] = {batch: {} for batch in FM_NOBN_GRID}
     for batch in FM_NOBN_GRID:
-        chosen = {}
         for arm, candidates in FM_NOBN_TEST_ARMS.items():
             try:
-                chosen[arm] = _nobn_best(batch, candidates)
+                chosen[batch][arm] = _nobn_best(batch, candidates)
             except SystemExit:
                 out.append((f"fm-nobn-b{batch}-{arm}", None))
-        for seed in FM_NOBN_SEEDS:
-            for arm, (val_arm, lrs) in chosen.items():
+    for seed in FM_NOBN_SEEDS:
+        for batch in FM_NOBN_GRID:
+            for arm, (val_arm, lrs) in chosen[batch].items():
                 out.append((f"fm-nobn-b{batch}-s{seed}-{arm}", _nobn_args(batch, val_arm, lrs, "--seeds", str(seed))))
     return out
 

@@ -138,7 +138,7 @@ def test_the_damped_arm_trains_ci_sized(tmp_path):
 def test_fm_nobn_stages_cover_the_arms_and_regimes(tmp_path, monkeypatch):
     c, _ = _convergence()
     val = dict(c.STAGES["fm-nobn-val"]())
-    assert len(val) == len(c.FM_NOBN_GRID) * len(c.FM_NOBN_ARMS) * 4 + len(c.FM_NOBN_EXTEND) == 42
+    assert len(val) == len(c.FM_NOBN_GRID) * len(c.FM_NOBN_ARMS) * 4 + len(c.FM_NOBN_EXTEND) == 44
     opt = lambda args, k: args[args.index(k) + 1]  # noqa: E731
     small = val["fm-nobn-val-b8-none-lr1"]
     assert opt(small, "--batch-size") == "8" and opt(small, "--norm") == "none"
@@ -170,7 +170,7 @@ def test_fm_nobn_stages_cover_the_arms_and_regimes(tmp_path, monkeypatch):
     # the normalizer-free arm: one clipping ratio's grid is not enough, then the better ratio with its rate
     val_run("nf-agc0.01", (60.0, 66.0, 70.0, 71.0))
     assert dict(c.STAGES["fm-nobn"]())["fm-nobn-b8-nf"] is None
-    val_run("nf-agc0.1", (72.0, 79.0, 75.0, 70.0))
+    val_run("nf-agc0.1", (72.0, 79.0, 75.0, 70.0, 60.0))
     runs = dict(c.STAGES["fm-nobn"]())
     nf = runs["fm-nobn-b8-s0-nf"]
     assert opt(nf, "--agc") == "0.1" and opt(nf, "--lr") == "0.01" and opt(nf, "--norm") == "nf"
