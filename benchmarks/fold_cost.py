@@ -10,6 +10,9 @@ medians, their ratio and the transform alone (``functional.evd_transform``
 vs ``functional.recursive_step``, which is the ``O(M^2)`` part the paper
 counts). Growth exponents are least-squares slopes of log(time) on log(M).
 
+Part 3 -- ``gains="damped"`` against ``"practical"`` (grad): a step dominated by its fold (one layer,
+``M = 768``, ``block_size=1``) and the whole fold of the ResNet-50 layout, interleaved (``--parts gains``).
+
 Part 2 -- the fold of all 108 whitening layers of CIFAR ResNet-110 (widths
 16/32/64), as ``fold_layers`` does it at the end of a block: each EVD layer
 folded on its own (``fold_layers([layer])`` per layer) vs all together
@@ -29,7 +32,7 @@ import time
 from typing import Dict, List
 
 import torch
-from _common import Interleaved, add_common_args, kwargs_for, loglog_slope, md_table, setup, write_json
+from _common import Interleaved, add_common_args, kwargs_for, loglog_slope, md_table, ratio_stats, setup, write_json
 
 import whitenlayers as wl
 from whitenlayers import functional as F
@@ -173,6 +176,55 @@ def whole_model(repeat: int, tiny: bool) -> Dict[str, object]:
     return out
 
 
+def gains(repeat: int, tiny: bool) -> Dict[str, object]:
+    """Part 3: ``gains="damped"`` (a Cholesky factorisation) against ``"practical"`` (``eigh``), grad, interleaved:
+    (a) a training step dominated by its fold: one ``GradWhitenLinear`` with ``M = 768`` inputs and outputs,
+    ``block_size=1`` (every step folds), batch 256, forward and backward; (b) the whole fold of the
+    ResNet-50 layout (``_resnet50.py``: 52 layers, ``M`` up to 2048), as ``fold_layers`` runs it at a block's end."""
+    from _resnet50 import resnet50
+
+    m, batch = (16, 8) if tiny else (768, 256)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.relu(torch.randn(batch, m, generator=gen) @ (torch.randn(m, m, generator=gen) / m**0.5))
+    steps: Dict[str, object] = {}
+    for g in ("practical", "damped"):
+        layer = wl.GradWhitenLinear(m, m, bias=False, **{**kwargs_for("grad"), "gains": g, "block_size": 1})
+
+        def step(layer=layer):
+            layer(x).square().mean().backward()  # the block of one forward folds in it (block_size=1)
+        for _ in range(2):
+            step()
+        steps[f"step {g}"] = step
+    for g in ("practical", "damped"):
+        base = wl.models.cifar_resnet(8, width=4) if tiny else resnet50(num_classes=10)
+        model = wl.convert_model(base, "grad", **{**kwargs_for("grad"), "gains": g, "block_size": 10**6}).train()
+        layers = [l for l in model.modules() if isinstance(l, wl.WhiteningLayer)]
+        for r in range(3):  # two folds behind (the second a regular one), a block filled
+            with torch.no_grad():
+                model(torch.randn(2 if tiny else 8, 3, 32 if tiny else 64, 32 if tiny else 64, generator=gen))
+            if r < 2:
+                fold_layers(layers)
+        states = [l.get_extra_state() for l in layers]
+
+        def fold(layers=layers, states=states):
+            for layer, st in zip(layers, states):
+                layer.set_extra_state(st)  # refill the block (its cost is the same in both variants)
+            fold_layers(layers)
+        steps[f"fold {g}"] = fold
+    times = Interleaved(steps).run(repeat, warmup=1).times
+    rows = []
+    for what, label in (("step", f"step of one layer, M = {m}, block_size=1 (forward and backward, folding)"),
+                        ("fold", f"whole fold, {'CIFAR ResNet-8' if tiny else 'ResNet-50 layout'} ({len(layers)} layers)")):
+        st = ratio_stats({g: times[f"{what} {g}"] for g in ("practical", "damped")}, "practical")
+        rows.append([label, 1e3 * st["practical"]["median_s"], 1e3 * st["damped"]["median_s"],
+                     st["damped"]["ratio_median"], st["damped"]["ratio_paired_median"]])
+    md = (f"grad, medians of {repeat} interleaved repetitions (each includes refilling the block from a saved "
+          "state: the same work in both variants).\n\n"
+          + md_table(["scenario", "practical (ms)", "damped (ms)", "damped / practical (medians)",
+                      "damped / practical (paired median)"], rows))
+    return {"rows": rows, "markdown": md}
+
+
 def _t(fn) -> float:
     t0 = time.perf_counter()
     fn()
@@ -184,19 +236,30 @@ def main(argv=None) -> Dict[str, object]:
     add_common_args(p)
     p.add_argument("--sizes", default="64,128,256,512,1024")
     p.add_argument("--repeat", type=int, default=9)
+    p.add_argument("--parts", default="one,model,gains",
+                   help="which parts to run: one (one layer, EVD vs recursive), model (ResNet-110's whole fold), "
+                        "gains (damped vs practical gains: a fold-bound step, the ResNet-50 layout's fold)")
     args = p.parse_args(argv)
     setup(args.threads, args.seed, args.clock, args.layer_kwargs)
     gen = torch.Generator().manual_seed(args.seed)
     sizes = [8, 16] if args.tiny else [int(s) for s in args.sizes.split(",")]
     repeat = 2 if args.tiny else args.repeat
-    part1 = one_fold(sizes, repeat, gen)
-    part2 = whole_model(2 if args.tiny else max(repeat, 7), args.tiny)
-    md = ["### One fold of one layer: EVD vs recursive", "",
-          f"Medians of {repeat} interleaved repetitions; float32 statistics (the layers' default).", "",
-          part1["markdown"], "", "### Whole-model fold: CIFAR ResNet-110", "", part2["markdown"]]
-    text = "\n".join(md)
+    parts = set(args.parts.split(","))
+    md, out = [], {}
+    if "one" in parts:
+        out["one_fold"] = one_fold(sizes, repeat, gen)
+        md += ["### One fold of one layer: EVD vs recursive", "",
+               f"Medians of {repeat} interleaved repetitions; float32 statistics (the layers' default).", "",
+               out["one_fold"]["markdown"], ""]
+    if "model" in parts:
+        out["whole_model"] = whole_model(2 if args.tiny else max(repeat, 7), args.tiny)
+        md += ["### Whole-model fold: CIFAR ResNet-110", "", out["whole_model"]["markdown"], ""]
+    if "gains" in parts:
+        out["gains"] = gains(repeat, args.tiny)
+        md += ["### Damped against practical gains", "", out["gains"]["markdown"], ""]
+    text = "\n".join(md).rstrip()
     print(text)
-    write_json(args.json, {"one_fold": part1, "whole_model": part2, "markdown": text})
+    write_json(args.json, {**out, "markdown": text})
     return {"markdown": text}
 
 

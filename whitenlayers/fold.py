@@ -346,11 +346,20 @@ def _local_summaries(layers: Sequence["WhiteningLayer"],
     dev = sums[0][2].device
     count = torch.tensor([n for n, _, _, _ in sums], dtype=f64, device=dev)
     shift = torch.stack([k if k is not None else torch.zeros_like(s1) for _, k, s1, _ in sums])
-    s1 = torch.stack([s[2] for s in sums]).to(f64)  # the block's sums, in float64 from here on
-    s2 = torch.stack([s[3] for s in sums]).to(f64)
-    block = F_w.summarize_block(count, shift, s1, s2)
-    finite, firsts = _read_with_firsts(F_w.finite_each(s1, s2), layers)
+    s1 = _stack64([s[2] for s in sums])  # the block's sums, in float64 from here on
+    s2 = _stack64([s[3] for s in sums])
+    finite = F_w.finite_each(s1, s2)  # (before summarize_block overwrites s2)
+    block = F_w.summarize_block(count, shift, s1, s2, inplace=True)
+    finite, firsts = _read_with_firsts(finite, layers)
     return _unstack(block, len(layers)), [int(not ok) for ok in finite], firsts
+
+
+def _stack64(tensors: Sequence[Tensor]) -> Tensor:
+    """``torch.stack(tensors).to(torch.float64)`` in one allocation (the fold's matrices are large: each
+    temporary costs a pass over memory and its first-touch page faults)."""
+    out = torch.empty((len(tensors),) + tuple(tensors[0].shape), dtype=torch.float64, device=tensors[0].device)
+    torch._foreach_copy_(list(out.unbind(0)), list(tensors))
+    return out
 
 
 def _read_with_firsts(flags: Tensor, layers: Sequence["WhiteningLayer"]) -> Tuple[List[float], List[bool]]:
@@ -368,7 +377,19 @@ def _unstack(block: BlockSummary, n: int) -> List[BlockSummary]:
 
 
 def _stack(blocks: Sequence[BlockSummary]) -> BlockSummary:
-    return BlockSummary(*(torch.stack(ts) for ts in zip(*blocks)))
+    return BlockSummary(*(_restack(ts) for ts in zip(*blocks)))
+
+
+def _restack(tensors: Sequence[Tensor]) -> Tensor:
+    """``torch.stack(tensors)``, for reading: the stack they were unbound from (:func:`_unstack`) when they are
+    its slices in order, without a copy."""
+    base = tensors[0]._base
+    if (base is not None and base.dim() == tensors[0].dim() + 1 and base.shape[0] == len(tensors)
+            and all(t._base is base and t.shape == base.shape[1:] and t.stride() == base.stride()[1:]
+                    and t.data_ptr() == base.data_ptr() + k * base.stride(0) * base.element_size()
+                    for k, t in enumerate(tensors))):
+        return base
+    return torch.stack(list(tensors))
 
 
 def _own_all(tensors: Sequence[Tensor]) -> List[Tensor]:
@@ -456,9 +477,9 @@ def _outcomes(layers: Sequence["WhiteningLayer"], blocks: Sequence[BlockSummary]
     states = _states(layers, states)
     config, rule = lead.config, lead.rule
     block = _stack(blocks)
-    cov_prev = torch.stack([s["running_cov"] for s in states])
+    cov_prev = _stack64([s["running_cov"] for s in states])
     block_cov = F_w.block_covariance(block, mus)
-    cov = F_w.recursive_average(cov_prev, block_cov, config.alpha, list(firsts))
+    cov = F_w.recursive_average(cov_prev, block_cov, config.alpha, list(firsts), inplace=True)
     finite = F_w.finite_each(mus, cov)
     flags = torch.stack([finite, block.count > 0, unshifted.to(finite.device)]).tolist()
     status: List[Optional[int]] = []

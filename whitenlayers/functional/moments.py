@@ -71,9 +71,9 @@ def finite_each(*stacks: Tensor) -> Tensor:
     Args:
         *stacks: tensors sharing a leading layer dimension ``L``.
     """
-    total = stacks[0].flatten(1).sum(-1)
-    for t in stacks[1:]:
-        total = total + t.flatten(1).sum(-1)
+    total = stacks[0].sum(tuple(range(1, stacks[0].dim()))) if stacks[0].dim() > 1 else stacks[0]
+    for t in stacks[1:]:  # (a sum over the trailing dimensions: no copy of a non-contiguous stack, as flatten makes)
+        total = total + (t.sum(tuple(range(1, t.dim()))) if t.dim() > 1 else t)
     return total * 0 == 0  # x * 0 is NaN exactly for NaN and +-Inf
 
 
@@ -527,7 +527,7 @@ def _first_or(first: Union[bool, Sequence[bool]], new: Tensor, recursed: Callabl
     return torch.where(_per_layer(mask, new), new, out)
 
 
-def summarize_block(count: Tensor, shift: Tensor, s1: Tensor, s2: Tensor) -> BlockSummary:
+def summarize_block(count: Tensor, shift: Tensor, s1: Tensor, s2: Tensor, *, inplace: bool = False) -> BlockSummary:
     """Turn shifted sums into a :class:`BlockSummary` (mean and centred scatter).
 
     The scatter about the block's own mean (:func:`scatter_about`) is exact
@@ -539,12 +539,18 @@ def summarize_block(count: Tensor, shift: Tensor, s1: Tensor, s2: Tensor) -> Blo
     Args:
         count, shift, s1, s2: the block's sample count, the shift, ``sum (x - shift)`` ``(M,)`` and
             ``sum (x - shift)(x - shift)^T`` ``(M, M)`` (grouped ``(G, k, k)``; stacked: a leading ``L``).
+        inplace: ``s2`` (float64, a tensor of the caller's own) is used as work space and overwritten: two
+            matrix-sized allocations instead of four (default ``False``). The result is the same either way.
     """
     n = count.to(torch.float64)
     shift = shift.to(torch.float64)
     mean = shift + s1.to(torch.float64) / _per_layer(torch.clamp(n, min=1.0), s1)
-    scatter = scatter_about(count, shift, s1, s2, mean)
-    return BlockSummary(n, mean, symmetrize(scatter), block_power(count, shift, s1, s2))
+    power = block_power(count, shift, s1, s2)  # (from s2's diagonal: before s2 is overwritten)
+    if not (inplace and s2.dtype == torch.float64):
+        return BlockSummary(n, mean, symmetrize(scatter_about(count, shift, s1, s2, mean)), power)
+    scatter = scatter_about(count, shift, s1, s2, mean, inplace=True)
+    out = torch.empty_like(scatter)  # symmetrize(scatter), written where no operand lives
+    return BlockSummary(n, mean, torch.add(scatter, scatter.mT, out=out).mul_(0.5), power)
 
 
 def block_power(count: Tensor, shift: Tensor, s1: Tensor, s2: Tensor) -> Tensor:
@@ -582,11 +588,11 @@ def scatter_about(count: Tensor, shift: Tensor, s1: Tensor, s2: Tensor, center: 
     n = _per_layer(count.to(torch.float64), s1)
     e = center.to(torch.float64) - shift.to(torch.float64)
     u = s1.to(torch.float64) - (0.5 * n) * e
-    ue = _outer(u, e, s2)
-    both = ue + ue.mT  # u e^T + e u^T, symmetric to the last bit
-    if inplace:
-        return s2.sub_(both)
-    return s2.to(torch.float64) - both
+    out = s2 if inplace else s2.to(torch.float64, copy=True)
+    u, e = u.reshape(s2.shape[:-1]), e.reshape(s2.shape[:-1])
+    # two rank-one updates in place: no matrix-sized temporary, contiguous reads only
+    return out.addcmul_(u.unsqueeze(-1), e.unsqueeze(-2), value=-1.0).addcmul_(e.unsqueeze(-1), u.unsqueeze(-2),
+                                                                                value=-1.0)
 
 
 def fold_mean(mean_prev: Tensor, block: BlockSummary, alpha: float, first: Union[bool, Sequence[bool]]) -> Tensor:
@@ -618,23 +624,29 @@ def block_covariance(block: BlockSummary, mu: Tensor) -> Tensor:
     """
     scatter = block.scatter.to(torch.float64)
     n = _per_layer(torch.clamp(block.count.to(torch.float64), min=1.0), scatter)
-    d = block.mean.to(torch.float64) - mu.to(torch.float64)
-    return scatter / n + _outer(d, d, scatter)
+    d = (block.mean.to(torch.float64) - mu.to(torch.float64)).reshape(scatter.shape[:-1])
+    return torch.div(scatter, n).addcmul_(d.unsqueeze(-1), d.unsqueeze(-2))  # one matrix-sized allocation
 
 
-def recursive_average(prev: Tensor, new: Tensor, alpha: float, first: Union[bool, Sequence[bool]]) -> Tensor:
+def recursive_average(prev: Tensor, new: Tensor, alpha: float, first: Union[bool, Sequence[bool]], *,
+                      inplace: bool = False) -> Tensor:
     """``alpha prev + (1 - alpha) new``, or ``new`` for the first block (no recursion). float64.
 
-    Stacked layers: ``first`` one flag per layer.
+    Stacked layers: ``first`` one flag per layer. Elementwise: a symmetric ``prev`` and ``new`` give a result
+    symmetric to the last bit.
 
     Args:
         prev: the running value.
         new: the block's value, same shape.
         alpha: the config field ``alpha``, in ``[0, 1)``.
         first: ``True`` for the first folded block; one flag per layer when stacked.
+        inplace: write the recursion into ``prev`` (float64, a tensor of the caller's own) instead of a new
+            tensor (default ``False``); the result is the same either way.
     """
     new = new.to(torch.float64)
-    return _first_or(first, new, lambda: alpha * prev.to(torch.float64) + (1.0 - alpha) * new)
+    if inplace and prev.dtype == torch.float64:
+        return _first_or(first, new, lambda: prev.mul_(alpha).add_(new, alpha=1.0 - alpha))
+    return _first_or(first, new, lambda: torch.mul(prev.to(torch.float64), alpha).add_(new, alpha=1.0 - alpha))
 
 
 def fold_moments(
