@@ -340,6 +340,156 @@ STAGES["fm-nobn-val"] = lambda: [run for b in FM_NOBN_GRID for a in FM_NOBN_ARMS
 STAGES["fm-nobn"] = _nobn_test
 
 
+#: Post-hoc kappa and rho of each fm-nobn test run's final model: held-aside training batches (no augmentation) of
+#: this many samples, the runner's diagnostic batches (``diagnostic_batches``) at batch 128.
+FM_NOBN_DIAG_BATCHES = 4
+
+
+def _final_diagnostics(name: str) -> Dict[str, Tuple[float, float]]:
+    """Per method of run ``name``: ``(kappa, rho)`` of its final checkpoint's features (every block convolution's
+    input; ``T Phi T^T`` for a whitening layer), measured once and kept in the run's folder
+    (``final_diagnostics.json``). The runs train with ``--diag-batches 0`` (no per-epoch cost in their times)."""
+    import dataclasses
+
+    import torch
+
+    from whitenlayers.experiment import engine
+    from whitenlayers.experiment.checkpoint import checkpoint_path
+    from whitenlayers.experiment.config import METHOD_REGISTRY, RunConfig, method_kwargs
+    from whitenlayers.experiment.data import load_dataset
+    from whitenlayers.experiment._safe_io import load_checkpoint
+
+    cache = os.path.join(RUNS, name, "final_diagnostics.json")
+    if os.path.isfile(cache):
+        return {m: tuple(v) for m, v in json.load(open(cache)).items()}  # type: ignore[misc]
+    cfg = RunConfig.from_record(json.load(open(os.path.join(RUNS, name, "config.json"))))
+    cfg = dataclasses.replace(cfg, batch_size=128, diag_batches=FM_NOBN_DIAG_BATCHES, out=os.path.join(RUNS, name))
+    bundle = load_dataset(cfg.dataset, data_dir=cfg.data_dir, test_fraction=float(cfg.test_fraction))
+    out: Dict[str, Tuple[float, float]] = {}
+    for method in cfg.methods:
+        seed = int(cfg.seeds[0])
+        torch.manual_seed(seed)
+        model = engine.build_model(cfg, bundle.num_classes, bundle.in_channels)
+        model = METHOD_REGISTRY[method].apply(model, method_kwargs(cfg, method))
+        model.load_state_dict(load_checkpoint(checkpoint_path(cfg.out, method, seed))["model"])
+        d = engine.measure_diagnostics(model, engine.diagnostic_batches(cfg, bundle, seed), torch.device("cpu"))
+        out[method] = (d["kappa_mean"], d["rho_mean"])
+    with open(cache, "w") as f:
+        json.dump(out, f)
+    return out
+
+
+def _nobn_val_score(batch: int, arm: str, method: str) -> float:
+    """``method``'s best final validation accuracy over ``arm``'s grid at ``batch`` (NaN before it ran)."""
+    scores = [float(np.mean(_finals(rows, method))) for rows in (_rows(n) for n, _ in _nobn_val(batch, arm))
+              if rows is not None and _finals(rows, method)]
+    return max(scores) if scores else float("nan")
+
+
+def fm_nobn_val_table() -> str:
+    """The fm-nobn-val grid: per batch, arm and method, the final validation accuracy (halfway in brackets) per
+    rate, and the rate chosen."""
+    lines = ["| batch | arm | method | " + " | ".join(f"lr{i}" for i in range(5)) + " | chosen rate |",
+             "|" + "---|" * 9]
+    for batch in FM_NOBN_GRID:
+        for arm, (_, methods) in FM_NOBN_ARMS.items():
+            runs = _nobn_val(batch, arm)
+            for m in methods:
+                cells = []
+                for name, args in runs:
+                    rows = _rows(name)
+                    by = [r for r in (rows or []) if r["method"] == m]
+                    by.sort(key=lambda r: r["epoch"])
+                    cells.append(f"{_opt_of(args, '--lr')} → {by[-1]['test_acc']:.2f} ({by[0]['test_acc']:.1f})"
+                                 if by else "(not run)")
+                cells += [""] * (5 - len(cells))
+                try:
+                    chosen = f"{_chosen('fm-nobn-val', (m,), runs)[m]:g}"
+                except SystemExit:
+                    chosen = "—"
+                lines.append(f"| {batch} | {arm} | {m} | " + " | ".join(cells) + f" | {chosen} |")
+    return "\n".join(lines) + "\n"
+
+
+def fm_nobn_table() -> str:
+    """The fm-nobn stage's table, per batch regime: each arm and method's final test accuracy, halfway (epoch 1 of
+    2), its paired difference from the best non-whitened arm (the one with the best validation accuracy; the
+    best whitened arm is chosen the same way), the CPU seconds per epoch against BatchNorm's, how many seeds
+    reach the reference's final accuracy and in how many CPU seconds against the reference, and kappa and rho of
+    the final model; only seeds whose runs of every arm finished."""
+    from convergence_tables import _by, _ci, _cmd, _ms
+
+    head = ["batch", "arm", "method", "rate", "test acc (%)", "halfway (%)", "Δ vs reference, final [95 % CI]",
+            "Δ vs reference, halfway [95 % CI]", "CPU s / epoch vs bn", "reached reference's final (CPU s vs "
+            "reference)", "kappa", "rho", "seeds"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    loads: List[float] = []
+    refs: Dict[int, str] = {}
+    for batch in FM_NOBN_GRID:
+        try:
+            chosen = {arm: _nobn_best(batch, cands) for arm, cands in FM_NOBN_TEST_ARMS.items()}
+        except SystemExit:
+            lines.append(f"| {batch} | (validation not finished) |" + " |" * (len(head) - 2))
+            continue
+        runs: Dict[Tuple[str, str], Dict[int, List[dict]]] = {}
+        seeds = []
+        for seed in FM_NOBN_SEEDS:
+            got = {arm: _rows(f"fm-nobn-b{batch}-s{seed}-{arm}") for arm in chosen}
+            if any(r is None for r in got.values()):
+                continue
+            seeds.append(seed)
+            for arm, rows in got.items():
+                for m in FM_NOBN_ARMS[chosen[arm][0]][1]:
+                    runs.setdefault((arm, m), {}).update(_by(rows, m))
+                loads += [r["load1"] for r in rows if math.isfinite(r.get("load1", float("nan")))]
+        if not seeds:
+            lines.append(f"| {batch} | (not run) |" + " |" * (len(head) - 2))
+            continue
+        keys = list(runs)
+        val = {(arm, m): _nobn_val_score(batch, chosen[arm][0], m) for arm, m in keys}
+        ref = max((k for k in keys if k[1] == "baseline"), key=lambda k: val[k])
+        best_w = max((k for k in keys if k[1] != "baseline"), key=lambda k: val[k])
+        refs[batch] = f"{ref[0]}" + (f" ({ref[1]})" if ref[1] != "baseline" else "")
+
+        def acc(k, s, at=-1):
+            return runs[k][s][at]["test_acc"]
+
+        def cpu(k, s):
+            return float(np.mean([r["cpu_time"] for r in runs[k][s]]))
+
+        for k in keys:
+            arm, m = k
+            reach, ratio = [], []
+            for s in seeds:
+                target = acc(ref, s)
+                t = 0.0
+                for r in runs[k][s]:
+                    t += r["cpu_time"]
+                    if r["test_acc"] >= target:
+                        reach.append(s)
+                        ratio.append(t / sum(r2["cpu_time"] for r2 in runs[ref][s]))
+                        break
+            diag = [_final_diagnostics(f"fm-nobn-b{batch}-s{s}-{arm}")[m] for s in seeds]
+            label = arm + (" (chosen: best whitened)" if k == best_w else " (reference)" if k == ref else "")
+            lines.append("| " + " | ".join([
+                str(batch), label, m, f"{chosen[arm][1][m]:g}" + (f", agc {_opt_of(FM_NOBN_ARMS[chosen[arm][0]][0], '--agc')}"
+                                                                 if arm == "nf" else ""),
+                _ms([acc(k, s) for s in seeds]), _ms([acc(k, s, 0) for s in seeds]),
+                "—" if k == ref else _ci([acc(k, s) - acc(ref, s) for s in seeds]),
+                "—" if k == ref else _ci([acc(k, s, 0) - acc(ref, s, 0) for s in seeds]),
+                _ratio([cpu(k, s) / cpu(("bn", "baseline"), s) for s in seeds]),
+                f"{len(reach)}/{len(seeds)}" + (f", {_ratio(ratio)}" if reach else ""),
+                _ms([d[0] for d in diag]), _ms([d[1] for d in diag]), str(len(seeds))]) + " |")
+    text = "\n".join(lines)
+    text += _load_line(loads)
+    text += ("\n\nReference: the non-whitened arm with the best validation accuracy in its regime (" +
+             ", ".join(f"batch {b}: {r}" for b, r in refs.items()) + "). kappa and rho: the final model's, on "
+             f"{FM_NOBN_DIAG_BATCHES} held-aside training batches of 128 (no augmentation).")
+    first = [n for n, args in _nobn_test() if args is not None and f"-s{FM_NOBN_SEEDS[0]}-" in n]
+    return text + "\n\nCommands (seed 0; the other seeds change `--seeds` and `--out` only):\n\n" + \
+        "\n".join(f"    {_cmd(n)}" for n in first) + "\n"
+
+
 def _ratio(vals: Sequence[float]) -> str:
     """A paired-table cell for per-seed ratios: geometric mean [95 % interval] (the interval only where it says
     something), ``—`` for fewer than 3 seeds."""
@@ -566,7 +716,7 @@ def main(argv=None) -> int:
         from convergence_tables import write_tables  # noqa: E402
         stages = a.stages or list(STAGES)
         paired = {"fm-schedule": fm_schedule_table, "fm-async": fm_async_table,  # a table each, not one per run
-                  "fm-damped": fm_damped_table}
+                  "fm-damped": fm_damped_table, "fm-nobn-val": fm_nobn_val_table, "fm-nobn": fm_nobn_table}
         for name, table in paired.items():
             if name in stages:
                 os.makedirs(OUT, exist_ok=True)

@@ -188,3 +188,43 @@ def test_fm_damped_table_on_written_runs(tmp_path, monkeypatch):
            "-1.00 [-1.00, -1.00] | +1.00 [+1.00, +1.00] | +1.50 [+1.50, +1.50] | 0.50x [0.50, 0.50] | 3 |" in text
     assert "| 1 | (not run) |" in text
     assert "runs/convergence/fm-damped-b2-s0-damped" in text
+
+
+def test_fm_nobn_table_on_written_runs(tmp_path, monkeypatch):
+    import json
+
+    c, root = _runs_in(tmp_path, monkeypatch)
+
+    def val(arm, best):  # the arm's grid at batch 8: rate index 1 the best, scoring `best` per method
+        for i, (name, args) in enumerate(c._nobn_val(8, arm)):
+            methods = c.FM_NOBN_ARMS[arm][1]
+            _write(root, name, 0, [(m, [best[m] - 6, best[m] - (0 if i == 1 else 3)], 10.0) for m in methods])
+            lr = args[3]
+            with open(os.path.join(root, name, "config.json"), "w") as fh:
+                fh.write('{"lr": %s, "method_lr": {%s}}' % (lr, ", ".join(f'"{m}": {lr}' for m in methods)))
+
+    val("bn", {"baseline": 89.0})
+    val("gn", {"baseline": 87.0})
+    val("none", {"baseline": 86.0, "grad": 88.0, "recursive": 87.5})
+    val("nf-agc0.01", {"baseline": 70.0})
+    val("nf-agc0.1", {"baseline": 88.5})
+    curves = {"bn": [("baseline", [85, 89], 10.0)], "gn": [("baseline", [84, 87], 12.0)],
+              "none": [("baseline", [82, 86], 10.0), ("grad", [86, 88], 15.0), ("recursive", [85, 89.5], 15.0)],
+              "nf": [("baseline", [84, 88], 11.0)]}
+    for seed, bump in ((0, 0.0), (1, 0.5), (2, -0.5)):
+        for arm, cs in curves.items():
+            name = f"fm-nobn-b8-s{seed}-{arm}"
+            _write(root, name, seed, [(m, [a + bump for a in accs], t) for m, accs, t in cs])
+            with open(os.path.join(root, name, "final_diagnostics.json"), "w") as fh:
+                json.dump({m: [0.5, 0.25] for m, _, _ in cs}, fh)
+    text = c.fm_nobn_table()
+    assert "| 128 | (validation not finished) |" in text
+    # reference: bn (best validation among the non-whitened); best whitened: none/grad (validation 88.0 > 87.5)
+    assert "| 8 | bn (reference) | baseline | 0.01 | 89.00 ± 0.50 | 85.00 ± 0.50 | — | — | 1.00x [1.00, 1.00] | 3/3, " \
+           "1.00x [1.00, 1.00] | 0.50 ± 0.00 | 0.25 ± 0.00 | 3 |" in text
+    assert "| 8 | none (chosen: best whitened) | grad | 0.01 | 88.00 ± 0.50 | 86.00 ± 0.50 | -1.00 [-1.00, -1.00] | " \
+           "+1.00 [+1.00, +1.00] | 1.50x [1.50, 1.50] | 0/3 |" in text
+    assert "| 8 | none | recursive | 0.01 | 89.50 ± 0.50 | 85.00 ± 0.50 | +0.50 [+0.50, +0.50] |" in text
+    assert "| 3/3, 1.50x [1.50, 1.50] |" in text  # recursive reaches bn's final at its epoch 2: 30 s against 20
+    assert "| 8 | nf | baseline | 0.01, agc 0.1 |" in text
+    assert "batch 8: bn" in text and "runs/convergence/fm-nobn-b8-s0-none" in text
