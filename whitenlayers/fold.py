@@ -382,7 +382,9 @@ def _stack(blocks: Sequence[BlockSummary]) -> BlockSummary:
 
 def _restack(tensors: Sequence[Tensor]) -> Tensor:
     """``torch.stack(tensors)``, for reading: the stack they were unbound from (:func:`_unstack`) when they are
-    its slices in order, without a copy."""
+    its slices in order, or a view of a single tensor, without a copy."""
+    if len(tensors) == 1:
+        return tensors[0].unsqueeze(0)
     base = tensors[0]._base
     if (base is not None and base.dim() == tensors[0].dim() + 1 and base.shape[0] == len(tensors)
             and all(t._base is base and t.shape == base.shape[1:] and t.stride() == base.stride()[1:]
@@ -504,8 +506,8 @@ def _outcomes(layers: Sequence["WhiteningLayer"], blocks: Sequence[BlockSummary]
     done = [(k, r) for k, r in zip(todo, results) if r is not None]
     qs: Optional[Tensor] = None
     if done and hasattr(lead, "grad_transform"):
-        gram = torch.stack([r.gram for _, r in done]).to(rule.gram_dtype(stored_dtype))
-        prev = torch.stack([states[k]["grad_transform"] for k, _ in done])
+        gram = _restack([r.gram for _, r in done]).to(rule.gram_dtype(stored_dtype))
+        prev = _restack([states[k]["grad_transform"] for k, _ in done])  # (read only: smoothing makes a new tensor)
         beta = cast("Union[EVDConfig, RecursiveConfig]", config).beta  # the configs of layers with a Q_s
         qs = F_w.smooth_grad_transform(prev, gram, beta).to(lead.grad_transform.dtype)
     items: List[Tuple[int, str, Tensor]] = []
