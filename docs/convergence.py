@@ -415,14 +415,17 @@ def fm_nobn_table() -> str:
     """The fm-nobn stage's table, per batch regime: each arm and method's final test accuracy, halfway (epoch 1 of
     2), its paired difference from the best non-whitened arm (the one with the best validation accuracy; the
     best whitened arm is chosen the same way), the CPU seconds per epoch against BatchNorm's, how many seeds
-    reach the reference's final accuracy and in how many CPU seconds against the reference, and kappa and rho of
-    the final model; only seeds whose runs of every arm finished."""
+    reach the reference's final accuracy and in how many CPU seconds against the reference, kappa and rho of
+    the final model, and seeds that diverged (final accuracy at most 12 %); then the best whitened arm against
+    each non-whitened arm, paired by seed. Only seeds whose runs of every arm finished."""
     from convergence_tables import _by, _ci, _cmd, _ms
 
     head = ["batch", "arm", "method", "rate", "test acc (%)", "halfway (%)", "Δ vs reference, final [95 % CI]",
             "Δ vs reference, halfway [95 % CI]", "CPU s / epoch vs bn", "reached reference's final (CPU s vs "
-            "reference)", "kappa", "rho", "seeds"]
+            "reference)", "kappa", "rho", "seeds (diverged)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    versus = ["| batch | best whitened arm | against | paired Δ, final [95 % CI] | paired Δ, halfway [95 % CI] | "
+              "ahead on (seeds) |", "|---|---|---|---|---|---|"]
     loads: List[float] = []
     refs: Dict[int, str] = {}
     for batch in FM_NOBN_GRID:
@@ -479,8 +482,15 @@ def fm_nobn_table() -> str:
                 "—" if k == ref else _ci([acc(k, s, 0) - acc(ref, s, 0) for s in seeds]),
                 _ratio([cpu(k, s) / cpu(("bn", "baseline"), s) for s in seeds]),
                 f"{len(reach)}/{len(seeds)}" + (f", {_ratio(ratio)}" if reach else ""),
-                _ms([d[0] for d in diag]), _ms([d[1] for d in diag]), str(len(seeds))]) + " |")
-    text = "\n".join(lines)
+                _ms([d[0] for d in diag]), _ms([d[1] for d in diag]),
+                f"{len(seeds)} ({sum(acc(k, s) <= 12.0 for s in seeds)})"]) + " |")
+        for k in keys:  # the best whitened arm against every non-whitened one, paired by seed
+            if k[1] == "baseline":
+                versus.append(f"| {batch} | {best_w[0]} ({best_w[1]}) | {k[0]} | "
+                              f"{_ci([acc(best_w, s) - acc(k, s) for s in seeds])} | "
+                              f"{_ci([acc(best_w, s, 0) - acc(k, s, 0) for s in seeds])} | "
+                              f"{sum(acc(best_w, s) > acc(k, s) for s in seeds)}/{len(seeds)} |")
+    text = "\n".join(lines) + "\n\n" + "\n".join(versus)
     text += _load_line(loads)
     text += ("\n\nReference: the non-whitened arm with the best validation accuracy in its regime (" +
              ", ".join(f"batch {b}: {r}" for b, r in refs.items()) + "). kappa and rho: the final model's, on "

@@ -221,10 +221,12 @@ def test_fm_nobn_table_on_written_runs(tmp_path, monkeypatch):
     assert "| 128 | (validation not finished) |" in text
     # reference: bn (best validation among the non-whitened); best whitened: none/grad (validation 88.0 > 87.5)
     assert "| 8 | bn (reference) | baseline | 0.01 | 89.00 ± 0.50 | 85.00 ± 0.50 | — | — | 1.00x [1.00, 1.00] | 3/3, " \
-           "1.00x [1.00, 1.00] | 0.50 ± 0.00 | 0.25 ± 0.00 | 3 |" in text
+           "1.00x [1.00, 1.00] | 0.50 ± 0.00 | 0.25 ± 0.00 | 3 (0) |" in text
     assert "| 8 | none (chosen: best whitened) | grad | 0.01 | 88.00 ± 0.50 | 86.00 ± 0.50 | -1.00 [-1.00, -1.00] | " \
            "+1.00 [+1.00, +1.00] | 1.50x [1.50, 1.50] | 0/3 |" in text
     assert "| 8 | none | recursive | 0.01 | 89.50 ± 0.50 | 85.00 ± 0.50 | +0.50 [+0.50, +0.50] |" in text
     assert "| 3/3, 1.50x [1.50, 1.50] |" in text  # recursive reaches bn's final at its epoch 2: 30 s against 20
     assert "| 8 | nf | baseline | 0.01, agc 0.1 |" in text
     assert "batch 8: bn" in text and "runs/convergence/fm-nobn-b8-s0-none" in text
+    assert "| 8 | none (grad) | bn | -1.00 [-1.00, -1.00] | +1.00 [+1.00, +1.00] | 0/3 |" in text
+    assert "| 8 | none (grad) | none | +2.00 [+2.00, +2.00] | +4.00 [+4.00, +4.00] | 3/3 |" in text
