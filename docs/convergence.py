@@ -474,9 +474,11 @@ def fm_nobn_table() -> str:
                         break
             diag = [_final_diagnostics(f"fm-nobn-b{batch}-s{s}-{arm}")[m] for s in seeds]
             label = arm + (" (chosen: best whitened)" if k == best_w else " (reference)" if k == ref else "")
+            rate = f"{chosen[arm][1][m]:g}"
+            if arm == "nf":
+                rate += f", agc {_opt_of(FM_NOBN_ARMS[chosen[arm][0]][0], '--agc')}"
             lines.append("| " + " | ".join([
-                str(batch), label, m, f"{chosen[arm][1][m]:g}" + (f", agc {_opt_of(FM_NOBN_ARMS[chosen[arm][0]][0], '--agc')}"
-                                                                 if arm == "nf" else ""),
+                str(batch), label, m, rate,
                 _ms([acc(k, s) for s in seeds]), _ms([acc(k, s, 0) for s in seeds]),
                 "—" if k == ref else _ci([acc(k, s) - acc(ref, s) for s in seeds]),
                 "—" if k == ref else _ci([acc(k, s, 0) - acc(ref, s, 0) for s in seeds]),
