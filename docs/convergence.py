@@ -305,11 +305,8 @@ def _nobn_best(batch: int, candidates: Sequence[str]) -> Tuple[str, Dict[str, fl
     accuracy), with its chosen rates; ``SystemExit`` while any has not run."""
     best: Optional[Tuple[float, str, Dict[str, float]]] = None
     for arm in candidates:
-        methods = FM_NOBN_ARMS[arm][1]
-        runs = _nobn_val(batch, arm)
-        lrs = _chosen("fm-nobn-val", methods, runs)
-        name = runs[[f"{lrs['baseline']:g}" == _opt_of(args, "--lr") for _, args in runs].index(True)][0]
-        score = float(np.mean(_finals(_rows(name) or [], "baseline") or [-1.0]))
+        lrs = _chosen("fm-nobn-val", FM_NOBN_ARMS[arm][1], _nobn_val(batch, arm))
+        score = _nobn_val_score(batch, arm, "baseline")
         if best is None or score > best[0]:
             best = (score, arm, lrs)
     assert best is not None
@@ -383,6 +380,7 @@ def _nobn_val_score(batch: int, arm: str, method: str) -> float:
     """``method``'s best final validation accuracy over ``arm``'s grid at ``batch`` (NaN before it ran)."""
     scores = [float(np.mean(_finals(rows, method))) for rows in (_rows(n) for n, _ in _nobn_val(batch, arm))
               if rows is not None and _finals(rows, method)]
+    scores = [v if math.isfinite(v) else -1.0 for v in scores]  # as _chosen scores a non-finite result
     return max(scores) if scores else float("nan")
 
 

@@ -40,6 +40,7 @@ from torch import Tensor
 
 from . import functional as F_w
 from .functional import BlockSummary
+from .functional.stacked import _own_all, _restack, _stack, _stack64, _unstack
 from .rules import _BUILT_IN, NOT_COMPUTED, Fold, RuleResult, check_results
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -354,57 +355,12 @@ def _local_summaries(layers: Sequence["WhiteningLayer"],
     return _unstack(block, len(layers)), [int(not ok) for ok in finite], firsts
 
 
-def _stack64(tensors: Sequence[Tensor]) -> Tensor:
-    """``torch.stack(tensors).to(torch.float64)`` in one allocation (the fold's matrices are large: each
-    temporary costs a pass over memory and its first-touch page faults)."""
-    out = torch.empty((len(tensors),) + tuple(tensors[0].shape), dtype=torch.float64, device=tensors[0].device)
-    torch._foreach_copy_(list(out.unbind(0)), list(tensors))
-    return out
-
-
 def _read_with_firsts(flags: Tensor, layers: Sequence["WhiteningLayer"]) -> Tuple[List[float], List[bool]]:
     """``flags`` (one value per layer) read to the host together with whether each layer folds its first block
     (``num_blocks == 0``): one host synchronisation for both."""
     blocks = torch.stack([layer.num_blocks for layer in layers]).to(device=flags.device, dtype=torch.float64)
     values, counted = torch.stack([flags.to(torch.float64), blocks]).tolist()
     return values, [n == 0 for n in counted]
-
-
-def _unstack(block: BlockSummary, n: int) -> List[BlockSummary]:
-    """The ``n`` layers' summaries of a stacked ``block``: one ``unbind`` per field (a call per field, not one
-    indexing call per field and layer)."""
-    return [BlockSummary(*fields) for fields in zip(*(t.unbind(0) for t in block))]
-
-
-def _stack(blocks: Sequence[BlockSummary]) -> BlockSummary:
-    return BlockSummary(*(_restack(ts) for ts in zip(*blocks)))
-
-
-def _restack(tensors: Sequence[Tensor]) -> Tensor:
-    """``torch.stack(tensors)``, for reading: the stack they were unbound from (:func:`_unstack`) when they are
-    its slices in order, or a view of a single tensor, without a copy."""
-    if len(tensors) == 1:
-        return tensors[0].unsqueeze(0)
-    base = tensors[0]._base
-    if (base is not None and base.dim() == tensors[0].dim() + 1 and base.shape[0] == len(tensors)
-            and all(t._base is base and t.shape == base.shape[1:] and t.stride() == base.stride()[1:]
-                    and t.data_ptr() == base.data_ptr() + k * base.stride(0) * base.element_size()
-                    for k, t in enumerate(tensors))):
-        return base
-    return torch.stack(list(tensors))
-
-
-def _own_all(tensors: Sequence[Tensor]) -> List[Tensor]:
-    """Contiguous tensors of their own with the values of ``tensors`` (a slice of a stack would keep the whole
-    stack alive, and checkpoint it), in one call (``torch._foreach_clone``: one dispatch for the list, a copy
-    per tensor inside ATen, where a clone each from Python cost its own call and checks), a clone per tensor
-    where torch has no ``_foreach_clone``."""
-    if not tensors:
-        return []
-    foreach = getattr(torch, "_foreach_clone", None)
-    if foreach is not None:
-        return list(foreach(list(tensors), memory_format=torch.contiguous_format))
-    return [t.clone(memory_format=torch.contiguous_format) for t in tensors]
 
 
 def _stored_all(items: Sequence[Tuple["WhiteningLayer", str, Tensor]]) -> List[Tensor]:

@@ -71,6 +71,15 @@ class ChannelAffine(nn.Module):
         return x * self.weight.view(1, -1, 1, 1) + self.bias.view(1, -1, 1, 1)
 
 
+def _replace_batchnorm(model: nn.Module, make: Callable[[int], nn.Module]) -> nn.Module:
+    """Every ``BatchNorm2d`` of ``model`` replaced, in place, by ``make(num_features)`` on the BatchNorm's device."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.BatchNorm2d):
+                setattr(parent, name, make(child.num_features).to(child.weight.device))
+    return model
+
+
 def remove_batchnorm(model: nn.Module) -> nn.Module:
     """Fixup-style (Zhang et al. 2019) CIFAR ResNet without BatchNorm, in place.
 
@@ -80,10 +89,7 @@ def remove_batchnorm(model: nn.Module) -> nn.Module:
     every block starts as the identity and the output variance stays bounded.
     """
     blocks = [m for m in model.modules() if isinstance(m, models.BasicBlock)]
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.BatchNorm2d):
-                setattr(parent, name, ChannelAffine(child.num_features).to(child.weight.device))
+    _replace_batchnorm(model, ChannelAffine)
     with torch.no_grad():
         for b in blocks:
             b.conv1.weight.mul_(len(blocks) ** -0.5)
@@ -134,10 +140,7 @@ def normalizer_free(model: nn.Module) -> nn.Module:
     from torch.nn.utils import parametrize
 
     blocks = [m for m in model.modules() if isinstance(m, models.BasicBlock)]
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.BatchNorm2d):
-                setattr(parent, name, ChannelAffine(child.num_features).to(child.weight.device))
+    _replace_batchnorm(model, ChannelAffine)
     for b in blocks:
         b.bn2 = nn.Sequential(b.bn2, ResidualGain().to(b.conv2.weight.device))  # type: ignore[assignment]
     for m in list(model.modules()):
@@ -149,12 +152,7 @@ def normalizer_free(model: nn.Module) -> nn.Module:
 def group_norm_in_place_of_batchnorm(model: nn.Module) -> nn.Module:
     """Every ``BatchNorm2d`` of ``model`` replaced by a ``GroupNorm`` over the same channels (groups of 4 channels,
     at most 32 groups, Wu and He's default; scale 1, bias 0), in place: batch statistics never mix samples."""
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.BatchNorm2d):
-                c = child.num_features
-                setattr(parent, name, nn.GroupNorm(min(32, max(1, c // 4)), c).to(child.weight.device))
-    return model
+    return _replace_batchnorm(model, lambda c: nn.GroupNorm(min(32, max(1, c // 4)), c))
 
 
 def make_clip(cfg: RunConfig, model: nn.Module) -> Optional[Callable[[], None]]:
