@@ -175,11 +175,11 @@ def test_planned_ablation_switches_off_what_it_names():
             else:
                 for _, layer in wl.whitening_layers(model):
                     layer.__dict__["_step_plan"] = types.MethodType(ho._plan_without(parts), layer)
-            before = {name: layer._acc_aug.clone() for name, layer in wl.whitening_layers(model)}
+            before = {name: layer._block.acc.clone() for name, layer in wl.whitening_layers(model)}
             offsets = {name: layer.absorbed_offset.clone() for name, layer in wl.whitening_layers(model)}
             F.cross_entropy(model(x), y).backward()
             layers = dict(wl.whitening_layers(model))
-            return (all(torch.equal(before[n], layers[n]._acc_aug) for n in before),
+            return (all(torch.equal(before[n], layers[n]._block.acc) for n in before),
                     all(torch.equal(offsets[n], layers[n].absorbed_offset) for n in offsets),
                     {n: layer.weight.grad.clone() for n, layer in layers.items()})
 

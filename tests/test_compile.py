@@ -286,7 +286,7 @@ def test_compiled_bf16_statistics_take_the_tensor_core_split():
 
     try:
         with pytest.MonkeyPatch.context() as mp, wl.functional.fused_moments(True):
-            mp.setitem(wl.functional.moments._LOWP_PRODUCTS, "cpu", True)
+            mp.setitem(wl.functional.batch._LOWP_PRODUCTS, "cpu", True)
             torch._dynamo.reset()
             counters.clear()
             compiled_model, eager = make(), make()
@@ -363,8 +363,8 @@ def _state_addresses(layer) -> dict:
     the block's accumulators and the tensor its batches are summed about."""
     names = list(layer._FORWARD_BUFFERS)
     out = {name: layer._buffers[name].data_ptr() for name in names}
-    out["shift"] = layer._shift_store.data_ptr()
-    out["sums"] = (layer._acc_aug if layer._acc_aug is not None else layer._acc_s2).data_ptr()
+    out["shift"] = layer._block.store.data_ptr()
+    out["sums"] = (layer._block.acc if layer._block.acc is not None else layer._block.s2).data_ptr()
     return out
 
 
@@ -383,7 +383,7 @@ def test_compiled_state_keeps_its_storage_from_the_first_step(method):
     _train(compiled, 13, after_step=lambda: seen.append([_state_addresses(layer) for layer in layers]))
     assert all(int(layer.num_blocks) == 4 for layer in layers)
     assert all(step == before for step in seen)
-    assert all(layer._acc_shift is layer._shift_store for layer in layers)
+    assert all(layer._block.shift is layer._block.store for layer in layers)
 
 
 class _OneConv(torch.nn.Module):
@@ -410,7 +410,7 @@ def test_compiled_first_batch_takes_the_shift_and_sums_eager_chooses(groups):
         for _ in range(2):
             run_(torch.randn(3, 4, 5, 5, generator=gen, dtype=torch.float64) * 2 + 50).square().mean().backward()
             layer = model.conv
-            states.append([t.clone() for t in (layer._acc_shift, layer._acc_s1, layer._acc_s2, layer.running_mean,
+            states.append([t.clone() for t in (layer._block.shift, layer._block.s1, layer._block.s2, layer.running_mean,
                                                layer.running_cov)])
         return states
 
@@ -431,7 +431,7 @@ def test_the_next_blocks_shift_keeps_its_tensor_across_folds(compiled):
     run = torch.compile(model, backend="aot_eager") if compiled else model
     layers = [layer for _, layer in wl.whitening_layers(model)]
     seen = []
-    _train(run, 13, after_step=lambda: seen.append([layer._acc_shift.data_ptr() for layer in layers]))  # 4 folds
+    _train(run, 13, after_step=lambda: seen.append([layer._block.shift.data_ptr() for layer in layers]))  # 4 folds
     assert all(int(layer.num_blocks) == 4 for layer in layers)
     after_first_fold = seen[3:]  # block_size 3: the first fold ends step 3
     assert all(ptrs == after_first_fold[0] for ptrs in after_first_fold)

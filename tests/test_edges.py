@@ -135,9 +135,9 @@ def test_convert_on_meta_then_materialise_trains():
         model = wl.models.cifar_resnet(8, width=4)
     model = wl.convert_model(model, "grad", block_size=2)
     layer = wl.whitening_layers(model)[0][1]
-    assert layer._acc_s1.is_meta
+    assert layer._block.s1.is_meta
     model.to_empty(device="cpu")
-    assert layer._acc_s1.device.type == "cpu" and layer._acc_s1.dtype == torch.float32  # moved with the layer
+    assert layer._block.s1.device.type == "cpu" and layer._block.s1.dtype == torch.float32  # moved with the layer
     for m in model.modules():
         if hasattr(m, "reset_parameters"):
             m.reset_parameters()

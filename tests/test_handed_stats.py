@@ -153,7 +153,7 @@ def _sums_during_forward(model, x, **ctx):
     """Each layer's accumulator as it is right after the layer's forward, and at the end of the model's."""
     during = {}
     layers = [m for _, m in wl.whitening_layers(model)]
-    hooks = [m.register_forward_hook(lambda mod, i, o: during.__setitem__(mod, mod._acc_aug.clone()))
+    hooks = [m.register_forward_hook(lambda mod, i, o: during.__setitem__(mod, mod._block.acc.clone()))
              for m in layers]
     try:
         with wl.functional.fused_moments(True):
@@ -161,7 +161,7 @@ def _sums_during_forward(model, x, **ctx):
     finally:
         for h in hooks:
             h.remove()
-    return {m: (during[m], m._acc_aug.clone()) for m in layers}
+    return {m: (during[m], m._block.acc.clone()) for m in layers}
 
 
 def test_a_training_forward_hands_its_batches_over_and_the_hook_adds_them():
@@ -208,7 +208,7 @@ def test_a_forward_that_raises_still_adds_the_batches_handed_over():
     x, y = _batches(2)
     _train(model, [x])
     layers = [m for _, m in wl.whitening_layers(model)]
-    before = [m._acc_aug.clone() for m in layers]
+    before = [m._block.acc.clone() for m in layers]
 
     def fail(mod, inputs, output):
         raise RuntimeError("boom")
@@ -217,7 +217,7 @@ def test_a_forward_that_raises_still_adds_the_batches_handed_over():
     with wl.functional.fused_moments(True), pytest.raises(RuntimeError, match="boom"):
         model(y)
     handle.remove()
-    assert all(not torch.equal(b, m._acc_aug) for b, m in zip(before, layers))
+    assert all(not torch.equal(b, m._block.acc) for b, m in zip(before, layers))
     assert not _coordinator(model)._scopes  # the collection is closed
 
 
@@ -265,12 +265,12 @@ def test_stacked_accumulators_stay_each_layers_own(how):
     xs = _batches(3)
     _train(model, xs[:2])  # mid-block (block 3): partial sums in the stacked accumulators
     layers = [m for _, m in wl.whitening_layers(model)]
-    assert any(m._acc_aug._base is not None and m._acc_aug._base.dim() == 3 for m in layers)
-    before = [m._acc_aug.clone() for m in layers]
+    assert any(m._block.acc._base is not None and m._block.acc._base.dim() == 3 for m in layers)
+    before = [m._block.acc.clone() for m in layers]
     if how == "reset one layer":
         layers[2].discard_block()
-        assert not layers[2]._acc_aug.any()
-        assert all(torch.equal(b, m._acc_aug) for i, (b, m) in enumerate(zip(before, layers)) if i != 2)
+        assert not layers[2]._block.acc.any()
+        assert all(torch.equal(b, m._block.acc) for i, (b, m) in enumerate(zip(before, layers)) if i != 2)
         return
     if how == "deepcopy":
         other = copy.deepcopy(model)
@@ -282,10 +282,10 @@ def test_stacked_accumulators_stay_each_layers_own(how):
     copies = [m for _, m in wl.whitening_layers(other)]
     for m, c in zip(layers, copies):
         torch.testing.assert_close(c.block_statistics().scatter, m.block_statistics().scatter, rtol=0, atol=0)
-        assert c._acc_aug.untyped_storage().data_ptr() != m._acc_aug.untyped_storage().data_ptr()
-        assert c._acc_aug._base is None or c._acc_aug._base.dim() == 2  # its own accumulator, not a stack's slice
+        assert c._block.acc.untyped_storage().data_ptr() != m._block.acc.untyped_storage().data_ptr()
+        assert c._block.acc._base is None or c._block.acc._base.dim() == 2  # its own accumulator, not a stack's slice
     _train(other, xs[2:])  # the copy trains on: the original's sums stay as they were
-    assert all(torch.equal(b, m._acc_aug) for b, m in zip(before, layers))
+    assert all(torch.equal(b, m._block.acc) for b, m in zip(before, layers))
     reference = _train(_model(), xs, hand_over=False)
     for c, r in zip(copies, [m for _, m in wl.whitening_layers(reference)]):
         assert int(c.num_blocks) == int(r.num_blocks) == 1

@@ -77,13 +77,13 @@ def test_reset_running_stats_resets_counters_and_the_partial_block():
     x = torch.randn(4, 3, 6, 6) + 2
     for _ in range(4):
         layer(x)
-    layer.eig_failures = 3
+    layer.transform_failures = 3
     assert layer.batches_in_block == 1 and int(layer.num_blocks) == 1
     layer.reset_running_stats()
     fresh = wl.GradWhitenConv2d(3, 4, 3, padding=1, block_size=3)
     for key, value in _whitening_state(fresh).items():
         torch.testing.assert_close(_whitening_state(layer)[key], value, rtol=0, atol=0, msg=key)
-    assert layer.batches_in_block == 0 and layer.eig_failures == 0
+    assert layer.batches_in_block == 0 and layer.transform_failures == 0
 
 
 def test_reset_running_stats_keep_function():
@@ -154,7 +154,7 @@ def test_low_precision_cast_keeps_whitening_state_float32(method, cast):
         for name, buf in layer.named_buffers():
             if buf.is_floating_point():
                 assert buf.dtype == torch.float32, (name, buf.dtype)
-        assert layer._acc_s1.dtype == torch.float32  # the block's sums stay float32 too (not bf16)
+        assert layer._block.s1.dtype == torch.float32  # the block's sums stay float32 too (not bf16)
     for name, module in model.named_modules():  # everything else is cast as PyTorch casts it
         if isinstance(module, nn.BatchNorm2d):
             assert module.running_mean.dtype == low, name

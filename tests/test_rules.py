@@ -14,7 +14,7 @@ from rule_example import EigenbasisConfig, EigenbasisRule
 import whitenlayers as wl
 from whitenlayers import rules
 from whitenlayers.fold import fold_layers
-from whitenlayers.stats.rule_state import decode_identity, encode_identity
+from whitenlayers.layers.checkpoint import decode_identity, encode_identity
 
 
 def _x(m: int = 16, seed: int = 0, n: int = 8) -> torch.Tensor:
@@ -45,9 +45,9 @@ def test_the_docs_example_rule_trains_through_convert_model_with_its_own_hyper_p
         opt.step()
     layers = [layer for _, layer in wl.whitening_layers(model)]
     assert all(type(layer.rule) is EigenbasisRule and layer.config.power_iterations == 2 for layer in layers)
-    assert all(int(layer.num_blocks) == 3 and layer.eig_failures == 0 for layer in layers)
+    assert all(int(layer.num_blocks) == 3 and layer.transform_failures == 0 for layer in layers)
     assert all(hasattr(layer, "eigenbasis") and "eigenbasis" in layer.state_dict() for layer in layers)
-    assert layers[0].method == "eigenbasis"
+    assert layers[0].rule_name == "eigenbasis"
 
 
 def test_the_example_rule_converges_to_the_eigenbasis_of_a_fixed_covariance():
@@ -169,12 +169,12 @@ def test_a_bad_result_keeps_the_previous_transform_is_counted_and_warns_once(mon
     with pytest.warns(RuntimeWarning, match=f"GradWhitenConv2d 'features.3' .*rule 'broken' \\(_Broken\\) returned an "
                                             f"invalid result: {problem}; the previous transform is kept"):
         layer(_x(4))
-    assert layer.eig_failures == 1 and int(layer.num_blocks) == 1
+    assert layer.transform_failures == 1 and int(layer.num_blocks) == 1
     assert torch.equal(layer.whitening_matrix, torch.eye(4)) and torch.equal(layer.grad_transform, torch.eye(4))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per layer
         layer(_x(4, seed=1))
-    assert layer.eig_failures == 2
+    assert layer.transform_failures == 2
 
 
 # --------------------------------------------------------------------------- the rule in the checkpoint

@@ -92,7 +92,7 @@ def test_submodule_forwards_fold_where_the_root_would():
         root(x)  # the root's end folds the layers whose block ended
         torch.testing.assert_close(_features(sub, x), seen[-1], **TOL)
     first = sub.layer1[0].conv1
-    assert int(first.num_blocks) == 3 and first._fold_pending  # the 4th block's fold waits for the next forward
+    assert int(first.num_blocks) == 3 and first._block.fold_pending  # the 4th block's fold waits for the next forward
     sub.eval()
     root.eval()
     with torch.no_grad():
@@ -106,7 +106,7 @@ def test_submodule_forwards_fold_where_the_root_would():
 def _pending_after_submodule_training():
     model = wl.convert_model(_base(), "grad", block_size=3)
     _train_features(model, 6)  # the 6th forward ended a block: its fold waits for the layers' next forward
-    assert model.layer1[0].conv1._fold_pending
+    assert model.layer1[0].conv1._block.fold_pending
     return model.eval()
 
 
@@ -115,7 +115,7 @@ def test_jit_trace_with_a_fold_pending_folds_outside_the_trace():
     x = _batch(7, n=2)
     with torch.no_grad():
         traced = torch.jit.trace(model, x)  # its check run traces again: the graphs must agree
-        assert not model.layer1[0].conv1._fold_pending
+        assert not model.layer1[0].conv1._block.fold_pending
         torch.testing.assert_close(traced(x), model(x), **TOL)
 
 
@@ -127,5 +127,5 @@ def test_torch_export_with_a_fold_pending():
     exported = torch.export.export(model, (x,))
     with torch.no_grad():
         y = model(x)
-    assert not model.layer1[0].conv1._fold_pending
+    assert not model.layer1[0].conv1._block.fold_pending
     torch.testing.assert_close(exported.module()(x), y, **TOL)

@@ -32,9 +32,9 @@ from .layers import (
     RecursiveWhitenConv2d,
     RecursiveWhitenConv3d,
     RecursiveWhitenLinear,
+    WhiteningLayer,
 )
 from .rules import Fold, RuleResult, TransformRule, register_rule
-from .stats import WhiteningLayer
 
 __version__ = "0.1.0"
 

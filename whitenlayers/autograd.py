@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .functional import transform_weight_grad
-from .stats import _is_compiling
+
+_is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 
 __all__ = ["DirectWhitenFunction", "WeightGradTransform", "SharedWeightGradTransform", "SharedWeightProduct",
            "PointwiseWhitenFunction", "direct_whiten", "grad_transformed", "pointwise_whiten"]

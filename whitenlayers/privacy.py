@@ -88,7 +88,7 @@ def register_opacus_validators(validator_class: Any = None) -> None:
         from opacus.validators.module_validator import ModuleValidator
 
         validator_class = ModuleValidator
-    from .stats import WhiteningLayer
+    from .layers import WhiteningLayer
 
     registry = validator_class.VALIDATORS
     for cls in _subclasses(WhiteningLayer):

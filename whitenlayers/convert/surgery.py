@@ -19,14 +19,14 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.utils import parametrize
 
-from ..coordinator import FoldCoordinator, ForwardBegins, check_fold_async
+from ..coordinator import FoldCoordinator, check_fold_async
 from ..fold import check_strategy
 from ..layers import (
     GRAD_LAYER_TYPES,
+    WhiteningLayer,
 )
 from ..methods import get_method, method_of
 from ..patches import PATCH_MAX_FEATURES
-from ..stats import WhiteningLayer
 from ._common import (
     _CALL_HOOKS,
     _STATE_HOOKS,
@@ -36,7 +36,6 @@ from ._common import (
     _coordinators,
     _is_whitening,
     _share_hooks,
-    plan_forward,
 )
 from .absorb import absorbing_batchnorms
 from .targets import _LAYER_WORDS, ConversionReport, TargetSpec, _plan, whitening_layers
@@ -65,12 +64,11 @@ def _install_coordinator(model: nn.Module, strategy: str = "auto",
         coord = FoldCoordinator(strategy, fold_async)
         # always called: a forward that raises still adds the batches its layers handed over
         coord.handle = model.register_forward_hook(coord, always_call=True)
-    if not any(isinstance(h, ForwardBegins) and h.coordinator is coord for h in model._forward_pre_hooks.values()):
-        coord.begin_handle = model.register_forward_pre_hook(ForwardBegins(coord))
+    if not any(getattr(h, "__self__", None) is coord for h in model._forward_pre_hooks.values()):
+        coord.begin_handle = model.register_forward_pre_hook(coord.begin_forward)
     for layer in layers:
         layer._fold_coordinator = coord
     coord.layers = layers
-    coord.on_forward = plan_forward  # shared weight nodes and planned steps (_common.plan_forward)
     coord.checked = False  # the first fold checks that every layer is called (FoldCoordinator)
     return coord
 
