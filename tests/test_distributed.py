@@ -69,10 +69,12 @@ def install_coordinator(model: nn.Module) -> FoldCoordinator:
     """Fold all whitening layers of ``model`` together after its forward (what ``convert_model`` does)."""
     coord = FoldCoordinator()
     coord.handle = model.register_forward_hook(coord)
+    coord.begin_handle = model.register_forward_pre_hook(coord.begin_forward)
     for name, m in model.named_modules():
         if isinstance(m, wl.WhiteningLayer):
             m._fold_coordinator = coord
             m.layer_name = name
+            coord.layers.append(m)
     return coord
 
 

@@ -67,14 +67,14 @@ def feed(layers, fold: int, part):
         if fold == FOLDS - 1 and i == EMPTY_LAYER:
             continue
         conv = not isinstance(layer, wl.GradWhitenLinear)
-        layer._accumulate(part(global_batch(i, layer.num_features, fold, conv)))
+        layer.accumulate(part(global_batch(i, layer.num_features, fold, conv)))
 
 
 def feed_nan(layers):
     for i in NAN_LAYERS:
         x = global_batch(i, layers[i].num_features, 0, not isinstance(layers[i], wl.GradWhitenLinear))[:2].clone()
         x[0, 0] = float("nan")
-        layers[i]._accumulate(x)
+        layers[i].accumulate(x)
 
 
 def _rank_run(rank: int, world: int, strategy: str, fail_rank: int, alone: bool = False):

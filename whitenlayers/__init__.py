@@ -6,7 +6,7 @@ Drop-in layers that whiten the inputs of convolutions, either directly
 Markovich-Golan, Battash and Bleiweiss, "Feature Whitening via Gradient
 Transformation for Improved Convergence".
 """
-from . import _deprecated, config, functional, models, privacy, testing
+from . import config, functional, models, privacy, testing
 from .averaging import keep_counters
 from .config import EVDConfig, RecursiveConfig
 from .convert import (
@@ -78,4 +78,3 @@ __all__ = [
 
 privacy.install()  # Opacus' module validator refuses whitening layers (whenever Opacus is imported)
 
-__getattr__ = _deprecated.module_getattr("whitenlayers", "WhiteningStatistics", "DirectWhitened", "export_model")

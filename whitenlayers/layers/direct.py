@@ -28,6 +28,7 @@ _INPUT_WHAT = "an input of shape (B, C) or (B, C, *spatial)"
 #: The layers whose weight DirectWhitenWrapper multiplies by T instead of whitening their input.
 _FUSED_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
 _MODULE = nn.modules.module
+_compiling = torch.compiler.is_compiling
 
 
 class DirectWhiten(WhiteningLayer, nn.Module):
@@ -114,7 +115,7 @@ class DirectWhiten(WhiteningLayer, nn.Module):
         """``make()``, kept in the step cache under ``key`` while the buffers in force stay (once per block); made
         anew in a compiled graph or a ``torch.jit`` trace, and never kept from an inference-mode forward."""
         cache = self._cache
-        if torch.compiler.is_compiling() or torch._C._is_tracing() or cache.state is None:
+        if _compiling() or torch._C._is_tracing() or cache.state is None:
             return make()
         value = cache.derived.get(key)
         if value is None:
@@ -232,8 +233,8 @@ class DirectWhitenWrapper(nn.Module):
             check_input(whiten, feats, None, dim=1, ndims=_INPUT_DIMS, what=_INPUT_WHAT)
         step = whiten._begin(feats)
         t, mean = step.state["whitening_matrix"], step.state["running_mean"]
-        if torch._C._is_tracing() and torch.is_grad_enabled() and x.requires_grad:  # as DirectWhiten's own forward
-            check_not_tracing_function(whiten, "the whitening's backward")
+        if torch.is_grad_enabled() and x.requires_grad and not _compiling() and torch._C._is_tracing():
+            check_not_tracing_function(whiten, "the whitening's backward")  # as DirectWhiten's own forward
         params = layer._parameters
         w = params["weight"]
         if _autocast_enabled(w.device.type):  # W T in the weight's dtype (autocast would multiply in bf16 / fp16)
@@ -244,12 +245,12 @@ class DirectWhitenWrapper(nn.Module):
         # mu as x subtracts it: kept in the step cache while the buffers in force stay (not from a trace)
         shape = (-1,) if linear else (1, -1) + (1,) * (x.dim() - 2)
         key = ("shift", x.dtype, shape)
-        cache = whiten._cache
-        shift = cache.derived.get(key) if cache.state is not None and not torch.compiler.is_compiling() else None
+        cache = None if _compiling() or torch._C._is_tracing() else whiten._cache
+        shift = cache.derived.get(key) if cache is not None else None
         if shift is None:
             shift = mean.to(x.dtype).view(shape)
-            if (cache.state is not None and mean is cache.state["running_mean"] and not torch._C._is_tracing()
-                    and not torch.is_inference_mode_enabled() and not torch.compiler.is_compiling()):
+            if (cache is not None and cache.state is not None and mean is cache.state["running_mean"]
+                    and not torch.is_inference_mode_enabled()):
                 cache.derived[key] = shift
         if linear:
             out = nn.functional.linear(x - shift, wt, params["bias"])

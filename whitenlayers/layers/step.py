@@ -370,9 +370,9 @@ class _StepMixin:
         the shift they choose (float64). A block that ends before the forward's last call takes the later calls too
         (a warning, once)."""
         block = self._block
+        if block.shift is None and sum(calls):  # the block's first gathered calls: their shift now
+            self._recentre_block(sum(calls))
         for i, rows in enumerate(calls):
-            if rows and block.shift is None:
-                self._recentre_block(rows)
             block.rows += rows
             self._end(None, scope)
             if block.fold_pending and i < len(calls) - 1:
