@@ -1,4 +1,4 @@
-"""The statistics of a model's layers added together at the end of its forward (issue 48): the layers hand their
+"""The statistics of a model's layers added together at the end of its forward: the layers hand their
 batches to the fold coordinator, which adds those of one input shape with a few operations for all of them
 (``functional.accumulate_moments_grouped``) into slices of one stacked accumulator."""
 import copy
@@ -8,14 +8,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from state_utils import assert_states_close
+from state_utils import assert_states_close, coordinator_of, layers_alone
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import whitenlayers as wl
-import whitenlayers.convert._common as convert_common
-import whitenlayers.stats.step as step_module
-from whitenlayers.layers._base import _GradWhitenMixin
 from whitenlayers.functional import (
     accumulate_moments,
     accumulate_moments_grouped,
@@ -84,11 +81,9 @@ def _batches(n, dtype=torch.float64, seed=1):
 
 def _train(model, batches, *, hand_over=True, views=1):
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    with pytest.MonkeyPatch.context() as mp, wl.functional.fused_moments(True):
-        if not hand_over:  # each layer's full path, adding its own batch
-            mp.setattr(step_module._PerStepMixin, "_stats_sink", lambda self, x: None)
-            mp.setattr(_GradWhitenMixin, "_step_plan", lambda self, view, state, sink: None)
-            mp.setattr(convert_common, "_plan_direct", lambda layers: False)
+    if not hand_over:  # each layer adding its own batch
+        layers_alone(model)
+    with wl.functional.fused_moments(True):
         for x in batches:
             opt.zero_grad()
             loss = sum(model(x * (1 + v)).logsumexp(1).mean() for v in range(views))
@@ -97,8 +92,7 @@ def _train(model, batches, *, hand_over=True, views=1):
     return model
 
 
-def _coordinator(model):
-    return next(h for h in model._forward_hooks.values() if isinstance(h, wl.coordinator.FoldCoordinator))
+_coordinator = coordinator_of
 
 
 @pytest.mark.parametrize("method", ["grad", "recursive", "direct"])
@@ -139,7 +133,7 @@ def test_stacked_accumulators_are_kept_across_blocks(method):
                                 include_classifier=True).to(memory_format=torch.channels_last)
 
     a = _train(model(), _batches(4))
-    unshifted = [layer._stats_unshifted for _, layer in wl.whitening_layers(a)]
+    unshifted = [layer._block.unshifted for _, layer in wl.whitening_layers(a)]
     assert unshifted == [True, False, True, False]  # the case this test is about
     kept = {key: arena[1] for key, arena in _coordinator(a)._arenas.items()}  # (held: no id reused)
     _train(a, _batches(6, seed=2))
@@ -189,7 +183,7 @@ def test_batches_that_would_not_outlive_their_layer_are_added_at_once(how):
         with torch.autograd.graph.save_on_cpu():
             sums = _sums_during_forward(model, y)
     elif how == "replica":  # DataParallel's replicas share their accumulators with the module they copy
-        for m in layers:
+        for m in [model, *layers]:  # (DataParallel marks every module of a replica)
             m.__dict__["_is_replica"] = True
         sums = _sums_during_forward(model, y)
     elif how == "frozen weight":
@@ -218,7 +212,7 @@ def test_a_forward_that_raises_still_adds_the_batches_handed_over():
         model(y)
     handle.remove()
     assert all(not torch.equal(b, m._block.acc) for b, m in zip(before, layers))
-    assert not _coordinator(model)._scopes  # the collection is closed
+    assert not _coordinator(model).scopes  # the collection is closed
 
 
 def test_an_input_written_in_place_after_its_layer_is_refused_by_name():
@@ -350,6 +344,6 @@ def test_a_forward_whose_end_hook_is_gone_holds_its_batches_one_forward_at_most(
     layers = len(wl.whitening_layers(model))
     with wl.functional.fused_moments(True):
         model(y)
-        assert [len(held) for held in coordinator._scopes.values()] == [layers]  # held: no end hook
+        assert [len(scope.batches) for scope in coordinator.scopes.values()] == [layers]  # held: no end hook
         model(z)
-        assert [len(held) for held in coordinator._scopes.values()] == [layers]  # y's added, z's held
+        assert [len(scope.batches) for scope in coordinator.scopes.values()] == [layers]  # y's added, z's held

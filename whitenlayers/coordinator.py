@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterable, List, NamedTuple, Optiona
 import torch
 from torch import Tensor, nn
 
-from .autograd import _transforms_active, shared_weight_grad_apply
+from .autograd import _fast_apply, _transforms_active
 from .fold import (
     PendingFold,
     _begin,
@@ -33,7 +33,7 @@ from .fold import (
     check_strategy,
     fold_layers,
 )
-from .functional.batch import accumulate_moments
+from .functional.batch import accumulate_moments, transform_weight_grad
 from .functional.stacked import accumulate_moments_grouped, stack_shifts, stacked_moments_accumulator
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -41,7 +41,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from .layers import WhiteningLayer
 
-__all__ = ["FoldCoordinator", "ForwardScope", "check_fold_async"]
+__all__ = ["FoldCoordinator", "ForwardScope", "SharedWeightGradTransform", "SharedWeightProduct", "check_fold_async"]
 
 _get_ident = threading.get_ident
 _exporting = getattr(torch.compiler, "is_exporting", lambda: False)
@@ -63,17 +63,79 @@ _not_none = functools.partial(operator.is_not, None)
 DISTRIBUTED_RUN = 4
 
 
+class SharedWeightGradTransform(torch.autograd.Function):
+    """The weight-gradient transform of several layers' weights in one autograd node: the identity on each weight in
+    the forward (a view of it); in the backward, called once for all of them, each weight's gradient
+    right-multiplied by the ``Q_s`` its layer's forward registered in ``qs`` when it took the view (``None`` where a
+    weight took no gradient or its view was not taken). One Python call per forward and per backward instead of
+    one per layer each. Not for the torch.func transforms (no vmap or jvp rule)."""
+
+    @staticmethod
+    def forward(ctx: Any, qs: List[Optional[Tensor]], *weights: Tensor) -> Tuple[Tensor, ...]:
+        ctx.qs = qs  # filled by the layers' forwards (ForwardScope.weights)
+        ctx.set_materialize_grads(False)
+        return weights  # each an input returned as it is: autograd returns a view of it (made in C++), its output
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
+        out: List[Optional[Tensor]] = [None]
+        for g, q in zip(grads, ctx.qs):
+            if g is None or q is None:
+                out.append(None)
+                continue
+            shape = g.shape
+            if (len(shape) == 4 and shape[2] == 1 and shape[3] == 1 and q.dim() == 2 and q.dtype == g.dtype
+                    and g.is_contiguous()):
+                # a 1x1 kernel's gradient, inline (most of a ResNet's layers): transform_weight_grad's one product
+                out.append(torch.mm(g.view(shape[0], shape[1]), q).view(shape))
+            else:
+                out.append(transform_weight_grad(g, q))
+        return tuple(out)
+
+
+class SharedWeightProduct(torch.autograd.Function):
+    """Several fused ``direct`` wrappers' weights times their ``T`` on the input-feature axis (``W T``, what each
+    convolves with) in one autograd node: the products in the forward (in the weights' dtype: no autocast), and in
+    the backward, called once for all of them, each weight's gradient ``dW = d(W T) T^T`` (``None`` where a product
+    took no gradient). Not for the torch.func transforms."""
+
+    @staticmethod
+    def forward(ctx: Any, ts: Tuple[Tensor, ...], ts_transposed: Tuple[Tensor, ...], *weights: Tensor
+                ) -> Tuple[Tensor, ...]:
+        ctx.ts_transposed = ts_transposed  # each T^T (``T.mT``, kept in the layer's step cache across forwards)
+        ctx.set_materialize_grads(False)
+        with contextlib.ExitStack() as stack:
+            for device_type in {w.device.type for w in weights}:
+                stack.enter_context(torch.autocast(device_type=device_type, enabled=False))
+            return tuple(transform_weight_grad(w, t) for w, t in zip(weights, ts))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
+        return (None, None) + tuple(None if g is None else transform_weight_grad(g, tt)
+                                    for g, tt in zip(grads, ctx.ts_transposed))
+
+
+#: The shared nodes' C++ apply (their callers run outside the torch.func transforms, with Parameters: nothing to
+#: unwrap), or their ``Function.apply``.
+shared_weight_grad_apply: Any = _fast_apply(SharedWeightGradTransform) or SharedWeightGradTransform.apply
+shared_weight_product_apply: Any = _fast_apply(SharedWeightProduct) or SharedWeightProduct.apply
+
+
 class ForwardScope(NamedTuple):
     """What a fold coordinator offers its layers during one eager forward of its model (one per thread,
     ``coordinator.scopes``). A layer whose block ends while a scope is open asks the coordinator to fold it at the
     forward's end."""
 
-    #: Each grad / recursive layer's ``(view, weight, Q_s)``: its weight's view in one shared
-    #: :class:`~whitenlayers.autograd.SharedWeightGradTransform` node, which the layer takes when the weight and
-    #: ``Q_s`` are those of its forward.
-    weights: Dict[Any, Tuple[Tensor, Tensor, Tensor]]
-    #: The batches the layers hand over, ``(layer, batch, its version, shift)``, added together at the forward's end.
-    batches: List[tuple]
+    #: Each grad / recursive layer's ``(view, weight, qs, i)``: its weight's view in one shared
+    #: :class:`SharedWeightGradTransform` node, which the layer takes when the weight is its forward's, registering
+    #: that forward's ``Q_s`` as ``qs[i]``.
+    weights: Dict[Any, tuple]
+    #: Each fused ``direct`` wrapper's ``DirectWhiten``'s ``(W T, weight, T, state)``: its product in one shared
+    #: :class:`SharedWeightProduct` node, made with the buffers in force (``state``, which its forward reads).
+    products: Dict[Any, tuple]
+    #: The batches the layers hand over, ``(layer, batch, its version, shift)``, added together at the forward's end;
+    #: ``None`` where the forward keeps no batch for later (no backward recorded, a ``torch.jit`` trace).
+    batches: Optional[List[tuple]]
 
 
 class FoldCoordinator:
@@ -113,6 +175,8 @@ class FoldCoordinator:
 
     #: Defaults for coordinators pickled before these attributes existed (nothing to check).
     layers: Sequence["WhiteningLayer"] = ()
+    #: The model's ``DirectWhitenWrapper`` modules (their weights' products shared, :class:`SharedWeightProduct`).
+    wrappers: Sequence[Any] = ()
     checked: bool = True
     fold_async: bool = False
     #: The open scopes of eager forwards, per thread (``DataParallel`` runs replicas in threads); never pickled.
@@ -138,6 +202,7 @@ class FoldCoordinator:
         self.strategy = strategy
         self.fold_async = check_fold_async(fold_async, strategy)
         self.layers = []
+        self.wrappers = []
         self.checked = False
         self.scopes = {}
 
@@ -154,10 +219,15 @@ class FoldCoordinator:
         if scope is not None:  # nested, or a forward whose end was not seen: its batches added now
             self.flush_stats()
             return
-        shared = (torch.is_grad_enabled() and not _transforms_active() and not torch._C._is_tracing()
-                  and not torch.is_inference_mode_enabled() and _graph_task_id() == -1
-                  and not module.__dict__.get("_is_replica"))
-        self.scopes[_get_ident()] = ForwardScope(_shared_weights(self.layers) if shared else {}, [])
+        if (torch.is_grad_enabled() and not _transforms_active() and not torch._C._is_tracing()
+                and not torch.is_inference_mode_enabled() and _graph_task_id() == -1
+                and not module.__dict__.get("_is_replica")):
+            distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+            scope = ForwardScope(_shared_weights(self.layers, distributed),
+                                 {} if distributed else _shared_products(self.wrappers), [])
+        else:  # (a DataParallel replica shares its accumulators with the module it copies: each adds its own)
+            scope = ForwardScope({}, {}, None)
+        self.scopes[_get_ident()] = scope
 
     def request(self, layer: "WhiteningLayer") -> None:
         if not any(p is layer for p in self.pending):
@@ -269,21 +339,21 @@ class FoldCoordinator:
         self.wait()
         self.flush_stats()
         return {"pending": list(self.pending), "handle": None, "begin_handle": None, "strategy": self.strategy,
-                "layers": list(self.layers), "checked": self.checked, "fold_async": self.fold_async}
+                "layers": list(self.layers), "wrappers": list(self.wrappers), "checked": self.checked,
+                "fold_async": self.fold_async}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update({"strategy": "auto", **state, "scopes": {}})
 
 
-def _shared_weights(layers: Sequence[Any]) -> Dict[Any, Tuple[Tensor, Tensor, Tensor]]:
-    """:meth:`FoldCoordinator.begin_forward`'s shared node: for the grad / recursive layers whose weight is a plain
-    Parameter that needs a gradient (channel features, not parametrized, not deferred; of its full shape under
-    ``torch.distributed``: a weight sharded by FSDP is left to the layer), ``(view, weight, Q_s)`` with ``Q_s`` the
-    one in force (the layer's copies, which its forward reads too). One node for all of them in one process; under
-    ``torch.distributed`` one per run of :data:`DISTRIBUTED_RUN` (DDP all-reduces a layer's gradient while the
-    backward runs; one node would hold them all until its end). Nothing for fewer than two layers."""
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()  # (fold._distributed)
-    chosen, weights, qs = [], [], []
+def _shared_weights(layers: Sequence[Any], distributed: bool) -> Dict[Any, tuple]:
+    """:meth:`FoldCoordinator.begin_forward`'s shared weight-gradient node: for the grad / recursive layers whose
+    weight is a plain Parameter that needs a gradient (channel features, not parametrized, not deferred; of its full
+    shape under ``torch.distributed``: a weight sharded by FSDP is left to the layer), ``(view, weight, qs, i)``
+    (:attr:`ForwardScope.weights`). One node for all of them in one process; under ``torch.distributed`` one per run
+    of :data:`DISTRIBUTED_RUN` (DDP all-reduces a layer's gradient while the backward runs; one node would hold them
+    all until its end). Nothing for fewer than two layers."""
+    chosen, weights = [], []
     for layer in layers:
         w = layer._parameters.get("weight")
         if ("grad_transform" not in layer._buffers or type(w) is not nn.Parameter or not w.requires_grad
@@ -292,14 +362,45 @@ def _shared_weights(layers: Sequence[Any]) -> Dict[Any, Tuple[Tensor, Tensor, Te
             continue
         chosen.append(layer)
         weights.append(w)
-        qs.append(layer._state_in_force()["grad_transform"])
     run = DISTRIBUTED_RUN if distributed else len(chosen)
     if len(chosen) < 2 or run < 2:
         return {}
-    views: Tuple[Tensor, ...] = ()
+    out = {}
     for start in range(0, len(chosen), run):  # (a run of one: its own node of one weight)
-        views += tuple(shared_weight_grad_apply(tuple(qs[start:start + run]), *weights[start:start + run]))
-    return dict(zip(chosen, zip(views, weights, qs)))
+        qs: List[Optional[Tensor]] = [None] * len(weights[start:start + run])
+        views = shared_weight_grad_apply(qs, *weights[start:start + run])
+        for i, (layer, view) in enumerate(zip(chosen[start:start + run], views)):
+            out[layer] = (view, weights[start + i], qs, i)
+    return out
+
+
+def _shared_products(wrappers: Sequence[Any]) -> Dict[Any, tuple]:
+    """:meth:`FoldCoordinator.begin_forward`'s shared product node: for the fused ``direct`` wrappers in training
+    mode whose weight is a Parameter that needs a gradient (on the device of the first), ``(W T, weight, T, state)``
+    keyed by their ``DirectWhiten`` (:attr:`ForwardScope.products`), ``T`` and ``state`` the buffers in force."""
+    chosen, weights, ts, tts = [], [], [], []
+    device = None
+    for wrapper in wrappers:
+        whiten = wrapper.whiten
+        w = wrapper.layer._parameters.get("weight")
+        if (not whiten.training or type(w) is not nn.Parameter or not w.requires_grad or not wrapper._fusable()
+                or (device is not None and w.device != device)):
+            continue
+        device = w.device
+        state = whiten._state_in_force()
+        t = state["whitening_matrix"]
+        derived = whiten._cache.derived
+        tt = derived.get("t_transposed")
+        if tt is None or tt._base is not t:  # T^T as a view made once per block (a view op is a dispatch)
+            tt = derived["t_transposed"] = t.mT
+        chosen.append((whiten, state))
+        weights.append(w)
+        ts.append(t)
+        tts.append(tt)
+    if not chosen:
+        return {}
+    products = shared_weight_product_apply(tuple(ts), tuple(tts), *weights)
+    return {whiten: (wt, w, t, state) for (whiten, state), wt, w, t in zip(chosen, products, weights, ts)}
 
 
 #: The largest stack of handed batches made at once (bytes): a group of layers with more is added in parts.

@@ -69,6 +69,7 @@ def _install_coordinator(model: nn.Module, strategy: str = "auto",
     for layer in layers:
         layer._fold_coordinator = coord
     coord.layers = layers
+    coord.wrappers = [m for m in model.modules() if isinstance(m, DirectWhitenWrapper)]
     coord.checked = False  # the first fold checks that every layer is called (FoldCoordinator)
     return coord
 

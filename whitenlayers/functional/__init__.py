@@ -22,19 +22,6 @@ from __future__ import annotations
 
 import torch  # noqa: F401  (the namespace of the docstring examples, which run as tests under this module's name)
 
-from .evd import (  # noqa: F401
-    cholesky_dtype,
-    damped_transform,
-    damped_transform_batched,
-    eigh_dtype,
-    evd_transform,
-    evd_transform_batched,
-    evd_transform_grouped,
-    evd_transform_grouped_batched,
-    grouped_whitening_gains,
-    robust_eigh,
-    whitening_gains,
-)
 from .batch import (  # noqa: F401
     _CPU_BMM_MAX_FEATURES,
     _CPU_UNSHIFTED_MIN_ELEMENTS,
@@ -52,6 +39,19 @@ from .batch import (  # noqa: F401
     stats_samples,
     transform_weight_grad,
     weight_mean_product,
+)
+from .evd import (  # noqa: F401
+    cholesky_dtype,
+    damped_transform,
+    damped_transform_batched,
+    eigh_dtype,
+    evd_transform,
+    evd_transform_batched,
+    evd_transform_grouped,
+    evd_transform_grouped_batched,
+    grouped_whitening_gains,
+    robust_eigh,
+    whitening_gains,
 )
 from .moments import (  # noqa: F401
     BlockSummary,

@@ -127,10 +127,8 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
             F_w.low_precision_products_on(self.running_mean.device)  # tried once per process, before any trace
 
     def _new_block(self, device: Any) -> Block:
-        config = self.rule.config
         dtype = torch.float64 if self.running_mean.dtype == torch.float64 else torch.float32
-        return Block(self.num_features, self.groups, dtype, device, config.block_size * config.accumulation_steps,
-                     config.stats_every)
+        return Block(self.num_features, self.groups, dtype, device, self.rule.config)
 
     # ---------------------------------------------------------- configuration
     @property
@@ -144,7 +142,7 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
         self.rule = type(self.rule)(value)  # type-checked by the rule
         block = self.__dict__.get("_block")
         if block is not None:
-            block.length, block.every = value.block_size * value.accumulation_steps, value.stats_every
+            block.configure(value)
 
     def _check_config(self, config: WhiteningConfig) -> None:
         """Hook: ``ValueError`` for a config this layer class cannot use (``DirectWhiten``: damped gains)."""

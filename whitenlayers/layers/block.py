@@ -33,13 +33,11 @@ class Block:
     and the batches are not shifted), as the last fold decided from its block's statistics.
     """
 
-    __slots__ = ("batches", "rows", "gather_next", "length", "every", "fold_pending", "fold_weight", "acc", "dense",
+    __slots__ = ("batches", "rows", "gather_next", "length", "every", "fraction", "fold_pending", "fold_weight", "acc", "dense",
                  "s1", "s2", "parts", "shift", "shift_x", "store", "unshifted", "traced")
 
-    def __init__(self, num_features: int, groups: int, dtype: torch.dtype, device: Any, length: int, every: int
-                 ) -> None:
-        self.length = length  # forwards per block: block_size * accumulation_steps
-        self.every = every  # stats_every: the first of every `every` forwards gathers
+    def __init__(self, num_features: int, groups: int, dtype: torch.dtype, device: Any, config: Any) -> None:
+        self.configure(config)
         self.unshifted = False
         self.fold_weight: Optional[Tensor] = None  # the weight a fold compensates with, taken at the block's end
         self.store = torch.zeros(num_features, dtype=torch.float64, device=device)
@@ -51,6 +49,12 @@ class Block:
             self.s1 = torch.zeros(num_features, dtype=torch.float64, device=device)
             self.s2 = torch.zeros(F_w.block_shape(num_features, groups), dtype=torch.float64, device=device)
         self.restart()
+
+    def configure(self, config: Any) -> None:
+        """The config's numbers the block's forwards read (a new config takes effect at the next batch)."""
+        self.length = config.block_size * config.accumulation_steps  # forwards per block
+        self.every = config.stats_every  # the first of every `every` forwards gathers
+        self.fraction = config.stats_fraction  # the leading fraction of a batch's samples gathered
 
     def restart(self) -> List[Tensor]:
         """Start an empty block; returns the tensors the caller zeroes (the fold zeroes those of many layers in one

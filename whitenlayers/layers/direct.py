@@ -4,6 +4,7 @@ method="direct")`` puts in place of a target), which multiplies the layer's weig
 its input where that is the same. Part of :mod:`whitenlayers.layers`."""
 from __future__ import annotations
 
+import threading
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -28,6 +29,7 @@ _INPUT_WHAT = "an input of shape (B, C) or (B, C, *spatial)"
 #: The layers whose weight DirectWhitenWrapper multiplies by T instead of whitening their input.
 _FUSED_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
 _MODULE = nn.modules.module
+_get_ident = threading.get_ident
 _compiling = torch.compiler.is_compiling
 
 
@@ -134,7 +136,7 @@ class DirectWhiten(WhiteningLayer, nn.Module):
             The whitened input, same shape and dtype.
         """
         check_input(self, x, None, dim=1, ndims=_INPUT_DIMS, what=_INPUT_WHAT)
-        step = self._begin(x)
+        step = self._begin(x, x.requires_grad)  # (x in the recorded graph: kept anyway)
         t, mean = step.state["whitening_matrix"], step.state["running_mean"]
         if torch.is_grad_enabled() and x.requires_grad:
             check_not_tracing_function(self, "the whitening's backward")
@@ -231,13 +233,18 @@ class DirectWhitenWrapper(nn.Module):
         if not (isinstance(feats, Tensor) and 2 <= feats.dim() <= 8 and feats.shape[1] == whiten.num_features
                 and feats.is_floating_point()):
             check_input(whiten, feats, None, dim=1, ndims=_INPUT_DIMS, what=_INPUT_WHAT)
-        step = whiten._begin(feats)
+        coordinator = whiten._fold_coordinator
+        scope = coordinator.scopes.get(_get_ident()) if coordinator is not None and coordinator.scopes else None
+        shared = scope.products.pop(whiten, None) if scope is not None and scope.products else None
+        step = whiten._begin(feats, x.requires_grad, None if shared is None else shared[3])
         t, mean = step.state["whitening_matrix"], step.state["running_mean"]
         if torch.is_grad_enabled() and x.requires_grad and not _compiling() and torch._C._is_tracing():
             check_not_tracing_function(whiten, "the whitening's backward")  # as DirectWhiten's own forward
         params = layer._parameters
         w = params["weight"]
-        if _autocast_enabled(w.device.type):  # W T in the weight's dtype (autocast would multiply in bf16 / fp16)
+        if shared is not None and shared[1] is w and shared[2] is t:
+            wt = shared[0]  # its product in the model's shared node (the coordinator's)
+        elif _autocast_enabled(w.device.type):  # W T in the weight's dtype (autocast would multiply in bf16 / fp16)
             with _no_autocast(w.device):
                 wt = F_w.transform_weight_grad(w, t)
         else:

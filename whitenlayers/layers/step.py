@@ -75,6 +75,8 @@ class Step(NamedTuple):
     counts: bool
     #: The scope of the model's forward this call is part of (its fold coordinator's), or ``None``.
     scope: Optional["ForwardScope"]
+    #: The forward runs inside a compiled graph (nothing kept between forwards may be read).
+    traced: bool = False
 
 
 def _define_snapshot_op() -> None:
@@ -157,10 +159,11 @@ class _StepMixin:
         def _fold_weight_of(self, weight: Optional[Tensor]) -> Optional[Tensor]: ...
 
     # ------------------------------------------------------------------ a forward
-    def _begin(self, x: Tensor, keeps: bool = False) -> Step:
+    def _begin(self, x: Tensor, keeps: bool = False, state: Optional[Dict[str, Tensor]] = None) -> Step:
         """Start a forward (``x``: the batch's features on dim 1): the :class:`Step` it takes, and, for a training
         batch that gathers statistics, the batch added to the block (``keeps``: the forward's backward keeps ``x``
-        anyway, as a convolution does for its weight's gradient).
+        anyway, as a convolution does for its weight's gradient; ``state``: the buffers in force as the model's
+        forward took them for this layer before it, if it did).
 
         A forward recomputed inside a backward (activation checkpointing) is not a batch: it reads the copies its
         original forward read, even if a fold came in between. A block that ended without being folded (its model's
@@ -176,12 +179,14 @@ class _StepMixin:
         scope = coordinator.scopes.get(_get_ident()) if coordinator is not None and coordinator.scopes else None
         block = self._block
         if block.fold_pending:
+            state = None  # (the fold writes the buffers)
             if _jit_tracing():  # folded outside the trace (its check run, which finds nothing pending, traces again)
                 with _tracing_suspended():
                     self._fold_now()
             else:
                 self._fold_now()
-        state = self._state_in_force()
+        if state is None:
+            state = self._state_in_force()
         if not self.training or self.frozen or torch.is_inference_mode_enabled():
             return Step(state, False, scope)
         if _transforms_active():
@@ -207,7 +212,7 @@ class _StepMixin:
         held = cache.held
         if (held is not None and all(map(operator.is_, held, map(buffers.__getitem__, names)))
                 and all(map(operator.eq, map(_version, held), cache.versions))):
-            return cast(Dict[str, Tensor], cache.state)
+            return cache.state  # type: ignore[return-value]
         held = tuple(map(buffers.__getitem__, names))
         if torch.is_inference_mode_enabled():  # never keep an inference tensor (the next training step can't save it)
             return dict(zip(names, held))
@@ -223,31 +228,31 @@ class _StepMixin:
         check: a non-finite batch makes its block's sums non-finite, and the fold drops that block (counted).
 
         Inside a model's forward on the fewest-kernel path (CUDA's), while the forward records a backward that
-        keeps ``x`` anyway (``keeps``, or ``x`` requires a gradient), the batch is handed to the scope instead, and the coordinator adds the batches of all
+        keeps ``x`` anyway (``keeps``), the batch is handed to the scope instead, and the coordinator adds the batches of all
         the forward's layers at its end, a few operations for all of them. A bf16 / fp16 batch reaches the product
         as it is where the device multiplies it into float32; otherwise it is converted to float32 first."""
         block = self._block
-        fraction = self.rule.config.stats_fraction
-        if fraction < 1.0 and x.shape[0] > 1:
-            x = x[: stats_samples(x.shape[0], x[0].numel() // self.num_features, self.num_features, fraction)]
+        if block.fraction < 1.0 and x.shape[0] > 1:
+            x = x[: stats_samples(x.shape[0], x[0].numel() // self.num_features, self.num_features, block.fraction)]
         acc = block.acc
-        fused = x.device.type != "cpu" or _FUSED_ON_CPU[0]  # (functional.fused_moments_on, inline)
-        if x.dtype not in (torch.float32, torch.float64) and acc is None:  # (a bf16 / fp16 batch: see the docstring)
+        device = x.device
+        fused = _FUSED_ON_CPU[0] or device.type != "cpu"  # (functional.fused_moments_on, inline)
+        if acc is None and x.dtype not in (torch.float32, torch.float64):  # (a bf16 / fp16 batch: see the docstring)
             x = x.float()
-        if block.s1.device != x.device:  # accumulators left on another device (or the meta device): moved
-            self._move_block_to(x.device)
+        if block.s1.device != device:  # accumulators left on another device (or the meta device): moved
+            self._move_block_to(device)
             acc = block.acc
         if block.shift is None:
             self._start_block(x.detach())
         elif not block.unshifted and (block.shift_x is None or block.shift_x.dim() != x.dim()):
             # a block resumed from a checkpoint, or a batch of another rank than the block's first
             block.shift_x = block.shift.to(_work_dtype(x)).view((1, -1) + (1,) * (x.dim() - 2))
-        if (scope is not None and acc is not None and fused and torch.is_grad_enabled() and (keeps or x.requires_grad)
-                and _saved_tensor_hooks() is None and not _jit_tracing() and not self.__dict__.get("_is_replica")):
+        if (keeps and scope is not None and scope.batches is not None and acc is not None and fused
+                and torch.is_grad_enabled() and _saved_tensor_hooks() is None):
             scope.batches.append((self, x, x._version, block.shift_x))  # the backward keeps x: nothing held longer
         elif acc is not None:
-            autocast = _autocast_enabled(x.device.type)  # products under autocast would run in fp16 / bf16
-            with _no_autocast(x.device) if autocast else contextlib.nullcontext():
+            autocast = _autocast_enabled(device.type)  # products under autocast would run in fp16 / bf16
+            with _no_autocast(device) if autocast else contextlib.nullcontext():
                 F_w.accumulate_moments(acc, x.detach(), block.shift_x, block.parts)
         else:  # a grouped layer: float64 s1 and the diagonal blocks of s2
             with _no_autocast(x.device):
@@ -326,7 +331,7 @@ class _StepMixin:
                 coordinator.traced_calls.append((self, rows))
             else:  # a compiled sub-module, or a layer on its own: counted now, outside the graph (a graph break)
                 _count_outside_graph(self, rows)
-        return Step(state, False, None)
+        return Step(state, False, None, True)
 
     def _add_batch_traced(self, x: Tensor) -> int:
         """:meth:`_add_batch` in a compiled graph, always about the block's shift tensor (no per-layer flag to guard
@@ -341,9 +346,8 @@ class _StepMixin:
         x = x.detach()
         if x.dtype not in (torch.float32, torch.float64) and not lowp:
             x = x.float()
-        fraction = self.rule.config.stats_fraction
-        if fraction < 1.0 and x.shape[0] > 1:
-            x = x[: stats_samples(x.shape[0], x[0].numel() // self.num_features, self.num_features, fraction)]
+        if block.fraction < 1.0 and x.shape[0] > 1:
+            x = x[: stats_samples(x.shape[0], x[0].numel() // self.num_features, self.num_features, block.fraction)]
         with _no_autocast(x.device):
             shift_x = block.store.to(_work_dtype(x)).view((1, -1) + (1,) * (x.dim() - 2))
             if lowp:
@@ -474,8 +478,9 @@ class _GradStep:
         state, scope = step.state, step.scope
         if torch.is_grad_enabled() and (w.requires_grad or _transforms_active()):
             shared = scope.weights.pop(self, None) if scope is not None and scope.weights else None
-            if shared is not None and shared[1] is w and shared[2] is state["grad_transform"]:
-                w = shared[0]  # its view in the model's shared gradient-transform node (the coordinator's)
+            if shared is not None and shared[1] is w:  # its view in the model's shared node (the coordinator's)
+                shared[2][shared[3]] = state["grad_transform"]  # the Q_s the node's backward uses for it
+                w = shared[0]
             else:
                 w = self._transformed_weight(w, state)
         bn = None
@@ -486,8 +491,8 @@ class _GradStep:
                     and (bn.training or (bn.running_mean is None and bn.running_var is None))):
                 bn = None
         if bn is not None:
-            if bn.training and bn.track_running_stats and bn.running_mean is not None:
-                kept = None if _compiling() else self._cache.derived.get("absorbed")
+            if bn.training and bn.track_running_stats and bn._buffers.get("running_mean") is not None:
+                kept = None if step.traced else self._cache.derived.get("absorbed")
                 param = params.get("weight")
                 if (kept is not None and kept[0] is bn and kept[1] == bn.momentum and param is not None
                         and kept[2] == param.data_ptr() and kept[3] is self._buffers.get("absorbed_offset")
