@@ -436,3 +436,47 @@ def test_the_next_blocks_shift_keeps_its_tensor_across_folds(compiled):
         [layer._block.store.data_ptr() for layer in layers if layer._block.shift in (None, layer._block.store)]))
     assert all(int(layer.num_blocks) == 4 for layer in layers)
     assert all(ptrs == first for ptrs in seen)  # (the shift is the tensor, or not chosen yet: after a fold)
+
+
+class _Detector(torch.nn.Module):
+    """A backbone and a head, as detection and contrastive models are: users compile the backbone alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        net = wl.models.cifar_resnet(8, width=4)
+        self.backbone = torch.nn.Sequential(net.conv1, net.bn1, torch.nn.ReLU(), net.layer1, net.layer2, net.layer3)
+        self.head = torch.nn.Linear(16, 10)
+
+    def forward(self, x):
+        return self.head(self.backbone(x).mean((2, 3)))
+
+
+def _detector(method: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return wl.convert_model(_Detector().double(), method, block_size=3, targets="all")
+
+
+@pytest.mark.parametrize("method", ["grad", "recursive", "direct"])
+def test_a_compiled_submodule_trains_as_the_eager_root(method):
+    """``torch.compile(model.backbone)`` called directly (the root's hooks never run): its layers count their batches
+    through a graph break each and fold at their blocks' ends, as the eager root run does (3 blocks, float64), and
+    nothing dynamo guards on grows per call: no recompilation after the first block."""
+    torch._dynamo.reset()
+    counters.clear()
+    model, eager = _detector(method), _detector(method)
+    backbone = torch.compile(model.backbone, backend="aot_eager")
+    gen = torch.Generator().manual_seed(0)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (model, eager)]
+    graphs = []
+    for step in range(9):
+        x = torch.randn(4, 3, 8, 8, generator=gen, dtype=torch.float64) + 0.5
+        y = torch.randint(0, 10, (4,), generator=gen)
+        for opt, out in ((opts[0], lambda: model.head(backbone(x).mean((2, 3)))), (opts[1], lambda: eager(x))):
+            opt.zero_grad()
+            Fn.cross_entropy(out(), y).backward()
+            opt.step()
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[2] == graphs[-1], graphs  # compiled in the first block, never again
+    layers = wl.whitening_layers(model)
+    assert all(int(layer.num_blocks) == 3 and layer.batches_in_block == 0 for _, layer in layers)
+    _assert_same_state(model, eager)

@@ -20,6 +20,7 @@ from .convert import (
     to_plain_model,
     whitening_layers,
 )
+from .coordinator import joinable
 from .deferred import DeferredGradTransform, defer_grad_transform
 from .diagnostics import Diagnostics, collect_diagnostics, layer_diagnostics
 from .layers import (
@@ -69,6 +70,7 @@ __all__ = [
     "DirectWhitenWrapper",
     "DeferredGradTransform",
     "defer_grad_transform",
+    "joinable",
     "Diagnostics",
     "collect_diagnostics",
     "layer_diagnostics",

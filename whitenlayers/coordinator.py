@@ -41,7 +41,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from .layers import WhiteningLayer
 
-__all__ = ["FoldCoordinator", "ForwardScope", "SharedWeightGradTransform", "SharedWeightProduct", "check_fold_async"]
+__all__ = ["FoldCoordinator", "ForwardScope", "SharedWeightGradTransform", "SharedWeightProduct", "check_fold_async",
+           "joinable"]
 
 _get_ident = threading.get_ident
 _exporting = getattr(torch.compiler, "is_exporting", lambda: False)
@@ -136,6 +137,10 @@ class ForwardScope(NamedTuple):
     #: The batches the layers hand over, ``(layer, batch, its version, shift)``, added together at the forward's end;
     #: ``None`` where the forward keeps no batch for later (no backward recorded, a ``torch.jit`` trace).
     batches: Optional[List[tuple]]
+    #: A forward inside DDP's in a ``Join`` context: its fold comes after its backward.
+    join: bool = False
+    #: A training-mode forward of one rank (the module inside DDP called without DDP): nothing gathered or counted.
+    local: bool = False
 
 
 class FoldCoordinator:
@@ -185,6 +190,9 @@ class FoldCoordinator:
     #: :attr:`traced_calls`, counted by the hook after the graph.
     traced_open: bool = False
     traced_calls: List[Tuple[Any, int]] = []
+    #: The model has run inside ``DistributedDataParallel``'s forward (:meth:`begin_forward`).
+    under_ddp: bool = False
+    warned_local: bool = False
     #: The fold in flight: ``(layers, future, device, jobs)``, the future's result the layers' :class:`PendingFold`
     #: (and a CUDA event, or ``None``); ``jobs`` its inputs, held until this thread's stream has waited for the fold.
     _in_flight: Optional[Tuple[List["WhiteningLayer"], Any, torch.device, Any]] = None
@@ -210,7 +218,13 @@ class FoldCoordinator:
         """The model's forward pre-hook: open this thread's :class:`ForwardScope` (a forward of the model inside
         it, nested, adds to the open one) with the grad / recursive layers' weights through one shared node (in one
         process; under ``torch.distributed`` in runs of :data:`DISTRIBUTED_RUN`). Inside a compiled graph: mark the
-        forward (:attr:`traced_open`)."""
+        forward (:attr:`traced_open`).
+
+        Under ``torch.distributed`` with ``DistributedDataParallel``: a forward inside DDP's that runs in a ``Join``
+        context (uneven inputs) folds after its backward (the fold's collectives after DDP's gradient all-reduces,
+        as :func:`joinable`'s hook shadows them on a rank that has joined); a training-mode forward of the module
+        DDP wraps, called without DDP (a forward of one rank, e.g. for logging), gathers and counts nothing: the
+        ranks' blocks stay in step, and no rank folds alone."""
         if torch.compiler.is_compiling():
             self.traced_open = True
             self.traced_calls = []
@@ -219,14 +233,30 @@ class FoldCoordinator:
         if scope is not None:  # nested, or a forward whose end was not seen: its batches added now
             self.flush_stats()
             return
-        if (torch.is_grad_enabled() and not _transforms_active() and not torch._C._is_tracing()
-                and not torch.is_inference_mode_enabled() and _graph_task_id() == -1
-                and not module.__dict__.get("_is_replica")):
-            distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        join = local = False
+        if distributed:
+            ddp = getattr(nn.parallel.DistributedDataParallel, "_active_ddp_module", None)
+            if ddp is not None:
+                self.under_ddp = True
+                join = bool(getattr(getattr(ddp, "_join_config", None), "enable", False))
+            elif self.under_ddp and module.training:
+                local = True
+                if not self.warned_local:
+                    self.warned_local = True
+                    warnings.warn(
+                        "whitenlayers: a training-mode forward of the module inside DistributedDataParallel, called "
+                        "without DDP (on one rank, e.g. for logging): its whitening layers gather and count nothing "
+                        "(a batch counted on one rank would put the ranks' folds out of step); call the DDP model, or "
+                        "the module in eval mode or inside wl.frozen(module). Said once", RuntimeWarning, stacklevel=3)
+        if local or not (torch.is_grad_enabled() and not _transforms_active() and not torch._C._is_tracing()
+                         and not torch.is_inference_mode_enabled() and _graph_task_id() == -1
+                         and not module.__dict__.get("_is_replica")):
+            # (a DataParallel replica shares its accumulators with the module it copies: each adds its own)
+            scope = ForwardScope({}, {}, None, join, local)
+        else:
             scope = ForwardScope(_shared_weights(self.layers, distributed),
-                                 {} if distributed else _shared_products(self.wrappers), [])
-        else:  # (a DataParallel replica shares its accumulators with the module it copies: each adds its own)
-            scope = ForwardScope({}, {}, None)
+                                 {} if distributed else _shared_products(self.wrappers), [], join, False)
         self.scopes[_get_ident()] = scope
 
     def request(self, layer: "WhiteningLayer") -> None:
@@ -234,8 +264,11 @@ class FoldCoordinator:
             self.pending.append(layer)
 
     def flush(self) -> None:
+        """Fold the layers whose block ended, in the model's order (the same on every rank, whatever order their
+        blocks ended in)."""
         pending, self.pending = self.pending, []
-        layers = [p for p in pending if p._block.fold_pending]
+        order = {id(layer): i for i, layer in enumerate(self.layers)}
+        layers = sorted((p for p in pending if p._block.fold_pending), key=lambda p: order.get(id(p), len(order)))
         try:
             if self.fold_async:
                 self._fold_async(layers)
@@ -291,6 +324,25 @@ class FoldCoordinator:
             for layer, rows in calls.items():
                 layer._count_traced(rows, True)
         if self.pending and not _exporting():  # (torch.export traces the forward: a fold is no part of it)
+            leaf = _grad_leaf(output) if scope is not None and scope.join else None
+            if leaf is not None:  # under Join: after the backward, so that DDP's all-reduces come first (joinable)
+                leaf.register_hook(self._fold_after_backward)
+            else:
+                self.flush()
+
+    def _fold_after_backward(self, grad: Tensor) -> None:
+        """A hook on the forward's output under ``Join``: the fold queued for the end of the backward, after the
+        callback DDP queues there (a callback queued by a callback runs after those queued before it)."""
+        engine = torch.autograd.Variable._execution_engine
+        engine.queue_callback(lambda: engine.queue_callback(self.flush))
+
+    def _shadow_forward(self) -> None:
+        """On a rank that has joined (:func:`joinable`), once for every forward the others still run: each training
+        layer counts a batch without data, and the layers whose block ends fold with the others."""
+        for layer in self.layers:
+            if layer.training and not layer.frozen:
+                layer._count_without_data()
+        if self.pending:
             self.flush()
 
     @torch.compiler.disable  # host logic and the fold: outside any compiled graph
@@ -344,6 +396,63 @@ class FoldCoordinator:
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update({"strategy": "auto", **state, "scopes": {}})
+
+
+def _grad_leaf(output: Any) -> Optional[Tensor]:
+    """A tensor of a forward's output that a backward will reach, or ``None``."""
+    for leaf in torch.utils._pytree.tree_leaves(output):
+        if isinstance(leaf, Tensor) and leaf.requires_grad:
+            return leaf
+    return None
+
+
+def joinable(model: nn.Module) -> Any:
+    """The whitening of a converted ``model`` as a ``torch.distributed`` ``Joinable``: DDP's way of training with
+    uneven inputs (ranks with different numbers of batches) takes it after the DDP model::
+
+        from torch.distributed.algorithms.join import Join
+        with Join([ddp_model, wl.joinable(ddp_model)]):
+            for x, y in loader:  # one rank may run out of batches before the others
+                ...
+
+    A rank that has run out of batches counts, for every batch the others still train on, a batch without data in
+    each of its training layers, and joins their folds with the statistics it has (its last partial block, then
+    none): every rank folds at the same batches and holds bit-identical whitening state, and the folds sum every
+    batch any rank saw. Inside the ``Join`` a model's fold runs after the backward (its collectives after DDP's);
+    every rank's forwards must call every whitening layer once (the joined rank counts them all).
+
+    Args:
+        model: the converted model, or the ``DistributedDataParallel`` wrapping it.
+    """
+    from torch.distributed.algorithms.join import Joinable, JoinHook
+
+    module = getattr(model, "module", model)
+    coordinator = next((h for h in module._forward_hooks.values() if isinstance(h, FoldCoordinator)), None)
+    if coordinator is None:
+        raise ValueError(f"joinable: {type(module).__name__} has no fold coordinator; convert it with "
+                         "wl.convert_model first")
+
+    class _Shadow(JoinHook):
+        def main_hook(self) -> None:
+            coordinator._shadow_forward()
+
+    class _Whitening(Joinable):
+        def __init__(self) -> None:
+            super().__init__()
+
+        def join_hook(self, **kwargs: Any) -> JoinHook:
+            return _Shadow()
+
+        @property
+        def join_device(self) -> torch.device:
+            return coordinator.layers[0].running_mean.device
+
+        @property
+        def join_process_group(self) -> Any:
+            group = coordinator.layers[0].process_group
+            return torch.distributed.group.WORLD if group is None else group  # (DDP's default: the same group)
+
+    return _Whitening()
 
 
 def _shared_weights(layers: Sequence[Any], distributed: bool) -> Dict[Any, tuple]:

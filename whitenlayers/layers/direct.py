@@ -150,7 +150,7 @@ class DirectWhiten(WhiteningLayer, nn.Module):
                 t = t.clone()  # the buffer itself (a torch.jit trace), which a fold writes in place
             out = direct_whiten(x, t, mean)
         if step.counts:
-            self._end(None, step.scope)
+            self._end(step, None)
         return out
 
     def _pointwise_weights(self, t: Tensor, mean: Tensor, dtype: torch.dtype) -> Tuple[Tensor, Tensor, Tensor]:
@@ -264,5 +264,5 @@ class DirectWhitenWrapper(nn.Module):
         else:
             out = layer._conv_forward(x - shift, wt, params["bias"])
         if step.counts:
-            whiten._end(None, step.scope)
+            whiten._end(step, None)
         return out

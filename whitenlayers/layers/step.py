@@ -77,6 +77,8 @@ class Step(NamedTuple):
     scope: Optional["ForwardScope"]
     #: The forward runs inside a compiled graph (nothing kept between forwards may be read).
     traced: bool = False
+    #: The rows a compiled forward added (counted outside the graph at its end).
+    rows: int = 0
 
 
 def _define_snapshot_op() -> None:
@@ -187,7 +189,7 @@ class _StepMixin:
                 self._fold_now()
         if state is None:
             state = self._state_in_force()
-        if not self.training or self.frozen or torch.is_inference_mode_enabled():
+        if not self.training or self.frozen or torch.is_inference_mode_enabled() or (scope is not None and scope.local):
             return Step(state, False, scope)
         if _transforms_active():
             raise RuntimeError(
@@ -283,15 +285,29 @@ class _StepMixin:
         block.shift_x = None if block.unshifted or x is None else store.to(_work_dtype(x)).view(
             (1, -1) + (1,) * (x.dim() - 2))
 
-    def _end(self, weight: Optional[Tensor], scope: Any) -> None:
+    def _end(self, step: Step, weight: Optional[Tensor]) -> None:
         """End a training batch: count it; at the block's end, fold (:meth:`_block_ends`). ``weight``: the weight the
-        forward used (what the fold compensates with); ``scope``: the forward's (truthy: the model's forward folds at
-        its end)."""
+        forward used (what the fold compensates with). A compiled forward's batch is counted outside the graph: by
+        the coordinator after the root's forward when the root is what was compiled (one graph), else here through
+        a graph break (a compiled sub-module, or a layer on its own)."""
+        if step.traced:
+            coordinator = self._fold_coordinator
+            if coordinator is not None and coordinator.traced_open:
+                coordinator.traced_calls.append((self, step.rows))
+            else:
+                _count_outside_graph(self, step.rows)
+            return
+        scope = step.scope
         block = self._block
         n = block.batches = block.batches + 1
         block.gather_next = n % block.every == 0
         if n >= block.length:
             self._block_ends(weight, scope)
+
+    def _count_without_data(self) -> None:
+        """A batch this rank did not run, counted as the others count theirs (a rank that has joined under
+        :func:`~whitenlayers.coordinator.joinable`); a block's end is folded by the coordinator, with the others."""
+        self._end(Step({}, True, True), None)  # type: ignore[arg-type]
 
     def _block_ends(self, weight: Optional[Tensor], scope: Any) -> None:
         """The block's last batch was counted: fold at the end of the model's forward (``scope``: its coordinator
@@ -315,8 +331,8 @@ class _StepMixin:
     # -------------------------------------------------------------- compiled
     def _begin_traced(self, x: Tensor) -> Step:
         """:meth:`_begin` inside a compiled graph: the buffers copied in the graph (no backward: the buffers
-        themselves), the batch's sums added about the block's shift tensor, and the batch counted outside the graph
-        (:meth:`_count_traced`), so the forward does not count it at its end."""
+        themselves) and the batch's sums added about the block's shift tensor; its end counts it outside the graph
+        (:meth:`_end`)."""
         buffers = self._buffers
         names = self._FORWARD_BUFFERS
         if not torch.is_grad_enabled() or _exporting():  # no backward to keep values for (an export, ONNX)
@@ -324,14 +340,9 @@ class _StepMixin:
         else:
             snapshot = torch.ops.whitenlayers.snapshot
             state = {name: snapshot(buffers[name]) for name in names}
-        if self.training and not self.frozen:
-            rows = self._add_batch_traced(x) if self._block.gather_next else 0
-            coordinator = self._fold_coordinator
-            if coordinator is not None and coordinator.traced_open:  # the root's forward: counted after its graph
-                coordinator.traced_calls.append((self, rows))
-            else:  # a compiled sub-module, or a layer on its own: counted now, outside the graph (a graph break)
-                _count_outside_graph(self, rows)
-        return Step(state, False, None, True)
+        if not self.training or self.frozen:
+            return Step(state, False, None, True)
+        return Step(state, True, None, True, self._add_batch_traced(x) if self._block.gather_next else 0)
 
     def _add_batch_traced(self, x: Tensor) -> int:
         """:meth:`_add_batch` in a compiled graph, always about the block's shift tensor (no per-layer flag to guard
@@ -378,7 +389,7 @@ class _StepMixin:
             self._recentre_block(sum(calls))
         for i, rows in enumerate(calls):
             block.rows += rows
-            self._end(None, scope)
+            self._end(Step({}, True, scope), None)
             if block.fold_pending and i < len(calls) - 1:
                 self._warn_once("traced_calls", (
                     f"called {len(calls)} times in one compiled forward, and a block ended after call {i + 1}: the "
@@ -510,7 +521,7 @@ class _GradStep:
         else:  # the plain layer's own bias path: bit-identical to to_plain_model's
             out = self._op(x, w, self._layer_bias(w, state))
         if step.counts:
-            self._end(w, scope)
+            self._end(step, w)
         return out
 
     def _transformed_weight(self, w: Tensor, state: Dict[str, Tensor]) -> Tensor:
