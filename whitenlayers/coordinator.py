@@ -105,15 +105,18 @@ class SharedWeightProduct(torch.autograd.Function):
                 ) -> Tuple[Tensor, ...]:
         ctx.ts_transposed = ts_transposed  # each T^T (``T.mT``, kept in the layer's step cache across forwards)
         ctx.set_materialize_grads(False)
-        with contextlib.ExitStack() as stack:
-            for device_type in {w.device.type for w in weights}:
-                stack.enter_context(torch.autocast(device_type=device_type, enabled=False))
-            return tuple(transform_weight_grad(w, t) for w, t in zip(weights, ts))
+        products = []
+        with torch.autocast(device_type=weights[0].device.type, enabled=False):  # (one device: _shared_products)
+            for w, t in zip(weights, ts):
+                products.append(transform_weight_grad(w, t))
+        return tuple(products)
 
     @staticmethod
     def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
-        return (None, None) + tuple(None if g is None else transform_weight_grad(g, tt)
-                                    for g, tt in zip(grads, ctx.ts_transposed))
+        out: List[Optional[Tensor]] = [None, None]
+        for g, tt in zip(grads, ctx.ts_transposed):
+            out.append(None if g is None else transform_weight_grad(g, tt))
+        return tuple(out)
 
 
 #: The shared nodes' C++ apply (their callers run outside the torch.func transforms, with Parameters: nothing to
@@ -255,8 +258,10 @@ class FoldCoordinator:
             # (a DataParallel replica shares its accumulators with the module it copies: each adds its own)
             scope = ForwardScope({}, {}, None, join, local)
         else:
-            scope = ForwardScope(_shared_weights(self.layers, distributed),
-                                 {} if distributed else _shared_products(self.wrappers), [], join, False)
+            # (the grad / recursive layers' node where there are any: every layer not a direct wrapper's)
+            scope = ForwardScope(_shared_weights(self.layers, distributed) if len(self.layers) > len(self.wrappers)
+                                 else {}, {} if distributed or not self.wrappers else _shared_products(self.wrappers),
+                                 [], join, False)
         self.scopes[_get_ident()] = scope
 
     def request(self, layer: "WhiteningLayer") -> None:
@@ -509,7 +514,10 @@ def _shared_products(wrappers: Sequence[Any]) -> Dict[Any, tuple]:
     if not chosen:
         return {}
     products = shared_weight_product_apply(tuple(ts), tuple(tts), *weights)
-    return {whiten: (wt, w, t, state) for (whiten, state), wt, w, t in zip(chosen, products, weights, ts)}
+    out = {}
+    for (whiten, state), wt, w, t in zip(chosen, products, weights, ts):
+        out[whiten] = (wt, w, t, state)
+    return out
 
 
 #: The largest stack of handed batches made at once (bytes): a group of layers with more is added in parts.
