@@ -78,5 +78,5 @@ __all__ = [
     "testing",
 ]
 
-privacy.install()  # Opacus' module validator refuses whitening layers (whenever Opacus is imported)
+privacy.register_if_loaded()  # Opacus' module validator refuses whitening layers (whitenlayers.privacy)
 

@@ -27,6 +27,7 @@ from ..layers import (
 )
 from ..methods import get_method, method_of
 from ..patches import PATCH_MAX_FEATURES
+from ..privacy import register_if_loaded
 from ._common import (
     _CALL_HOOKS,
     _STATE_HOOKS,
@@ -414,6 +415,7 @@ def _check_arguments(model: nn.Module, method: str, fold_strategy: str, layer_kw
     method_spec.check_kwargs(f"convert_model(method={method!r})", layer_kwargs)
     _check_existing(model, method, layer_kwargs)
     _check_not_quantized(model)
+    register_if_loaded()  # Opacus' validator refuses the layers this makes, where Opacus is loaded (privacy.py)
 
 
 def _check_not_quantized(model: nn.Module) -> None:

@@ -18,6 +18,7 @@ from ..functional.batch import _FUSED_ON_CPU
 from ..privacy import note_direct
 from ..rules import rule_and_config
 from ._checks import check_input, check_not_tracing_function
+from .step import _saved_tensor_hooks
 from .base import WhiteningLayer
 from .grad import _with_whitening_signature
 
@@ -236,6 +237,8 @@ class DirectWhitenWrapper(nn.Module):
         coordinator = whiten._fold_coordinator
         scope = coordinator.scopes.get(_get_ident()) if coordinator is not None and coordinator.scopes else None
         shared = scope.products.pop(whiten, None) if scope is not None and scope.products else None
+        if shared is not None and _saved_tensor_hooks() is not None:  # (checkpointing: a recomputed forward saves
+            shared = None  # what its original saved, and it recomputes without the shared product)
         step = whiten._begin(feats, x.requires_grad, None if shared is None else shared[3])
         t, mean = step.state["whitening_matrix"], step.state["running_mean"]
         if torch.is_grad_enabled() and x.requires_grad and not _compiling() and torch._C._is_tracing():
