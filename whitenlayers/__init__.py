@@ -6,7 +6,7 @@ Drop-in layers that whiten the inputs of convolutions, either directly
 Markovich-Golan, Battash and Bleiweiss, "Feature Whitening via Gradient
 Transformation for Improved Convergence".
 """
-from . import config, functional, models, privacy, testing
+from . import config, functional, models, privacy
 from .averaging import keep_counters
 from .config import EVDConfig, RecursiveConfig
 from .convert import (
@@ -75,7 +75,6 @@ __all__ = [
     "collect_diagnostics",
     "layer_diagnostics",
     "models",
-    "testing",
 ]
 
 privacy.register_if_loaded()  # Opacus' module validator refuses whitening layers (whitenlayers.privacy)

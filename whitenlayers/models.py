@@ -12,8 +12,7 @@
   not inside a block).
 * :func:`resnet50`: torchvision's ResNet-50 (an optional dependency).
 
-Stand-ins of other families (MobileNetV2, ResNeXt, ViT, Hugging Face's ResNet) are in
-:mod:`whitenlayers.testing`. The residual block class is named ``BasicBlock``, the name
+The residual block class is named ``BasicBlock``, the name
 :func:`whitenlayers.convert_model` recognises by default.
 
 Example:

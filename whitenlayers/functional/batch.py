@@ -14,6 +14,10 @@ from torch import Tensor
 
 from .moments import block_outer
 
+__all__ = ["accumulate_moments", "accumulate_moments_split", "moments_accumulator", "ones_for_moments",
+           "fused_moments", "fused_moments_on", "low_precision_products_on", "batch_moments", "batch_sums",
+           "stats_samples", "weight_mean_product", "transform_weight_grad", "grouped_batch_moments"]
+
 
 def _rows_layout(x: Tensor) -> bool:
     """Whether the 4-D ``x`` lies as ``(P, M)`` rows, features last (channels_last, not also contiguous)."""

@@ -8,6 +8,10 @@ from typing import Callable, NamedTuple, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
+__all__ = ["BlockSummary", "symmetrize", "all_finite", "unshifted_accurate", "unshifted_accurate_each",
+           "finite_each", "summarize_block", "scatter_about", "block_power", "fold_mean", "block_covariance",
+           "recursive_average", "fold_moments", "block_shape", "block_identity", "block_diagonal", "block_outer"]
+
 
 # --------------------------------------------------------------------------
 # Moments

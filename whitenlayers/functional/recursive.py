@@ -10,6 +10,10 @@ from torch import Tensor
 
 from .moments import _first_or, symmetrize
 
+__all__ = ["principal_subspace", "RecursiveStep", "recursive_step", "recursive_step_blocks", "whitened_covariance",
+           "whitened_covariance_update", "smooth_grad_transform", "principal_subspace_grouped",
+           "recursive_step_grouped"]
+
 
 # --------------------------------------------------------------------------
 # Recursive transform (paper section 4)

@@ -12,6 +12,8 @@ from torch import Tensor
 from .batch import _ACC_ROW_ALIGN, LOW_PRECISION, _ones, _rows_layout
 from .moments import BlockSummary
 
+__all__ = ["accumulate_moments_grouped", "stack_shifts", "stacked_moments_accumulator"]
+
 
 def accumulate_moments_grouped(acc: Tensor, xs: Sequence[Tensor],
                                shifts: Optional[Union[Sequence[Optional[Tensor]], Tensor]] = None,
