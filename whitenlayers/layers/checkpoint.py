@@ -437,13 +437,16 @@ class _CheckpointMixin:
         where the checkpoint has none but holds this layer's other keys (a plain or an older checkpoint)."""
         key = prefix + IDENTITY_BUFFER
         self._refresh_rule_identity()
-        mine = self._buffers[IDENTITY_BUFFER]
+        own = rule_identity(self.rule)
+        buf = self._buffers[IDENTITY_BUFFER]
+        like = state_dict.get(key, state_dict.get(prefix + "running_mean"))  # (the checkpoint's device: a model
+        device = like.device if isinstance(like, Tensor) and not like.is_meta else buf.device  # built on meta)
+        mine = encode_identity(own, max(buf.numel(), _width(own)), dtype=buf.dtype, device=device)
         if key not in state_dict:
             if not any(k.startswith(prefix) for k in state_dict):
                 return state_dict  # nothing of this layer: reported missing, as the other keys
-            return {**state_dict, key: mine.detach().clone()}
+            return {**state_dict, key: mine}
         text = decode_identity(state_dict[key])
-        own = rule_identity(self.rule)
         where = prefix[:-1] or "<root>"
         try:
             theirs = json.loads(text) if text is not None else None
@@ -455,7 +458,7 @@ class _CheckpointMixin:
                               f"{tuple(getattr(state_dict[key], 'shape', ()))}")
             return state_dict
         ours = json.loads(own)
-        kept = {**state_dict, key: mine.detach().clone()}
+        kept = {**state_dict, key: mine}
         method = self._checkpoint_method(state_dict, prefix)[0]
         if method not in (None, "plain", self.method) and type(self.rule) in _BUILT_IN:
             return kept  # another method's built-in rule: the method check's message says it (state_io)

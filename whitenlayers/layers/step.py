@@ -216,6 +216,12 @@ class _StepMixin:
                 and all(map(operator.eq, map(_version, held), cache.versions))):
             return cache.state  # type: ignore[return-value]
         held = tuple(map(buffers.__getitem__, names))
+        if held[0].is_meta:
+            raise RuntimeError(
+                f"{self._describe()}: its state is on the meta device (the model was built there and not loaded or "
+                "initialised): load a checkpoint with model.load_state_dict(state_dict, assign=True), or call "
+                "model.to_empty(device=...) and then each layer's reset_parameters() (reset_running_stats() for the "
+                "whitening state alone)")
         if torch.is_inference_mode_enabled():  # never keep an inference tensor (the next training step can't save it)
             return dict(zip(names, held))
         with torch.no_grad():
