@@ -142,7 +142,7 @@ def test_damped_layers_fold_batched_as_one_at_a_time():
 
 
 def test_direct_refuses_damped_gains():
-    with pytest.raises(ValueError, match="DirectWhiten: gains='damped' gives a non-symmetric T"):
+    with pytest.raises(ValueError, match="DirectWhiten: gains='damped' makes the EVD rule give a non-symmetric T"):
         wl.DirectWhiten(4, gains="damped")
     with pytest.raises(ValueError, match="non-symmetric T"):
         wl.convert_model(wl.models.resnet20(), method="direct", gains="damped")
@@ -151,6 +151,15 @@ def test_direct_refuses_damped_gains():
         layer.gmax = 5.0
         layer.config = layer.config.replace(gains="damped")
     assert layer.config.gains == "practical" and layer.gmax == 5.0
+
+
+def test_direct_takes_damped_gains_under_a_rule_of_ones_own():
+    """The refusal is the EVD rule's (its damped T is not symmetric): a rule of one's own computes its own T and may
+    read ``gains`` as it likes."""
+    from rule_example import EigenbasisRule
+
+    layer = wl.DirectWhiten(4, rule=EigenbasisRule, gains="damped")
+    assert layer.config.gains == "damped"
 
 
 def test_damped_trains_a_resnet_with_finite_steps():

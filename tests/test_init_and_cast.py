@@ -209,11 +209,15 @@ def _model(method):
 @pytest.mark.parametrize("saved,loaded", [("grad", "recursive"), ("recursive", "grad"), ("grad", "direct"),
                                           ("direct", "recursive")])
 def test_strict_load_across_methods_names_both(saved, loaded):
+    """The error leads with the cause and the fix, and cuts the other method's keys to a count and the first few."""
     state = _model(saved).state_dict()
     model = _model(loaded)
     with pytest.raises(RuntimeError, match=f"holds a '{saved}' whitening layer at 'layer1.0.conv1'.*is '{loaded}'.*"
-                                            f"method='{saved}'"):
+                                            f"method='{saved}'") as raised:
         model.load_state_dict(state)
+    lines = str(raised.value).splitlines()
+    assert "holds a" in lines[1] and "more layer(s) alike" in lines[1]  # the cause first, once for all layers
+    assert lines[2].lstrip().startswith("missing keys:") and len(str(raised.value)) < 1000, str(raised.value)
 
 
 @pytest.mark.parametrize("saved,loaded", [("grad", "recursive"), ("recursive", "grad"), ("direct", "grad")])

@@ -290,3 +290,23 @@ def test_converting_again_with_another_rule_is_refused():
     with pytest.raises(ValueError, match="'layer1.0.conv1' was converted with the rule 'eigenbasis' \\(EigenbasisRule\\)"
                                          ", and this call asks for 'evd' \\(EVDRule\\)"):
         wl.convert_model(model, method="grad")
+
+
+def test_the_usage_snippet_of_the_rule_page_runs_as_written(tmp_path):
+    """docs/writing-a-rule.md's snippet, with the example rule saved as the page says (``eigenbasis.py`` beside the
+    script): its imports resolve from an installed package, and it runs."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    page = (root / "docs" / "writing-a-rule.md").read_text()
+    snippet = page[page.index("Use it by passing the class"):]
+    code = re.search(r"```python\n(.*?)```", snippet, flags=re.S).group(1)
+    (tmp_path / "eigenbasis.py").write_text((root / "tests" / "rule_example.py").read_text())
+    (tmp_path / "use.py").write_text(code + "\nprint(direct.layer1[0].conv1.whiten.rule_name, layer.power_iterations)\n")
+    out = subprocess.run([sys.executable, "use.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env={k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["eigenbasis", "1"]

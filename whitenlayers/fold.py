@@ -512,8 +512,8 @@ def _transforms(layers: Sequence["WhiteningLayer"], stacked: Fold,
     if type(lead.rule) in _BUILT_IN:  # they check their own results (finite; shapes by construction)
         return results
     # Another rule's results are checked (shapes, dtypes, finite, Q symmetric): a bad one keeps the previous transform
-    # (counted in eig_failures) and its layer warns once, naming the rule and the problem.
-    problems = check_results(lead.rule, results, [tuple(layer._block_shape) for layer in layers],
+    # (counted in transform_failures) and its layer warns once, naming the rule and the problem.
+    problems = check_results(results, [tuple(layer._block_shape) for layer in layers],
                              [{n: layer._buffers[n] for n in layer._rule_buffer_names()} for layer in layers])
     for k, problem in enumerate(problems):
         if problem is not None:
@@ -521,7 +521,7 @@ def _transforms(layers: Sequence["WhiteningLayer"], stacked: Fold,
             rule = lead.rule
             layers[k]._warn_once("rule_result", f"rule {rule.name!r} ({type(rule).__name__}) returned an invalid "
                                                 f"result: {problem}; the previous transform is kept (counted in "
-                                                "eig_failures)")
+                                                "transform_failures)")
             layers[k]._warned.add("transform")  # (not the rule's failure_message as well: this says what failed)
     return results
 

@@ -25,6 +25,7 @@ from ..layers import (
     GRAD_LAYER_TYPES,
     WhiteningLayer,
 )
+from ..layers.checkpoint import cause_first
 from ..methods import get_method, method_of
 from ..patches import PATCH_MAX_FEATURES
 from ..privacy import register_if_loaded
@@ -67,6 +68,8 @@ def _install_coordinator(model: nn.Module, strategy: str = "auto",
         coord.handle = model.register_forward_hook(coord, always_call=True)
     if not any(getattr(h, "__self__", None) is coord for h in model._forward_pre_hooks.values()):
         coord.begin_handle = model.register_forward_pre_hook(coord.begin_forward)
+    if cause_first not in model._load_state_dict_post_hooks.values():  # another method's checkpoint: cause first
+        model.register_load_state_dict_post_hook(cause_first)
     for layer in layers:
         layer._fold_coordinator = coord
     coord.layers = layers

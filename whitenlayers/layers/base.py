@@ -144,8 +144,9 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
         if block is not None:
             block.configure(value)
 
-    def _check_config(self, config: WhiteningConfig) -> None:
-        """Hook: ``ValueError`` for a config this layer class cannot use (``DirectWhiten``: damped gains)."""
+    def _check_config(self, config: WhiteningConfig, rule: Any = None) -> None:
+        """Hook: ``ValueError`` for a config this layer class cannot use with its rule (``rule``: the rule class, by
+        default the layer's; ``DirectWhiten``: the EVD rule's damped gains)."""
 
     def __getattr__(self, name: str) -> Any:
         """The config's fields as attributes (``layer.alpha``), then ``nn.Module``'s (parameters, buffers,

@@ -117,17 +117,53 @@ def loading_plain_checkpoint() -> Iterator[None]:
         _loading_plain[0] = before
 
 
+def _load_frame() -> Any:
+    """The frame of the ``Module.load_state_dict`` call under way, or ``None`` (a loader of its own)."""
+    frame = sys._getframe(2)
+    code = torch.nn.Module.load_state_dict.__code__
+    while frame is not None and frame.f_code is not code:
+        frame = frame.f_back
+    return frame
+
+
 def _strict_load() -> bool:
     """The ``strict`` of the ``Module.load_state_dict`` call under way (PyTorch passes ``strict=True`` to every
     ``_load_from_state_dict`` and applies ``strict`` to the missing / unexpected keys afterwards); ``False`` where
     no such call is found (a loader of its own: warn, never fail a load PyTorch would accept)."""
-    frame = sys._getframe(2)
-    code = torch.nn.Module.load_state_dict.__code__
-    while frame is not None:
-        if frame.f_code is code:
-            return bool(frame.f_locals.get("strict", True))
-        frame = frame.f_back
-    return False
+    frame = _load_frame()
+    return frame is not None and bool(frame.f_locals.get("strict", True))
+
+
+#: The errors the layers reported for a checkpoint of another method or rule (a strict load), which
+#: :func:`cause_first` puts first.
+_CAUSES: Set[str] = set()
+
+
+def _report_cause(msg: str, error_msgs: List[str]) -> None:
+    _CAUSES.add(msg)
+    error_msgs.append(msg)
+
+
+def cause_first(module: Any, incompatible_keys: Any) -> None:
+    """A converted model's ``load_state_dict`` post-hook: where its layers found a checkpoint of another method or
+    rule (a strict load, which fails), the error leads with that cause and its fix, and the missing and unexpected
+    keys (hundreds in a ResNet, all of them the other method's) are cut to a count and the first few."""
+    frame = _load_frame()
+    error_msgs = frame.f_locals.get("error_msgs") if frame is not None else None
+    ours = [m for m in error_msgs if m in _CAUSES] if isinstance(error_msgs, list) else []
+    _CAUSES.clear()
+    if not ours:
+        return
+    def few(keys: List[str]) -> str:
+        return f"{len(keys)}" + (f" ({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})" if keys else "")
+
+    lead = ours[0] + (f" ({len(ours) - 1} more layer(s) alike)" if len(ours) > 1 else "")
+    counts = (f"missing keys: {few(incompatible_keys.missing_keys)}; unexpected keys: "
+              f"{few(incompatible_keys.unexpected_keys)}")
+    rest = [m for m in error_msgs if m not in ours]
+    error_msgs[:] = [lead, counts] + rest
+    incompatible_keys.missing_keys.clear()  # (said in `counts`; the load fails either way)
+    incompatible_keys.unexpected_keys.clear()
 
 
 #: Buffers only a recursive layer has (they tell a recursive checkpoint from a grad one).
@@ -355,7 +391,7 @@ class _CheckpointMixin:
             msg = (f"{self._describe()}: the checkpoint holds a '{theirs}' whitening layer at '{where}', but this "
                    f"model's layer there is '{mine}'; convert the model with method={theirs!r} before loading")
         if _strict_load():
-            error_msgs.append(msg)
+            _report_cause(msg, error_msgs)
         else:
             warnings.warn(msg + " (strict=False: the whitening state of the other method is not loaded; only keys "
                                 "with the same names are)", UserWarning, stacklevel=4)
@@ -467,7 +503,7 @@ class _CheckpointMixin:
                    f"this layer's rule is {ours['rule']!r} ({type(self.rule).__name__}); build the model with "
                    f"rule={theirs['rule']!r} (convert_model(..., rule=...)) before loading it")
             if _strict_load():
-                error_msgs.append(msg)
+                _report_cause(msg, error_msgs)
             else:
                 warnings.warn(msg + " (strict=False: loaded into this layer's rule anyway)", UserWarning,
                               stacklevel=4)

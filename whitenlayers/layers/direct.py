@@ -16,7 +16,7 @@ from ..config import EVDConfig
 from ..fold import _autocast_enabled, _no_autocast
 from ..functional.batch import _FUSED_ON_CPU
 from ..privacy import note_direct
-from ..rules import rule_and_config
+from ..rules import EVDRule, rule_and_config
 from ._checks import check_input, check_not_tracing_function
 from .step import _saved_tensor_hooks
 from .base import WhiteningLayer
@@ -95,18 +95,21 @@ class DirectWhiten(WhiteningLayer, nn.Module):
     ) -> None:
         nn.Module.__init__(self)
         rule, cfg = rule_and_config(EVDConfig, type(self).__name__, config, whitening, exclude=self._unused_fields)
-        self._check_config(cfg)
+        self._check_config(cfg, rule)
         self._init_whitening(num_features, cfg, grad_transform=False, process_group=process_group, device=device,
                              dtype=dtype, groups=groups, rule=rule)
 
-    def _check_config(self, config: Any) -> None:
-        """``ValueError`` for ``gains="damped"``: its ``T`` is a Cholesky factor's inverse, not symmetric, and this
-        layer applies ``T`` to the features (a non-symmetric ``T`` would rotate them anew at every fold)."""
-        if getattr(config, "gains", None) == "damped":
-            raise ValueError(f"{type(self).__name__}: gains='damped' gives a non-symmetric T (sqrt(c) L^-1, from a "
-                             "Cholesky factor), which the direct method applies to the features, rotating them "
-                             "anew at every fold; use gains='practical' or 'zca' with method='direct', or "
-                             "gains='damped' with method='grad', but got gains='damped'")
+    def _check_config(self, config: Any, rule: Any = None) -> None:
+        """``ValueError`` for ``gains="damped"`` with the EVD rule's update (``rule``: the rule class, default the
+        layer's): its ``T`` is a Cholesky factor's inverse, not symmetric, and this layer applies ``T`` to the
+        features, which a non-symmetric ``T`` would rotate anew at every fold. A rule of one's own computes its own
+        ``T`` (it should be symmetric for this layer) and may read ``gains`` as it likes."""
+        rule = type(self.rule) if rule is None else rule
+        if getattr(config, "gains", None) == "damped" and getattr(rule, "update", None) is EVDRule.update:
+            raise ValueError(f"{type(self).__name__}: gains='damped' makes the EVD rule give a non-symmetric T "
+                             "(sqrt(c) L^-1, from a Cholesky factor), which the direct method applies to the features, "
+                             "rotating them anew at every fold; use gains='practical' or 'zca' with method='direct', "
+                             "or gains='damped' with method='grad', but got gains='damped'")
 
     def extra_repr(self) -> str:
         rest = self._whitening_repr()
