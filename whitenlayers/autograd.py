@@ -25,8 +25,8 @@ from .functional import transform_weight_grad
 
 _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 
-__all__ = ["DirectWhitenFunction", "WeightGradTransform", "PointwiseWhitenFunction", "direct_whiten", "grad_transformed",
-           "pointwise_whiten"]
+__all__ = ["DirectWhitenFunction", "WeightGradTransform", "PointwiseWhitenFunction", "direct_whiten",
+           "grad_transformed", "pointwise_whiten"]
 
 
 def _channels_last(x: Tensor) -> bool:

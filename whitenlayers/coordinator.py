@@ -131,18 +131,18 @@ class ForwardScope(NamedTuple):
     forward's end."""
 
     #: Each grad / recursive layer's ``(view, weight, qs, i)``: its weight's view in one shared
-    #: :class:`SharedWeightGradTransform` node, which the layer takes when the weight is its forward's, registering
+    #: ``SharedWeightGradTransform`` node, which the layer takes when the weight is its forward's, registering
     #: that forward's ``Q_s`` as ``qs[i]``.
     weights: Dict[Any, tuple]
     #: Each fused ``direct`` wrapper's ``DirectWhiten``'s ``(W T, weight, T, state)``: its product in one shared
-    #: :class:`SharedWeightProduct` node, made with the buffers in force (``state``, which its forward reads).
+    #: ``SharedWeightProduct`` node, made with the buffers in force (``state``, which its forward reads).
     products: Dict[Any, tuple]
     #: The batches the layers hand over, ``(layer, batch, its version, shift)``, added together at the forward's end;
     #: ``None`` where the forward keeps no batch for later (no backward recorded, a ``torch.jit`` trace).
     batches: Optional[List[tuple]]
     #: A forward inside DDP's in a ``Join`` context: its fold comes after its backward.
     join: bool = False
-    #: A training-mode forward of one rank (the module inside DDP called without DDP): nothing gathered or counted.
+    #: Nothing gathered or counted, for a training-mode forward of one rank (the module inside DDP called alone).
     local: bool = False
 
 
@@ -151,14 +151,14 @@ class FoldCoordinator:
 
     :func:`whitenlayers.convert_model` installs it on the root module: :meth:`begin_forward` as a forward pre-hook,
     the coordinator itself as a forward hook (always called, so a forward that raised still adds its batches).
-    Before an eager forward it opens the thread's :class:`ForwardScope`; layers whose block ends during the forward
+    Before an eager forward it opens the thread's ``ForwardScope``; layers whose block ends during the forward
     ask to be folded, and the hook folds them in one :func:`~whitenlayers.fold.fold_layers` call. Folding after
     the model's forward instead of right after each layer's forward changes nothing: a block's statistics and the
     transform in force for that batch's backward are the same. ``strategy`` is
     :func:`~whitenlayers.fold.fold_layers`'s (how transforms are spread over ranks).
 
     When the root is compiled, the pre-hook runs inside the graph and marks the forward (:attr:`traced_open`): the
-    layers' compiled forwards list their calls in :attr:`traced_calls` instead of counting them (no Python number
+    layers' compiled forwards list their calls in ``traced_calls`` instead of counting them (no Python number
     in the graph that changes from step to step), and the hook, outside the graph, counts them and folds. A
     compiled sub-module has no such mark: its layers count through a graph break each.
 
@@ -183,14 +183,14 @@ class FoldCoordinator:
 
     #: Defaults for coordinators pickled before these attributes existed (nothing to check).
     layers: Sequence["WhiteningLayer"] = ()
-    #: The model's ``DirectWhitenWrapper`` modules (their weights' products shared, :class:`SharedWeightProduct`).
+    #: The model's ``DirectWhitenWrapper`` modules (their weights' products shared, ``SharedWeightProduct``).
     wrappers: Sequence[Any] = ()
     checked: bool = True
     fold_async: bool = False
     #: The open scopes of eager forwards, per thread (``DataParallel`` runs replicas in threads); never pickled.
     scopes: Dict[int, ForwardScope] = {}
     #: Set by the pre-hook inside a compiled root forward; its layers' calls ``(layer, rows)`` in
-    #: :attr:`traced_calls`, counted by the hook after the graph.
+    #: ``traced_calls``, counted by the hook after the graph.
     traced_open: bool = False
     traced_calls: List[Tuple[Any, int]] = []
     #: The model has run inside ``DistributedDataParallel``'s forward (:meth:`begin_forward`).
@@ -218,16 +218,16 @@ class FoldCoordinator:
         self.scopes = {}
 
     def begin_forward(self, module: nn.Module, inputs: Any) -> None:
-        """The model's forward pre-hook: open this thread's :class:`ForwardScope` (a forward of the model inside
+        """The model's forward pre-hook: open this thread's ``ForwardScope`` (a forward of the model inside
         it, nested, adds to the open one) with the grad / recursive layers' weights through one shared node (in one
-        process; under ``torch.distributed`` in runs of :data:`DISTRIBUTED_RUN`). Inside a compiled graph: mark the
+        process; under ``torch.distributed`` in runs of ``DISTRIBUTED_RUN``). Inside a compiled graph: mark the
         forward (:attr:`traced_open`).
 
         Under ``torch.distributed`` with ``DistributedDataParallel``: a forward inside DDP's that runs in a ``Join``
         context (uneven inputs) folds after its backward (the fold's collectives after DDP's gradient all-reduces,
-        as :func:`joinable`'s hook shadows them on a rank that has joined); a training-mode forward of the module
-        DDP wraps, called without DDP (a forward of one rank, e.g. for logging), gathers and counts nothing: the
-        ranks' blocks stay in step, and no rank folds alone."""
+        as :func:`~whitenlayers.joinable`'s hook shadows them on a rank that has joined); a training-mode forward of
+        the module DDP wraps, called without DDP (a forward of one rank, e.g. for logging), gathers and counts
+        nothing: the ranks' blocks stay in step, and no rank folds alone."""
         if torch.compiler.is_compiling():
             self.traced_open = True
             self.traced_calls = []
@@ -342,8 +342,8 @@ class FoldCoordinator:
         engine.queue_callback(lambda: engine.queue_callback(self.flush))
 
     def _shadow_forward(self) -> None:
-        """On a rank that has joined (:func:`joinable`), once for every forward the others still run: each training
-        layer counts a batch without data, and the layers whose block ends fold with the others."""
+        """On a rank that has joined (:func:`~whitenlayers.joinable`), once for every forward the others still run:
+        each training layer counts a batch without data, and the layers whose block ends fold with the others."""
         for layer in self.layers:
             if layer.training and not layer.frozen:
                 layer._count_without_data()
@@ -436,10 +436,11 @@ def joinable(model: nn.Module) -> Any:
     if coordinator is None:
         raise ValueError(f"joinable: {type(module).__name__} has no fold coordinator; convert it with "
                          "wl.convert_model first")
+    coord: FoldCoordinator = coordinator
 
     class _Shadow(JoinHook):
         def main_hook(self) -> None:
-            coordinator._shadow_forward()
+            coord._shadow_forward()
 
     class _Whitening(Joinable):
         def __init__(self) -> None:
@@ -450,11 +451,11 @@ def joinable(model: nn.Module) -> Any:
 
         @property
         def join_device(self) -> torch.device:
-            return coordinator.layers[0].running_mean.device
+            return coord.layers[0].running_mean.device
 
         @property
         def join_process_group(self) -> Any:
-            group = coordinator.layers[0].process_group
+            group = coord.layers[0].process_group
             return torch.distributed.group.WORLD if group is None else group  # (DDP's default: the same group)
 
     return _Whitening()
@@ -465,7 +466,7 @@ def _shared_weights(layers: Sequence[Any], distributed: bool) -> Dict[Any, tuple
     weight is a plain Parameter that needs a gradient (channel features, not parametrized, not deferred; of its full
     shape under ``torch.distributed``: a weight sharded by FSDP is left to the layer), ``(view, weight, qs, i)``
     (:attr:`ForwardScope.weights`). One node for all of them in one process; under ``torch.distributed`` one per run
-    of :data:`DISTRIBUTED_RUN` (DDP all-reduces a layer's gradient while the backward runs; one node would hold them
+    of ``DISTRIBUTED_RUN`` (DDP all-reduces a layer's gradient while the backward runs; one node would hold them
     all until its end). Nothing for fewer than two layers."""
     chosen, weights = [], []
     for layer in layers:

@@ -87,7 +87,7 @@ def register_opacus_validators(validator_class: Any = None) -> None:
         from opacus.validators.module_validator import ModuleValidator
 
         validator_class = ModuleValidator
-    from .layers import WhiteningLayer
+    from .layers.base import WhiteningLayer
 
     registry = validator_class.VALIDATORS
     for cls in _subclasses(WhiteningLayer):

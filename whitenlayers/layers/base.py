@@ -71,7 +71,7 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
     """Mixin: the block statistics, buffers and fold of one whitening layer; the rule computes the transform.
 
     Subclasses call ``_init_whitening`` after their ``nn.Module`` base ``__init__``; their forward starts with
-    ``_begin`` and, for a training batch, ends with ``_end`` (:mod:`~whitenlayers.layers.step`); they may override
+    ``_begin`` and, for a training batch, ends with ``_end`` (``whitenlayers.layers.step``); they may override
     ``_on_mean_change`` (bias compensation).
 
     Public state besides the buffers: :attr:`config` (the frozen hyper-parameters; assigning a new config of the
@@ -172,7 +172,7 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
             super().__setattr__(name, value)
 
     def __dir__(self) -> List[str]:
-        return sorted(set(super().__dir__()) | _fields(self.rule.config))  # type: ignore[misc]
+        return sorted(set(super().__dir__()) | _fields(self.rule.config))
 
     @property
     def method(self) -> str:
@@ -374,7 +374,7 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
         """Count the ranks whose block had non-finite sums (an asynchronous fold counts them when it is written)."""
         if nonfinite:
             self.nonfinite_blocks += nonfinite
-            _note_nonfinite(cast("WhiteningLayer", self))  # one warning for the fold's layers (fold._warn_nonfinite)
+            _note_nonfinite(self)  # one warning for the fold's layers (fold._warn_nonfinite)
 
     def _outcome_layout(self) -> List[Tuple[str, Tuple[int, ...]]]:
         """``(name, shape)`` of the buffers a fold's outcome may hold, in a fixed order."""
@@ -455,7 +455,7 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
         if block is None:
             self._fold_now()
             return
-        layers = [cast("WhiteningLayer", self)]
+        layers = [self]
         nonfinite, firsts = _read_with_firsts(self._block.nonfinite().view(1), layers)  # one host synchronisation
         _fold_all(layers, [block], [int(nonfinite[0])], firsts)
         _warn_nonfinite()

@@ -33,8 +33,8 @@ class Block:
     and the batches are not shifted), as the last fold decided from its block's statistics.
     """
 
-    __slots__ = ("batches", "rows", "gather_next", "length", "every", "fraction", "fold_pending", "fold_weight", "acc", "dense",
-                 "s1", "s2", "parts", "shift", "shift_x", "store", "unshifted", "traced")
+    __slots__ = ("batches", "rows", "gather_next", "length", "every", "fraction", "fold_pending", "fold_weight", "acc",
+                 "dense", "s1", "s2", "parts", "shift", "shift_x", "store", "unshifted", "traced")
 
     def __init__(self, num_features: int, groups: int, dtype: torch.dtype, device: Any, config: Any) -> None:
         self.configure(config)

@@ -152,7 +152,7 @@ def cause_first(module: Any, incompatible_keys: Any) -> None:
     error_msgs = frame.f_locals.get("error_msgs") if frame is not None else None
     ours = [m for m in error_msgs if m in _CAUSES] if isinstance(error_msgs, list) else []
     _CAUSES.clear()
-    if not ours:
+    if not ours or not isinstance(error_msgs, list):
         return
     def few(keys: List[str]) -> str:
         return f"{len(keys)}" + (f" ({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})" if keys else "")
@@ -184,8 +184,12 @@ class _CheckpointMixin:
         rule: Any
         running_mean: Tensor
         _pending_fold: Any
-        _block_shape: tuple
-        method: str
+
+        @property
+        def _block_shape(self) -> tuple: ...
+
+        @property
+        def method(self) -> str: ...
 
         def _describe(self) -> str: ...
 
@@ -198,7 +202,7 @@ class _CheckpointMixin:
 
     def __getstate__(self) -> Dict[str, Any]:
         self._wait_for_fold()  # a fold in flight: its result is the layer's pending fold, copied with it
-        state = dict(self.__dict__)  # type: ignore[attr-defined]
+        state = dict(self.__dict__)
         # What a forward keeps between steps is made again (the step cache); the deferral's state is not copied (a
         # copy is stepped by no optimizer of the deferral, defer_grad_transform), nor is a direct wrapper's link.
         state["_cache"] = _StepCache()
@@ -457,13 +461,13 @@ class _CheckpointMixin:
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         self._refresh_rule_identity()
-        super()._save_to_state_dict(destination, prefix, keep_vars)  # type: ignore[misc]
+        super()._save_to_state_dict(destination, prefix, keep_vars)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         state_dict = self._checked_rule_identity(state_dict, prefix, error_msgs)
         self._load_checked(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
-        self._cache.clear()  # type: ignore[attr-defined]
+        self._cache.clear()
         self.__dict__["_identity_of"] = None  # the buffer holds what was loaded: written again at the next save
 
     def _checked_rule_identity(self, state_dict: Dict[str, Any], prefix: str, error_msgs: List[str]

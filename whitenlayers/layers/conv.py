@@ -24,12 +24,12 @@ class _GradWhitenConvNd(_GradWhitenMixin):
     """A grad / recursive convolution of any dimension: the subclass puts the plain conv class second in its bases
     and names it ``_PLAIN``."""
 
-    _PLAIN: type = nn.Conv2d
+    _PLAIN: Any = nn.Conv2d
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         nd = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}[cls._PLAIN]
-        cls._op = cls._PLAIN._conv_forward  # type: ignore[attr-defined]  # the plain conv's own operation
+        cls._op = cls._PLAIN._conv_forward  # the plain conv's own operation
         cls._BATCHED_RANK, cls._SPATIAL = nd + 2, nd
         cls._INPUT = (-(nd + 1), (nd + 1, nd + 2), f"an input of shape (B, C, {_SPATIAL_WORDS[nd]}) or "
                                                     f"(C, {_SPATIAL_WORDS[nd]})")

@@ -5,7 +5,7 @@ its input where that is the same. Part of :mod:`whitenlayers.layers`."""
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple, cast
 
 import torch
 from torch import Tensor, nn
@@ -18,9 +18,9 @@ from ..functional.batch import _FUSED_ON_CPU
 from ..privacy import note_direct
 from ..rules import EVDRule, rule_and_config
 from ._checks import check_input, check_not_tracing_function
-from .step import _saved_tensor_hooks
 from .base import WhiteningLayer
 from .grad import _with_whitening_signature
+from .step import _saved_tensor_hooks
 
 __all__ = ["DirectWhiten", "DirectWhitenWrapper"]
 
@@ -225,7 +225,7 @@ class DirectWhitenWrapper(nn.Module):
         Args:
             x: the wrapped layer's input (features on dim 1 for a conv, on the last dim for an ``nn.Linear``).
         """
-        whiten, layer = self.whiten, self.layer
+        whiten, layer = self.whiten, cast(Any, self.layer)
         if not self._fusable():
             if isinstance(layer, nn.Linear) and x.dim() != 2:
                 # A linear layer acts on the last dim: whiten the (N, C) rows of x (statistics over all leading dims).

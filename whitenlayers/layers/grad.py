@@ -62,6 +62,7 @@ class _GradWhitenMixin(_GradStep, WhiteningLayer):
 
     weight: Tensor
     bias: Optional[Tensor]
+    bias_correction: Tensor
 
     #: The config class of the layer's rule (EVD for the grad layers, recursive for the recursive ones).
     _CONFIG: Type[WhiteningConfig] = EVDConfig
@@ -309,4 +310,4 @@ class _GradWhitenMixin(_GradStep, WhiteningLayer):
             rest = (rest + ", " if rest else "") + f"features={self.features!r}"
         if self._centring_ref is not None:
             rest = (rest + ", " if rest else "") + "centring=absorbed"
-        return super().extra_repr() + (f", {rest}" if rest else "")
+        return super().extra_repr() + (f", {rest}" if rest else "")  # type: ignore[misc]

@@ -39,6 +39,7 @@ from ._checks import FUNC_WHAT_TO_DO, check_not_tracing_function, onnx_exporting
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..coordinator import FoldCoordinator, ForwardScope
+    from .base import WhiteningLayer
     from .block import Block
 
 __all__ = ["Step", "recomputing"]
@@ -106,11 +107,11 @@ _define_snapshot_op()
 def _tracing_suspended():
     """No ``torch.jit.trace`` recording inside (what it would record is not part of the traced function)."""
     state = torch._C._get_tracing_state()
-    torch._C._set_tracing_state(None)  # type: ignore[attr-defined]
+    torch._C._set_tracing_state(None)
     try:
         yield
     finally:
-        torch._C._set_tracing_state(state)  # type: ignore[attr-defined]
+        torch._C._set_tracing_state(state)
 
 
 def _work_dtype(x: Tensor) -> torch.dtype:
@@ -236,9 +237,9 @@ class _StepMixin:
         check: a non-finite batch makes its block's sums non-finite, and the fold drops that block (counted).
 
         Inside a model's forward on the fewest-kernel path (CUDA's), while the forward records a backward that
-        keeps ``x`` anyway (``keeps``), the batch is handed to the scope instead, and the coordinator adds the batches of all
-        the forward's layers at its end, a few operations for all of them. A bf16 / fp16 batch reaches the product
-        as it is where the device multiplies it into float32; otherwise it is converted to float32 first."""
+        keeps ``x`` anyway (``keeps``), the batch is handed to the scope instead, and the coordinator adds the batches
+        of all the forward's layers at its end, a few operations for all of them. A bf16 / fp16 batch reaches the
+        product as it is where the device multiplies it into float32; otherwise it is converted to float32 first."""
         block = self._block
         if block.fraction < 1.0 and x.shape[0] > 1:
             x = x[: stats_samples(x.shape[0], x[0].numel() // self.num_features, self.num_features, block.fraction)]
@@ -322,7 +323,7 @@ class _StepMixin:
         block.fold_pending = True
         block.fold_weight = self._fold_weight_of(weight)
         if scope:
-            cast("FoldCoordinator", self._fold_coordinator).request(self)
+            cast("FoldCoordinator", self._fold_coordinator).request(cast("WhiteningLayer", self))
         else:
             self._fold_now()
 
@@ -332,7 +333,7 @@ class _StepMixin:
         if coordinator is not None:
             coordinator.flush_stats()  # the batches this forward's layers handed over, this one's too
             coordinator.wait()
-        fold_layers([self])  # type: ignore[list-item]
+        fold_layers([self])
 
     # -------------------------------------------------------------- compiled
     def _begin_traced(self, x: Tensor) -> Step:
@@ -468,9 +469,9 @@ class _GradStep:
         _parameters: Dict[str, Any]
         _cache: _StepCache
 
-        def _begin(self, x: Tensor) -> Step: ...
+        def _begin(self, x: Tensor, keeps: bool = False, state: Optional[Dict[str, Tensor]] = None) -> Step: ...
 
-        def _end(self, weight: Optional[Tensor], scope: Any) -> None: ...
+        def _end(self, step: Step, weight: Optional[Tensor]) -> None: ...
 
         def _describe(self) -> str: ...
 
@@ -509,12 +510,12 @@ class _GradStep:
                 bn = None
         if bn is not None:
             if bn.training and bn.track_running_stats and bn._buffers.get("running_mean") is not None:
-                kept = None if step.traced else self._cache.derived.get("absorbed")
+                kept: Any = None if step.traced else self._cache.derived.get("absorbed")
                 param = params.get("weight")
                 if (kept is not None and kept[0] is bn and kept[1] == bn.momentum and param is not None
                         and kept[2] == param.data_ptr() and kept[3] is self._buffers.get("absorbed_offset")
                         and not _transforms_active()):
-                    kept[3].addmv_(kept[4], kept[5], beta=kept[6], alpha=kept[7])  # d <- (1 - f) d + f (-W mu)
+                    kept[3].addmv_(kept[4], kept[5], beta=kept[6], alpha=kept[7])  # type: ignore[union-attr]  # d <- (1 - f) d + f (-W mu)
                 else:
                     self._track_absorbed_offset(w, bn, state)
             out = self._op(x, w, params["bias"] if "bias" in params else self.bias)
@@ -604,7 +605,7 @@ class _GradStep:
             factor = (bn.num_batches_tracked.to(device=d.device, dtype=d.dtype) + 1).reciprocal()
         if isinstance(factor, float) and self.groups == 1 and not onnx_exporting():
             # c = 0 for an absorbed layer (it lives in d): d <- (1 - f) d + f (c - W mu) is one product-accumulate
-            param = self._parameters.get("weight")
+            param: Any = self._parameters.get("weight")
             plain = param is not None and weight.dtype == d.dtype and not _compiling()
             rows, taps_last = _weight_rows((param if plain else weight).detach().to(d.dtype))
             mean = state["running_mean"]
