@@ -20,8 +20,8 @@ layer against a float64 twin fed its inputs; the worst layer after ``--steps`` s
 
 Part 4 -- the fold of all recursive layers of CIFAR ResNet-110 (``fold_layers``), variants interleaved.
 
-    python benchmarks/recursive_drift.py --threads 1           # about a minute
-    python benchmarks/recursive_drift.py --tiny                # seconds (CI)
+    python benchmarks/recursive_drift.py --threads 1 --clock cpu   # about a minute
+    python benchmarks/recursive_drift.py --tiny                    # seconds (CI)
 """
 from __future__ import annotations
 

@@ -33,17 +33,19 @@ def principal_subspace(phi_y: Tensor, *, c_rel: float, c_abs: float) -> Tensor:
     the exact direction of a rank-one ``phi_y``; they differ in how a column
     whose coherent part is weak counts. Divided by ``c_m`` it counts up to
     ``1 / c_rel = 40`` times the strongest column, mostly as noise, and a
-    relative change of ``phi_y`` moves ``v_e`` 15 to 67 times as much
-    (median over the folds of a recursive layer on post-ReLU features, widths
-    4 to 64); in the recursion that feeds back through ``T`` and ``Phi_y``,
-    so any difference in the last bits (float32 against float64, another
-    BLAS) grew by about 1.5x per fold until the layers' ``Q`` disagreed by
-    10-20 %. Weighted by ``c_m / c_m'`` (``|c_m / c_m'| <= 1``) a weak column
-    counts little, ``v_e`` moves 2 to 3 times the change of ``phi_y``, and a
-    difference decays instead (``benchmarks/recursive_drift.py``). Measured on
-    ``ratio * u u^T + I`` with ``M = 24`` and 50 random ``u``: worst
-    ``|cos(v_e, u)|`` 0.999 at ratio 3 and above 0.9999 from ratio 10 (the
-    printed weights: 0.46, 0.46, 0.84 at ratios 3, 10, 100).
+    relative change of ``phi_y`` moves ``v_e`` 13 to 24 times as much (medians
+    over the folds of recursive layers with 4 to 64 post-ReLU input features;
+    up to 86). The recursion feeds ``v_e`` back through ``T`` and
+    ``Phi_y``, so any difference in the last bits (float32 against float64,
+    another BLAS) grew 2 to 3 times per fold until the layers' ``Q`` disagreed
+    by 10-30 %. Weighted by ``c_m / c_m'`` (``|c_m / c_m'| <= 1``) a weak
+    column counts little, ``v_e`` moves 2 to 4 times the change of ``phi_y``,
+    and a difference does not grow (``benchmarks/recursive_drift.py``).
+    Measured on ``ratio * u u^T + I`` with ``M = 24`` and 50 random ``u``:
+    worst ``|cos(v_e, u)|`` 0.9992 at ratio 3, 0.999998 at ratio 10 and 1 to
+    six digits from ratio 100 (the printed weights: 0.46, 0.46, 0.84, 0.89 at
+    ratios 3, 10, 100, 1000). A wrong direction costs one step; the leakage
+    undoes it.
 
     Args:
         phi_y: a symmetric matrix ``(M, M)`` (the whitened covariance ``Phi_y``).
