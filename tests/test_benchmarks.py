@@ -180,3 +180,10 @@ def test_ablation_switches_off_what_it_names():
         g = untransformed[name].double()
         expected = torch.einsum("oi...,ij->oj...", g, q)
         torch.testing.assert_close(full[2][name].double(), expected, rtol=1e-4, atol=1e-6)
+
+
+def test_recursive_drift_runs_tiny(tmp_path):
+    """``benchmarks/recursive_drift.py`` (float32 recursive layers against float64 twins, cited by docs/PAPER.md and
+    docs/robustness.md; run on its own, not a scenario of ``bench.py``): its four tables, in seconds."""
+    out = _run([str(BENCH / "recursive_drift.py"), "--tiny", "--threads", "1"], tmp_path).stdout
+    assert len(re.findall(r"^\| --- \|", out, flags=re.M)) == 4 and "| coherence | 6 | 3 |" in out

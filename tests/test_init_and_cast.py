@@ -163,7 +163,9 @@ def test_low_precision_cast_keeps_whitening_state_float32(method, cast):
     assert layer.running_cov.dtype == torch.float64  # float32 <-> float64 casts as before
 
 
-def test_bf16_model_trains_with_float32_accurate_whitening_state():
+@pytest.mark.parametrize("method,cls", [("grad", wl.GradWhitenConv2d), ("recursive", wl.RecursiveWhitenConv2d)],
+                         ids=["grad", "recursive"])
+def test_bf16_model_trains_with_float32_accurate_whitening_state(method, cls):
     """100 steps of a bf16-cast converted ResNet; one layer's state checked against a float64 twin on its inputs.
 
     The twin (a float64 layer) sees the very bf16 activations the layer sees (bf16 -> float64 is exact), so the
@@ -171,9 +173,9 @@ def test_bf16_model_trains_with_float32_accurate_whitening_state():
     statistics (1e-4 here); a bf16 state (8 bits of mantissa) would be off by about 1e-2, which the check shows.
     """
     torch.manual_seed(0)
-    model = wl.convert_model(wl.models.cifar_resnet(8, width=8), "grad", block_size=10).to(torch.bfloat16)
+    model = wl.convert_model(wl.models.cifar_resnet(8, width=8), method, block_size=10).to(torch.bfloat16)
     name, layer = wl.whitening_layers(model)[2]
-    twin = wl.GradWhitenConv2d(layer.in_channels, layer.out_channels, 3, padding=1, bias=False, block_size=10,
+    twin = cls(layer.in_channels, layer.out_channels, 3, padding=1, bias=False, block_size=10,
                                dtype=torch.float64)
     twin_inputs = []
     handle = layer.register_forward_pre_hook(lambda m, args: twin_inputs.append(args[0].detach().double()))
