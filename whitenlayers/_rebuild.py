@@ -14,19 +14,17 @@ def plain_conv_class(conv: Any) -> type:
     return _PLAIN_CONVS[len(conv.kernel_size)]
 
 
-def conv_like(conv: Any, cls: Optional[type] = None, *, bias: bool, **extra: Any) -> Any:
-    """A new conv of class ``cls`` (default: the plain conv of ``conv``'s dimension) with ``conv``'s channels,
-    kernel, stride, padding, dilation, groups, padding mode, device and dtype; fresh parameters."""
-    cls = cls if cls is not None else plain_conv_class(conv)
-    return cls(conv.in_channels, conv.out_channels, conv.kernel_size, stride=conv.stride, padding=conv.padding,
-               dilation=conv.dilation, groups=conv.groups, bias=bias, padding_mode=conv.padding_mode,
-               device=conv.weight.device, dtype=conv.weight.dtype, **extra)
-
-
-def linear_like(linear: Any, cls: type = nn.Linear, *, bias: bool, **extra: Any) -> Any:
-    """A new linear layer of class ``cls`` with ``linear``'s features, device and dtype; fresh parameters."""
-    return cls(linear.in_features, linear.out_features, bias=bias, device=linear.weight.device,
-               dtype=linear.weight.dtype, **extra)
+def layer_like(layer: Any, cls: Optional[type] = None, *, bias: bool, **extra: Any) -> Any:
+    """A new layer of class ``cls`` (default: the plain ``nn.Linear``, or the plain conv of ``layer``'s dimension)
+    with ``layer``'s features (a conv's channels, kernel, stride, padding, dilation, groups and padding mode),
+    device and dtype; fresh parameters."""
+    factory = {"device": layer.weight.device, "dtype": layer.weight.dtype}
+    if hasattr(layer, "in_features"):  # a linear layer
+        return (cls or nn.Linear)(layer.in_features, layer.out_features, bias=bias, **factory, **extra)
+    cls = cls if cls is not None else plain_conv_class(layer)
+    return cls(layer.in_channels, layer.out_channels, layer.kernel_size, stride=layer.stride, padding=layer.padding,
+               dilation=layer.dilation, groups=layer.groups, bias=bias, padding_mode=layer.padding_mode, **factory,
+               **extra)
 
 
 def share_parameters(src: nn.Module, dst: nn.Module) -> None:

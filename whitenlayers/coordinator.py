@@ -200,10 +200,10 @@ class FoldCoordinator:
     #: (and a CUDA event, or ``None``); ``jobs`` its inputs, held until this thread's stream has waited for the fold.
     _in_flight: Optional[Tuple[List["WhiteningLayer"], Any, torch.device, Any]] = None
     _executor: Any = None
-    _streams: Optional[Dict[torch.device, Any]] = None
+    _streams: Dict[torch.device, Any]
     #: The stacked accumulators of the groups of layers whose batches are added together (``_arena``); never
     #: pickled (the layers' accumulators are pickled apart, and stacked again at the next forward).
-    _arenas: Optional[Dict[tuple, list]] = None
+    _arenas: Dict[tuple, list]
 
     def __init__(self, strategy: str = "auto", fold_async: bool = False) -> None:
         check_strategy(strategy)
@@ -215,7 +215,7 @@ class FoldCoordinator:
         self.layers = []
         self.wrappers = []
         self.checked = False
-        self.scopes = {}
+        self.scopes, self._arenas, self._streams = {}, {}, {}
 
     def begin_forward(self, module: nn.Module, inputs: Any) -> None:
         """The model's forward pre-hook: open this thread's ``ForwardScope`` (a forward of the model inside
@@ -307,8 +307,6 @@ class FoldCoordinator:
         if scope is not None and scope.batches:
             batches = list(scope.batches)
             scope.batches.clear()
-            if self._arenas is None:
-                self._arenas = {}
             _add_handed_batches(batches, self._arenas)
 
     @torch.compiler.disable  # Python bookkeeping and the fold: outside any compiled graph, never guarded on
@@ -317,8 +315,6 @@ class FoldCoordinator:
         whose block ended folded."""
         scope = self.scopes.pop(_get_ident(), None)  # (its unused weight views go with it)
         if scope is not None and scope.batches:
-            if self._arenas is None:
-                self._arenas = {}
             _add_handed_batches(scope.batches, self._arenas)
         if self.traced_open:
             self.traced_open = False
@@ -378,8 +374,6 @@ class FoldCoordinator:
                              False))
         stream = None
         if device.type == "cuda":
-            if self._streams is None:
-                self._streams = {}
             stream = self._streams.get(device)
             if stream is None:
                 stream = self._streams[device] = torch.cuda.Stream(device)
@@ -400,7 +394,7 @@ class FoldCoordinator:
                 "fold_async": self.fold_async}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
-        self.__dict__.update({"strategy": "auto", **state, "scopes": {}})
+        self.__dict__.update({"strategy": "auto", **state, "scopes": {}, "_arenas": {}, "_streams": {}})
 
 
 def _grad_leaf(output: Any) -> Optional[Tensor]:

@@ -18,7 +18,7 @@ import torch.fx
 from torch import nn
 
 from .. import functional as F_w
-from .._rebuild import conv_like, linear_like, plain_conv_class
+from .._rebuild import layer_like, plain_conv_class
 from ..autograd import _transform_mean
 from ..layers import (
     GRAD_LAYER_TYPES,
@@ -73,7 +73,7 @@ def _export_direct(wrapper: DirectWhitenWrapper) -> nn.Module:
             wt = torch.einsum("oi...,ij->oj...", w.to(torch.float64), t)
             offset = wt.reshape(wt.shape[0], wt.shape[1], -1).sum(-1) @ mu
         bias = (b64 if b64 is not None else torch.zeros_like(offset)) - offset
-        out = conv_like(layer, bias=True) if conv else linear_like(layer, bias=True)
+        out = layer_like(layer, bias=True)
         out.weight.copy_(wt)
         out.bias.copy_(bias)
         out.weight.requires_grad_(w.requires_grad)
@@ -89,8 +89,7 @@ def _export_absorbed(layer: Any) -> nn.Module:  # a grad layer (conv of any dime
     the BatchNorm's ``running_mean`` (exact: the BatchNorm subtracts it; in training mode it removes any offset)."""
     w = layer.weight
     has_bias = layer.bias is not None
-    linear = isinstance(layer, nn.Linear)
-    out: Any = linear_like(layer, bias=has_bias) if linear else conv_like(layer, bias=has_bias)
+    out: Any = layer_like(layer, bias=has_bias)
     out.weight.copy_(w)
     out.weight.requires_grad_(w.requires_grad)
     if has_bias:

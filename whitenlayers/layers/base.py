@@ -158,7 +158,7 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
             warnings.warn(f"{type(self).__name__}.{name} is renamed {_RENAMED[name]}; the old name will be removed in "
                           "the next release", FutureWarning, stacklevel=2)
             return getattr(self, _RENAMED[name])
-        return super().__getattr__(name)  # type: ignore[misc]
+        return super().__getattr__(name)
 
     def __setattr__(self, name: str, value: Any) -> None:
         rule = self.__dict__.get("rule")
@@ -322,7 +322,7 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
         """
         self._wait_for_fold()
         own = {name: buf for name, buf in self._buffers.items() if buf is not None and buf.is_floating_point()}
-        result = super()._apply(fn, recurse)  # type: ignore[misc]
+        result = super()._apply(fn, recurse)
         for name, old in own.items():
             new = self._buffers.get(name)
             if new is not None and new.dtype != old.dtype and new.dtype not in (torch.float32, torch.float64):

@@ -18,17 +18,14 @@ import json
 import math
 import sys
 import warnings
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Set, Tuple, Union, cast
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple, Union, cast
 
 import torch
 from torch import Tensor
 
 from ..fold import FAILED, FOLDED, FoldOutcome, PendingFold
 from ..rules import _BUILT_IN, rule_identity
-from .step import _StepCache
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .block import Block
+from .step import _Layer, _StepCache
 
 __all__ = ["IDENTITY_BUFFER", "IDENTITY_WIDTH", "encode_identity", "decode_identity", "loading_plain_checkpoint"]
 
@@ -169,36 +166,12 @@ def cause_first(module: Any, incompatible_keys: Any) -> None:
 #: Buffers only a recursive layer has (they tell a recursive checkpoint from a grad one).
 _RECURSIVE_KEYS = ("running_cov_whitened", "running_power", "whitening_gram")
 
-class _CheckpointMixin:
+class _CheckpointMixin(_Layer):
     """Checkpoints, pickling and scripting of :class:`~whitenlayers.WhiteningLayer` (this module's docstring)."""
 
     # 2: the partial block is one tensor in ``_extra_state``; grad layers with a bias keep their bias compensation
     # in ``bias_correction`` (version 1 added it to the bias parameter).
     _version = 2
-
-    if TYPE_CHECKING:  # (provided by WhiteningLayer and nn.Module)
-        _block: Block
-        _buffers: Dict[str, Any]
-        num_features: int
-        groups: int
-        rule: Any
-        running_mean: Tensor
-        _pending_fold: Any
-
-        @property
-        def _block_shape(self) -> tuple: ...
-
-        @property
-        def method(self) -> str: ...
-
-        def _describe(self) -> str: ...
-
-        def _outcome_layout(self) -> List[Tuple[str, Tuple[int, ...]]]: ...
-
-        def _reset_accumulators(self, device: Any = None) -> None: ...
-
-        def register_buffer(self, name: str, tensor: Optional[Tensor], persistent: bool = True) -> None: ...
-
 
     def __getstate__(self) -> Dict[str, Any]:
         self._wait_for_fold()  # a fold in flight: its result is the layer's pending fold, copied with it
@@ -279,7 +252,7 @@ class _CheckpointMixin:
         else:
             state = self._unpack_extra_state(state)
         dev = self.running_mean.device
-        block = self._block = self._new_block(dev)  # type: ignore[attr-defined]
+        block = self._block = self._new_block(dev)
         block.batches = int(state["acc_batches"])
         block.gather_next = block.batches % block.every == 0
         block.rows = float(state["acc_count"])
