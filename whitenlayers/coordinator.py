@@ -271,6 +271,9 @@ class FoldCoordinator:
     def flush(self) -> None:
         """Fold the layers whose block ended, in the model's order (the same on every rank, whatever order their
         blocks ended in)."""
+        if not self.checked:  # the first fold after a conversion
+            self.checked = True
+            _warn_uncalled(self.layers)
         pending, self.pending = self.pending, []
         order = {id(layer): i for i, layer in enumerate(self.layers)}
         layers = sorted((p for p in pending if p._block.fold_pending), key=lambda p: order.get(id(p), len(order)))
@@ -350,9 +353,6 @@ class FoldCoordinator:
     def _fold_async(self, layers: List["WhiteningLayer"]) -> None:
         """A block's end with ``fold_async``: wait for the fold in flight, read the block's sums and start the next
         block, write the pending folds, start this block's fold in the worker (the class docstring)."""
-        if not self.checked:
-            self.checked = True
-            _warn_uncalled(self.layers)
         self.wait()
         if not layers:
             return
@@ -437,9 +437,6 @@ def joinable(model: nn.Module) -> Any:
             coord._shadow_forward()
 
     class _Whitening(Joinable):
-        def __init__(self) -> None:
-            super().__init__()
-
         def join_hook(self, **kwargs: Any) -> JoinHook:
             return _Shadow()
 

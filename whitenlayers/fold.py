@@ -190,12 +190,10 @@ def fold_layers(layers: Iterable["WhiteningLayer"], *, strategy: str = "auto",
     Args:
         layers: the whitening layers to fold now, sharing one ``process_group``.
         strategy: ``"auto"`` (default), ``"replicated"`` or ``"owner"``, as above.
-        _coordinator: internal (the :class:`~whitenlayers.coordinator.FoldCoordinator` calling this).
+        _coordinator: internal (the :class:`~whitenlayers.coordinator.FoldCoordinator` calling this, which warns
+            about non-finite blocks after its whole fold).
     """
     check_strategy(strategy)
-    if _coordinator is not None and not _coordinator.checked:  # the first fold after a conversion
-        _coordinator.checked = True
-        _warn_uncalled(_coordinator.layers)
     layers = list(layers)
     if not layers:
         return

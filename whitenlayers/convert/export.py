@@ -23,7 +23,6 @@ from ..autograd import _transform_mean
 from ..layers import (
     GRAD_LAYER_TYPES,
     GradWhitenLinear,
-    WhiteningLayer,
 )
 from ..layers.checkpoint import loading_plain_checkpoint
 from ._common import _CALL_HOOKS, _STATE_HOOKS, DirectWhitenWrapper, _is_whitening, _remove_coordinators, _share_hooks
@@ -194,12 +193,6 @@ def _positions(model: nn.Module) -> Dict[str, nn.Module]:
     return {n: m for n, m in model.named_modules() if isinstance(m, GRAD_LAYER_TYPES + (DirectWhitenWrapper,))}
 
 
-@torch.no_grad()
-def _reset_to_identity(layer: WhiteningLayer) -> None:
-    """The state right after conversion: ``mu = 0``, ``T = Q_s = I``, no blocks, no bias compensation."""
-    layer.reset_running_stats()  # also d = 0: the checkpoint's BatchNorm running mean is the plain model's
-
-
 def load_plain_state_dict(model: nn.Module, state_dict: Dict[str, Any], strict: bool = True) -> _LoadResult:
     """Load a checkpoint of the *unconverted* architecture into a converted ``model``.
 
@@ -265,7 +258,9 @@ def load_plain_state_dict(model: nn.Module, state_dict: Dict[str, Any], strict: 
             f"missing keys {missing}, unexpected keys {unexpected}"
         )
     for _, layer in whitening_layers(model):
-        _reset_to_identity(layer)
+        # the state right after conversion (mu = 0, T = Q_s = I, no blocks, no bias compensation); also d = 0: the
+        # checkpoint's BatchNorm running mean is the plain model's
+        layer.reset_running_stats()
     for key in [k for k in translated if k not in model_keys]:
         del translated[key]
     with loading_plain_checkpoint():

@@ -14,6 +14,7 @@ from typing import (
     Optional,
     Sequence,
     Tuple,
+    Union,
     cast,
 )
 
@@ -32,13 +33,16 @@ if TYPE_CHECKING:  # pragma: no cover
 # --------------------------------------------------------------------------
 # Target selection
 # --------------------------------------------------------------------------
-def _block_matcher(block_types: Optional[BlockTypes]) -> Callable[[nn.Module], bool]:
+def _block_tuple(block_types: Optional[BlockTypes]) -> Sequence[Union[str, type]]:
+    """``block_types`` as a sequence (default :data:`DEFAULT_BLOCK_TYPES`)."""
     if block_types is None:
-        block_types = DEFAULT_BLOCK_TYPES
-    if isinstance(block_types, (str, type)):
-        block_types = (block_types,)
+        return DEFAULT_BLOCK_TYPES
+    return (block_types,) if isinstance(block_types, (str, type)) else block_types
+
+
+def _block_matcher(block_types: Optional[BlockTypes]) -> Callable[[nn.Module], bool]:
     names, classes = set(), []
-    for b in block_types:
+    for b in _block_tuple(block_types):
         if isinstance(b, str):
             names.add(b)
         elif isinstance(b, type):
@@ -386,11 +390,7 @@ def _call_order(model: nn.Module, modules: Sequence[nn.Module], example_input: A
 
 
 def _block_names(block_types: Optional[BlockTypes]) -> List[str]:
-    if block_types is None:
-        block_types = DEFAULT_BLOCK_TYPES
-    if isinstance(block_types, (str, type)):
-        block_types = (block_types,)
-    return [b if isinstance(b, str) else getattr(b, "__name__", repr(b)) for b in block_types]
+    return [b if isinstance(b, str) else getattr(b, "__name__", repr(b)) for b in _block_tuple(block_types)]
 
 
 def target_layers(

@@ -136,9 +136,14 @@ def _strict_load() -> bool:
 _CAUSES: Set[str] = set()
 
 
-def _report_cause(msg: str, error_msgs: List[str]) -> None:
-    _CAUSES.add(msg)
-    error_msgs.append(msg)
+def _report_cause(msg: str, error_msgs: List[str], lenient: str) -> None:
+    """A checkpoint of another method or rule: the error ``msg`` (a strict load, :func:`cause_first` puts it first),
+    or, with ``strict=False``, a warning: ``msg`` and what the lenient load does (``lenient``)."""
+    if _strict_load():
+        _CAUSES.add(msg)
+        error_msgs.append(msg)
+    else:
+        warnings.warn(msg + lenient, UserWarning, stacklevel=5)
 
 
 def cause_first(module: Any, incompatible_keys: Any) -> None:
@@ -367,11 +372,8 @@ class _CheckpointMixin(_Layer):
         else:
             msg = (f"{self._describe()}: the checkpoint holds a '{theirs}' whitening layer at '{where}', but this "
                    f"model's layer there is '{mine}'; convert the model with method={theirs!r} before loading")
-        if _strict_load():
-            _report_cause(msg, error_msgs)
-        else:
-            warnings.warn(msg + " (strict=False: the whitening state of the other method is not loaded; only keys "
-                                "with the same names are)", UserWarning, stacklevel=4)
+        _report_cause(msg, error_msgs, " (strict=False: the whitening state of the other method is not loaded; only "
+                                       "keys with the same names are)")
 
     def _load_checked(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         """The checks of a checkpoint of this layer, then ``nn.Module``'s load."""
@@ -479,11 +481,7 @@ class _CheckpointMixin(_Layer):
             msg = (f"{self._describe()}: the checkpoint at '{where}' was saved with the rule {theirs['rule']!r}, but "
                    f"this layer's rule is {ours['rule']!r} ({type(self.rule).__name__}); build the model with "
                    f"rule={theirs['rule']!r} (convert_model(..., rule=...)) before loading it")
-            if _strict_load():
-                _report_cause(msg, error_msgs)
-            else:
-                warnings.warn(msg + " (strict=False: loaded into this layer's rule anyway)", UserWarning,
-                              stacklevel=4)
+            _report_cause(msg, error_msgs, " (strict=False: loaded into this layer's rule anyway)")
             return kept
         differ = [f"{name}={theirs.get(name)!r} (this layer: {value!r})" for name, value in ours.items()
                   if name != "rule" and theirs.get(name) != value]
