@@ -255,13 +255,10 @@ class TargetSpec:
 
 def _plan(model: nn.Module, spec: TargetSpec) -> List[Tuple[str, nn.Module, LayerDecision]]:
     """The decision for every conv / linear layer (and ``nn.MultiheadAttention``) of ``model``, in module order."""
-    targets, predicate, block_types = spec.targets, spec.predicate, spec.block_types
-    include_linear, include_stem, include_classifier = spec.include_linear, spec.include_stem, spec.include_classifier
-    max_features, example_input = spec.max_features, spec.example_input
-    cap = max_features if max_features is not None else (ALL_MAX_FEATURES if targets == "all" else None)
-    if include_linear is None:
-        include_linear = targets == "all"
-    is_block = _block_matcher(block_types)
+    targets, predicate = spec.targets, spec.predicate
+    cap = spec.max_features if spec.max_features is not None else (ALL_MAX_FEATURES if targets == "all" else None)
+    include_linear = targets == "all" if spec.include_linear is None else spec.include_linear
+    is_block = _block_matcher(spec.block_types)
     entries: List[Tuple[str, nn.Module, bool]] = []
     if _is_layer(model) or _is_whitening(model):
         entries.append(("", model, is_block(model)))
@@ -280,12 +277,12 @@ def _plan(model: nn.Module, spec: TargetSpec) -> List[Tuple[str, nn.Module, Laye
         _walk(model, visit, is_block)
     layers = [m for _, m, _ in entries if _is_layer(m) or isinstance(m, DirectWhitenWrapper)]
     called: Optional[Dict[int, int]] = None
-    if example_input is not None:
-        called = _call_order(model, [m for _, m, _ in entries], example_input)
+    if spec.example_input is not None:
+        called = _call_order(model, [m for _, m, _ in entries], spec.example_input)
         layers = sorted((m for m in layers if id(m) in called), key=lambda m: called[id(m)])
     stem = id(layers[0]) if layers else None
     classifier = id(layers[-1]) if layers else None
-    block_words = f"class or base class named {', '.join(map(repr, _block_names(block_types)))}"
+    block_words = f"class or base class named {', '.join(map(repr, _block_names(spec.block_types)))}"
     out = []
     for name, m, in_block in entries:
         kind = type(m).__name__
@@ -301,13 +298,12 @@ def _plan(model: nn.Module, spec: TargetSpec) -> List[Tuple[str, nn.Module, Laye
             continue
         linear = isinstance(m, nn.Linear)
         problem = _unsupported(m, allow_subclass=predicate is not None)
+        position = "stem" if id(m) == stem else "classifier" if id(m) == classifier else ""
         role = ""
-        if id(m) == stem:
-            role = "the stem (the model's first conv/linear layer; " + (
-                "include_stem=True converts it)" if problem is None else f"and {problem})")
-        elif id(m) == classifier:
-            role = "the classifier (the model's last conv/linear layer; " + (
-                "include_classifier=True converts it)" if problem is None else f"and {problem})")
+        if position:
+            role = f"the {position} (the model's {'first' if position == 'stem' else 'last'} conv/linear layer; " + (
+                f"include_{position}=True converts it)" if problem is None else f"and {problem})")
+        forced = id(m) == stem and spec.include_stem or id(m) == classifier and spec.include_classifier
         why = ""
         if predicate is not None:
             if linear and not include_linear:
@@ -320,7 +316,7 @@ def _plan(model: nn.Module, spec: TargetSpec) -> List[Tuple[str, nn.Module, Laye
                 selected = bool(predicate(name, m))
                 why = "not selected by the predicate"
         elif targets == "blocks":
-            if id(m) == stem and include_stem or id(m) == classifier and include_classifier:
+            if forced:
                 selected = True
             elif linear:
                 selected = include_linear
@@ -331,7 +327,7 @@ def _plan(model: nn.Module, spec: TargetSpec) -> List[Tuple[str, nn.Module, Laye
                 why = role or f"not inside a residual block ({block_words}); " + (
                     "targets='all' converts it" if problem is None else problem)
         else:  # all
-            if role and not (id(m) == stem and include_stem or id(m) == classifier and include_classifier):
+            if role and not forced:
                 selected, why = False, role
             elif linear and not include_linear:
                 selected, why = False, "nn.Linear, and include_linear=False"
@@ -348,7 +344,6 @@ def _plan(model: nn.Module, spec: TargetSpec) -> List[Tuple[str, nn.Module, Laye
         if selected and problem is None and called is not None and id(m) not in called:
             problem = ("not called as a module by the model's forward of example_input (the model uses its weight "
                        "directly, e.g. torchvision's Swin attention, or the branch did not run in eval mode)")
-        position = "stem" if id(m) == stem else "classifier" if id(m) == classifier else ""
         if selected and problem is not None:
             out.append((name, m, LayerDecision(name, kind, "skipped", problem, True, position)))
         elif selected:
