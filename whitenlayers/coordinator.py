@@ -553,12 +553,8 @@ def _add_handed_batches(entries: Sequence[tuple], arenas: Dict[tuple, list]) -> 
             size = max(1, GROUP_BYTES // max(1, x0.numel() * x0.element_size()))
             for start in range(0, len(members), size):
                 part = members[start:start + size]
-                if len(part) == 1:
-                    layer, x, _, shift = part[0]
-                    accumulate_moments(layer._block.acc, x, shift, layer._block.parts)
-                    continue
-                arena = _arena(arenas, key + (start,), [e[0] for e in part])
-                if arena is None:  # some of a kept group's layers (a block's first batch): each adds on its own
+                arena = _arena(arenas, key + (start,), [e[0] for e in part]) if len(part) > 1 else None
+                if arena is None:  # one batch, or some of a kept group's layers (a block's first batch): each alone
                     for layer, x, _, shift in part:
                         accumulate_moments(layer._block.acc, x, shift, layer._block.parts)
                     continue
