@@ -460,7 +460,7 @@ def _outcomes(layers: Sequence["WhiteningLayer"], blocks: Sequence[BlockSummary]
                        [firsts[k] for k in todo])
     results = _transforms([layers[k] for k in todo], stacked, [states[k] for k in todo])
     stored_dtype = lead.running_cov.dtype
-    cov_stored = cov.to(stored_dtype)
+    covs_stored = cov.to(stored_dtype).unbind(0)
     out = [FoldOutcome(cast(int, st)) for st in status]  # st None: a placeholder, replaced below
     done = [(k, r) for k, r in zip(todo, results) if r is not None]
     qs: Optional[Tensor] = None
@@ -470,7 +470,6 @@ def _outcomes(layers: Sequence["WhiteningLayer"], blocks: Sequence[BlockSummary]
         beta = cast("Union[EVDConfig, RecursiveConfig]", config).beta  # the configs of layers with a Q_s
         qs = F_w.smooth_grad_transform(prev, gram, beta).to(lead.grad_transform.dtype)
     items: List[Tuple[int, str, Tensor]] = []
-    covs_stored = cov_stored.unbind(0)
     for k, result in zip(todo, results):
         items.append((k, "running_cov", covs_stored[k]))
         if result is not None:

@@ -239,8 +239,7 @@ class _CheckpointMixin(_Layer):
             if slot:  # the buffers the outcome does not hold (a failed fold keeps the transform): zeros
                 parts += [torch.zeros(math.prod(shape), **f64) for _, shape in layout_shapes[len(kept):]]
         elif slot:
-            m = self.num_features
-            size = 3 * m + sum(math.prod(shape) for _, shape in self._outcome_layout())
+            size = 3 * self.num_features + sum(math.prod(shape) for _, shape in self._outcome_layout())
             parts += [torch.tensor([_NO_FOLD, 0, 0, 0, 0], **f64), torch.zeros(size, **f64)]
         return torch.cat([t.to(device=head.device, dtype=torch.float64) for t in parts])
 

@@ -149,7 +149,8 @@ _define_snapshot_op()
 
 @contextlib.contextmanager
 def _tracing_suspended():
-    """No ``torch.jit.trace`` recording inside (what it would record is not part of the traced function)."""
+    """No ``torch.jit.trace`` recording inside (what it would record is not part of the traced function); nothing
+    to suspend outside a trace."""
     state = torch._C._get_tracing_state()
     torch._C._set_tracing_state(None)
     try:
@@ -210,10 +211,8 @@ class _StepMixin(_Layer):
         block = self._block
         if block.fold_pending:
             state = None  # (the fold writes the buffers)
-            if _jit_tracing():  # folded outside the trace (its check run, which finds nothing pending, traces again)
-                with _tracing_suspended():
-                    self._fold_now()
-            else:
+            # under torch.jit.trace: folded outside the trace (its check run, which finds nothing pending, traces again)
+            with _tracing_suspended():
                 self._fold_now()
         if state is None:
             state = self._state_in_force()
