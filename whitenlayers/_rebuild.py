@@ -1,7 +1,8 @@
 """One helper per module type to build a layer with another layer's settings (conversion, export, ``to_conv``)."""
 from __future__ import annotations
 
-from typing import Any, Optional, cast
+import contextlib
+from typing import Any, Iterable, Iterator, Optional, cast
 
 from torch import nn
 from torch.nn.utils import parametrize
@@ -34,16 +35,20 @@ def share_parameters(src: nn.Module, dst: nn.Module) -> None:
     shared) over the same original Parameters. No parametrization runs a training step here (they are registered
     in eval mode: spectral norm's power iteration does not advance)."""
     if parametrize.is_parametrized(src):
-        mods = list(cast(nn.Module, src.parametrizations).modules())
-        modes = [m.training for m in mods]
-        dst_mode = dst.training
-        dst.eval()  # registering sets a parametrization's mode to its host's
-        try:
+        with modes_kept(list(cast(nn.Module, src.parametrizations).modules()) + [dst]):
+            dst.eval()  # registering sets a parametrization's mode to its host's
             parametrize.transfer_parametrizations_and_params(src, dst)
-        finally:
-            for m, mode in zip(mods, modes):
-                m.training = mode
-            dst.training = dst_mode
     for name in ("weight", "bias"):
         if not parametrize.is_parametrized(src, name):
             setattr(dst, name, getattr(src, name))
+
+
+@contextlib.contextmanager
+def modes_kept(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """The training flags of ``modules`` (as they are on entry) restored on exit."""
+    modes = [(m, m.training) for m in modules]
+    try:
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode

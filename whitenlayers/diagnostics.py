@@ -41,6 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from . import functional as F_w
+from ._rebuild import modes_kept
 from .convert import BlockTypes, DirectWhitenWrapper, Predicate, TargetSpec
 from .layers import GRAD_LAYER_TYPES, WhiteningLayer
 
@@ -252,7 +253,6 @@ def collect_diagnostics(
         device = _model_device(model)
     moments: Dict[str, _Moments] = {}
     handles = []
-    flags = [(m, m.training) for m in model.modules()]
     try:
         for name, module, _ in positions:
             is_conv = isinstance(module, nn.modules.conv._ConvNd)
@@ -260,19 +260,18 @@ def collect_diagnostics(
             acc = _Moments(is_conv, conv.groups if is_conv else 1, len(conv.kernel_size) if is_conv else 0)
             moments[name] = acc
             handles.append(module.register_forward_pre_hook(acc))
-        model.eval()
-        for i, batch in enumerate(batches):
-            if max_batches is not None and i >= max_batches:
-                break
-            x = batch[0] if isinstance(batch, (tuple, list)) else batch
-            if device is not None:
-                x = x.to(device)
-            model(x)
+        with modes_kept(model.modules()):
+            model.eval()
+            for i, batch in enumerate(batches):
+                if max_batches is not None and i >= max_batches:
+                    break
+                x = batch[0] if isinstance(batch, (tuple, list)) else batch
+                if device is not None:
+                    x = x.to(device)
+                model(x)
     finally:
         for h in handles:
             h.remove()
-        for m, flag in flags:
-            m.training = flag
     covs: Dict[str, Optional[Tensor]] = {}
     kinds: Dict[str, str] = {}
     for name, module, kind in positions:

@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.utils import parametrize
 
+from .._rebuild import modes_kept
 from ..coordinator import FoldCoordinator, check_fold_async
 from ..fold import check_strategy
 from ..layers import (
@@ -449,14 +450,10 @@ def _swap_in(model: nn.Module, new_by_id: Dict[int, nn.Module]) -> None:
 def _parametrizations_in_eval(model: nn.Module) -> Iterator[None]:
     """Every parametrization of ``model`` (``torch.nn.utils.parametrize``) in eval mode inside the block."""
     mods = [p for m in model.modules() if isinstance(m, parametrize.ParametrizationList) for p in m.modules()]
-    modes = [p.training for p in mods]
-    for p in mods:
-        p.training = False
-    try:
+    with modes_kept(mods):
+        for p in mods:
+            p.training = False
         yield
-    finally:
-        for p, mode in zip(mods, modes):
-            p.training = mode
 
 
 def _patch_stem(plan, method: str, include_stem: bool, max_features: Optional[int]) -> Optional[nn.Module]:

@@ -23,6 +23,7 @@ import torch.fx
 from torch import nn
 from torch.nn.utils import parametrize
 
+from .._rebuild import modes_kept
 from ..layers import WhiteningLayer
 from ..methods import get_method
 from ._common import DEFAULT_BLOCK_TYPES, BlockTypes, DirectWhitenWrapper, Predicate, _is_whitening
@@ -367,20 +368,18 @@ def _call_order(model: nn.Module, modules: Sequence[nn.Module], example_input: A
         order.setdefault(id(module), len(order))
 
     handles = [m.register_forward_pre_hook(hook) for m in modules]
-    flags = [(m, m.training) for m in model.modules()]
     try:
-        model.eval()
-        if isinstance(example_input, tuple):
-            model(*example_input)
-        elif isinstance(example_input, dict):
-            model(**example_input)
-        else:
-            model(example_input)
+        with modes_kept(model.modules()):
+            model.eval()
+            if isinstance(example_input, tuple):
+                model(*example_input)
+            elif isinstance(example_input, dict):
+                model(**example_input)
+            else:
+                model(example_input)
     finally:
         for h in handles:
             h.remove()
-        for m, flag in flags:
-            m.training = flag
     return order
 
 
