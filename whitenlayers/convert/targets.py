@@ -60,27 +60,27 @@ def _block_matcher(block_types: Optional[BlockTypes]) -> Callable[[nn.Module], b
     return is_block
 
 
-def _walk(model: nn.Module, visit: Callable[[nn.Module, str, nn.Module, str, bool], bool], is_block) -> None:
-    """Depth-first over ``named_children``; ``visit(parent, child_name, child, qualified, in_block)``.
-
-    ``visit`` returns True to stop descending into ``child``. Whitening layers
-    and :class:`DirectWhitenWrapper` wrappers are visited but never descended into.
-    Each module object is visited once even when it appears at several places.
-    """
+def _entries(model: nn.Module, is_block: Callable[[nn.Module], bool]) -> List[Tuple[str, nn.Module, bool]]:
+    """The conv / linear layers, ``nn.MultiheadAttention`` modules and whitening layers of ``model``, each with its
+    qualified name and whether it is inside a block: depth-first over ``named_children``, each module object once
+    (at its first place), never descending into the modules listed."""
+    if _is_layer(model) or _is_whitening(model):
+        return [("", model, is_block(model))]
+    entries: List[Tuple[str, nn.Module, bool]] = []
     seen = set()
 
     def rec(module: nn.Module, prefix: str, in_block: bool) -> None:
         for name, child in module._modules.items():
-            if child is None:
-                continue
-            qualified = prefix + name
-            stop = visit(module, name, child, qualified, in_block)
-            if stop or _is_whitening(child) or id(child) in seen:
+            if child is None or id(child) in seen:
                 continue
             seen.add(id(child))
-            rec(child, qualified + ".", in_block or is_block(child))
+            if isinstance(child, nn.MultiheadAttention) or _is_layer(child) or _is_whitening(child):
+                entries.append((prefix + name, child, in_block))
+            else:
+                rec(child, prefix + name + ".", in_block or is_block(child))
 
     rec(model, "", is_block(model))
+    return entries
 
 
 _TARGETS = ("blocks", "all")
@@ -259,23 +259,7 @@ def _plan(model: nn.Module, spec: TargetSpec) -> List[Tuple[str, nn.Module, Laye
     targets, predicate = spec.targets, spec.predicate
     cap = spec.max_features if spec.max_features is not None else (ALL_MAX_FEATURES if targets == "all" else None)
     include_linear = targets == "all" if spec.include_linear is None else spec.include_linear
-    is_block = _block_matcher(spec.block_types)
-    entries: List[Tuple[str, nn.Module, bool]] = []
-    if _is_layer(model) or _is_whitening(model):
-        entries.append(("", model, is_block(model)))
-    else:
-        seen = set()
-
-        def visit(parent, name, child, qualified, in_block):
-            if id(child) in seen:
-                return True
-            if isinstance(child, nn.MultiheadAttention) or _is_layer(child) or _is_whitening(child):
-                seen.add(id(child))
-                entries.append((qualified, child, in_block))
-                return True
-            return False
-
-        _walk(model, visit, is_block)
+    entries = _entries(model, _block_matcher(spec.block_types))
     layers = [m for _, m, _ in entries if _is_layer(m) or isinstance(m, DirectWhitenWrapper)]
     called: Optional[Dict[int, int]] = None
     if spec.example_input is not None:
