@@ -437,6 +437,9 @@ def joinable(model: nn.Module) -> Any:
             coord._shadow_forward()
 
     class _Whitening(Joinable):
+        def __init__(self) -> None:  # (Joinable's __init__ is abstract)
+            super().__init__()
+
         def join_hook(self, **kwargs: Any) -> JoinHook:
             return _Shadow()
 
