@@ -34,6 +34,7 @@ from ..fold import (
     _fold_all,
     _note_nonfinite,
     _read_with_firsts,
+    _stored_all,
     _warn_nonfinite,
 )
 from ..functional import BlockSummary
@@ -63,14 +64,6 @@ def _renamed(layer: Any, name: str) -> str:
     warnings.warn(f"{type(layer).__name__}.{name} is renamed {_RENAMED[name]}; the old name will be removed in the "
                   "next release", FutureWarning, stacklevel=3)
     return _RENAMED[name]
-
-
-def _owned(value: Tensor, old: Tensor) -> Tensor:
-    """``value`` as buffer ``old`` stores it (its device and dtype), a contiguous tensor of its own."""
-    new = value.to(device=old.device, dtype=old.dtype)
-    if new.data_ptr() == value.data_ptr() or not new.is_contiguous():
-        new = new.clone(memory_format=torch.contiguous_format)
-    return new
 
 
 class WhiteningLayer(_StepMixin, _CheckpointMixin):
@@ -437,9 +430,9 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
                 writes[0].append(old)
                 writes[1].append(value)
         elif _buffer_registration_hooks:  # Module.__setattr__ ends in _buffers; hooks must see the write
-            setattr(self, name, _owned(value, old))
+            setattr(self, name, _stored_all([(self, name, value)])[0])
         else:
-            self._buffers[name] = _owned(value, old)
+            self._buffers[name] = _stored_all([(self, name, value)])[0]
 
     def _on_mean_change(self, delta: Tensor) -> None:
         """Hook for layers that must keep their function when the mean in force changes by ``delta`` (float64)."""
