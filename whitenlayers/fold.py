@@ -752,7 +752,7 @@ def _warn_uncalled(layers: Sequence["WhiteningLayer"]) -> None:
             f"{_named(uncalled, 8)}. The model probably uses their weights without calling them as modules (e.g. "
             "torchvision's Swin attention passes qkv.weight to a function), so they do not whiten: convert the "
             "model without them (a predicate, or conversion_report to see the targets)", RuntimeWarning,
-            stacklevel=4,
+            stacklevel=3,
         )
 
 

@@ -383,8 +383,7 @@ class _CheckpointMixin(_Layer):
         if (version is None or version < 1) and key not in state_dict:
             # Checkpoints without the partial block: start a fresh block.
             self._reset_accumulators()
-            state_dict = dict(state_dict)
-            state_dict[key] = self.get_extra_state()
+            state_dict = {**state_dict, key: self.get_extra_state()}
         m = self.num_features
         mkey = prefix + "running_mean"
         if mkey in state_dict and state_dict[mkey].shape != (m,):

@@ -234,14 +234,12 @@ class _GradWhitenMixin(_GradStep, WhiteningLayer):
         key = prefix + "absorbed_offset"
         if self._centring_ref is not None and key not in state_dict:
             # A checkpoint of the centred layer: its BatchNorm's running mean is the centred one, i.e. d = 0.
-            state_dict = dict(state_dict)
-            state_dict[key] = torch.zeros_like(self._buffers["absorbed_offset"])
+            state_dict = {**state_dict, key: torch.zeros_like(self._buffers["absorbed_offset"])}
         key = prefix + "bias_correction"
         version = local_metadata.get("version", None)
         if self.bias is not None and key not in state_dict and (version is None or version < 2):
             # Version 1 added a layer's bias compensation to its bias parameter: nothing to compensate apart.
-            state_dict = dict(state_dict)
-            state_dict[key] = torch.zeros_like(self.bias_correction)
+            state_dict = {**state_dict, key: torch.zeros_like(self.bias_correction)}
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
         if self._centring_ref is not None:  # a checkpoint that kept c apart (earlier versions, a centred layer)
