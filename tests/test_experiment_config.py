@@ -197,6 +197,7 @@ def test_step_options_validate_and_enter_the_fingerprint():
     assert "max_steps" not in fingerprint(base.to_record())  # checkpoints made before the options still resume
     for bad, match in ((["--eval-every-steps", "-1"], "eval-every-steps"), (["--max-steps", "0"], "max-steps"),
                        (["--max-steps", "10"], "schedule linear or constant"),  # the default step schedule
-                       (["--stop-acc", "0"], "stop-acc"), (["--stop-acc", "101"], "stop-acc")):
+                       (["--stop-acc", "0"], "stop-acc"), (["--stop-acc", "101"], "stop-acc"),
+                       (["--precise-bn", "-1"], "precise-bn")):
         with pytest.raises(ValueError, match=match):
             _cfg(*bad)

@@ -299,3 +299,43 @@ def test_step_budget_and_target_stop_the_run(tmp_path):
                             "--eval-every-steps", "2", "--stop-acc", "60", "--out", target, "--resume"])
     assert _rows(os.path.join(target, "metrics.csv")) == before
     assert read_steps(os.path.join(target, "steps.csv")) == steps
+
+
+def test_precise_bn_evaluates_the_weights_and_changes_no_training(tmp_path):
+    """--precise-bn: BatchNorm statistics recomputed at the current weights for each evaluation only; every buffer
+    is restored afterwards (a whitening layer's absorbed centring follows the BatchNorm inside), so the training
+    and kappa/rho are those of a run without it."""
+    import whitenlayers as wl
+
+    common = _STEP_COMMON + ["--methods", "baseline,grad,recursive,kfac", "--schedule", "linear", "--eval-every-steps",
+                             "3"]
+    plain, precise = str(tmp_path / "plain"), str(tmp_path / "precise")
+    ex.main(common + ["--out", plain])
+    ex.main(common + ["--out", precise, "--precise-bn", "128"])
+    evaluated = ("test_acc", "test_loss")
+    a, b = _no_time(_rows(os.path.join(plain, "metrics.csv"))), _no_time(_rows(os.path.join(precise, "metrics.csv")))
+    assert [{k: v for k, v in r.items() if k not in evaluated} for r in a] == \
+        [{k: v for k, v in r.items() if k not in evaluated} for r in b]
+    assert [r["test_loss"] for r in a] != [r["test_loss"] for r in b]  # the evaluations did change
+
+    torch.manual_seed(0)
+    cfg = ex.RunConfig(dataset="synthetic", model="resnet8", width=8)
+    model = wl.convert_model(engine.build_model(cfg, 4, 3), method="grad", block_size=3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(4):
+        x, y = torch.randn(16, 3, 8, 8), torch.randint(0, 4, (16,))
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    calib = [torch.randn(32, 3, 8, 8) + 1.0]
+    with engine.precise_bn(model, calib, engine.Precision("none", False, torch.device("cpu"))):
+        assert not model.training
+        bn = model.bn1
+        feats = []
+        hook = bn.register_forward_hook(lambda m, i, o: feats.append(i[0]))
+        model(calib[0])
+        hook.remove()
+        torch.testing.assert_close(bn.running_mean, feats[0].mean((0, 2, 3)))  # the calibration batch's mean
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before) and model.training

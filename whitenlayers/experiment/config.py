@@ -263,6 +263,12 @@ class RunConfig:
              "one cut short; --epochs is then not used) unless --stop-acc stops it sooner. Needs --schedule linear "
              "(which then decays to 0 at this step) or constant",
         cli=_INT)
+    precise_bn: int = _opt(
+        0, "before every evaluation, recompute each BatchNorm's statistics from this many fixed training images (no "
+           "augmentation, in batches of 256) at the current weights, then restore the running ones (precise BN, Wu "
+           "and Johnson 2021): the evaluated accuracy then measures the weights rather than the lag of the running "
+           "averages, which is large at a high constant rate and over a few large steps; training is unchanged. 0: "
+           "off (the running averages)", cli=_INT, show_default=True)
     time_levels: List[float] = _opt(
         help="comma-separated fixed test accuracies (percent) for the time-to-accuracy table, beside the baseline's "
              "final accuracy (default 90,95,97)", factory=lambda: [90.0, 95.0, 97.0])
@@ -421,6 +427,8 @@ class RunConfig:
                 raise ValueError(f"--{key.replace('_', '-')} must be >= {low}, but got {getattr(self, key)}")
         if self.lr <= 0:
             raise ValueError(f"--lr must be > 0, but got {self.lr}")
+        if int(self.precise_bn) < 0:
+            raise ValueError(f"--precise-bn must be >= 0 (0: off), but got {self.precise_bn}")
         if int(self.eval_every_steps) < 0:
             raise ValueError(f"--eval-every-steps must be >= 0 (0: off), but got {self.eval_every_steps}")
         if self.max_steps is not None and int(self.max_steps) < 1:

@@ -53,7 +53,8 @@ try:  # optional: in the 'experiment' extra; without it there is no progress bar
 except ImportError:  # pragma: no cover - depends on the environment
     tqdm = None
 
-__all__ = ["build_model", "lr_at", "make_loaders", "diagnostic_batches", "measure_diagnostics",
+__all__ = ["build_model", "lr_at", "make_loaders", "diagnostic_batches", "precise_bn_batches", "precise_bn",
+           "measure_diagnostics",
            "whitening_fingerprint", "Precision", "make_optimizer", "remove_batchnorm",
            "normalizer_free", "group_norm_in_place_of_batchnorm", "make_clip", "train_epoch", "evaluate", "Run", "run"]
 
@@ -266,6 +267,55 @@ def make_loaders(cfg: RunConfig, bundle: DataBundle, seed: int, ctx: Context):
     test = ImageLoader(bundle.test, bs, shuffle=False, drop_last=False, seed=seed, rank=ctx.rank, world=ctx.world,
                        workers=workers)
     return train, test
+
+
+def precise_bn_batches(cfg: RunConfig, bundle: DataBundle, seed: int, chunk: int = 256) -> List[torch.Tensor]:
+    """``--precise-bn N``: N fixed training images (no augmentation) in batches of ``chunk``, the same on every
+    rank and at every evaluation of a seed's run; none when off."""
+    k = int(cfg.precise_bn)
+    if k == 0:
+        return []
+    g = torch.Generator().manual_seed(20_011 + seed)
+    source = bundle.train if bundle.in_memory else bundle.diag
+    perm = torch.randperm(len(source), generator=g)[: min(len(source), k)]
+    if bundle.in_memory:
+        return [source.batch(perm[i:i + chunk])[0] for i in range(0, len(perm), chunk)]
+    return [torch.stack([source[int(j)][0] for j in perm[i:i + chunk]]) for i in range(0, len(perm), chunk)]
+
+
+@contextlib.contextmanager
+def precise_bn(model: nn.Module, batches: Sequence[torch.Tensor], precision: "Precision"):
+    """Inside the block every BatchNorm of ``model`` holds the statistics of ``batches`` at the current weights
+    (the plain average over the batches: ``momentum=None``), every other module in eval mode (whitening layers
+    gather nothing; a layer whose centring its BatchNorm absorbs follows the new statistics, as in training); on
+    exit every buffer, the momenta and the modes are restored. A no-op without batches."""
+    bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+    if not batches or not bns:
+        yield
+        return
+    saved = {k: v.clone() for k, v in model.named_buffers()}
+    momenta = [(m, m.momentum) for m in bns]
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        model.eval()
+        for m in bns:
+            m.reset_running_stats()
+            m.momentum = None
+            m.train()
+        with torch.no_grad(), precision.autocast():
+            for x in batches:
+                model(precision.inputs(x))
+        model.eval()
+        yield
+    finally:
+        for m, momentum in momenta:
+            m.momentum = momentum
+        now = dict(model.named_buffers())
+        with torch.no_grad():
+            for k, v in saved.items():
+                now[k].copy_(v)
+        for m, mode in modes:
+            m.training = mode
 
 
 def diagnostic_batches(cfg: RunConfig, bundle: DataBundle, seed: int) -> List[torch.Tensor]:
@@ -520,6 +570,7 @@ class Run:
         if cfg.compile:
             self.net = torch.compile(self.net)
         self.diag = diagnostic_batches(cfg, bundle, seed)
+        self.bn_batches = precise_bn_batches(cfg, bundle, seed)
         self.show = show_progress
 
     def _resume(self) -> None:
@@ -595,7 +646,7 @@ class Run:
             """Evaluate after step ``i`` of the epoch, out of the training seconds; the accuracy."""
             ctx.synchronize()
             w, c = time.perf_counter(), time.process_time()
-            loss, acc = evaluate(self.model, self.test_loader, ctx, self.precision)
+            loss, acc = self._evaluate()
             ctx.synchronize()
             self._step_row(epoch, base_lr * (step_factor(i) if step_factor is not None else factor), loss, acc,
                            before[0] + w - t0 - paused[0], before[1] + c - c0 - paused[1])
@@ -626,7 +677,7 @@ class Run:
         if last and last[0][0] == self.steps:  # stopped at an evaluation between steps: the same model
             test_loss, test_acc = last[0][1], last[0][2]
         else:
-            test_loss, test_acc = evaluate(self.model, self.test_loader, ctx, self.precision)
+            test_loss, test_acc = self._evaluate()
             if self.step_mode:
                 last_lr = lr if step_factor is None else base_lr * step_factor(max(0, self.steps - first - 1))
                 self._step_row(epoch, last_lr, test_loss, test_acc, before[0] + epoch_time, before[1] + cpu_time)
@@ -655,6 +706,11 @@ class Run:
         if ctx.is_main:
             self._save()
         return row
+
+    def _evaluate(self) -> Tuple[float, float]:
+        """Test (or validation) loss and accuracy of the model now, under ``--precise-bn``'s statistics if set."""
+        with precise_bn(self.model, self.bn_batches, self.precision):
+            return evaluate(self.model, self.test_loader, self.ctx, self.precision)
 
     def _step_row(self, epoch: int, lr: float, loss: float, acc: float, train_time: float, cpu_time: float) -> None:
         """One evaluation of steps.csv, after :attr:`steps` steps (``train_time``, ``cpu_time``: the training's
