@@ -703,6 +703,18 @@ def replot(out: str, target_acc: Optional[float] = None) -> Tuple[str, str]:
     return fig_path, table
 
 
+def cpu_model() -> Optional[str]:
+    """The CPU's model name (Linux: ``/proc/cpuinfo``; elsewhere ``None``), recorded in ``config.json``."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
 def git_state() -> Optional[str]:
     """``<commit>`` (``+dirty`` when the package has uncommitted changes) of the source tree, if it is a git checkout.
 
@@ -756,7 +768,7 @@ def prepare_out(cfg: RunConfig, ctx: Context, argv: Sequence[str]) -> None:
             command=" ".join(["python -m whitenlayers.experiment"] + [shlex.quote(a) for a in argv]),
             world_size=ctx.world, device=str(ctx.device), threads=ctx.threads, torch=torch.__version__,
             python=platform.python_version(), platform=platform.platform(),
-            processor=platform.processor() or platform.machine(),
+            processor=platform.processor() or platform.machine(), cpu=cpu_model(),
             started=datetime.datetime.now().isoformat(timespec="seconds"),
         )
         with open(cfg_path, "w") as f:
