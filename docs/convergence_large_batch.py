@@ -44,6 +44,18 @@ def _cmd(name: str) -> str:
     return cmd(name)
 
 
+def _machine(cfgs: Sequence[dict]) -> str:
+    """The CPU(s), torch and library commit(s) the runs' ``config.json`` name."""
+    cpus = sorted({str(c.get("cpu") or c.get("processor")) for c in cfgs})
+    commits = sorted({str(c.get("git")) for c in cfgs})
+    torch = sorted({str(c.get("torch")) for c in cfgs})
+    return f"{' / '.join(cpus)}, torch {', '.join(torch)}, one thread; library commit {', '.join(commits)}"
+
+
+def _every_text() -> str:
+    return ", ".join(f"{cv._lb_every(b)} at {b}" for b in cv.LB_BATCHES)
+
+
 def _geo(vals: Sequence[float]) -> float:
     v = [x for x in vals if math.isfinite(x) and x > 0]
     return float(np.exp(np.mean(np.log(v)))) if v else float("nan")
@@ -93,8 +105,7 @@ def lb_time_table() -> str:
         cells = [f"{sps[b, a][0]:.4g} ({sps[b, a][0] / base:.2f}x)" if (b, a) in sps else "—" for a in arms]
         lines.append(f"| {b} | " + " | ".join(cells) + " |")
     cfgs = [json.load(open(os.path.join(cv.RUNS, n, "config.json"))) for n, _ in _lb_time() if _rows(n) is not None]
-    where = (f"\n\nMachine: {cfgs[0]['processor']}, torch {cfgs[0]['torch']}, one thread, library commit "
-             f"{cfgs[0]['git']}." if cfgs else "")
+    where = f"\n\nMachine: {_machine(cfgs)}." if cfgs else ""
     cmds = [n for n, _ in _lb_time() if n.startswith("lb-time-b32")]
     gpu = [(n, a) for n, a in _lb_time(["--device", "cuda"]) if n.startswith("lb-time-gpu-b32")]
     from convergence import command
@@ -128,13 +139,15 @@ def lb_val_table() -> str:
              "|---|---|---|---|"]
     for b in cv.LB_BATCHES:
         for arm in cv.LB_ARMS:
-            ks, chosen = _lb_grid(b, arm)
-            cells = " · ".join(_trial_cell(b, arm, k, chosen) for k in ks)
+            ks, chosen, _ = _lb_grid(b, arm)
+            cells = " · ".join(_trial_cell(b, arm, k, chosen) for k in sorted(ks))
             lines.append(f"| {b} | {LABELS[arm]} | {cells} | "
                          f"{'—' if chosen is None else format(_lb_rate(arm, b, chosen), 'g')} |")
     first = _lb_val_name(cv.LB_BATCHES[0], "baseline", 0)
     return (f"Seed {cv.LB_VAL_SEED}, target {cv.LB_TARGET:g} % validation accuracy; steps are those of the first "
-            "evaluation at or above it (evaluations every 2,048 training images). Bold: the chosen rate.\n\n"
+            f"evaluation at or above it (evaluations every N steps: {_every_text()}). A grid's trials ran centre "
+            "rate first, each with its step budget cut to the fewest steps to the target so far (`>N`: not "
+            "reached within N steps, its best accuracy in brackets). Bold: the chosen rate.\n\n"
             + "\n".join(lines) + f"\n\nCommand (batch {cv.LB_BATCHES[0]}, baseline, one rate; the others change "
             f"`--batch-size`, `--methods`, the rates, `--max-steps`, `--eval-every-steps` and `--out`, and add "
             f"`--gains damped` for the damped arm):\n\n    {_cmd(first)}\n")
@@ -235,8 +248,9 @@ def lb_table() -> str:
         per = [critical_batch(per_seed_curve[arm][s])[1] for s in sorted(per_seed_curve[arm])
                if len(per_seed_curve[arm][s]) == len(cv.LB_BATCHES)]
         crit.append(f"| {LABELS[arm]} | {critical_batch(curve[arm])[1]} | {', '.join(per) or '—'} |")
+    others = [a for a in cv.LB_ARMS if a != "baseline"]
     goal = ["| batch | best whitened arm (validation seed) | its paired ratio [95 % CI] | <= 0.7x, interval "
-            "below 1 | grad | grad, damped | recursive | K-FAC | SOAP |", "|" + "---|" * 9]
+            "below 1 | " + " | ".join(LABELS[a] for a in others) + " |", "|" + "---|" * (4 + len(others))]
     met = []
     for b in cv.LB_BATCHES:
         if b not in seeds_at:
@@ -252,8 +266,7 @@ def lb_table() -> str:
         goal.append("| " + " | ".join([str(b), LABELS[bw] if bw else "—",
                                       _ratio_cell(ratios[b, bw], len(seeds_at[b])) if bw else "—",
                                       "yes" if ok else "no"]
-                                     + [_ratio_cell(ratios[b, a], len(seeds_at[b]))
-                                        for a in ("grad", "grad-damped", "recursive", "kfac", "soap")]) + " |")
+                                     + [_ratio_cell(ratios[b, a], len(seeds_at[b])) for a in others]) + " |")
     verdict = (f"The best whitened arm needs <= {GOAL}x the baseline's steps, with an interval below 1, at batch "
                f"{', '.join(map(str, met))}." if met else
                f"At no batch measured ({min(seeds_at)}-{max(seeds_at)}) does the best whitened arm need <= {GOAL}x "
@@ -262,18 +275,16 @@ def lb_table() -> str:
     n_seeds = sorted({len(v) for v in seeds_at.values()})
     cfgs = [json.load(open(os.path.join(cv.RUNS, _lb_name(b, "baseline", s), "config.json")))
             for b in seeds_at for s in seeds_at[b]]
-    commits = sorted({str(c.get("git")) for c in cfgs})
     first = [_lb_name(cv.LB_BATCHES[0], a, cv.LB_SEEDS[0]) for a in cv.LB_ARMS]
     return (f"Target: {cv.LB_TARGET:g} % validation accuracy. Seeds {', '.join(map(str, cv.LB_SEEDS))} at every batch"
             + (f", {', '.join(map(str, cv.LB_MORE_SEEDS))} added at batch "
                f"{', '.join(str(b) for b in seeds_at if len(seeds_at[b]) > len(cv.LB_SEEDS))}"
                if any(len(v) > len(cv.LB_SEEDS) for v in seeds_at.values()) else "")
             + f" ({'-'.join(map(str, n_seeds))} seeds); a seed counts at a batch when every arm's run finished. "
-            "Steps: the first evaluation at or above the target (every 2,048 training images, every step from "
-            "batch 2048); geometric means over seeds. Ratios: per seed the arm's steps over the baseline's (same "
+            f"Steps: the first evaluation at or above the target (every N steps: {_every_text()}); "
+            "geometric means over seeds. Ratios: per seed the arm's steps over the baseline's (same "
             "initial weights and data order), geometric mean and 95 % t-interval of the logs. Examples = steps x "
-            f"batch. CPU s / step: the lb-time table. Machine: {cfgs[0]['processor']}, torch {cfgs[0]['torch']}, "
-            f"one thread; library commit(s) {', '.join(commits)}.\n\n"
+            f"batch. CPU s / step: the lb-time table. Machine: {_machine(cfgs)}.\n\n"
             + "\n".join(lines) + "\n\n### Paired ratio to the baseline's steps, per batch\n\n" + "\n".join(goal)
             + f"\n\n{verdict}\n\n### Critical batch size\n\nThe smallest batch from which doubling it no longer cuts "
             f"the steps to the target by {SPEEDUP}x (`> B`: every doubling measured did, up to B).\n\n"
