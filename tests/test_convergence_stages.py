@@ -1,4 +1,5 @@
-"""docs/convergence.py: the paired stages (fm-schedule, fm-async, fm-damped, fm-nobn) build paired runs and their tables read them; the large-batch stages (lb-time, lb-val, lb) run end to end at CI size."""
+"""docs/convergence.py: the paired stages (fm-schedule, fm-async, fm-damped, fm-nobn) build paired runs and
+their tables read them; the large-batch stages (lb-time, lb-val, lb) run end to end at CI size."""
 import csv
 import os
 import sys
