@@ -153,8 +153,9 @@ class Variant:
         for st in self.opt.state.values():
             out.extend(v for v in st.values() if isinstance(v, Tensor))
         for m in self.model.modules():
-            if isinstance(m, wl.WhiteningLayer):
-                out.extend(v for k, v in vars(m).items() if k.startswith("_acc_") and isinstance(v, Tensor))
+            if isinstance(m, wl.WhiteningLayer):  # the partial block's tensors (not buffers)
+                block = m._block
+                out.extend(t for t in (block.acc, block.s1, block.s2, block.store) if t is not None)
         if self.pre is not None:
             out.extend(self.pre.state_tensors())
         return out

@@ -46,8 +46,9 @@ def _cmd(name: str) -> str:
 
 def _machine(cfgs: Sequence[dict]) -> str:
     """The CPU(s), torch and library commit(s) the runs' ``config.json`` name."""
-    cpus = sorted({str(c["cpu"]) for c in cfgs if c.get("cpu")})  # the runs before the runner recorded it: the
-    cpus = cpus or sorted({str(c.get("processor")) for c in cfgs})  # same machine, its architecture only
+    # cpu_model (and cpu_count); runs written before that key: cpu; before either, the architecture only
+    cpus = sorted({str(c.get("cpu_model") or c["cpu"]) for c in cfgs if c.get("cpu_model") or c.get("cpu")})
+    cpus = cpus or sorted({str(c.get("processor")) for c in cfgs})
     commits = sorted({str(c.get("git")) for c in cfgs})
     torch = sorted({str(c.get("torch")) for c in cfgs})
     return f"{' / '.join(cpus)}, torch {', '.join(torch)}, one thread; library commit {', '.join(commits)}"

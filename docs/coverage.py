@@ -58,8 +58,10 @@ import torch.nn.functional as F
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _path in (ROOT, ROOT / "tests"):  # (the package, and the tests' stand-ins of other families)
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+import stand_ins  # noqa: E402
 import whitenlayers as wl  # noqa: E402
 from whitenlayers.experiment.report import git_state  # noqa: E402
 
@@ -277,11 +279,11 @@ def self_test_models() -> Source:
     m = wl.models
     return [
         ("cifar_resnet20", lambda: m.resnet20(width=8), (4, 3, 16, 16)),
-        ("mobilenet_like", lambda: wl.testing.mobilenet_like(width=8), (4, 3, 32, 32)),
-        ("resnext_like (ResNeXt-50 layout)", lambda: wl.testing.resnext_like((3, 4, 6, 3), width=4), (4, 3, 32, 32)),
-        ("vit_like (nn.Linear attention)", lambda: wl.testing.vit_like(), (4, 3, 16, 16)),
-        ("vit_like (nn.MultiheadAttention)", lambda: wl.testing.vit_like(attention="mha"), (4, 3, 16, 16)),
-        ("hf_resnet_like (HF ResNet-50 layout)", lambda: wl.testing.hf_resnet_like((3, 4, 6, 3)), (4, 3, 32, 32)),
+        ("mobilenet_like", lambda: stand_ins.mobilenet_like(width=8), (4, 3, 32, 32)),
+        ("resnext_like (ResNeXt-50 layout)", lambda: stand_ins.resnext_like((3, 4, 6, 3), width=4), (4, 3, 32, 32)),
+        ("vit_like (nn.Linear attention)", lambda: stand_ins.vit_like(), (4, 3, 16, 16)),
+        ("vit_like (nn.MultiheadAttention)", lambda: stand_ins.vit_like(attention="mha"), (4, 3, 16, 16)),
+        ("hf_resnet_like (HF ResNet-50 layout)", lambda: stand_ins.hf_resnet_like((3, 4, 6, 3)), (4, 3, 32, 32)),
     ]
 
 

@@ -29,9 +29,9 @@ if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
 if os.environ.get("WHITENLAYERS_TEST_FUSED") == "1":
     # CUDA's fewest-kernel paths emulated on the CPU for the whole suite (functional.fused_moments): a local check
     # of the GPU's code paths for sessions without a GPU, not a CI configuration.
-    from whitenlayers.functional import moments as _moments
+    from whitenlayers.functional import batch as _batch
 
-    _moments._FUSED_ON_CPU[0] = True
+    _batch._FUSED_ON_CPU[0] = True
 
 
 @pytest.fixture(scope="module")

@@ -40,7 +40,8 @@ class EigenbasisRule(wl.TransformRule):
         # The basis in force: the identity at first; (G, k, k) blocks for a grouped layer, as every matrix.
         return {"eigenbasis": wl.functional.block_identity(m, groups, **factory_kwargs)}
 
-    def update(self, fold: wl.Fold, state: Dict[str, Tensor], precomputed: Any = None) -> wl.RuleResult:
+    def update(self, fold: wl.Fold, state: Dict[str, Tensor], precomputed: Any = wl.rules.NOT_COMPUTED
+               ) -> wl.RuleResult:
         cov = fold.cov  # Phi_x after this block: float64, (M, M) or (G, k, k)
         basis = state["eigenbasis"].to(cov.dtype)
         for _ in range(self.config.power_iterations):

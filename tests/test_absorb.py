@@ -409,7 +409,7 @@ def test_absorb_centring_validates_its_argument():
     lin.absorb_centring(nn.BatchNorm1d(4))
     with pytest.raises(ValueError, match=r"GradWhitenLinear.*\(B, in_features\)"):
         lin(torch.randn(2, 5, 3))
-    assert lin._acc_batches == 0  # nothing recorded
+    assert lin._block.batches == 0  # nothing recorded
 
 
 # --------------------------------------------------------------------------

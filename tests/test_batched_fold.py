@@ -53,7 +53,7 @@ def _assert_same(a, b):
         for name in FROM_EIGH:
             x, y = getattr(la, name), getattr(lb, name)
             torch.testing.assert_close(x, y, rtol=0, atol=eigh_atol(y), msg=lambda m: f"{name}: {m}")
-        assert la.eig_failures == lb.eig_failures
+        assert la.transform_failures == lb.transform_failures
 
 
 def test_batched_fold_equals_per_layer_fold():
@@ -134,7 +134,7 @@ def test_batched_fold_counts_failures_per_layer(monkeypatch):
     monkeypatch.setattr(torch.linalg, "eigh", flaky)
     with pytest.warns(RuntimeWarning, match="eigendecomposition failed"):
         fold_layers(layers)
-    assert [l.eig_failures for l in layers] == [0, 1, 0]
+    assert [l.transform_failures for l in layers] == [0, 1, 0]
     assert calls["n"] == 2  # float32 then float64, for the failing layer only
     assert torch.equal(layers[1].whitening_matrix, before[1])  # previous transform kept
     assert not torch.equal(layers[0].whitening_matrix, before[0])

@@ -138,7 +138,7 @@ def test_older_checkpoint_without_partial_block_loads_and_starts_a_fresh_block(v
     for (name, a), (_, b) in zip(whitening(model), whitening(fresh)):
         for buf in ("running_mean", "running_cov", "whitening_matrix", "grad_transform", "num_blocks"):
             assert torch.equal(getattr(a, buf), getattr(b, buf)), (name, buf)
-        assert b.batches_in_block == 0 and float(b._acc_count) == 0 and b._acc_shift is None
+        assert b.batches_in_block == 0 and float(b._block.rows) == 0 and b._block.shift is None
     # a fresh block: the next fold comes after BLOCK more batches, not after BLOCK - 1
     opt_f = torch.optim.SGD(fresh.parameters(), lr=0.05)
     for i in range(BLOCK - 1):

@@ -85,9 +85,9 @@ def test_compiled_converted_model_has_one_graph_per_step_kind_and_trains_like_ea
     layers = wl.whitening_layers(model)
     assert len({layer.num_features for _, layer in layers}) == 3
     assert all(int(layer.num_blocks) == 2 and layer.batches_in_block == 1 for _, layer in layers)
-    # the compiled layers take the per-layer transform in their graphs: the coordinator shares no weights any more
+    # the compiled layers take the per-layer transform in their graphs: no eager scope (no shared weight node) is open
     coordinator = next(h for h in model._forward_hooks.values() if isinstance(h, wl.coordinator.FoldCoordinator))
-    assert coordinator.traced and not any("_shared_weight" in layer.__dict__ for _, layer in layers)
+    assert not coordinator.scopes and not coordinator.traced_open
     eager = _model(method)
     eager_losses = _train(eager, steps)
     # float64 and the same statistics: compiled and eager differ by the order of a few float64 sums (the compiled
@@ -286,7 +286,7 @@ def test_compiled_bf16_statistics_take_the_tensor_core_split():
 
     try:
         with pytest.MonkeyPatch.context() as mp, wl.functional.fused_moments(True):
-            mp.setitem(wl.functional.moments._LOWP_PRODUCTS, "cpu", True)
+            mp.setitem(wl.functional.batch._LOWP_PRODUCTS, "cpu", True)
             torch._dynamo.reset()
             counters.clear()
             compiled_model, eager = make(), make()
@@ -363,8 +363,8 @@ def _state_addresses(layer) -> dict:
     the block's accumulators and the tensor its batches are summed about."""
     names = list(layer._FORWARD_BUFFERS)
     out = {name: layer._buffers[name].data_ptr() for name in names}
-    out["shift"] = layer._shift_store.data_ptr()
-    out["sums"] = (layer._acc_aug if layer._acc_aug is not None else layer._acc_s2).data_ptr()
+    out["shift"] = layer._block.store.data_ptr()
+    out["sums"] = (layer._block.acc if layer._block.acc is not None else layer._block.s2).data_ptr()
     return out
 
 
@@ -383,7 +383,7 @@ def test_compiled_state_keeps_its_storage_from_the_first_step(method):
     _train(compiled, 13, after_step=lambda: seen.append([_state_addresses(layer) for layer in layers]))
     assert all(int(layer.num_blocks) == 4 for layer in layers)
     assert all(step == before for step in seen)
-    assert all(layer._acc_shift is layer._shift_store for layer in layers)
+    assert all(layer._block.shift is layer._block.store for layer in layers)
 
 
 class _OneConv(torch.nn.Module):
@@ -410,8 +410,8 @@ def test_compiled_first_batch_takes_the_shift_and_sums_eager_chooses(groups):
         for _ in range(2):
             run_(torch.randn(3, 4, 5, 5, generator=gen, dtype=torch.float64) * 2 + 50).square().mean().backward()
             layer = model.conv
-            states.append([t.clone() for t in (layer._acc_shift, layer._acc_s1, layer._acc_s2, layer.running_mean,
-                                               layer.running_cov)])
+            states.append([t.clone() for t in (layer._block.store, layer._block.s1, layer._block.s2,
+                                               layer.running_mean, layer.running_cov)])
         return states
 
     torch._dynamo.reset()
@@ -423,15 +423,60 @@ def test_compiled_first_batch_takes_the_shift_and_sums_eager_chooses(groups):
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "aot_eager"])
 def test_the_next_blocks_shift_keeps_its_tensor_across_folds(compiled):
-    """A fold writes the next block's shift into the tensor of the block before: a compiled graph reads it at one
+    """Every block's shift is chosen into one tensor, the layer's for its life: a compiled graph reads it at one
     address over any number of blocks (CUDA graph trees record a graph again when an input moves: an H200 run
-    recorded again at every fold). The training is unchanged (bit-identical, checked by a probe since retired)."""
+    recorded again at every fold)."""
     torch._dynamo.reset()
     model = _model("grad")
     run = torch.compile(model, backend="aot_eager") if compiled else model
     layers = [layer for _, layer in wl.whitening_layers(model)]
+    first = [layer._block.store.data_ptr() for layer in layers]
     seen = []
-    _train(run, 13, after_step=lambda: seen.append([layer._acc_shift.data_ptr() for layer in layers]))  # 4 folds
+    _train(run, 13, after_step=lambda: seen.append(
+        [layer._block.store.data_ptr() for layer in layers if layer._block.shift in (None, layer._block.store)]))
     assert all(int(layer.num_blocks) == 4 for layer in layers)
-    after_first_fold = seen[3:]  # block_size 3: the first fold ends step 3
-    assert all(ptrs == after_first_fold[0] for ptrs in after_first_fold)
+    assert all(ptrs == first for ptrs in seen)  # (the shift is the tensor, or not chosen yet: after a fold)
+
+
+class _Detector(torch.nn.Module):
+    """A backbone and a head, as detection and contrastive models are: users compile the backbone alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        net = wl.models.cifar_resnet(8, width=4)
+        self.backbone = torch.nn.Sequential(net.conv1, net.bn1, torch.nn.ReLU(), net.layer1, net.layer2, net.layer3)
+        self.head = torch.nn.Linear(16, 10)
+
+    def forward(self, x):
+        return self.head(self.backbone(x).mean((2, 3)))
+
+
+def _detector(method: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return wl.convert_model(_Detector().double(), method, block_size=3, targets="all")
+
+
+@pytest.mark.parametrize("method", ["grad", "recursive", "direct"])
+def test_a_compiled_submodule_trains_as_the_eager_root(method):
+    """``torch.compile(model.backbone)`` called directly (the root's hooks never run): its layers count their batches
+    through a graph break each and fold at their blocks' ends, as the eager root run does (3 blocks, float64), and
+    nothing dynamo guards on grows per call: no recompilation after the first block."""
+    torch._dynamo.reset()
+    counters.clear()
+    model, eager = _detector(method), _detector(method)
+    backbone = torch.compile(model.backbone, backend="aot_eager")
+    gen = torch.Generator().manual_seed(0)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (model, eager)]
+    graphs = []
+    for step in range(9):
+        x = torch.randn(4, 3, 8, 8, generator=gen, dtype=torch.float64) + 0.5
+        y = torch.randint(0, 10, (4,), generator=gen)
+        for opt, out in ((opts[0], lambda: model.head(backbone(x).mean((2, 3)))), (opts[1], lambda: eager(x))):
+            opt.zero_grad()
+            Fn.cross_entropy(out(), y).backward()
+            opt.step()
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[2] == graphs[-1], graphs  # compiled in the first block, never again
+    layers = wl.whitening_layers(model)
+    assert all(int(layer.num_blocks) == 3 and layer.batches_in_block == 0 for _, layer in layers)
+    _assert_same_state(model, eager)

@@ -129,7 +129,7 @@ def test_the_damped_arm_trains_ci_sized(tmp_path):
         rows = list(csv.DictReader(fh))
     assert [r["method"] for r in rows] == ["grad"] and float(rows[0]["test_acc"]) > 50
     import torch
-    from whitenlayers.stats.rule_state import decode_identity
+    from whitenlayers.layers.checkpoint import decode_identity
 
     state = torch.load(os.path.join(out, "checkpoints", "grad-seed0.pt"), weights_only=False)["model"]
     rules = [decode_identity(v) for k, v in state.items() if k.endswith("whitening_rule")]

@@ -49,7 +49,7 @@ def test_fold_keeps_function_and_export_is_exact(cls, plain, conv_fn, nd, groups
     torch.testing.assert_close(conv(probe), layer(probe), rtol=1e-6, atol=1e-6)
     # z = conv(pad0(x) - mu, W) + b
     mu = layer.running_mean.view((1, 4) + (1,) * nd)
-    b = layer._effective_bias(layer.weight) + F.weight_mean_product(layer.weight, layer.running_mean)
+    b = layer._layer_bias(layer.weight) + F.weight_mean_product(layer.weight, layer.running_mean)
     ref = conv_fn(Fn.pad(probe, (1, 1) * nd) - mu, layer.weight, b, stride=2, groups=groups)
     torch.testing.assert_close(layer(probe), ref, rtol=1e-5, atol=1e-5)
 

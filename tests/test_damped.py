@@ -109,7 +109,7 @@ def test_grad_layer_folds_damped_q_into_q_s_and_a_failed_fold_keeps_the_transfor
     layer = wl.GradWhitenConv2d(6, 4, 3, padding=1, block_size=1, gains="damped", beta=0.5)
     x = torch.randn(8, 6, 5, 5) @ torch.eye(5) + torch.randn(1, 6, 1, 1)
     layer(x)
-    assert int(layer.num_blocks) == 1 and layer.eig_failures == 0
+    assert int(layer.num_blocks) == 1 and layer.transform_failures == 0
     q = _reference(layer.running_cov, layer.eps, layer.gmax)
     torch.testing.assert_close(layer.grad_transform.double(), 0.5 * torch.eye(6, dtype=torch.float64) + 0.5 * q,
                                rtol=1e-5, atol=1e-6)
@@ -120,7 +120,7 @@ def test_grad_layer_folds_damped_q_into_q_s_and_a_failed_fold_keeps_the_transfor
                        -100 * torch.eye(6, dtype=torch.float64), torch.zeros(6, dtype=torch.float64))
     with pytest.warns(RuntimeWarning, match="Cholesky factorisation failed"):
         layer.fold(bad)
-    assert layer.eig_failures == 1
+    assert layer.transform_failures == 1
     for name in ("whitening_matrix", "grad_transform"):
         assert torch.equal(getattr(layer, name), before[name]), name
 
@@ -142,7 +142,7 @@ def test_damped_layers_fold_batched_as_one_at_a_time():
 
 
 def test_direct_refuses_damped_gains():
-    with pytest.raises(ValueError, match="DirectWhiten: gains='damped' gives a non-symmetric T"):
+    with pytest.raises(ValueError, match="DirectWhiten: gains='damped' makes the EVD rule give a non-symmetric T"):
         wl.DirectWhiten(4, gains="damped")
     with pytest.raises(ValueError, match="non-symmetric T"):
         wl.convert_model(wl.models.resnet20(), method="direct", gains="damped")
@@ -151,6 +151,15 @@ def test_direct_refuses_damped_gains():
         layer.gmax = 5.0
         layer.config = layer.config.replace(gains="damped")
     assert layer.config.gains == "practical" and layer.gmax == 5.0
+
+
+def test_direct_takes_damped_gains_under_a_rule_of_ones_own():
+    """The refusal is the EVD rule's (its damped T is not symmetric): a rule of one's own computes its own T and may
+    read ``gains`` as it likes."""
+    from rule_example import EigenbasisRule
+
+    layer = wl.DirectWhiten(4, rule=EigenbasisRule, gains="damped")
+    assert layer.config.gains == "damped"
 
 
 def test_damped_trains_a_resnet_with_finite_steps():
@@ -165,4 +174,4 @@ def test_damped_trains_a_resnet_with_finite_steps():
             opt.step()
             assert torch.isfinite(loss)
     layers = [layer for _, layer in wl.whitening_layers(model)]
-    assert all(int(layer.num_blocks) == 3 and layer.eig_failures == 0 for layer in layers)
+    assert all(int(layer.num_blocks) == 3 and layer.transform_failures == 0 for layer in layers)

@@ -39,7 +39,7 @@ def _model(method: str, seed: int = 0, groups: int = 1, block_size: int = 3, **k
 def _never_transformed(model: nn.Module) -> nn.Module:
     """Deferred, but never transformed: not the same training (what a comparison that has teeth must tell)."""
     for _, layer in wl.whitening_layers(model):
-        layer.__dict__["_deferred_grad"] = lambda w, q: w
+        layer._deferral = lambda w, q: w
     return model
 
 
@@ -296,14 +296,14 @@ def test_gradients_after_backward_are_the_defaults():
         m.zero_grad()
         F.cross_entropy(m(x), y).backward()
     torch.testing.assert_close(model[0].weight.grad, reference[0].weight.grad, rtol=0, atol=GRAD_ATOL)
-    assert "_deferred_grad" not in model[0].__dict__
+    assert model[0]._deferral is None
 
 
 def test_copies_are_not_deferred_and_remove_before_the_backward_warns():
     model = _model("recursive")
     deferral = wl.defer_grad_transform(model, torch.optim.SGD(model.parameters(), lr=0.1))
     twin = copy.deepcopy(model)  # its weights are new parameters, without the deferral's hook
-    assert "_deferred_grad" not in twin[0].__dict__ and not twin[0].weight._backward_hooks
+    assert twin[0]._deferral is None and not twin[0].weight._backward_hooks
     x, y = _batches(1)[0]
     for _ in range(3):
         model(x)
@@ -327,9 +327,9 @@ def test_set_up_and_refusals():
     second = wl.defer_grad_transform(model)  # takes the layers over: one hook per weight
     assert len(model[0].weight._backward_hooks) == 1
     first.remove()  # ends nothing of the second's
-    assert len(model[0].weight._backward_hooks) == 1 and "_deferred_grad" in model[0].__dict__
+    assert len(model[0].weight._backward_hooks) == 1 and model[0]._deferral is not None
     second.remove()
-    assert not model[0].weight._backward_hooks and "_deferred_grad" not in model[0].__dict__
+    assert not model[0].weight._backward_hooks and model[0]._deferral is None
 
 
 def test_a_weight_that_is_not_the_hooked_parameter_takes_the_default_transform():
@@ -559,5 +559,5 @@ def test_eager_steps_then_compiled_steps_transform_once():
 
     with pytest.warns(RuntimeWarning, match="its deferral is ended"):
         deferred = run(True)
-    assert not any("_deferred_grad" in layer.__dict__ for _, layer in wl.whitening_layers(deferred))
+    assert all(layer._deferral is None for _, layer in wl.whitening_layers(deferred))
     _assert_same_training(deferred, run(False))

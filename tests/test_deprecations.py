@@ -1,64 +1,58 @@
-"""Moved and renamed public names keep working for one release, with a ``DeprecationWarning``."""
-import importlib
+"""Renamed names keep working for one release, with a ``FutureWarning`` that names the new one (as torch does)."""
+import subprocess
+import sys
 
 import pytest
+import torch
 
 import whitenlayers as wl
 
 
-def test_whitenlayers_data_is_an_alias_of_the_runners_data():
-    from whitenlayers.experiment import data as new
+@pytest.mark.parametrize("name,new", [("WhiteningLayer", wl.WhiteningLayer), ("recomputing", wl.layers.recomputing),
+                                      ("loading_plain_checkpoint", wl.layers.checkpoint.loading_plain_checkpoint)])
+def test_the_stats_subpackage_is_an_alias_of_layers(name, new):
+    import whitenlayers.stats as old
 
-    old = importlib.import_module("whitenlayers.data")
-    with pytest.warns(DeprecationWarning, match="whitenlayers.experiment.data"):
-        assert old.load_dataset is new.load_dataset
-    with pytest.warns(DeprecationWarning):
-        with pytest.raises(AttributeError):
-            old.no_such_name  # noqa: B018
-
-
-@pytest.mark.parametrize("name", ["mobilenet_like", "resnext_like", "vit_like", "hf_resnet_like", "Bottleneck",
-                                  "InvertedResidual"])
-def test_stand_in_models_moved_to_testing(name):
-    with pytest.warns(DeprecationWarning, match=f"whitenlayers.testing.{name}"):
-        assert getattr(wl.models, name) is getattr(wl.testing, name)
+    with pytest.warns(FutureWarning, match=f"whitenlayers.stats is renamed whitenlayers.layers \\({name}"):
+        assert getattr(old, name) is new
     with pytest.raises(AttributeError):
-        wl.models.no_such_model  # noqa: B018
+        old.no_such_name  # noqa: B018
+
+
+def test_eig_failures_is_renamed_transform_failures():
+    layer = wl.GradWhitenLinear(3, 2)
+    layer.transform_failures = 2
+    with pytest.warns(FutureWarning, match="eig_failures is renamed transform_failures"):
+        assert layer.eig_failures == 2
+    with pytest.warns(FutureWarning, match="eig_failures is renamed transform_failures"):
+        layer.eig_failures = 5
+    assert layer.transform_failures == 5 and "eig_failures" not in layer.__dict__
+
+
+def test_method_says_what_convert_model_took_and_rule_name_the_rule():
+    for method in ("grad", "recursive", "direct"):
+        model = wl.convert_model(wl.models.cifar_resnet(8, width=4), method=method)
+        layers = [layer for _, layer in wl.whitening_layers(model)]
+        assert {layer.method for layer in layers} == {method}
+        assert {layer.rule_name for layer in layers} == {"recursive" if method == "recursive" else "evd"}
+
+
+def test_rule_fields_only_on_layers_whose_rule_has_them():
+    grad, rec = wl.GradWhitenLinear(3, 2), wl.RecursiveWhitenLinear(3, 2)
+    assert grad.gmax == 10.0 and not hasattr(grad, "gamma") and "gamma" not in dir(grad) and "gmax" in dir(grad)
+    assert rec.gamma == 0.99 and not hasattr(rec, "gmax") and "gamma" in dir(rec)
+    rec.gamma = 0.9  # a field: a new config, validated
+    assert rec.config.gamma == 0.9
+    with pytest.raises(ValueError, match="gamma"):
+        rec.gamma = 2.0
+    with pytest.raises(AttributeError):
+        grad.gamma  # noqa: B018
+    assert torch.equal(grad.running_mean, torch.zeros(3))  # buffers and parameters as before
 
 
 def test_core_package_does_not_import_the_runner():
     """Importing the layers loads nothing of the experiment runner (its data, IO, report)."""
-    import subprocess
-    import sys
-
     code = ("import sys, whitenlayers as wl; wl.convert_model(wl.models.cifar_resnet(8), 'grad'); "
-            "print(sorted(m for m in sys.modules if m.startswith('whitenlayers.experiment') or m == 'whitenlayers.data'))")
+            "print(sorted(m for m in sys.modules if m.startswith('whitenlayers.experiment')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]", out
-
-
-@pytest.mark.parametrize("module,old,new", [
-    ("whitenlayers", "WhiteningStatistics", "WhiteningLayer"),
-    ("whitenlayers", "DirectWhitened", "DirectWhitenWrapper"),
-    ("whitenlayers", "export_model", "to_plain_model"),
-    ("whitenlayers.stats", "WhiteningStatistics", "WhiteningLayer"),
-    ("whitenlayers.layers", "WhiteningStatistics", "WhiteningLayer"),
-    ("whitenlayers.convert", "DirectWhitened", "DirectWhitenWrapper"),
-    ("whitenlayers.convert", "export_model", "to_plain_model"),
-    # where pickles of whole models converted with method="direct" before the rename look the class up
-    ("whitenlayers.convert._common", "DirectWhitened", "DirectWhitenWrapper"),
-])
-def test_renamed_public_names_keep_their_old_name_for_one_release(module, old, new):
-    mod = importlib.import_module(module)
-    with pytest.warns(DeprecationWarning, match=f"{old} is renamed {new}"):
-        assert getattr(mod, old) is getattr(wl, new)
-    assert old not in wl.__all__ and new in wl.__all__
-
-
-def test_old_names_still_work_as_before():
-    model = wl.convert_model(wl.models.cifar_resnet(8, width=8), method="direct")
-    with pytest.warns(DeprecationWarning):
-        assert all(isinstance(m, wl.WhiteningStatistics) for _, m in wl.whitening_layers(model))
-    with pytest.warns(DeprecationWarning):
-        plain = wl.export_model(model.eval())
-    assert not wl.whitening_layers(plain)

@@ -11,6 +11,7 @@ Spawning processes is slow, so one spawned run checks several properties.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 
@@ -69,10 +70,12 @@ def install_coordinator(model: nn.Module) -> FoldCoordinator:
     """Fold all whitening layers of ``model`` together after its forward (what ``convert_model`` does)."""
     coord = FoldCoordinator()
     coord.handle = model.register_forward_hook(coord)
+    coord.begin_handle = model.register_forward_pre_hook(coord.begin_forward)
     for name, m in model.named_modules():
         if isinstance(m, wl.WhiteningLayer):
             m._fold_coordinator = coord
             m.layer_name = name
+            coord.layers.append(m)
     return coord
 
 
@@ -404,3 +407,77 @@ def test_ddp_with_syncbatchnorm_on_two_gpus():
                 assert torch.equal(a[k], b[k]), f"step {s}: {k} differs between ranks"
             torch.testing.assert_close(a[k], ref[k].cpu(), rtol=1e-3, atol=1e-4, msg=lambda m: f"step {s}: {k}: {m}")
     assert int(r0[-1]["0.num_blocks"]) == 2
+
+
+# ---------------------------------------------------------------- uneven inputs
+def _uneven(rank: int, world: int, short: int) -> dict:
+    """Two ranks under ``Join([ddp, wl.joinable(ddp)])``, rank 1 ``short`` batches short: every rank trains to the
+    end; after it, the whitening state of both ranks, and every 2 steps along the way on rank 0."""
+    from torch.distributed.algorithms.join import Join
+
+    torch.manual_seed(0)
+    model = wl.convert_model(wl.models.cifar_resnet(8, width=4, num_classes=4).double(), "grad", block_size=3)
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    gen = torch.Generator().manual_seed(10 + rank)
+    steps = 10 - (short if rank == 1 else 0)
+    with Join([ddp, wl.joinable(ddp)]):
+        for _ in range(steps):
+            x = torch.randn(4, 3, 8, 8, generator=gen, dtype=torch.float64) + 1
+            opt.zero_grad()
+            F.cross_entropy(ddp(x), torch.randint(0, 4, (4,), generator=gen)).backward()
+            opt.step()
+    whitening = {name for name, _ in wl.whitening_layers(model)}
+    out = {f"{n}.{k}": getattr(m, k).clone() for n, m in wl.whitening_layers(model)
+           for k in ("running_mean", "running_cov", "whitening_matrix", "grad_transform", "num_blocks")}
+    out.update({f"{n}.batches_in_block": torch.tensor(m.batches_in_block) for n, m in wl.whitening_layers(model)})
+    assert whitening
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("short", [4, 1])
+def test_join_with_uneven_inputs_trains_and_keeps_the_ranks_whitening_identical(short):
+    """DDP's uneven inputs (``Join``) with the whitening's joinable: a rank 4 batches short (a fold while it has
+    joined) and 1 batch short (the extra step ends no block, the next block's count stays in step): both ranks
+    train to the end, and their whitening state (means, covariances, transforms, block counts, the batches of the
+    partial block) is bit-identical."""
+    from dist_utils import run_distributed
+
+    r0, r1 = run_distributed(_uneven, short)
+    assert r0.keys() == r1.keys() and any(k.endswith("num_blocks") for k in r0)
+    for k in r0:
+        assert torch.equal(r0[k], r1[k]), k
+    assert {int(v) for k, v in r0.items() if k.endswith("num_blocks")} == {3}  # 10 forwards, block 3
+
+
+def _logging_forward(rank: int, world: int) -> dict:
+    """Rank 0 alone runs the module inside DDP in training mode (logging) between steps."""
+    torch.manual_seed(0)
+    model = wl.convert_model(wl.models.cifar_resnet(8, width=4, num_classes=4).double(), "grad", block_size=3)
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(20 + rank)
+    for step in range(7):
+        x = torch.randn(4, 3, 8, 8, generator=gen, dtype=torch.float64) + 1
+        opt.zero_grad()
+        F.cross_entropy(ddp(x), torch.randint(0, 4, (4,), generator=gen)).backward()
+        opt.step()
+        if rank == 0 and step % 2 == 0:
+            with torch.no_grad(), pytest.warns(RuntimeWarning, match="called without DDP") if step == 0 else \
+                    contextlib.nullcontext():
+                ddp.module(x)  # the module itself, on one rank
+    return {f"{n}.{k}": getattr(m, k).clone() for n, m in wl.whitening_layers(model)
+            for k in ("running_mean", "grad_transform", "num_blocks")}
+
+
+@pytest.mark.slow
+def test_a_training_forward_of_one_rank_folds_nothing_alone():
+    """A training-mode forward of the module inside DDP on rank 0 only (logging) gathers and counts nothing: no rank
+    folds alone (it would hang), and both ranks end with the same whitening state."""
+    from dist_utils import run_distributed
+
+    r0, r1 = run_distributed(_logging_forward)
+    for k in r0:
+        assert torch.equal(r0[k], r1[k]), k
+    assert {int(v) for k, v in r0.items() if k.endswith("num_blocks")} == {2}

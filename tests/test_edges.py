@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn.utils import parametrizations, parametrize
 
 import whitenlayers as wl
-from whitenlayers import testing
+import stand_ins as testing
 
 
 # ------------------------------------------------------------------ BatchNorm subclasses
@@ -135,9 +135,9 @@ def test_convert_on_meta_then_materialise_trains():
         model = wl.models.cifar_resnet(8, width=4)
     model = wl.convert_model(model, "grad", block_size=2)
     layer = wl.whitening_layers(model)[0][1]
-    assert layer._acc_s1.is_meta
+    assert layer._block.s1.is_meta
     model.to_empty(device="cpu")
-    assert layer._acc_s1.device.type == "cpu" and layer._acc_s1.dtype == torch.float32  # moved with the layer
+    assert layer._block.s1.device.type == "cpu" and layer._block.s1.dtype == torch.float32  # moved with the layer
     for m in model.modules():
         if hasattr(m, "reset_parameters"):
             m.reset_parameters()
@@ -146,6 +146,49 @@ def test_convert_on_meta_then_materialise_trains():
     for _ in range(2):
         model(x).sum().backward()
     assert int(layer.num_blocks) == 1 and torch.isfinite(model.eval()(x)).all()
+
+
+def _trained_blocks(model, blocks=3, block_size=2):
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(blocks * block_size):
+        x = torch.randn(4, 3, 8, 8, generator=gen) * 2 + 1
+        opt.zero_grad()
+        model(x).logsumexp(1).mean().backward()
+        opt.step()
+    return model
+
+
+@pytest.mark.parametrize("method", ["grad", "recursive", "direct"])
+def test_built_on_meta_and_loaded_with_assign_trains_and_saves_as_built_on_the_cpu(method):
+    """The low-memory loading pattern: build on the meta device, ``load_state_dict(sd, assign=True)``, train 3
+    blocks, save, load into a fresh model: every tensor equal to the same run built on the CPU, none left on meta."""
+    def build(device):
+        torch.manual_seed(0)
+        with torch.device(device):
+            return wl.convert_model(wl.models.cifar_resnet(8, width=4), method, block_size=2)
+
+    start = build("cpu").state_dict()
+    cpu = build("cpu")
+    cpu.load_state_dict(start)
+    meta = build("meta")
+    meta.load_state_dict(start, assign=True)
+    _trained_blocks(cpu), _trained_blocks(meta)
+    saved = meta.state_dict()
+    assert not [k for k, v in saved.items() if v.is_meta]
+    fresh = build("cpu")
+    fresh.load_state_dict(saved)
+    for a, b in ((cpu.state_dict(), saved), (cpu.state_dict(), fresh.state_dict())):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+
+
+def test_a_forward_on_meta_state_names_the_layer_and_the_fix():
+    with torch.device("meta"):
+        model = wl.convert_model(wl.models.cifar_resnet(8, width=4), "grad")
+    with pytest.raises(RuntimeError, match=r"layer1.0.conv1.*meta device.*assign=True.*to_empty"):
+        model(torch.randn(2, 3, 8, 8, device="meta"))
 
 
 # ------------------------------------------------------------------ parametrized convolutions

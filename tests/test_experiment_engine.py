@@ -77,6 +77,9 @@ def test_quick_synthetic_outputs_all_methods_two_seeds(tmp_path):
     # the same initial weights and data order per seed: baseline differs between seeds, not within
     cfg = json.load(open(os.path.join(out, "config.json")))
     assert cfg["methods"] == ["baseline", "grad", "recursive", "direct"] and cfg["block_size"] == 3 and "command" in cfg
+    # the machine as a rerun needs it: the CPU's model (not only "x86_64"), its cores and the threads used
+    assert cfg["cpu_model"] == ex.report.cpu_model() and cfg["cpu_model"] not in ("", "x86_64")
+    assert cfg["cpu_count"] == os.cpu_count() and cfg["threads"] >= 1
     png = open(os.path.join(out, "figure.png"), "rb").read()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
     summary = open(os.path.join(out, "summary.md")).read()

@@ -1,7 +1,7 @@
 """Model families beyond ResNet (issue 14): targets, the conversion report, messages, converting again.
 
 CI has no torchvision, timm or transformers: the models are the stand-ins of
-:mod:`whitenlayers.testing` with the real ones' structure and class names
+``tests/stand_ins.py`` with the real ones' structure and class names
 (MobileNetV2's inverted residual blocks, ResNeXt's grouped bottlenecks, a ViT
 with ``nn.Linear`` attention or ``nn.MultiheadAttention``, Hugging Face's
 ``ResNetBottleNeckLayer``). ``docs/coverage.py`` runs the same checks on every
@@ -19,7 +19,8 @@ import torch.nn.functional as Fn
 from torch import nn
 
 import whitenlayers as wl
-from whitenlayers import models, testing
+import stand_ins as testing
+from whitenlayers import models
 
 METHODS = ["grad", "recursive", "direct"]
 ROOT = Path(__file__).resolve().parents[1]

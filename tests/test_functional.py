@@ -283,12 +283,12 @@ def test_accumulate_moments_low_precision(b, m, hw, layout, dtype, shifted, seed
     shift = torch.randn(m, generator=gen).view((1, m) + (1,) * len(hw)) if shifted else None
     acc = F.moments_accumulator(m)
     seen = []
-    real = F.moments._product_add
+    real = F.batch._product_add
     with pytest.MonkeyPatch.context() as mp, F.fused_moments(True):
-        mp.setattr(F.moments, "_product_add", lambda out, left, right: (seen.append(left.dtype),
+        mp.setattr(F.batch, "_product_add", lambda out, left, right: (seen.append(left.dtype),
                                                                         real(out, left, right)))
         F.accumulate_moments(acc, x, shift)
-    products = 2 if F.moments._as_rows(x) is not None else 1  # rows: x^T x and x^T 1; else one (M + 1) product
+    products = 2 if F.batch._as_rows(x) is not None else 1  # rows: x^T x and x^T 1; else one (M + 1) product
     assert seen == [torch.float32 if shifted else dtype] * products  # converted only when shifted
     s1, s2 = _sums_float64(x, shift)
     n = x.numel() // m
@@ -345,7 +345,7 @@ def test_accumulate_moments_split_matches_float64(b, m, hw, layout, dtype, offse
     torch.testing.assert_close(acc[:m, :m].double(), s2, rtol=0.0, atol=atol)
     torch.testing.assert_close(acc[:m, m].double(), s1, rtol=0.0,
                                atol=8 * n * eps * (float(d.double().abs().sum(dims).max()) + 1e-30))
-    if F.moments._as_rows(x) is not None:  # the split's products (else accumulate_moments' concatenation, float32)
+    if F.batch._as_rows(x) is not None:  # the split's products (else accumulate_moments' concatenation, float32)
         assert not acc[m].any() and not acc._base[:, m + 1:].any()  # nothing else written
 
 

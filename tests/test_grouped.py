@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+import stand_ins
 import whitenlayers as wl
 from whitenlayers import functional as F
 from whitenlayers.fold import fold_layers
@@ -419,7 +420,7 @@ def test_grouped_diagnostics_plain_and_converted_line_up():
 
     def make():
         torch.manual_seed(0)
-        return wl.testing.mobilenet_like(width=4)
+        return stand_ins.mobilenet_like(width=4)
 
     data = [torch.randn(4, 3, 16, 16) for _ in range(2)]
     plain = wl.collect_diagnostics(make(), data, targets="all")

@@ -1,4 +1,4 @@
-"""The statistics of a model's layers added together at the end of its forward (issue 48): the layers hand their
+"""The statistics of a model's layers added together at the end of its forward: the layers hand their
 batches to the fold coordinator, which adds those of one input shape with a few operations for all of them
 (``functional.accumulate_moments_grouped``) into slices of one stacked accumulator."""
 import copy
@@ -8,14 +8,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from state_utils import assert_states_close
+from state_utils import assert_states_close, coordinator_of, layers_alone
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import whitenlayers as wl
-import whitenlayers.convert._common as convert_common
-import whitenlayers.stats.step as step_module
-from whitenlayers.layers._base import _GradWhitenMixin
 from whitenlayers.functional import (
     accumulate_moments,
     accumulate_moments_grouped,
@@ -84,11 +81,9 @@ def _batches(n, dtype=torch.float64, seed=1):
 
 def _train(model, batches, *, hand_over=True, views=1):
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    with pytest.MonkeyPatch.context() as mp, wl.functional.fused_moments(True):
-        if not hand_over:  # each layer's full path, adding its own batch
-            mp.setattr(step_module._PerStepMixin, "_stats_sink", lambda self, x: None)
-            mp.setattr(_GradWhitenMixin, "_step_plan", lambda self, view, state, sink: None)
-            mp.setattr(convert_common, "_plan_direct", lambda layers: False)
+    if not hand_over:  # each layer adding its own batch
+        layers_alone(model)
+    with wl.functional.fused_moments(True):
         for x in batches:
             opt.zero_grad()
             loss = sum(model(x * (1 + v)).logsumexp(1).mean() for v in range(views))
@@ -97,8 +92,7 @@ def _train(model, batches, *, hand_over=True, views=1):
     return model
 
 
-def _coordinator(model):
-    return next(h for h in model._forward_hooks.values() if isinstance(h, wl.coordinator.FoldCoordinator))
+_coordinator = coordinator_of
 
 
 @pytest.mark.parametrize("method", ["grad", "recursive", "direct"])
@@ -139,7 +133,7 @@ def test_stacked_accumulators_are_kept_across_blocks(method):
                                 include_classifier=True).to(memory_format=torch.channels_last)
 
     a = _train(model(), _batches(4))
-    unshifted = [layer._stats_unshifted for _, layer in wl.whitening_layers(a)]
+    unshifted = [layer._block.unshifted for _, layer in wl.whitening_layers(a)]
     assert unshifted == [True, False, True, False]  # the case this test is about
     kept = {key: arena[1] for key, arena in _coordinator(a)._arenas.items()}  # (held: no id reused)
     _train(a, _batches(6, seed=2))
@@ -153,7 +147,7 @@ def _sums_during_forward(model, x, **ctx):
     """Each layer's accumulator as it is right after the layer's forward, and at the end of the model's."""
     during = {}
     layers = [m for _, m in wl.whitening_layers(model)]
-    hooks = [m.register_forward_hook(lambda mod, i, o: during.__setitem__(mod, mod._acc_aug.clone()))
+    hooks = [m.register_forward_hook(lambda mod, i, o: during.__setitem__(mod, mod._block.acc.clone()))
              for m in layers]
     try:
         with wl.functional.fused_moments(True):
@@ -161,7 +155,7 @@ def _sums_during_forward(model, x, **ctx):
     finally:
         for h in hooks:
             h.remove()
-    return {m: (during[m], m._acc_aug.clone()) for m in layers}
+    return {m: (during[m], m._block.acc.clone()) for m in layers}
 
 
 def test_a_training_forward_hands_its_batches_over_and_the_hook_adds_them():
@@ -189,7 +183,7 @@ def test_batches_that_would_not_outlive_their_layer_are_added_at_once(how):
         with torch.autograd.graph.save_on_cpu():
             sums = _sums_during_forward(model, y)
     elif how == "replica":  # DataParallel's replicas share their accumulators with the module they copy
-        for m in layers:
+        for m in [model, *layers]:  # (DataParallel marks every module of a replica)
             m.__dict__["_is_replica"] = True
         sums = _sums_during_forward(model, y)
     elif how == "frozen weight":
@@ -208,7 +202,7 @@ def test_a_forward_that_raises_still_adds_the_batches_handed_over():
     x, y = _batches(2)
     _train(model, [x])
     layers = [m for _, m in wl.whitening_layers(model)]
-    before = [m._acc_aug.clone() for m in layers]
+    before = [m._block.acc.clone() for m in layers]
 
     def fail(mod, inputs, output):
         raise RuntimeError("boom")
@@ -217,8 +211,8 @@ def test_a_forward_that_raises_still_adds_the_batches_handed_over():
     with wl.functional.fused_moments(True), pytest.raises(RuntimeError, match="boom"):
         model(y)
     handle.remove()
-    assert all(not torch.equal(b, m._acc_aug) for b, m in zip(before, layers))
-    assert not _coordinator(model)._scopes  # the collection is closed
+    assert all(not torch.equal(b, m._block.acc) for b, m in zip(before, layers))
+    assert not _coordinator(model).scopes  # the collection is closed
 
 
 def test_an_input_written_in_place_after_its_layer_is_refused_by_name():
@@ -265,12 +259,12 @@ def test_stacked_accumulators_stay_each_layers_own(how):
     xs = _batches(3)
     _train(model, xs[:2])  # mid-block (block 3): partial sums in the stacked accumulators
     layers = [m for _, m in wl.whitening_layers(model)]
-    assert any(m._acc_aug._base is not None and m._acc_aug._base.dim() == 3 for m in layers)
-    before = [m._acc_aug.clone() for m in layers]
+    assert any(m._block.acc._base is not None and m._block.acc._base.dim() == 3 for m in layers)
+    before = [m._block.acc.clone() for m in layers]
     if how == "reset one layer":
         layers[2].discard_block()
-        assert not layers[2]._acc_aug.any()
-        assert all(torch.equal(b, m._acc_aug) for i, (b, m) in enumerate(zip(before, layers)) if i != 2)
+        assert not layers[2]._block.acc.any()
+        assert all(torch.equal(b, m._block.acc) for i, (b, m) in enumerate(zip(before, layers)) if i != 2)
         return
     if how == "deepcopy":
         other = copy.deepcopy(model)
@@ -282,10 +276,10 @@ def test_stacked_accumulators_stay_each_layers_own(how):
     copies = [m for _, m in wl.whitening_layers(other)]
     for m, c in zip(layers, copies):
         torch.testing.assert_close(c.block_statistics().scatter, m.block_statistics().scatter, rtol=0, atol=0)
-        assert c._acc_aug.untyped_storage().data_ptr() != m._acc_aug.untyped_storage().data_ptr()
-        assert c._acc_aug._base is None or c._acc_aug._base.dim() == 2  # its own accumulator, not a stack's slice
+        assert c._block.acc.untyped_storage().data_ptr() != m._block.acc.untyped_storage().data_ptr()
+        assert c._block.acc._base is None or c._block.acc._base.dim() == 2  # its own accumulator, not a stack's slice
     _train(other, xs[2:])  # the copy trains on: the original's sums stay as they were
-    assert all(torch.equal(b, m._acc_aug) for b, m in zip(before, layers))
+    assert all(torch.equal(b, m._block.acc) for b, m in zip(before, layers))
     reference = _train(_model(), xs, hand_over=False)
     for c, r in zip(copies, [m for _, m in wl.whitening_layers(reference)]):
         assert int(c.num_blocks) == int(r.num_blocks) == 1
@@ -350,6 +344,6 @@ def test_a_forward_whose_end_hook_is_gone_holds_its_batches_one_forward_at_most(
     layers = len(wl.whitening_layers(model))
     with wl.functional.fused_moments(True):
         model(y)
-        assert [len(held) for held in coordinator._scopes.values()] == [layers]  # held: no end hook
+        assert [len(scope.batches) for scope in coordinator.scopes.values()] == [layers]  # held: no end hook
         model(z)
-        assert [len(held) for held in coordinator._scopes.values()] == [layers]  # y's added, z's held
+        assert [len(scope.batches) for scope in coordinator.scopes.values()] == [layers]  # y's added, z's held

@@ -77,13 +77,13 @@ def test_reset_running_stats_resets_counters_and_the_partial_block():
     x = torch.randn(4, 3, 6, 6) + 2
     for _ in range(4):
         layer(x)
-    layer.eig_failures = 3
+    layer.transform_failures = 3
     assert layer.batches_in_block == 1 and int(layer.num_blocks) == 1
     layer.reset_running_stats()
     fresh = wl.GradWhitenConv2d(3, 4, 3, padding=1, block_size=3)
     for key, value in _whitening_state(fresh).items():
         torch.testing.assert_close(_whitening_state(layer)[key], value, rtol=0, atol=0, msg=key)
-    assert layer.batches_in_block == 0 and layer.eig_failures == 0
+    assert layer.batches_in_block == 0 and layer.transform_failures == 0
 
 
 def test_reset_running_stats_keep_function():
@@ -154,7 +154,7 @@ def test_low_precision_cast_keeps_whitening_state_float32(method, cast):
         for name, buf in layer.named_buffers():
             if buf.is_floating_point():
                 assert buf.dtype == torch.float32, (name, buf.dtype)
-        assert layer._acc_s1.dtype == torch.float32  # the block's sums stay float32 too (not bf16)
+        assert layer._block.s1.dtype == torch.float32  # the block's sums stay float32 too (not bf16)
     for name, module in model.named_modules():  # everything else is cast as PyTorch casts it
         if isinstance(module, nn.BatchNorm2d):
             assert module.running_mean.dtype == low, name
@@ -163,7 +163,9 @@ def test_low_precision_cast_keeps_whitening_state_float32(method, cast):
     assert layer.running_cov.dtype == torch.float64  # float32 <-> float64 casts as before
 
 
-def test_bf16_model_trains_with_float32_accurate_whitening_state():
+@pytest.mark.parametrize("method,cls", [("grad", wl.GradWhitenConv2d), ("recursive", wl.RecursiveWhitenConv2d)],
+                         ids=["grad", "recursive"])
+def test_bf16_model_trains_with_float32_accurate_whitening_state(method, cls):
     """100 steps of a bf16-cast converted ResNet; one layer's state checked against a float64 twin on its inputs.
 
     The twin (a float64 layer) sees the very bf16 activations the layer sees (bf16 -> float64 is exact), so the
@@ -171,9 +173,9 @@ def test_bf16_model_trains_with_float32_accurate_whitening_state():
     statistics (1e-4 here); a bf16 state (8 bits of mantissa) would be off by about 1e-2, which the check shows.
     """
     torch.manual_seed(0)
-    model = wl.convert_model(wl.models.cifar_resnet(8, width=8), "grad", block_size=10).to(torch.bfloat16)
+    model = wl.convert_model(wl.models.cifar_resnet(8, width=8), method, block_size=10).to(torch.bfloat16)
     name, layer = wl.whitening_layers(model)[2]
-    twin = wl.GradWhitenConv2d(layer.in_channels, layer.out_channels, 3, padding=1, bias=False, block_size=10,
+    twin = cls(layer.in_channels, layer.out_channels, 3, padding=1, bias=False, block_size=10,
                                dtype=torch.float64)
     twin_inputs = []
     handle = layer.register_forward_pre_hook(lambda m, args: twin_inputs.append(args[0].detach().double()))
@@ -209,11 +211,15 @@ def _model(method):
 @pytest.mark.parametrize("saved,loaded", [("grad", "recursive"), ("recursive", "grad"), ("grad", "direct"),
                                           ("direct", "recursive")])
 def test_strict_load_across_methods_names_both(saved, loaded):
+    """The error leads with the cause and the fix, and cuts the other method's keys to a count and the first few."""
     state = _model(saved).state_dict()
     model = _model(loaded)
     with pytest.raises(RuntimeError, match=f"holds a '{saved}' whitening layer at 'layer1.0.conv1'.*is '{loaded}'.*"
-                                            f"method='{saved}'"):
+                                            f"method='{saved}'") as raised:
         model.load_state_dict(state)
+    lines = str(raised.value).splitlines()
+    assert "holds a" in lines[1] and "more layer(s) alike" in lines[1]  # the cause first, once for all layers
+    assert lines[2].lstrip().startswith("missing keys:") and len(str(raised.value)) < 1000, str(raised.value)
 
 
 @pytest.mark.parametrize("saved,loaded", [("grad", "recursive"), ("recursive", "grad"), ("direct", "grad")])

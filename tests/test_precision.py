@@ -340,3 +340,47 @@ def test_two_identical_cpu_runs_are_bit_identical(method):
         elif isinstance(v, dict):  # _extra_state: the partial block
             for kk, vv in v.items():
                 assert (torch.equal(vv, b[k][kk]) if torch.is_tensor(vv) else vv == b[k][kk]), (k, kk)
+
+
+# --------------------------------------------------------------------------
+# Float32 layers against float64 twins
+# --------------------------------------------------------------------------
+TWINS = {
+    "grad": lambda m, dtype: wl.GradWhitenConv2d(m, m, 3, padding=1, dtype=dtype),
+    "damped": lambda m, dtype: wl.GradWhitenConv2d(m, m, 3, padding=1, gains="damped", dtype=dtype),
+    "recursive": lambda m, dtype: wl.RecursiveWhitenConv2d(m, m, 3, padding=1, dtype=dtype),
+    "direct": lambda m, dtype: wl.DirectWhiten(m, dtype=dtype),
+}
+
+
+def post_relu_features(m, n, seed=0):
+    """``n`` float32 batches of post-ReLU features ``(16, m, 8, 8)`` with correlated channels: a random 3x3
+    convolution of spatially smooth random images."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(m, 3, 3, 3, generator=g, dtype=torch.float64) / 3
+    b = 0.1 * torch.randn(m, generator=g, dtype=torch.float64)
+    images = (3 * Fn.avg_pool2d(torch.randn(16, 3, 8, 8, generator=g, dtype=torch.float64), 3, 1, 1) for _ in range(n))
+    return [torch.relu(Fn.conv2d(x, w, b, padding=1)).float() for x in images]
+
+
+@pytest.mark.parametrize("m", [16, 64])
+@pytest.mark.parametrize("method", sorted(TWINS))
+def test_float32_layer_stays_near_its_float64_twin_over_100_folds(method, m):
+    """A float32 layer and a float64 twin fed the same float32 numbers, a fold after each batch: after every one
+    of 100 folds their statistics, ``T`` and ``Q_s`` (recursive: ``Q`` and ``Phi_y`` too) agree to 1e-4 of each
+    matrix's largest entry. Measured: at most 1.1e-6 for grad, damped and direct, 2e-6 for recursive (whose
+    direction estimate once amplified round-off fold by fold: 0.1-0.3 apart after 20-50 folds)."""
+    f32, f64 = TWINS[method](m, torch.float32), TWINS[method](m, torch.float64)
+    names = [n for n in ("running_mean", "running_cov", "whitening_matrix", "grad_transform", "whitening_gram",
+                         "running_cov_whitened") if hasattr(f32, n)]
+    worst = dict.fromkeys(names, 0.0)
+    for x in post_relu_features(m, 100):
+        for layer, inp in ((f32, x), (f64, x.double())):
+            layer.accumulate(inp)
+            layer.fold()
+        for n in names:
+            a, b = getattr(f32, n).double(), getattr(f64, n)
+            worst[n] = max(worst[n], float((a - b).abs().max() / b.abs().max()))
+    assert int(f32.num_blocks) == 100 == int(f64.num_blocks)
+    assert f32.whitening_matrix.dtype == torch.float32
+    assert max(worst.values()) < 1e-4, worst

@@ -136,3 +136,25 @@ def test_opacus_checks_are_registered_whatever_is_imported_first(first):
     assert out.returncode == 0, out.stderr
     found, layers = out.stdout.split()
     assert found == layers and int(layers) > 0
+
+
+def test_opacus_imported_after_conversion_needs_the_documented_call():
+    """No import hook: a model converted before Opacus is first imported is checked once
+    ``register_opacus_validators()`` is called (what the privacy docs say to do), and no ``sys.meta_path`` finder
+    of the library's is installed."""
+    pytest.importorskip("opacus")
+    code = textwrap.dedent("""
+        import sys
+        import whitenlayers as wl
+        assert not any(type(f).__module__.startswith("whitenlayers") for f in sys.meta_path)
+        model = wl.convert_model(wl.models.cifar_resnet(8, width=4), "grad")
+        from opacus.validators import ModuleValidator
+        before = sum("un-noised statistics" in str(e) for e in ModuleValidator.validate(model, strict=False))
+        wl.privacy.register_opacus_validators()
+        after = sum("un-noised statistics" in str(e) for e in ModuleValidator.validate(model, strict=False))
+        print(before, after, len(wl.whitening_layers(model)))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    before, after, layers = map(int, out.stdout.split())
+    assert before == 0 and after == layers > 0

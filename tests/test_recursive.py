@@ -60,6 +60,23 @@ def test_principal_subspace_of_zero_matrix_is_finite():
     assert torch.isfinite(v).all() and float(v.norm()) == pytest.approx(1.0)
 
 
+def test_principal_subspace_moves_little_with_phi_y():
+    """A relative change ``d`` of ``Phi_y`` moves ``v_e`` by a few ``d`` at most (sample covariances of 64 white
+    vectors in 16 dimensions: no direction dominates, as in ``Phi_y`` once a layer whitens): the recursion feeds
+    ``v_e`` back into ``Phi_y`` at every fold, and a larger factor makes round-off grow from fold to fold.
+    Measured: at most 2.6 (the printed weights ``1 / c_m``: median 7, worst 20)."""
+    g = torch.Generator().manual_seed(0)
+    moved = []
+    for _ in range(20):
+        a = torch.randn(16, 64, generator=g, dtype=DT)
+        phi = a @ a.t() / 64
+        e = torch.randn(16, 16, generator=g, dtype=DT)
+        d = 1e-9 * phi.abs().max() * (e + e.t()) / (e + e.t()).abs().max()
+        v0 = F.principal_subspace(phi, c_rel=0.025, c_abs=1e-6)
+        moved.append(float((F.principal_subspace(phi + d, c_rel=0.025, c_abs=1e-6) - v0).norm()) / 1e-9)
+    assert max(moved) < 5.0, moved
+
+
 @settings(max_examples=30, deadline=None)
 @given(st.integers(2, 10), st.floats(0.5, 1.0), st.floats(0.05, 0.9), st.integers(0, 10_000))
 def test_recursive_step_identities(m, gamma, delta, seed):
@@ -168,16 +185,15 @@ def test_layer_invariants_after_every_fold(cls):
 
 
 def test_recursive_layer_reduces_condition_number_and_recovers():
-    """Condition number 400: folds cut cond(T Phi_x T^T) about tenfold; on white data T returns toward I.
+    """Condition number 400: folds cut cond(T Phi_x T^T) about twentyfold; on white data T returns toward I.
 
     The recursive method lowers high-power directions to delta * mean power and never amplifies weak ones,
     so the reachable condition number is about delta * mean(phi_x) / lambda_min: a few dominant directions
-    over a flat floor (the typical anisotropy of features) is where it reaches tenfold.
+    over a flat floor (the typical anisotropy of features) is where it gets that far.
 
-    Once there, the condition number of a single fold wanders with each block's sampling noise (25 to 55 over
-    the last 200 folds, seeds 2-4, both statistics paths of ``functional.fused_moments``), and where in that
-    range the last fold lands depends on the last bits of the arithmetic (another BLAS, CUDA's path): the
-    median of the last 200 folds is asserted (35-40 measured), and every one of them.
+    Once there, the condition number of a single fold wanders with each block's sampling noise (16 to 25 over
+    the last 200 folds, seeds 2-4, both statistics paths of ``functional.fused_moments``): the median of the
+    last 200 folds is asserted (19 measured), and every one of them.
     """
     m = 8
     phi, _ = spd_with_spectrum([400.0, 100.0, 20.0] + [1.0] * (m - 3), 1)
@@ -193,8 +209,8 @@ def test_recursive_layer_reduces_condition_number_and_recovers():
         t = layer.whitening_matrix
         conds.append(torch.linalg.cond(t @ phi @ t.t()).item())
     settled = conds[-200:]
-    assert statistics.median(settled) <= cond0 / 8, (cond0, statistics.median(settled))
-    assert max(settled) <= cond0 / 5, (cond0, max(settled))
+    assert statistics.median(settled) <= cond0 / 15, (cond0, statistics.median(settled))
+    assert max(settled) <= cond0 / 10, (cond0, max(settled))
     t = layer.whitening_matrix.clone()
     # Data turns white: the old anisotropy is forgotten (the leakage and new steps undo it) and T stays bounded.
     # T does not return to I itself: with delta < 1 the steps keep every direction near delta * mean power.
@@ -209,6 +225,25 @@ def test_recursive_layer_reduces_condition_number_and_recovers():
     cond_t1 = torch.linalg.cond(layer.whitening_matrix).item()
     assert cond_t1 < 0.5 * cond_t0, (cond_t0, cond_t1)
     assert layer.clamped_steps > 0
+
+
+def test_the_recursion_does_not_amplify_a_difference():
+    """Two float64 layers, one whose first batch differs by 1e-10 (relative, entry by entry): 100 folds later their
+    ``Q_s`` differ by no more than after the first. Measured: 3e-11 throughout (the printed weights ``1 / c_m`` of
+    ``principal_subspace``: 2e-10 after one fold, 8e-2 after 100, growing by about 1.3x per fold)."""
+    m = 16
+    batches, _ = anisotropic_batches(m, 400.0, 100, seed=0)
+    noise = torch.randn(batches[0].shape, generator=torch.Generator().manual_seed(1), dtype=DT)
+    a, b = (wl.RecursiveWhitenLinear(m, 2, dtype=DT) for _ in range(2))
+    diffs = []
+    for i, x in enumerate(batches):
+        a.accumulate(x * (1 + 1e-10 * noise) if i == 0 else x)
+        b.accumulate(x)
+        a.fold()
+        b.fold()
+        diffs.append(float((a.grad_transform - b.grad_transform).abs().max() / b.grad_transform.abs().max()))
+    assert 0 < diffs[0] < 1e-9 and max(diffs) < 1e-9, (diffs[0], max(diffs))
+    assert 0 < a.clamped_steps < 100  # the steps act
 
 
 def test_recursive_conv_state_dict_round_trip():

@@ -2,7 +2,7 @@
 
 Guarantees checked here:
 * a failed EVD (raises, or returns NaN) is retried in float64, then the previous
-  transform is kept, a warning names the layer once, ``eig_failures`` counts;
+  transform is kept, a warning names the layer once, ``transform_failures`` counts;
 * a batch with NaN/Inf activations drops its whole block (the layer ends exactly
   where a layer that never saw that block ends), ``nonfinite_blocks`` and
   ``skipped_folds`` count and a warning names the layer; nothing non-finite
@@ -114,7 +114,7 @@ def test_failed_eigh_keeps_transform_retries_float64_warns_once(monkeypatch, kin
     # the moments still move on (only the transform is kept), and the layer's function is kept
     assert int(after["num_blocks"]) == 3
     assert not torch.equal(after["running_mean"], good["running_mean"])
-    assert layer.eig_failures == 2
+    assert layer.transform_failures == 2
     eig_msgs = [m for m in messages(rec) if "eigendecomposition" in m]
     assert len(eig_msgs) == 1, messages(rec)
     assert "stage2.block0.conv1" in eig_msgs[0] and type(layer).__name__ in eig_msgs[0]
@@ -123,7 +123,7 @@ def test_failed_eigh_keeps_transform_retries_float64_warns_once(monkeypatch, kin
     monkeypatch.setattr(torch.linalg, "eigh", patch.real)
     layer(xs[3])
     assert not torch.equal(layer.whitening_matrix, good["whitening_matrix"])
-    assert layer.eig_failures == 2
+    assert layer.transform_failures == 2
 
 
 @pytest.mark.parametrize("kind", sorted(EVD_LAYERS))
@@ -140,7 +140,7 @@ def test_float32_eigh_failure_is_rescued_by_float64(monkeypatch, kind, mode):
         warnings.simplefilter("error", RuntimeWarning)  # nothing to warn about
         layer(xs[0])
     assert patch.calls == [torch.float32, torch.float64]
-    assert layer.eig_failures == 0
+    assert layer.transform_failures == 0
     # the float64 decomposition of the same covariance, rounded to float32
     t64, _ = F.evd_transform(layer.running_cov.double(), eps=layer.eps, gmax=layer.gmax)
     torch.testing.assert_close(layer.whitening_matrix, t64.float(), rtol=0, atol=1e-6)
@@ -187,7 +187,7 @@ def test_batched_fold_of_a_model_falls_back_per_layer(monkeypatch, mode):
     retried = 3 if mode == "raise" else 1
     assert patch.calls == [(3, torch.float32)] + [(2, torch.float32)] * retried
     for (name, a), (_, b) in zip(wl.convert.whitening_layers(ref), wl.convert.whitening_layers(model)):
-        assert b.eig_failures == 0 and int(b.num_blocks) == 1, name
+        assert b.transform_failures == 0 and int(b.num_blocks) == 1, name
         torch.testing.assert_close(b.whitening_matrix, a.whitening_matrix, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(b.grad_transform, a.grad_transform, rtol=1e-5, atol=1e-6)
 
@@ -209,7 +209,7 @@ def test_batched_fold_total_failure_keeps_every_transform_and_names_each_layer(m
     assert len(msgs) == 3
     for (name, layer), msg in zip(layers, msgs):
         assert f"'{name}'" in msg
-        assert layer.eig_failures == 1 and int(layer.num_blocks) == 2
+        assert layer.transform_failures == 1 and int(layer.num_blocks) == 2
         assert torch.equal(layer.whitening_matrix, good[name]["whitening_matrix"])
         assert torch.equal(layer.grad_transform, good[name]["grad_transform"])
         assert_all_finite(layer)
@@ -249,7 +249,7 @@ def test_failed_recursive_step_keeps_transform(monkeypatch, cls):
         layer(prep(xs[3]))
     assert torch.equal(layer.whitening_matrix, good["whitening_matrix"])
     assert torch.equal(layer.grad_transform, good["grad_transform"])
-    assert layer.eig_failures == 2
+    assert layer.transform_failures == 2
     msgs = [m for m in messages(rec) if "recursive" in m]
     assert len(msgs) == 1 and "'head'" in msgs[0]
     assert_all_finite(layer)

@@ -14,7 +14,7 @@ from rule_example import EigenbasisConfig, EigenbasisRule
 import whitenlayers as wl
 from whitenlayers import rules
 from whitenlayers.fold import fold_layers
-from whitenlayers.stats.rule_state import decode_identity, encode_identity
+from whitenlayers.layers.checkpoint import decode_identity, encode_identity
 
 
 def _x(m: int = 16, seed: int = 0, n: int = 8) -> torch.Tensor:
@@ -45,9 +45,9 @@ def test_the_docs_example_rule_trains_through_convert_model_with_its_own_hyper_p
         opt.step()
     layers = [layer for _, layer in wl.whitening_layers(model)]
     assert all(type(layer.rule) is EigenbasisRule and layer.config.power_iterations == 2 for layer in layers)
-    assert all(int(layer.num_blocks) == 3 and layer.eig_failures == 0 for layer in layers)
+    assert all(int(layer.num_blocks) == 3 and layer.transform_failures == 0 for layer in layers)
     assert all(hasattr(layer, "eigenbasis") and "eigenbasis" in layer.state_dict() for layer in layers)
-    assert layers[0].method == "eigenbasis"
+    assert layers[0].rule_name == "eigenbasis"
 
 
 def test_the_example_rule_converges_to_the_eigenbasis_of_a_fixed_covariance():
@@ -169,12 +169,12 @@ def test_a_bad_result_keeps_the_previous_transform_is_counted_and_warns_once(mon
     with pytest.warns(RuntimeWarning, match=f"GradWhitenConv2d 'features.3' .*rule 'broken' \\(_Broken\\) returned an "
                                             f"invalid result: {problem}; the previous transform is kept"):
         layer(_x(4))
-    assert layer.eig_failures == 1 and int(layer.num_blocks) == 1
+    assert layer.transform_failures == 1 and int(layer.num_blocks) == 1
     assert torch.equal(layer.whitening_matrix, torch.eye(4)) and torch.equal(layer.grad_transform, torch.eye(4))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per layer
         layer(_x(4, seed=1))
-    assert layer.eig_failures == 2
+    assert layer.transform_failures == 2
 
 
 # --------------------------------------------------------------------------- the rule in the checkpoint
@@ -290,3 +290,23 @@ def test_converting_again_with_another_rule_is_refused():
     with pytest.raises(ValueError, match="'layer1.0.conv1' was converted with the rule 'eigenbasis' \\(EigenbasisRule\\)"
                                          ", and this call asks for 'evd' \\(EVDRule\\)"):
         wl.convert_model(model, method="grad")
+
+
+def test_the_usage_snippet_of_the_rule_page_runs_as_written(tmp_path):
+    """docs/writing-a-rule.md's snippet, with the example rule saved as the page says (``eigenbasis.py`` beside the
+    script): its imports resolve from an installed package, and it runs."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    page = (root / "docs" / "writing-a-rule.md").read_text()
+    snippet = page[page.index("Use it by passing the class"):]
+    code = re.search(r"```python\n(.*?)```", snippet, flags=re.S).group(1)
+    (tmp_path / "eigenbasis.py").write_text((root / "tests" / "rule_example.py").read_text())
+    (tmp_path / "use.py").write_text(code + "\nprint(direct.layer1[0].conv1.whiten.rule_name, layer.power_iterations)\n")
+    out = subprocess.run([sys.executable, "use.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env={k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["eigenbasis", "1"]

@@ -1,29 +1,22 @@
-"""One autograd node for a converted model's weight-gradient transforms (issue 48): the fold coordinator's pre-hook
-puts the grad / recursive layers' weights through ``SharedWeightGradTransform`` before the forward, and the layers
-use those views instead of one ``WeightGradTransform`` each."""
+"""One autograd node for a converted model's weight-gradient transforms: the fold coordinator's pre-hook puts the grad
+/ recursive layers' weights through ``SharedWeightGradTransform`` before the forward, and the layers use those views
+(registering their forward's ``Q_s``) instead of one ``WeightGradTransform`` each."""
 import pytest
 import torch
-from state_utils import assert_states_close
+from state_utils import assert_states_close, coordinator_of, layers_alone
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import whitenlayers as wl
-from whitenlayers.autograd import SharedWeightGradTransform
-from whitenlayers.coordinator import FoldCoordinator
+from whitenlayers.coordinator import SharedWeightGradTransform
 
 DT = torch.float64
-
-
-def _coordinator(model):
-    return next(h for h in model._forward_hooks.values() if isinstance(h, FoldCoordinator))
 
 
 def _model(method="grad", shared=True, **kw):
     torch.manual_seed(0)
     model = wl.convert_model(wl.models.cifar_resnet(8, width=4).to(DT), method, block_size=2, **kw)
-    if not shared:
-        _coordinator(model).on_forward = None
-    return model
+    return model if shared else layers_alone(model)
 
 
 @pytest.fixture
@@ -94,13 +87,13 @@ def test_views_no_layer_used_are_dropped_and_nothing_is_shared_without_a_backwar
     with pytest.warns(RuntimeWarning, match="saw no input"):
         for _ in range(2):
             model(x, skip=True).sum().backward()
-    assert not any("_shared_weight" in m.__dict__ for m in layers)
+    assert not coordinator_of(model).scopes  # the scope and its unused views are gone with the forward
     assert backward_calls and all(n < len(layers) for n in backward_calls)  # the unused layers took no gradient
     backward_calls.clear()
     with torch.no_grad():
         model(x)
     model.eval()(x)
-    assert not any("_shared_weight" in m.__dict__ for m in layers)
+    assert not coordinator_of(model).scopes and backward_calls == []
 
 
 def test_deferred_and_frozen_layers_keep_their_own_path(backward_calls):
@@ -131,9 +124,7 @@ def test_a_layer_called_twice_shares_its_first_call_only(backward_calls):
     def run(shared):
         torch.manual_seed(0)
         model = wl.convert_model(Twice(), "grad", block_size=2, targets="all")
-        if not shared:
-            _coordinator(model).on_forward = None
-        return _train(model, steps=5)
+        return _train(model if shared else layers_alone(model), steps=5)
 
     a = run(True)
     assert backward_calls == [2] * 5

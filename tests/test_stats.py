@@ -268,9 +268,9 @@ def test_block_sums_keep_aligned_rows_through_casts_copies_and_checkpoints():
     before = layer.block_statistics()
 
     def check(lay, dtype=torch.float32):
-        acc = lay._acc_aug
+        acc = lay._block.acc
         assert acc.shape == (6, 6) and acc.stride(0) % 8 == 0 and acc.dtype == dtype
-        assert lay._acc_s2.data_ptr() == acc.data_ptr()  # the fold's views are views of it
+        assert lay._block.s2.data_ptr() == acc.data_ptr()  # the fold's views are views of it
         got = lay.block_statistics()
         assert float(got.count) == float(before.count)
         torch.testing.assert_close(got.mean, before.mean)
@@ -345,9 +345,9 @@ def test_bf16_batches_reach_the_product_as_they_are_and_match_a_float64_twin():
     twin = wl.GradWhitenConv2d(16, 8, 3, padding=1, block_size=10, dtype=torch.float64)
     scale = torch.linspace(0.2, 3.0, 16).view(1, 16, 1, 1)
     seen = []
-    real = wl.functional.moments._product_add
+    real = wl.functional.batch._product_add
     with pytest.MonkeyPatch.context() as mp, wl.functional.fused_moments(True):
-        mp.setattr(wl.functional.moments, "_product_add", lambda out, left, right: (seen.append(left.dtype),
+        mp.setattr(wl.functional.batch, "_product_add", lambda out, left, right: (seen.append(left.dtype),
                                                                                     real(out, left, right)))
         for step in range(30):
             x = (torch.relu(torch.randn(32, 16, 8, 8, generator=gen) * scale)

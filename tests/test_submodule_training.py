@@ -1,6 +1,8 @@
 """Training a converted model through one of its sub-modules (a backbone, a neck, ``model.features``), never the
-root's forward: the fold that the root's end would run is applied at the layer's next forward, before the forward
-reads its buffers. The model then trains and evaluates as one called through its root, absorbed centring included.
+root's forward: each layer folds at its own block's end (no root forward's end folds it), with the weight of the
+forward that ended the block, as the root's end would. The model then trains and evaluates as one called through its
+root, absorbed centring included. A fold left pending (the root's forward traced by ``torch.export``, whose end folds
+nothing) is folded at the layer's next forward, before it reads its buffers.
 """
 import copy
 
@@ -92,7 +94,7 @@ def test_submodule_forwards_fold_where_the_root_would():
         root(x)  # the root's end folds the layers whose block ended
         torch.testing.assert_close(_features(sub, x), seen[-1], **TOL)
     first = sub.layer1[0].conv1
-    assert int(first.num_blocks) == 3 and first._fold_pending  # the 4th block's fold waits for the next forward
+    assert int(first.num_blocks) == 4 and not first._block.fold_pending  # each layer folded at its block's end
     sub.eval()
     root.eval()
     with torch.no_grad():
@@ -103,29 +105,31 @@ def test_submodule_forwards_fold_where_the_root_would():
                 torch.testing.assert_close(getattr(a, key), getattr(b, key), **TOL, msg=f"{name}.{key}")
 
 
-def _pending_after_submodule_training():
+def _pending_after_an_export():
     model = wl.convert_model(_base(), "grad", block_size=3)
-    _train_features(model, 6)  # the 6th forward ended a block: its fold waits for the layers' next forward
-    assert model.layer1[0].conv1._fold_pending
+    for s in range(5):
+        model(_batch(s))
+    torch.export.export(model, (_batch(5),))  # the 6th forward ends a block; its end folds nothing while exporting
+    assert model.layer1[0].conv1._block.fold_pending
     return model.eval()
 
 
 def test_jit_trace_with_a_fold_pending_folds_outside_the_trace():
-    model = _pending_after_submodule_training()
+    model = _pending_after_an_export()
     x = _batch(7, n=2)
     with torch.no_grad():
         traced = torch.jit.trace(model, x)  # its check run traces again: the graphs must agree
-        assert not model.layer1[0].conv1._fold_pending
+        assert not model.layer1[0].conv1._block.fold_pending
         torch.testing.assert_close(traced(x), model(x), **TOL)
 
 
 def test_torch_export_with_a_fold_pending():
     """The root's forward hook folds no pending layer while torch.export traces (under fake tensors it cannot);
     the next eager forward does, and the exported program reads the buffers it writes in place."""
-    model = _pending_after_submodule_training()
+    model = _pending_after_an_export()
     x = _batch(7, n=2)
     exported = torch.export.export(model, (x,))
     with torch.no_grad():
         y = model(x)
-    assert not model.layer1[0].conv1._fold_pending
+    assert not model.layer1[0].conv1._block.fold_pending
     torch.testing.assert_close(exported.module()(x), y, **TOL)

@@ -60,7 +60,7 @@ def whitening_state(model, skip=("absorbed_offset",)):
             if key in ("weight", "bias", "whitening_rule") or key in skip:
                 continue
             out[f"{name}.{key}"] = value
-        for counter in ("eig_failures", "skipped_folds", "nonfinite_blocks", "clamped_steps"):
+        for counter in ("transform_failures", "skipped_folds", "nonfinite_blocks", "clamped_steps"):
             out[f"{name}.{counter}"] = torch.tensor(getattr(layer, counter))
     return out
 

@@ -6,7 +6,7 @@ Drop-in layers that whiten the inputs of convolutions, either directly
 Markovich-Golan, Battash and Bleiweiss, "Feature Whitening via Gradient
 Transformation for Improved Convergence".
 """
-from . import _deprecated, config, functional, models, privacy, testing
+from . import config, functional, models, privacy
 from .averaging import keep_counters
 from .config import EVDConfig, RecursiveConfig
 from .convert import (
@@ -20,6 +20,7 @@ from .convert import (
     to_plain_model,
     whitening_layers,
 )
+from .coordinator import joinable
 from .deferred import DeferredGradTransform, defer_grad_transform
 from .diagnostics import Diagnostics, collect_diagnostics, layer_diagnostics
 from .layers import (
@@ -32,9 +33,9 @@ from .layers import (
     RecursiveWhitenConv2d,
     RecursiveWhitenConv3d,
     RecursiveWhitenLinear,
+    WhiteningLayer,
 )
 from .rules import Fold, RuleResult, TransformRule, register_rule
-from .stats import WhiteningLayer
 
 __version__ = "0.1.0"
 
@@ -69,13 +70,12 @@ __all__ = [
     "DirectWhitenWrapper",
     "DeferredGradTransform",
     "defer_grad_transform",
+    "joinable",
     "Diagnostics",
     "collect_diagnostics",
     "layer_diagnostics",
     "models",
-    "testing",
 ]
 
-privacy.install()  # Opacus' module validator refuses whitening layers (whenever Opacus is imported)
+privacy.register_if_loaded()  # Opacus' module validator refuses whitening layers (whitenlayers.privacy)
 
-__getattr__ = _deprecated.module_getattr("whitenlayers", "WhiteningStatistics", "DirectWhitened", "export_model")

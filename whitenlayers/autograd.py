@@ -15,18 +15,18 @@ input), for ``jvp`` / ``jacfwd``: Dynamo cannot trace a Function that has one.
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from .functional import transform_weight_grad
-from .stats import _is_compiling
 
-__all__ = ["DirectWhitenFunction", "WeightGradTransform", "SharedWeightGradTransform", "SharedWeightProduct",
-           "PointwiseWhitenFunction", "direct_whiten", "grad_transformed", "pointwise_whiten"]
+_is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
+
+__all__ = ["DirectWhitenFunction", "WeightGradTransform", "PointwiseWhitenFunction", "direct_whiten",
+           "grad_transformed", "pointwise_whiten"]
 
 
 def _channels_last(x: Tensor) -> bool:
@@ -121,59 +121,6 @@ class WeightGradTransform(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tuple[Tensor, None]:
         return transform_weight_grad(grad, ctx.q), None
-
-
-class SharedWeightGradTransform(torch.autograd.Function):
-    """:class:`WeightGradTransform` of several layers' weights in one autograd node: the identity on each weight in
-    the forward (a view of it); in the backward, called once for all of them, each weight's gradient right-multiplied
-    by its own ``Q`` (``None`` where a weight took no gradient). One Python call per forward and per backward
-    instead of one per layer each (the fold coordinator applies it before a model's forward). Not for the
-    torch.func transforms (no vmap or jvp rule)."""
-
-    @staticmethod
-    def forward(ctx: Any, qs: Tuple[Tensor, ...], *weights: Tensor) -> Tuple[Tensor, ...]:
-        ctx.qs = qs
-        ctx.set_materialize_grads(False)
-        return weights  # each an input returned as it is: autograd returns a view of it (made in C++), its output
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
-        out: List[Optional[Tensor]] = [None]
-        for g, q in zip(grads, ctx.qs):
-            if g is None:
-                out.append(None)
-                continue
-            shape = g.shape
-            if (len(shape) == 4 and shape[2] == 1 and shape[3] == 1 and q.dim() == 2 and q.dtype == g.dtype
-                    and g.is_contiguous()):
-                # a 1x1 kernel's gradient, inline (most of a ResNet's layers): transform_weight_grad's one product
-                out.append(torch.mm(g.view(shape[0], shape[1]), q).view(shape))
-            else:
-                out.append(transform_weight_grad(g, q))
-        return tuple(out)
-
-
-class SharedWeightProduct(torch.autograd.Function):
-    """Several layers' weights times their ``T`` on the input-feature axis (``W T``, what a fused ``direct`` wrapper
-    convolves with) in one autograd node: ``transform_weight_grad(W, T)`` each in the forward, and in the backward,
-    called once for all of them, each weight's gradient ``dW = d(W T) T^T`` (``None`` where a product took no
-    gradient). The products are computed in the weights' dtype (the forward runs without autocast). One Python call
-    per forward and per backward instead of a product's nodes per layer. Not for the torch.func transforms."""
-
-    @staticmethod
-    def forward(ctx: Any, ts: Tuple[Tensor, ...], ts_transposed: Tuple[Tensor, ...], *weights: Tensor
-                ) -> Tuple[Tensor, ...]:
-        ctx.ts_transposed = ts_transposed  # each T^T (``T.mT``; the caller may keep them across forwards)
-        ctx.set_materialize_grads(False)
-        with contextlib.ExitStack() as stack:
-            for device_type in {w.device.type for w in weights}:
-                stack.enter_context(torch.autocast(device_type=device_type, enabled=False))
-            return tuple(transform_weight_grad(w, t) for w, t in zip(weights, ts))
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
-        return (None, None) + tuple(None if g is None else transform_weight_grad(g, tt)
-                                    for g, tt in zip(grads, ctx.ts_transposed))
 
 
 def _pointwise(x: Tensor, weight: Tensor, bias: Optional[Tensor], groups: int) -> Tensor:
@@ -271,10 +218,6 @@ class _PointwiseWhitenFunc(PointwiseWhitenFunction):
 
 
 _direct_apply = _fast_apply(DirectWhitenFunction)
-#: The shared nodes' C++ apply (their callers run outside the torch.func transforms, with Parameters: nothing to
-#: unwrap), or their ``Function.apply``.
-shared_weight_grad_apply: Any = _fast_apply(SharedWeightGradTransform) or SharedWeightGradTransform.apply
-shared_weight_product_apply: Any = _fast_apply(SharedWeightProduct) or SharedWeightProduct.apply
 _weight_grad_apply = _fast_apply(WeightGradTransform)
 _pointwise_apply = _fast_apply(PointwiseWhitenFunction)
 

@@ -1,5 +1,8 @@
-"""The fold coordinator: the forward hook that folds a model's layers together after its forward, at once or (with
-``fold_async``) one block late in a worker thread. The fold itself is :mod:`whitenlayers.fold`'s."""
+"""The fold coordinator: a converted model's forward hooks, which do together, once per forward of the model, what
+its layers would do alone: their weights through one shared gradient-transform node, their batches' statistics
+added a few operations for all of them, and their folds stacked at the forward's end (one set of collectives per
+block), at once or (with ``fold_async``) one block late in a worker thread. A layer called without them (through a
+sub-module, or compiled on its own) does the same work itself. The fold is :mod:`whitenlayers.fold`'s."""
 from __future__ import annotations
 
 import contextlib
@@ -7,12 +10,12 @@ import functools
 import operator
 import threading
 import warnings
-from collections import deque
-from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from .autograd import _fast_apply, _transforms_active
 from .fold import (
     PendingFold,
     _begin,
@@ -30,75 +33,148 @@ from .fold import (
     check_strategy,
     fold_layers,
 )
-from .functional.moments import accumulate_moments
+from .functional.batch import accumulate_moments, transform_weight_grad
 from .functional.stacked import accumulate_moments_grouped, stack_shifts, stacked_moments_accumulator
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.utils.hooks import RemovableHandle
 
-    from .stats import WhiteningLayer
+    from .layers import WhiteningLayer
 
-__all__ = ["FoldCoordinator", "check_fold_async"]
+__all__ = ["FoldCoordinator", "ForwardScope", "SharedWeightGradTransform", "SharedWeightProduct", "check_fold_async",
+           "joinable"]
 
 _get_ident = threading.get_ident
 _exporting = getattr(torch.compiler, "is_exporting", lambda: False)
-_traced_calls = operator.attrgetter("_traced_calls")
-_dict_of = operator.attrgetter("__dict__")
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 # (for the C-level loops over a forward's handed batches, _add_handed_batches)
 _version = operator.attrgetter("_version")
 _shape = operator.attrgetter("shape")
 _stride = operator.methodcaller("stride")
 _dtype = operator.attrgetter("dtype")
 _get_device = operator.methodcaller("get_device")
-_acc_of = operator.attrgetter("_acc_aug")
-_acc_dtype = operator.attrgetter("_acc_aug.dtype")
+_acc_of = operator.attrgetter("_block.acc")
+_acc_dtype = operator.attrgetter("_block.acc.dtype")
 _fourth = operator.itemgetter(3)
 _not_none = functools.partial(operator.is_not, None)
-_pop_shared = operator.methodcaller("pop", "_shared_weight", None)
-_pop_planned = operator.methodcaller("pop", "_planned", None)
+
+#: Under ``torch.distributed`` the grad / recursive weights go through a shared node in runs of this many layers
+#: (consecutive in the model's order), not one node for all: DDP all-reduces a bucket of gradients once every
+#: gradient in it is ready, so a run holds its layers' gradients only until its last layer's backward.
+DISTRIBUTED_RUN = 4
+
+
+class SharedWeightGradTransform(torch.autograd.Function):
+    """The weight-gradient transform of several layers' weights in one autograd node: the identity on each weight in
+    the forward (a view of it); in the backward, called once for all of them, each weight's gradient
+    right-multiplied by the ``Q_s`` its layer's forward registered in ``qs`` when it took the view (``None`` where a
+    weight took no gradient or its view was not taken). One Python call per forward and per backward instead of
+    one per layer each. Not for the torch.func transforms (no vmap or jvp rule)."""
+
+    @staticmethod
+    def forward(ctx: Any, qs: List[Optional[Tensor]], *weights: Tensor) -> Tuple[Tensor, ...]:
+        ctx.qs = qs  # filled by the layers' forwards (ForwardScope.weights)
+        ctx.set_materialize_grads(False)
+        return weights  # each an input returned as it is: autograd returns a view of it (made in C++), its output
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
+        out: List[Optional[Tensor]] = [None]
+        for g, q in zip(grads, ctx.qs):
+            if g is None or q is None:
+                out.append(None)
+                continue
+            shape = g.shape
+            if (len(shape) == 4 and shape[2] == 1 and shape[3] == 1 and q.dim() == 2 and q.dtype == g.dtype
+                    and g.is_contiguous()):
+                # a 1x1 kernel's gradient, inline (most of a ResNet's layers): transform_weight_grad's one product
+                out.append(torch.mm(g.view(shape[0], shape[1]), q).view(shape))
+            else:
+                out.append(transform_weight_grad(g, q))
+        return tuple(out)
+
+
+class SharedWeightProduct(torch.autograd.Function):
+    """Several fused ``direct`` wrappers' weights times their ``T`` on the input-feature axis (``W T``, what each
+    convolves with) in one autograd node: the products in the forward (in the weights' dtype: no autocast), and in
+    the backward, called once for all of them, each weight's gradient ``dW = d(W T) T^T`` (``None`` where a product
+    took no gradient). Not for the torch.func transforms."""
+
+    @staticmethod
+    def forward(ctx: Any, ts: Tuple[Tensor, ...], ts_transposed: Tuple[Tensor, ...], *weights: Tensor
+                ) -> Tuple[Tensor, ...]:
+        ctx.ts_transposed = ts_transposed  # each T^T (``T.mT``, kept in the layer's step cache across forwards)
+        ctx.set_materialize_grads(False)
+        products = []
+        with torch.autocast(device_type=weights[0].device.type, enabled=False):  # (one device: _shared_products)
+            for w, t in zip(weights, ts):
+                products.append(transform_weight_grad(w, t))
+        return tuple(products)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
+        out: List[Optional[Tensor]] = [None, None]
+        for g, tt in zip(grads, ctx.ts_transposed):
+            out.append(None if g is None else transform_weight_grad(g, tt))
+        return tuple(out)
+
+
+#: The shared nodes' C++ apply (their callers run outside the torch.func transforms, with Parameters: nothing to
+#: unwrap), or their ``Function.apply``.
+shared_weight_grad_apply: Any = _fast_apply(SharedWeightGradTransform) or SharedWeightGradTransform.apply
+shared_weight_product_apply: Any = _fast_apply(SharedWeightProduct) or SharedWeightProduct.apply
+
+
+class ForwardScope(NamedTuple):
+    """What a fold coordinator offers its layers during one eager forward of its model (one per thread,
+    ``coordinator.scopes``). A layer whose block ends while a scope is open asks the coordinator to fold it at the
+    forward's end."""
+
+    #: Each grad / recursive layer's ``(view, weight, qs, i)``: its weight's view in one shared
+    #: ``SharedWeightGradTransform`` node, which the layer takes when the weight is its forward's, registering
+    #: that forward's ``Q_s`` as ``qs[i]``.
+    weights: Dict[Any, tuple]
+    #: Each fused ``direct`` wrapper's ``DirectWhiten``'s ``(W T, weight, T, state)``: its product in one shared
+    #: ``SharedWeightProduct`` node, made with the buffers in force (``state``, which its forward reads).
+    products: Dict[Any, tuple]
+    #: The batches the layers hand over, ``(layer, batch, its version, shift)``, added together at the forward's end;
+    #: ``None`` where the forward keeps no batch for later (no backward recorded, a ``torch.jit`` trace).
+    batches: Optional[List[tuple]]
+    #: A forward inside DDP's in a ``Join`` context: its fold comes after its backward.
+    join: bool = False
+    #: Nothing gathered or counted, for a training-mode forward of one rank (the module inside DDP called alone).
+    local: bool = False
 
 
 class FoldCoordinator:
-    """Folds all pending layers of a model together after the model's forward.
+    """Folds all pending layers of a model together after the model's forward (the module docstring).
 
-    Installed as a forward hook on the root module by
-    :func:`whitenlayers.convert_model`: layers whose block ends during a
-    forward ask to be folded, and the hook folds them in one
-    :func:`~whitenlayers.fold.fold_layers` call (one set of collectives per block for the whole
-    model instead of one per layer). Folding after the model's forward instead
-    of right after each layer's forward changes nothing: a block's statistics
-    and the transform in force for that batch's backward are the same.
-    ``strategy`` is :func:`~whitenlayers.fold.fold_layers`'s (how transforms are spread over ranks).
+    :func:`whitenlayers.convert_model` installs it on the root module: :meth:`begin_forward` as a forward pre-hook,
+    the coordinator itself as a forward hook (always called, so a forward that raised still adds its batches).
+    Before an eager forward it opens the thread's ``ForwardScope``; layers whose block ends during the forward
+    ask to be folded, and the hook folds them in one :func:`~whitenlayers.fold.fold_layers` call. Folding after
+    the model's forward instead of right after each layer's forward changes nothing: a block's statistics and the
+    transform in force for that batch's backward are the same. ``strategy`` is
+    :func:`~whitenlayers.fold.fold_layers`'s (how transforms are spread over ranks).
 
-    ``fold_async=True``: the fold of a block runs in a worker thread (on CUDA, on a stream of its own) while
-    the next block trains, and is written at the end of that next block: the transform built from block ``i`` is
-    in force from block ``i + 2`` on. At each block's end the coordinator waits for the fold in flight (block
-    ``i - 1``'s), reads block ``i``'s sums (summed across ranks on this thread: the collectives never leave the
-    training thread) and starts a new block, writes block ``i - 1``'s fold (the bias compensation with the
-    weight of this forward, so the function is unchanged at the swap), then starts block ``i``'s fold from copies
-    of the buffers it reads. The result never depends on timing: two runs are bit-identical. Every rank folds
-    every layer (``"replicated"``; ``"owner"`` is refused). A checkpoint taken while a fold is in flight waits
-    for it and saves its result (each layer's extra state), which is written at the next block's end after a
-    resume.
+    When the root is compiled, the pre-hook runs inside the graph and marks the forward (:attr:`traced_open`): the
+    layers' compiled forwards list their calls in ``traced_calls`` instead of counting them (no Python number
+    in the graph that changes from step to step), and the hook, outside the graph, counts them and folds. A
+    compiled sub-module has no such mark: its layers count through a graph break each.
 
-    The statistics of the forward's layers are added together at its end (where the device takes the
-    fewest-kernel path, CUDA's, and the forward records a backward): a layer hands its batch to the coordinator
-    instead of adding it to its own accumulator, and the hook adds the batches of all layers whose inputs share a
-    shape with a few operations for all of them (``functional.accumulate_moments_grouped``) before any fold. The
-    same sums up to rounding, far fewer operations per step on a host-bound step. A layer keeps its own two
-    operations where the batch would otherwise not outlive its layer (no backward recorded, activation
-    checkpointing or any saved-tensor hooks, a weight and an input that need no gradient) and inside compiled
-    graphs. The pre-hook that opens a forward's collection is ``ForwardBegins``. It also calls :attr:`on_forward`,
-    which ``convert_model`` sets to ``convert._common.plan_forward``: in one process, the grad / recursive layers'
-    weights through one autograd node for their weight-gradient transforms, the fused ``direct`` wrappers' ``W T``
-    through another, and each layer's step planned (docs/robustness.md, "Planned steps"); the views and plans no
-    layer used are dropped at the forward's end.
+    ``fold_async=True``: the fold of a block runs in a worker thread (on CUDA, on a stream of its own) while the
+    next block trains, and is written at the end of that next block: the transform built from block ``i`` is in
+    force from block ``i + 2`` on. At each block's end the coordinator waits for the fold in flight, reads the
+    block's sums (summed across ranks on this thread: the collectives never leave the training thread), writes the
+    previous fold (the bias compensation with the weight of this forward, so the function is unchanged at the
+    swap), then starts this block's fold from copies of the buffers it reads. The result never depends on timing.
+    Every rank folds every layer (``"replicated"``; ``"owner"`` is refused). A checkpoint taken while a fold is in
+    flight waits for it and saves its result (each layer's extra state).
 
-    At the first fold after a conversion it checks that every whitening layer
-    of the model (:attr:`layers`) in training mode was called: a layer whose
-    weight the model uses without calling it as a module (e.g. torchvision's
-    Swin attention passes ``qkv.weight`` to a function) never sees its input,
-    so it cannot whiten; a ``RuntimeWarning`` names such layers.
+    At the first fold after a conversion it checks that every whitening layer of the model (:attr:`layers`) in
+    training mode was called: a layer whose weight the model uses without calling it as a module (e.g.
+    torchvision's Swin attention passes ``qkv.weight`` to a function) cannot whiten; a ``RuntimeWarning`` names
+    them.
 
     Args:
         strategy: :func:`~whitenlayers.fold.fold_layers`'s, ``"auto"`` (default), ``"replicated"`` or ``"owner"``.
@@ -107,47 +183,97 @@ class FoldCoordinator:
 
     #: Defaults for coordinators pickled before these attributes existed (nothing to check).
     layers: Sequence["WhiteningLayer"] = ()
+    #: The model's ``DirectWhitenWrapper`` modules (their weights' products shared, ``SharedWeightProduct``).
+    wrappers: Sequence[Any] = ()
     checked: bool = True
     fold_async: bool = False
+    #: The open scopes of eager forwards, per thread (``DataParallel`` runs replicas in threads); never pickled.
+    scopes: Dict[int, ForwardScope] = {}
+    #: Set by the pre-hook inside a compiled root forward; its layers' calls ``(layer, rows)`` in
+    #: ``traced_calls``, counted by the hook after the graph.
+    traced_open: bool = False
+    traced_calls: List[Tuple[Any, int]] = []
+    #: The model has run inside ``DistributedDataParallel``'s forward (:meth:`begin_forward`).
+    under_ddp: bool = False
+    warned_local: bool = False
     #: The fold in flight: ``(layers, future, device, jobs)``, the future's result the layers' :class:`PendingFold`
-    #: (and a CUDA event, or ``None``); ``jobs`` its inputs, held until this thread's stream has waited for the fold
-    #: (CUDA: made on this stream, read on the fold's, their memory must not be reused before). Never pickled
-    #: (:meth:`__getstate__` waits for it).
+    #: (and a CUDA event, or ``None``); ``jobs`` its inputs, held until this thread's stream has waited for the fold.
     _in_flight: Optional[Tuple[List["WhiteningLayer"], Any, torch.device, Any]] = None
     _executor: Any = None
     _streams: Optional[Dict[torch.device, Any]] = None
-    #: The batches handed over by the layers during the model's forward, per thread (``threading.get_ident``:
-    #: ``DataParallel`` runs replicas in threads): ``(layer, batch, its version, shift)``, added at the forward's
-    #: end (:meth:`flush_stats`). Only while a forward runs; never pickled.
-    _scopes: Optional[Dict[int, List[tuple]]] = None
     #: The stacked accumulators of the groups of layers whose batches are added together (``_arena``); never
     #: pickled (the layers' accumulators are pickled apart, and stacked again at the next forward).
     _arenas: Optional[Dict[tuple, list]] = None
-    #: Called with the layers and the model before each forward (``convert_model`` sets ``convert._common.
-    #: plan_forward``: shared weight nodes and planned steps); returns whether it left views or plans on them.
-    on_forward: Any = None
-    #: Whether this forward's layers hold views of the shared transform (dropped at the forward's end).
-    shared_weights: bool = False
-    #: Whether a layer ran inside a compiled graph (which takes no view; then :attr:`on_forward` is not called).
-    traced: bool = False
 
     def __init__(self, strategy: str = "auto", fold_async: bool = False) -> None:
         check_strategy(strategy)
         self.pending: List["WhiteningLayer"] = []
         self.handle: Optional[RemovableHandle] = None
-        self.begin_handle: Optional[RemovableHandle] = None  # the pre-hook's (ForwardBegins)
+        self.begin_handle: Optional[RemovableHandle] = None  # the pre-hook's (begin_forward)
         self.strategy = strategy
         self.fold_async = check_fold_async(fold_async, strategy)
         self.layers = []
+        self.wrappers = []
         self.checked = False
+        self.scopes = {}
+
+    def begin_forward(self, module: nn.Module, inputs: Any) -> None:
+        """The model's forward pre-hook: open this thread's ``ForwardScope`` (a forward of the model inside
+        it, nested, adds to the open one) with the grad / recursive layers' weights through one shared node (in one
+        process; under ``torch.distributed`` in runs of ``DISTRIBUTED_RUN``). Inside a compiled graph: mark the
+        forward (:attr:`traced_open`).
+
+        Under ``torch.distributed`` with ``DistributedDataParallel``: a forward inside DDP's that runs in a ``Join``
+        context (uneven inputs) folds after its backward (the fold's collectives after DDP's gradient all-reduces,
+        as :func:`~whitenlayers.joinable`'s hook shadows them on a rank that has joined); a training-mode forward of
+        the module DDP wraps, called without DDP (a forward of one rank, e.g. for logging), gathers and counts
+        nothing: the ranks' blocks stay in step, and no rank folds alone."""
+        if torch.compiler.is_compiling():
+            self.traced_open = True
+            self.traced_calls = []
+            return
+        scope = self.scopes.get(_get_ident())
+        if scope is not None:  # nested, or a forward whose end was not seen: its batches added now
+            self.flush_stats()
+            return
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        join = local = False
+        if distributed:
+            ddp = getattr(nn.parallel.DistributedDataParallel, "_active_ddp_module", None)
+            if ddp is not None:
+                self.under_ddp = True
+                join = bool(getattr(getattr(ddp, "_join_config", None), "enable", False))
+            elif self.under_ddp and module.training:
+                local = True
+                if not self.warned_local:
+                    self.warned_local = True
+                    warnings.warn(
+                        "whitenlayers: a training-mode forward of the module inside DistributedDataParallel, called "
+                        "without DDP (on one rank, e.g. for logging): its whitening layers gather and count nothing "
+                        "(a batch counted on one rank would put the ranks' folds out of step); call the DDP model, or "
+                        "the module in eval mode or inside wl.frozen(module). Said once", RuntimeWarning, stacklevel=3)
+        if local or not (torch.is_grad_enabled() and not _transforms_active() and not torch._C._is_tracing()
+                         and not torch.is_inference_mode_enabled() and _graph_task_id() == -1
+                         and not module.__dict__.get("_is_replica")):
+            # (a DataParallel replica shares its accumulators with the module it copies: each adds its own)
+            scope = ForwardScope({}, {}, None, join, local)
+        else:
+            # (the grad / recursive layers' node where there are any: every layer not a direct wrapper's)
+            scope = ForwardScope(_shared_weights(self.layers, distributed) if len(self.layers) > len(self.wrappers)
+                                 else {}, {} if distributed or not self.wrappers else _shared_products(self.wrappers),
+                                 [], join, False)
+        self.scopes[_get_ident()] = scope
 
     def request(self, layer: "WhiteningLayer") -> None:
         if not any(p is layer for p in self.pending):
             self.pending.append(layer)
 
     def flush(self) -> None:
+        """Fold the layers whose block ended, in the model's order (the same on every rank, whatever order their
+        blocks ended in)."""
         pending, self.pending = self.pending, []
-        layers = [p for p in pending if p._fold_pending]
+        order = {id(layer): i for i, layer in enumerate(self.layers)}
+        layers = sorted((p for p in pending if p._block.fold_pending), key=lambda p: order.get(id(p), len(order)))
         try:
             if self.fold_async:
                 self._fold_async(layers)
@@ -174,53 +300,54 @@ class FoldCoordinator:
         for layer, fold in zip(layers, folds):
             layer._pending_fold = fold
 
-    def begin_forward(self, module: Any = None) -> None:
-        """Open this thread's collection of the layers' batches (``ForwardBegins``, before the model's
-        forward). A forward of the same model inside it (nested) adds to the open one. Then :attr:`on_forward`, if
-        set (the layers' shared weight-gradient transform, set by ``convert_model``)."""
-        scopes = self._scopes
-        if scopes is None:
-            scopes = self._scopes = {}
-        if scopes.get(_get_ident()):  # batches a forward left (its end hook removed, or a nested forward): added now
-            self.flush_stats()
-        scopes.setdefault(_get_ident(), [])
-        if self.on_forward is not None and not self.traced and self.on_forward(self.layers, module):
-            self.shared_weights = True
-
-    def stats_sink(self) -> Optional[List[tuple]]:
-        """The list a layer hands its batch to in this thread's forward, or ``None`` outside one."""
-        scopes = self._scopes
-        return scopes.get(_get_ident()) if scopes else None
-
-    def flush_stats(self, end: bool = False) -> None:
+    def flush_stats(self) -> None:
         """Add the batches handed over so far in this thread's forward to their layers' accumulators (before any
-        fold reads them); ``end``: and close the collection (the forward's end)."""
-        scopes = self._scopes
-        if not scopes:
-            return
-        ident = _get_ident()
-        entries = scopes.pop(ident, None) if end else scopes.get(ident)
-        if entries:
-            batch, entries[:] = list(entries), []
+        fold or checkpoint reads them)."""
+        scope = self.scopes.get(_get_ident()) if self.scopes else None
+        if scope is not None and scope.batches:
+            batches = list(scope.batches)
+            scope.batches.clear()
             if self._arenas is None:
                 self._arenas = {}
-            _add_handed_batches(batch, self._arenas)
+            _add_handed_batches(batches, self._arenas)
 
-    @torch.compiler.disable  # Python bookkeeping: outside any compiled graph, never guarded on
+    @torch.compiler.disable  # Python bookkeeping and the fold: outside any compiled graph, never guarded on
     def __call__(self, module, inputs, output) -> None:
-        self.flush_stats(end=True)  # registered with always_call: a forward that raised still leaves its sums
-        layers = self.layers
-        if self.shared_weights:  # the views of the shared weight nodes and the plans no layer used in this forward
-            self.shared_weights = False
-            dicts = list(map(_dict_of, layers))
-            deque(map(_pop_shared, dicts), 0)  # (C-level loops: a layer's forward took its own already)
-            deque(map(_pop_planned, dicts), 0)
-        if any(map(_traced_calls, layers)):
-            for layer in layers:
-                if layer._traced_calls:  # called inside a compiled graph: count its batches here (WhiteningLayer)
-                    layer._count_traced_batches()
-                    self.traced = True  # compiled layers take no shared transform's view: on_forward runs no more
+        """The model's forward hook: the forward's batches added, a compiled forward's calls counted, the layers
+        whose block ended folded."""
+        scope = self.scopes.pop(_get_ident(), None)  # (its unused weight views go with it)
+        if scope is not None and scope.batches:
+            if self._arenas is None:
+                self._arenas = {}
+            _add_handed_batches(scope.batches, self._arenas)
+        if self.traced_open:
+            self.traced_open = False
+            calls: Dict[Any, List[int]] = {}
+            for layer, rows in self.traced_calls:
+                calls.setdefault(layer, []).append(rows)
+            self.traced_calls = []
+            for layer, rows in calls.items():
+                layer._count_traced(rows, True)
         if self.pending and not _exporting():  # (torch.export traces the forward: a fold is no part of it)
+            leaf = _grad_leaf(output) if scope is not None and scope.join else None
+            if leaf is not None:  # under Join: after the backward, so that DDP's all-reduces come first (joinable)
+                leaf.register_hook(self._fold_after_backward)
+            else:
+                self.flush()
+
+    def _fold_after_backward(self, grad: Tensor) -> None:
+        """A hook on the forward's output under ``Join``: the fold queued for the end of the backward, after the
+        callback DDP queues there (a callback queued by a callback runs after those queued before it)."""
+        engine = torch.autograd.Variable._execution_engine
+        engine.queue_callback(lambda: engine.queue_callback(self.flush))
+
+    def _shadow_forward(self) -> None:
+        """On a rank that has joined (:func:`~whitenlayers.joinable`), once for every forward the others still run:
+        each training layer counts a batch without data, and the layers whose block ends fold with the others."""
+        for layer in self.layers:
+            if layer.training and not layer.frozen:
+                layer._count_without_data()
+        if self.pending:
             self.flush()
 
     @torch.compiler.disable  # host logic and the fold: outside any compiled graph
@@ -269,24 +396,129 @@ class FoldCoordinator:
         self.wait()
         self.flush_stats()
         return {"pending": list(self.pending), "handle": None, "begin_handle": None, "strategy": self.strategy,
-                "layers": list(self.layers), "checked": self.checked, "fold_async": self.fold_async,
-                "on_forward": self.on_forward, "traced": self.traced}
+                "layers": list(self.layers), "wrappers": list(self.wrappers), "checked": self.checked,
+                "fold_async": self.fold_async}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
-        self.__dict__.update({"strategy": "auto", **state})  # coordinators pickled before strategies existed
+        self.__dict__.update({"strategy": "auto", **state, "scopes": {}})
 
 
-class ForwardBegins:
-    """The model's forward pre-hook of a :class:`FoldCoordinator`: opens the collection of the layers' batches for
-    this forward (:meth:`FoldCoordinator.begin_forward`). Traced by ``torch.compile`` as a no-op (no graph break):
-    compiled layers add their statistics in the graph."""
+def _grad_leaf(output: Any) -> Optional[Tensor]:
+    """A tensor of a forward's output that a backward will reach, or ``None``."""
+    for leaf in torch.utils._pytree.tree_leaves(output):
+        if isinstance(leaf, Tensor) and leaf.requires_grad:
+            return leaf
+    return None
 
-    def __init__(self, coordinator: FoldCoordinator) -> None:
-        self.coordinator = coordinator
 
-    def __call__(self, module: Any, inputs: Any) -> None:
-        if not torch.compiler.is_compiling():
-            self.coordinator.begin_forward(module)
+def joinable(model: nn.Module) -> Any:
+    """The whitening of a converted ``model`` as a ``torch.distributed`` ``Joinable``: DDP's way of training with
+    uneven inputs (ranks with different numbers of batches) takes it after the DDP model::
+
+        from torch.distributed.algorithms.join import Join
+        with Join([ddp_model, wl.joinable(ddp_model)]):
+            for x, y in loader:  # one rank may run out of batches before the others
+                ...
+
+    A rank that has run out of batches counts, for every batch the others still train on, a batch without data in
+    each of its training layers, and joins their folds with the statistics it has (its last partial block, then
+    none): every rank folds at the same batches and holds bit-identical whitening state, and the folds sum every
+    batch any rank saw. Inside the ``Join`` a model's fold runs after the backward (its collectives after DDP's);
+    every rank's forwards must call every whitening layer once (the joined rank counts them all).
+
+    Args:
+        model: the converted model, or the ``DistributedDataParallel`` wrapping it.
+    """
+    from torch.distributed.algorithms.join import Joinable, JoinHook
+
+    module = getattr(model, "module", model)
+    coordinator = next((h for h in module._forward_hooks.values() if isinstance(h, FoldCoordinator)), None)
+    if coordinator is None:
+        raise ValueError(f"joinable: {type(module).__name__} has no fold coordinator; convert it with "
+                         "wl.convert_model first")
+    coord: FoldCoordinator = coordinator
+
+    class _Shadow(JoinHook):
+        def main_hook(self) -> None:
+            coord._shadow_forward()
+
+    class _Whitening(Joinable):
+        def __init__(self) -> None:
+            super().__init__()
+
+        def join_hook(self, **kwargs: Any) -> JoinHook:
+            return _Shadow()
+
+        @property
+        def join_device(self) -> torch.device:
+            return coord.layers[0].running_mean.device
+
+        @property
+        def join_process_group(self) -> Any:
+            group = coord.layers[0].process_group
+            return torch.distributed.group.WORLD if group is None else group  # (DDP's default: the same group)
+
+    return _Whitening()
+
+
+def _shared_weights(layers: Sequence[Any], distributed: bool) -> Dict[Any, tuple]:
+    """:meth:`FoldCoordinator.begin_forward`'s shared weight-gradient node: for the grad / recursive layers whose
+    weight is a plain Parameter that needs a gradient (channel features, not parametrized, not deferred; of its full
+    shape under ``torch.distributed``: a weight sharded by FSDP is left to the layer), ``(view, weight, qs, i)``
+    (:attr:`ForwardScope.weights`). One node for all of them in one process; under ``torch.distributed`` one per run
+    of ``DISTRIBUTED_RUN`` (DDP all-reduces a layer's gradient while the backward runs; one node would hold them
+    all until its end). Nothing for fewer than two layers."""
+    chosen, weights = [], []
+    for layer in layers:
+        w = layer._parameters.get("weight")
+        if ("grad_transform" not in layer._buffers or type(w) is not nn.Parameter or not w.requires_grad
+                or layer.features != "channels" or "parametrizations" in layer._modules or layer._deferral is not None
+                or (distributed and tuple(w.shape) != layer._full_weight_shape())):
+            continue
+        chosen.append(layer)
+        weights.append(w)
+    run = DISTRIBUTED_RUN if distributed else len(chosen)
+    if len(chosen) < 2 or run < 2:
+        return {}
+    out = {}
+    for start in range(0, len(chosen), run):  # (a run of one: its own node of one weight)
+        qs: List[Optional[Tensor]] = [None] * len(weights[start:start + run])
+        views = shared_weight_grad_apply(qs, *weights[start:start + run])
+        for i, (layer, view) in enumerate(zip(chosen[start:start + run], views)):
+            out[layer] = (view, weights[start + i], qs, i)
+    return out
+
+
+def _shared_products(wrappers: Sequence[Any]) -> Dict[Any, tuple]:
+    """:meth:`FoldCoordinator.begin_forward`'s shared product node: for the fused ``direct`` wrappers in training
+    mode whose weight is a Parameter that needs a gradient (on the device of the first), ``(W T, weight, T, state)``
+    keyed by their ``DirectWhiten`` (:attr:`ForwardScope.products`), ``T`` and ``state`` the buffers in force."""
+    chosen, weights, ts, tts = [], [], [], []
+    device = None
+    for wrapper in wrappers:
+        whiten = wrapper.whiten
+        w = wrapper.layer._parameters.get("weight")
+        if (not whiten.training or type(w) is not nn.Parameter or not w.requires_grad or not wrapper._fusable()
+                or (device is not None and w.device != device)):
+            continue
+        device = w.device
+        state = whiten._state_in_force()
+        t = state["whitening_matrix"]
+        derived = whiten._cache.derived
+        tt = derived.get("t_transposed")
+        if tt is None or tt._base is not t:  # T^T as a view made once per block (a view op is a dispatch)
+            tt = derived["t_transposed"] = t.mT
+        chosen.append((whiten, state))
+        weights.append(w)
+        ts.append(t)
+        tts.append(tt)
+    if not chosen:
+        return {}
+    products = shared_weight_product_apply(tuple(ts), tuple(tts), *weights)
+    out = {}
+    for (whiten, state), wt, w, t in zip(chosen, products, weights, ts):
+        out[whiten] = (wt, w, t, state)
+    return out
 
 
 #: The largest stack of handed batches made at once (bytes): a group of layers with more is added in parts.
@@ -332,12 +564,12 @@ def _add_handed_batches(entries: Sequence[tuple], arenas: Dict[tuple, list]) -> 
                 part = members[start:start + size]
                 if len(part) == 1:
                     layer, x, _, shift = part[0]
-                    accumulate_moments(layer._acc_aug, x, shift, layer._acc_blocks)
+                    accumulate_moments(layer._block.acc, x, shift, layer._block.parts)
                     continue
                 arena = _arena(arenas, key + (start,), [e[0] for e in part])
                 if arena is None:  # some of a kept group's layers (a block's first batch): each adds on its own
                     for layer, x, _, shift in part:
-                        accumulate_moments(layer._acc_aug, x, shift, layer._acc_blocks)
+                        accumulate_moments(layer._block.acc, x, shift, layer._block.parts)
                     continue
                 shifted = any(e[3] is not None for e in part)
                 shifts: Optional[Tensor] = _stacked_shifts(arena, part) if shifted else None
@@ -372,13 +604,14 @@ def _arena(arenas: Dict[tuple, list], key: tuple, layers: List[Any]) -> Optional
             return kept
         if len(layers) < len(kept[0]) and {id(layer) for layer in layers} <= {id(layer) for layer in kept[0]}:
             return None
-    first = layers[0]._acc_aug
+    first = layers[0]._block.acc
     acc = stacked_moments_accumulator(len(layers), first.shape[0] - 1, first.dtype, first.device)
     views = []
     for i, layer in enumerate(layers):
-        acc[i].copy_(layer._acc_aug)
-        layer._set_accumulator(acc[i], dense=acc._base[i] if acc._base is not None else acc[i])
-        views.append(layer._acc_aug)
+        block = layer._block
+        acc[i].copy_(block.acc)
+        block.set_accumulator(acc[i], dense=acc._base[i] if acc._base is not None else acc[i])
+        views.append(block.acc)
     m = acc.shape[-1] - 1
     blocks = (acc[:, :m, :m], acc[:, :m, m:])
     arena = arenas[key] = [list(layers), acc, views, blocks, None]

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from .functional import transform_weight_grad
-from .stats import WhiteningLayer
+from .layers import WhiteningLayer
 
 __all__ = ["DeferredGradTransform", "defer_grad_transform"]
 
@@ -75,10 +75,10 @@ class _LayerDeferral:
         default transform (the autograd Function) and runs none of the deferral's Python per step; the weight's
         hook would transform that gradient a second time."""
         layer = self.layer()
-        if layer is None or layer.__dict__.get("_deferred_grad") is not self:
+        if layer is None or layer._deferral is not self:
             return
         self.handle.remove()
-        del layer.__dict__["_deferred_grad"]
+        layer._deferral = None
         warnings.warn(f"defer_grad_transform: {layer._describe()} runs inside a torch.compile'd graph, where the "
                       "weight-gradient transform stays in the backward (the default); its deferral is ended",
                       RuntimeWarning, stacklevel=2)
@@ -132,7 +132,7 @@ class DeferredGradTransform:
     def __init__(self, layers: Sequence[WhiteningLayer], optimizers: Sequence[torch.optim.Optimizer]) -> None:
         self.layers: List[WhiteningLayer] = list(layers)
         self.optimizers: List[torch.optim.Optimizer] = list(optimizers)
-        self._states: List[_LayerDeferral] = [layer.__dict__["_deferred_grad"] for layer in self.layers]
+        self._states: List[_LayerDeferral] = [layer._deferral for layer in self.layers]
 
     def remove(self) -> None:
         """End the deferral: the layers put their weight through the autograd Function in each forward again. A
@@ -142,9 +142,9 @@ class DeferredGradTransform:
         for layer, state in zip(self.layers, self._states):
             state.handle.remove()
             waits = state.open
-            if layer.__dict__.get("_deferred_grad") is not state:  # taken over by a later deferral
+            if layer._deferral is not state:  # taken over by a later deferral
                 continue
-            del layer.__dict__["_deferred_grad"]
+            layer._deferral = None
             if waits:
                 waiting.append(layer)
         if waiting:
@@ -253,11 +253,11 @@ def defer_grad_transform(model: nn.Module, *optimizers: torch.optim.Optimizer) -
     # a frozen weight: nothing to hook; a parametrized one (weight_norm, ...): computed anew in each forward
     deferred = [layer for layer in layers if layer.weight.requires_grad and layer.weight.is_leaf]
     for layer in deferred:
-        earlier = layer.__dict__.get("_deferred_grad")
+        earlier = layer._deferral
         if isinstance(earlier, _LayerDeferral):  # deferred already: this deferral takes the layer over
             earlier.handle.remove()
         state = _LayerDeferral(layer)
         if isinstance(earlier, _LayerDeferral) and earlier.weight is state.weight:
             state.q, state.q_version, state.open, state.kept = earlier.q, earlier.q_version, earlier.open, earlier.kept
-        layer.__dict__["_deferred_grad"] = state
+        layer._deferral = state
     return DeferredGradTransform(deferred, optimizers)

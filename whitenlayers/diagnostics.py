@@ -42,8 +42,7 @@ from torch import Tensor, nn
 
 from . import functional as F_w
 from .convert import BlockTypes, DirectWhitenWrapper, Predicate, TargetSpec
-from .layers import GRAD_LAYER_TYPES
-from .stats import WhiteningLayer
+from .layers import GRAD_LAYER_TYPES, WhiteningLayer
 
 __all__ = ["Diagnostics", "collect_diagnostics", "layer_diagnostics", "summarize"]
 

@@ -41,12 +41,12 @@ from torch import Tensor
 from . import functional as F_w
 from .functional import BlockSummary
 from .functional.stacked import _own_all, _restack, _stack, _stack64, _unstack
-from .rules import _BUILT_IN, NOT_COMPUTED, Fold, RuleResult, check_results
+from .rules import _BUILT_IN, NOT_COMPUTED, Fold, RuleResult, batch_key_of, check_results
 
 if TYPE_CHECKING:  # pragma: no cover
     from .config import EVDConfig, RecursiveConfig
     from .coordinator import FoldCoordinator
-    from .stats import WhiteningLayer
+    from .layers import WhiteningLayer
 
 __all__ = ["fold_layers", "assign_owners", "STRATEGIES"]
 
@@ -75,8 +75,13 @@ _autocast_enabled: Callable[[str], bool] = (cast(Callable[[str], bool], torch.is
                                             if _autocast_takes_device_type() else _autocast_enabled_any)
 
 
+def _distributed() -> bool:
+    """Whether a ``torch.distributed`` process group is initialised."""
+    return dist.is_available() and dist.is_initialized()
+
+
 def _dist_group(layers: Sequence["WhiteningLayer"]):
-    if not (dist.is_available() and dist.is_initialized()):
+    if not _distributed():
         return None, 1
     group = layers[0].process_group
     if not all(layer.process_group is group for layer in layers):
@@ -294,9 +299,9 @@ def _global_summaries(layers: Sequence["WhiteningLayer"], owners: Optional[Seque
     scatter alone, small ones packed; here the ``scatter`` of the layers other ranks own is ``None``), or one
     ``all_reduce`` of all layers (replicated).
     """
-    sums = [layer._block_sums() for layer in layers]
+    sums = [layer._block.sums() for layer in layers]
     flat = torch.cat([torch.cat([n.view(1), n * shift + s1, F_w.block_power(n, shift, s1, s2),
-                                 layer._block_nonfinite().view(1)])
+                                 layer._block.nonfinite().view(1)])
                       for layer, (n, shift, s1, s2) in zip(layers, sums)])
     dist.all_reduce(flat, group=group)
     summaries, bounds, pos = [], [], 0
@@ -343,7 +348,7 @@ def _local_summaries(layers: Sequence["WhiteningLayer"],
     layers' accumulators."""
     f64 = torch.float64
     if sums is None:
-        sums = [(layer._acc_count, layer._acc_shift, layer._acc_s1, layer._acc_s2) for layer in layers]
+        sums = [(layer._block.rows, layer._block.shift, layer._block.s1, layer._block.s2) for layer in layers]
     dev = sums[0][2].device
     count = torch.tensor([n for n, _, _, _ in sums], dtype=f64, device=dev)
     shift = torch.stack([k if k is not None else torch.zeros_like(s1) for _, k, s1, _ in sums])
@@ -428,7 +433,7 @@ def _outcomes(layers: Sequence["WhiteningLayer"], blocks: Sequence[BlockSummary]
     transforms in one batched rule call where the rule batches, ``Q_s`` smoothed stacked; and ``unshifted``
     (:func:`_new_means`' flags of these layers) read in the same host synchronisation as the moments'
     finiteness. Changes nothing. The outcomes' buffers are views of the stacks, copied into the layers' buffers
-    by :meth:`~whitenlayers.stats.WhiteningLayer._fold_finish`; ``owned``: tensors of their own as the buffers
+    by :meth:`~whitenlayers.WhiteningLayer._fold_finish`; ``owned``: tensors of their own as the buffers
     store them (one multi-tensor clone), for a broadcast to other ranks. ``states``: the buffers read (default
     the layers')."""
     lead = layers[0]
@@ -495,7 +500,8 @@ def _transforms(layers: Sequence["WhiteningLayer"], stacked: Fold,
     # Each layer's buffers by name (its ``_buffers``, read as ``named_buffers(recurse=False)`` reads them, without
     # that generator's bookkeeping: this runs per layer per fold).
     states = [{k: v for k, v in state.items() if v is not None} for state in _states(layers, states)]
-    if len(layers) > 1 and lead._rule_batch_key() is not None:
+    mean = lead.running_mean
+    if len(layers) > 1 and batch_key_of(lead.rule, lead.num_features, mean.dtype, mean.device, lead.groups) is not None:
         pre = lead.rule.compute_batched(stacked, states, lead.running_mean.dtype)
     else:
         pre = [NOT_COMPUTED] * len(layers)
@@ -506,8 +512,8 @@ def _transforms(layers: Sequence["WhiteningLayer"], stacked: Fold,
     if type(lead.rule) in _BUILT_IN:  # they check their own results (finite; shapes by construction)
         return results
     # Another rule's results are checked (shapes, dtypes, finite, Q symmetric): a bad one keeps the previous transform
-    # (counted in eig_failures) and its layer warns once, naming the rule and the problem.
-    problems = check_results(lead.rule, results, [tuple(layer._block_shape) for layer in layers],
+    # (counted in transform_failures) and its layer warns once, naming the rule and the problem.
+    problems = check_results(results, [tuple(layer._block_shape) for layer in layers],
                              [{n: layer._buffers[n] for n in layer._rule_buffer_names()} for layer in layers])
     for k, problem in enumerate(problems):
         if problem is not None:
@@ -515,7 +521,7 @@ def _transforms(layers: Sequence["WhiteningLayer"], stacked: Fold,
             rule = lead.rule
             layers[k]._warn_once("rule_result", f"rule {rule.name!r} ({type(rule).__name__}) returned an invalid "
                                                 f"result: {problem}; the previous transform is kept (counted in "
-                                                "eig_failures)")
+                                                "transform_failures)")
             layers[k]._warned.add("transform")  # (not the rule's failure_message as well: this says what failed)
     return results
 
@@ -585,15 +591,14 @@ def _coalesced(tensors: Sequence[Tensor], works: list, collective) -> List[Tenso
 
 class PendingFold(NamedTuple):
     """A layer's fold computed but not written yet (:func:`_compute_folds`), what
-    :meth:`~whitenlayers.stats.WhiteningLayer._fold_finish` writes: the outcome (``None``: computed on another
-    rank, broadcast before it is written), the new mean as the buffer stores it, its change (float64), whether the
-    next block sums unshifted and the next block's shift (float64, a tensor of its own)."""
+    :meth:`~whitenlayers.WhiteningLayer._fold_finish` writes: the outcome (``None``: computed on another rank,
+    broadcast before it is written), the new mean as the buffer stores it, its change (float64) and whether the
+    next block sums unshifted."""
 
     outcome: Optional[FoldOutcome]
     mean: Tensor
     delta: Tensor
     unshifted: bool
-    shift: Tensor
     nonfinite: int = 0  # the ranks whose block had non-finite sums, counted when it is written (asynchronous)
 
 
@@ -641,12 +646,7 @@ def _compute_folds(layers: Sequence["WhiteningLayer"], summaries: Sequence[Block
                 firsts_c = _install_pending(chunk, firsts_c)
         states_c = None if states is None else [states[i] for i in idx]
         mu, delta, flags_t = _new_means(chunk, [summaries[i] for i in idx], firsts_c, states_c)
-        stored = mu.to(layers[idx[0]].running_mean.dtype)  # one conversion per stack
-        # The next block's shift, as its first gathered batch would choose it: 0 where it may sum unshifted, else
-        # the new mean as stored (a resumed checkpoint makes it again from the buffer). The shifts as tensors of
-        # their own, cloned together; the means are copied into the buffers.
-        shift = torch.where(flags_t.view(-1, 1), 0.0, stored.to(torch.float64))
-        owned, means = _own_all(list(shift.unbind(0))), stored.unbind(0)
+        means = mu.to(layers[idx[0]].running_mean.dtype).unbind(0)  # one conversion per stack; copied in later
         mine = [j for j, i in enumerate(idx) if owners is None or owners[i] == rank]
         flags: List[bool] = []
         computed: Dict[int, FoldOutcome] = {}
@@ -660,13 +660,13 @@ def _compute_folds(layers: Sequence["WhiteningLayer"], summaries: Sequence[Block
         if len(mine) < len(idx):  # layers other ranks fold (owner strategy): their flags read here
             flags = flags_t.tolist()
         for j, (i, d) in enumerate(zip(idx, delta.unbind(0))):
-            out[i] = PendingFold(computed.get(j), means[j], d, bool(flags[j]), owned[j])
+            out[i] = PendingFold(computed.get(j), means[j], d, bool(flags[j]))
     return cast(List[PendingFold], out)
 
 
 def _finish_folds(layers: Sequence["WhiteningLayer"], folds: Sequence[PendingFold],
                   owners: Optional[Sequence[int]] = None, group=None) -> List[bool]:
-    """Write each layer's fold (:meth:`~whitenlayers.stats.WhiteningLayer._fold_finish`), the outcomes of the
+    """Write each layer's fold (:meth:`~whitenlayers.WhiteningLayer._fold_finish`), the outcomes of the
     layers other ranks folded received first (owner strategy: one broadcast per rank), and count the folds that
     count in ``num_blocks`` (one multi-tensor add). Returns whether each layer's fold counted."""
     counted = [False] * len(layers)
@@ -682,7 +682,7 @@ def _finish_folds(layers: Sequence["WhiteningLayer"], folds: Sequence[PendingFol
             # every outcome computed here (replicated) or received from src
             fold = folds[i]
             counted[i] = layers[i]._fold_finish(cast(FoldOutcome, outcome), fold.mean, fold.delta, fold.unshifted,
-                                                fold.shift, writes)
+                                                writes)
     if writes[0]:  # every layer's buffers written in place by one multi-tensor copy (converting dtype and device)
         torch._foreach_copy_(writes[0], writes[1])
     blocks = [layer.num_blocks for layer, c in zip(layers, counted) if c]
@@ -724,7 +724,7 @@ def _taken_blocks(layers: Sequence["WhiteningLayer"]) -> List[Tuple[float, Optio
     """Copies of the layers' block sums, ``(count, shift, s1, s2)`` as :func:`_local_summaries` reads them (the
     shift too: the next fold writes the next block's shift into it), all made in one call (:func:`_own_all`): for
     an asynchronous fold to summarise while the next block accumulates."""
-    parts = [layer._block_parts() for layer in layers]
+    parts = [layer._block.parts_to_copy() for layer in layers]
     copies = iter(_own_all([t for _, shift, sums in parts for t in ((shift,) if shift is not None else ()) + sums]))
     taken: List[Tuple[float, Optional[Tensor], Tensor, Tensor]] = []
     for count, shift, sums in parts:
@@ -747,7 +747,7 @@ def _named(layers: Sequence["WhiteningLayer"], most: int) -> str:
 def _warn_uncalled(layers: Sequence["WhiteningLayer"]) -> None:
     """Warn about training-mode layers that have seen no input although a block of the model has ended."""
     uncalled = [layer for layer in layers
-                if layer.training and not layer.frozen and not layer._fold_pending and layer.batches_in_block == 0
+                if layer.training and not layer.frozen and not layer._block.fold_pending and layer.batches_in_block == 0
                 and int(layer.num_blocks) == 0]
     if uncalled:
         warnings.warn(

@@ -116,7 +116,7 @@ METHODS: Dict[str, WhiteningMethod] = {
         GradWhitenLinear, GradWhitenConv2d, GradWhitenConv1d, GradWhitenConv3d)))),
     "recursive": WhiteningMethod("recursive", RecursiveConfig, "recursive", dict(zip(_LINEAR_AND_CONVS, (
         RecursiveWhitenLinear, RecursiveWhitenConv2d, RecursiveWhitenConv1d, RecursiveWhitenConv3d)))),
-    "direct": WhiteningMethod("direct", DirectWhiten._CONFIG_CLASS, "evd", wrapper=DirectWhiten,
+    "direct": WhiteningMethod("direct", EVDConfig, "evd", wrapper=DirectWhiten,
                               exclude=DirectWhiten._unused_fields),
 }
 
@@ -145,7 +145,7 @@ def method_of(layer: nn.Module) -> str:
     for m in METHODS.values():
         if type(layer) in m.layers.values():
             return m.name
-    for m in METHODS.values():  # a subclass of a registered layer: by its transform rule
-        if m.layers and getattr(layer, "method", None) == m.rule and isinstance(layer, tuple(m.layers.values())):
+    for m in METHODS.values():  # a subclass of a registered layer: by its rule (WhiteningLayer.method)
+        if m.layers and getattr(layer, "method", None) == m.name and isinstance(layer, tuple(m.layers.values())):
             return m.name
     raise TypeError(f"{type(layer).__name__} is not a whitening layer of a registered method")

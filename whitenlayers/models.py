@@ -12,8 +12,7 @@
   not inside a block).
 * :func:`resnet50`: torchvision's ResNet-50 (an optional dependency).
 
-Stand-ins of other families (MobileNetV2, ResNeXt, ViT, Hugging Face's ResNet) are in
-:mod:`whitenlayers.testing`. The residual block class is named ``BasicBlock``, the name
+The residual block class is named ``BasicBlock``, the name
 :func:`whitenlayers.convert_model` recognises by default.
 
 Example:
@@ -268,20 +267,3 @@ def resnet50(num_classes: int = 1000, *, in_channels: int = 3, **kw: Any) -> nn.
                                 padding=old.padding, bias=False)
         nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")
     return model
-
-
-#: Names that moved to :mod:`whitenlayers.testing` (test stand-ins of other families): deprecated aliases here.
-_MOVED_TO_TESTING = ("InvertedResidual", "mobilenet_like", "Bottleneck", "resnext_like", "vit_like", "hf_resnet_like",
-                     "ResNetConvLayer", "ResNetShortCut", "ResNetBottleNeckLayer", "ResNetBasicLayer")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED_TO_TESTING:
-        import warnings
-
-        from . import testing
-
-        warnings.warn(f"whitenlayers.models.{name} moved to whitenlayers.testing.{name}; the old name will be "
-                      "removed in the next release", DeprecationWarning, stacklevel=2)
-        return getattr(testing, name)
-    raise AttributeError(f"module 'whitenlayers.models' has no attribute {name!r}")

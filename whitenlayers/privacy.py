@@ -8,16 +8,15 @@ reason, through the registry of per-module checks that ``ModuleValidator.validat
 recursive layer, and, for ``method="direct"``, the conv or linear layer a :class:`DirectWhiten` sits in front of (a
 ``DirectWhiten`` has no parameters, and Opacus checks only modules that have some).
 
-Opacus stays optional: nothing here imports it. :func:`install` (run when whitenlayers is imported) registers
-the checks at once where Opacus' validators are loaded already, and otherwise when they are.
+Opacus stays optional: nothing here imports it. The checks are registered where Opacus' validators are loaded
+already when whitenlayers is imported, and when :func:`~whitenlayers.convert_model` converts a model; after a later
+first import of Opacus, call :func:`register_opacus_validators` (or convert after importing Opacus).
 """
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import sys
 import weakref
-from typing import Any, Callable, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Iterator, List, Optional
 
 from torch import nn
 
@@ -88,7 +87,7 @@ def register_opacus_validators(validator_class: Any = None) -> None:
         from opacus.validators.module_validator import ModuleValidator
 
         validator_class = ModuleValidator
-    from .stats import WhiteningLayer
+    from .layers.base import WhiteningLayer
 
     registry = validator_class.VALIDATORS
     for cls in _subclasses(WhiteningLayer):
@@ -99,36 +98,7 @@ def register_opacus_validators(validator_class: Any = None) -> None:
             registry[cls] = _validate_plain(previous)
 
 
-class _RegisterWhenLoaded(importlib.abc.MetaPathFinder):
-    """Registers the validators right after ``opacus.validators`` (the package, with all of Opacus' own checks)
-    is executed, whenever it is first imported: the import order of whitenlayers and Opacus does not matter."""
-
-    def find_spec(self, fullname: str, path: Optional[Sequence[str]], target: Any = None) -> Any:
-        if fullname != _VALIDATORS_MODULE:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        loader = getattr(spec, "loader", None)
-        if spec is None or loader is None or not hasattr(loader, "exec_module"):
-            return None
-        execute = loader.exec_module
-
-        def exec_module(module: Any) -> None:
-            execute(module)
-            try:
-                register_opacus_validators()
-            except Exception as exc:  # never break the user's import of Opacus
-                import warnings
-
-                warnings.warn(f"whitenlayers could not register its checks with Opacus' validator ({exc!r}): "
-                              "Opacus' ModuleValidator will not flag whitening layers", RuntimeWarning, stacklevel=2)
-
-        loader.exec_module = exec_module  # (this spec's loader, made for it)
-        return spec
-
-
-def install() -> None:
-    """Register now if Opacus' validators are loaded, else when they are (once per process)."""
+def register_if_loaded() -> None:
+    """:func:`register_opacus_validators` where Opacus' validators are loaded (at import and conversion)."""
     if _VALIDATORS_MODULE in sys.modules:
         register_opacus_validators()
-    elif not any(isinstance(finder, _RegisterWhenLoaded) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _RegisterWhenLoaded())

@@ -41,8 +41,16 @@ from .functional import BlockSummary
 __all__ = ["Fold", "RuleResult", "TransformRule", "EVDRule", "RecursiveRule", "register_rule", "resolve_rule",
            "rule_for", "NOT_COMPUTED"]
 
-#: ``update``'s default for ``precomputed``: nothing was computed for this layer in a batched call.
-NOT_COMPUTED: Any = object()
+class _NotComputed:
+    """The type of :data:`NOT_COMPUTED` (a sentinel that says what it is in signatures and messages)."""
+
+    def __repr__(self) -> str:
+        return "NOT_COMPUTED"
+
+
+#: ``update``'s ``precomputed`` when nothing was computed for the layer in a batched call (:meth:`TransformRule.
+#: compute_batched`): a layer folded alone, or a rule that does not batch.
+NOT_COMPUTED: Any = _NotComputed()
 
 
 class Fold(NamedTuple):
@@ -72,7 +80,7 @@ class RuleResult(NamedTuple):
 
     The layer checks a result before writing it (shapes, a float32 / float64 dtype, finite values, ``gram``
     symmetric to the dtype's rounding); a result that fails is dropped like a failed update (the previous
-    transform is kept, counted in ``eig_failures``) and the layer warns once, naming the rule and the problem.
+    transform is kept, counted in ``transform_failures``) and the layer warns once, naming the rule and the problem.
     """
 
     #: ``T`` (the layer's matrix shape: ``(M, M)`` or ``(G, k, k)``): applied to the features by ``DirectWhiten``,
@@ -130,11 +138,13 @@ class TransformRule:
         return {}
 
     def work_dtype(self, state_dtype: torch.dtype) -> torch.dtype:
-        """Transforms are computed in float32, or float64 for float64 layers."""
+        """The dtype a rule computes its transform in, for layers whose statistics are ``state_dtype``: float32, or
+        float64 for float64 layers (the fold hands :meth:`update` float64 moments either way)."""
         return torch.float64 if state_dtype == torch.float64 else torch.float32
 
     def gram_dtype(self, state_dtype: torch.dtype) -> torch.dtype:
-        """The dtype of :attr:`RuleResult.gram` (``Q_s`` is smoothed in it)."""
+        """The dtype the layer smooths ``Q_s = beta Q_s + (1 - beta) Q`` in (:attr:`RuleResult.gram` is converted to
+        it first): :meth:`work_dtype` by default."""
         return self.work_dtype(state_dtype)
 
     def cost(self, num_features: int, groups: int = 1) -> float:
@@ -159,7 +169,7 @@ class TransformRule:
 
         Called once per layer at every fold (on the rank that folds the layer), under ``torch.no_grad``, never
         inside a compiled graph. ``None`` (or a result that fails the layer's check, :class:`RuleResult`) keeps
-        the previous transform and counts the failure in ``eig_failures``.
+        the previous transform and counts the failure in ``transform_failures``.
 
         Args:
             fold: this layer's :class:`Fold`.
@@ -440,7 +450,7 @@ def rule_identity(rule: TransformRule) -> str:
     return json.dumps(fields, separators=(",", ":"))
 
 
-def check_result(rule: TransformRule, result: Any, shape: Tuple[int, ...], buffers: Dict[str, Tensor]
+def check_result(result: Any, shape: Tuple[int, ...], buffers: Dict[str, Tensor]
                  ) -> Tuple[Optional[str], List[Tensor]]:
     """What is wrong with ``result`` for a layer whose matrices have ``shape`` and whose rule buffers are
     ``buffers`` (a text, or ``None``), and the checks left to read on the device: a bool tensor each, ``True``
@@ -474,14 +484,14 @@ def check_result(rule: TransformRule, result: Any, shape: Tuple[int, ...], buffe
     return None, [finite, symmetric]
 
 
-def check_results(rule: TransformRule, results: Sequence[Any], shapes: Sequence[Tuple[int, ...]],
-                  buffers: Sequence[Dict[str, Tensor]]) -> List[Optional[str]]:
+def check_results(results: Sequence[Any], shapes: Sequence[Tuple[int, ...]], buffers: Sequence[Dict[str, Tensor]]
+                  ) -> List[Optional[str]]:
     """:func:`check_result` of each of ``results`` (layers with matrices of ``shapes`` and rule buffers
     ``buffers``): the problem of each, or ``None``; the device checks of all read in one host synchronisation."""
     problems: List[Optional[str]] = []
     pending: List[Tuple[int, List[Tensor]]] = []
     for k, (result, shape, own) in enumerate(zip(results, shapes, buffers)):
-        problem, checks = check_result(rule, result, shape, own)
+        problem, checks = check_result(result, shape, own)
         problems.append(problem)
         if problem is None and checks:
             pending.append((k, checks))

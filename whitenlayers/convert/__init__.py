@@ -55,7 +55,6 @@ __all__ = [
     "absorbing_batchnorms",
 ]
 
-from .._deprecated import module_getattr
 from ._common import DEFAULT_BLOCK_TYPES, DirectWhitenWrapper
 from ._common import BlockTypes as BlockTypes  # type aliases of the signatures
 from ._common import Predicate as Predicate
@@ -72,4 +71,3 @@ from .targets import (
     whitening_layers,
 )
 
-__getattr__ = module_getattr("whitenlayers.convert", "DirectWhitened", "export_model")

@@ -23,8 +23,9 @@ from ..autograd import _transform_mean
 from ..layers import (
     GRAD_LAYER_TYPES,
     GradWhitenLinear,
+    WhiteningLayer,
 )
-from ..stats import WhiteningLayer, loading_plain_checkpoint
+from ..layers.checkpoint import loading_plain_checkpoint
 from ._common import _CALL_HOOKS, _STATE_HOOKS, DirectWhitenWrapper, _is_whitening, _remove_coordinators, _share_hooks
 from .targets import whitening_layers
 

@@ -19,14 +19,16 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.utils import parametrize
 
-from ..coordinator import FoldCoordinator, ForwardBegins, check_fold_async
+from ..coordinator import FoldCoordinator, check_fold_async
 from ..fold import check_strategy
 from ..layers import (
     GRAD_LAYER_TYPES,
+    WhiteningLayer,
 )
+from ..layers.checkpoint import cause_first
 from ..methods import get_method, method_of
 from ..patches import PATCH_MAX_FEATURES
-from ..stats import WhiteningLayer
+from ..privacy import register_if_loaded
 from ._common import (
     _CALL_HOOKS,
     _STATE_HOOKS,
@@ -36,7 +38,6 @@ from ._common import (
     _coordinators,
     _is_whitening,
     _share_hooks,
-    plan_forward,
 )
 from .absorb import absorbing_batchnorms
 from .targets import _LAYER_WORDS, ConversionReport, TargetSpec, _plan, whitening_layers
@@ -65,12 +66,14 @@ def _install_coordinator(model: nn.Module, strategy: str = "auto",
         coord = FoldCoordinator(strategy, fold_async)
         # always called: a forward that raises still adds the batches its layers handed over
         coord.handle = model.register_forward_hook(coord, always_call=True)
-    if not any(isinstance(h, ForwardBegins) and h.coordinator is coord for h in model._forward_pre_hooks.values()):
-        coord.begin_handle = model.register_forward_pre_hook(ForwardBegins(coord))
+    if not any(getattr(h, "__self__", None) is coord for h in model._forward_pre_hooks.values()):
+        coord.begin_handle = model.register_forward_pre_hook(coord.begin_forward)
+    if cause_first not in model._load_state_dict_post_hooks.values():  # another method's checkpoint: cause first
+        model.register_load_state_dict_post_hook(cause_first)
     for layer in layers:
         layer._fold_coordinator = coord
     coord.layers = layers
-    coord.on_forward = plan_forward  # shared weight nodes and planned steps (_common.plan_forward)
+    coord.wrappers = [m for m in model.modules() if isinstance(m, DirectWhitenWrapper)]
     coord.checked = False  # the first fold checks that every layer is called (FoldCoordinator)
     return coord
 
@@ -415,6 +418,7 @@ def _check_arguments(model: nn.Module, method: str, fold_strategy: str, layer_kw
     method_spec.check_kwargs(f"convert_model(method={method!r})", layer_kwargs)
     _check_existing(model, method, layer_kwargs)
     _check_not_quantized(model)
+    register_if_loaded()  # Opacus' validator refuses the layers this makes, where Opacus is loaded (privacy.py)
 
 
 def _check_not_quantized(model: nn.Module) -> None:

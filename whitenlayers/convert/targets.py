@@ -22,8 +22,8 @@ import torch.fx
 from torch import nn
 from torch.nn.utils import parametrize
 
+from ..layers import WhiteningLayer
 from ..methods import get_method
-from ..stats import WhiteningLayer
 from ._common import DEFAULT_BLOCK_TYPES, BlockTypes, DirectWhitenWrapper, Predicate, _is_whitening
 
 if TYPE_CHECKING:  # pragma: no cover

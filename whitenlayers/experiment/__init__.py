@@ -19,7 +19,7 @@ channel on the 28x28 digits, methods
 method; the figure shows the mean and a band across seeds), 6 epochs of SGD (batch 128, momentum 0.9,
 weight decay 5e-4, lr 0.1 divided by 10 after epochs 3 and 4: the paper's
 schedule shape), whitening block size 2 and otherwise the paper's whitening
-hyper-parameters; about 4 minutes on 2 CPU cores. ``--quick`` is a smoke run of
+hyper-parameters; about 3 minutes (some 190 CPU seconds) on an idle CPU. ``--quick`` is a smoke run of
 well under a minute.
 
 Outputs in ``--out`` (default ``runs/<dataset>-<model>``):

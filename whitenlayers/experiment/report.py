@@ -435,6 +435,28 @@ def format_time_to_accuracy(tta: Sequence[Dict[str, Any]], levels: Sequence[floa
     return "\n".join(lines)
 
 
+def cpu_model() -> str:
+    """The CPU's model name ("Intel(R) Xeon(R) ...", "AMD EPYC ..."): Linux's ``/proc/cpuinfo``, macOS's ``sysctl``,
+    else the platform's processor (which on Linux says only "x86_64"). A rerun is comparable to the bit only on the
+    same model."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    if platform.system() == "Darwin":
+        try:
+            import subprocess
+
+            return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
+                                  timeout=5).stdout.strip() or platform.processor()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return platform.processor() or platform.machine()
+
+
 def load_note(rows: Sequence[Dict[str, Any]], threads: Optional[int] = None, cores: Optional[int] = None) -> str:
     """A line on the machine's load during the run; flags the run when it changed notably.
 
@@ -703,18 +725,6 @@ def replot(out: str, target_acc: Optional[float] = None) -> Tuple[str, str]:
     return fig_path, table
 
 
-def cpu_model() -> Optional[str]:
-    """The CPU's model name (Linux: ``/proc/cpuinfo``; elsewhere ``None``), recorded in ``config.json``."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
-
-
 def git_state() -> Optional[str]:
     """``<commit>`` (``+dirty`` when the package has uncommitted changes) of the source tree, if it is a git checkout.
 
@@ -768,7 +778,7 @@ def prepare_out(cfg: RunConfig, ctx: Context, argv: Sequence[str]) -> None:
             command=" ".join(["python -m whitenlayers.experiment"] + [shlex.quote(a) for a in argv]),
             world_size=ctx.world, device=str(ctx.device), threads=ctx.threads, torch=torch.__version__,
             python=platform.python_version(), platform=platform.platform(),
-            processor=platform.processor() or platform.machine(), cpu=cpu_model(),
+            processor=platform.processor() or platform.machine(), cpu_model=cpu_model(), cpu_count=os.cpu_count(),
             started=datetime.datetime.now().isoformat(timespec="seconds"),
         )
         with open(cfg_path, "w") as f:

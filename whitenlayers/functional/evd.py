@@ -10,6 +10,10 @@ from torch import Tensor
 from .moments import all_finite, finite_each, symmetrize
 from .spectrum import effective_rank
 
+__all__ = ["whitening_gains", "evd_transform", "evd_transform_batched", "damped_transform",
+           "damped_transform_batched", "cholesky_dtype", "robust_eigh", "eigh_dtype", "grouped_whitening_gains",
+           "evd_transform_grouped", "evd_transform_grouped_batched"]
+
 
 # --------------------------------------------------------------------------
 # EVD transform

@@ -7,6 +7,8 @@ from torch import Tensor
 
 from .moments import symmetrize
 
+__all__ = ["effective_rank", "normalized_rank", "whiteness", "grouped_normalized_rank", "grouped_whiteness"]
+
 
 # --------------------------------------------------------------------------
 # Diagnostics: rank and whiteness

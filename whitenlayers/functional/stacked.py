@@ -9,7 +9,10 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from .moments import _ACC_ROW_ALIGN, LOW_PRECISION, BlockSummary, _ones, _rows_layout
+from .batch import _ACC_ROW_ALIGN, LOW_PRECISION, _ones, _rows_layout
+from .moments import BlockSummary
+
+__all__ = ["accumulate_moments_grouped", "stack_shifts", "stacked_moments_accumulator"]
 
 
 def accumulate_moments_grouped(acc: Tensor, xs: Sequence[Tensor],

@@ -1,30 +1,93 @@
-"""The 2-D convolution and linear grad / recursive layers (paper sections 3 and 4).
-Part of :mod:`whitenlayers.layers`."""
+"""The grad / recursive convolution (1-D, 2-D, 3-D) and linear layers (paper sections 3 and 4): the plain layer
+with the forward of :mod:`~whitenlayers.layers.step` and its whitening keyword arguments. Part of
+:mod:`whitenlayers.layers`."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Tuple, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor, nn
-from torch.nn.common_types import _size_2_t
+from torch.nn.common_types import _size_1_t, _size_2_t, _size_3_t
 
 from .._rebuild import linear_like, share_parameters
 from ..config import EVDConfig, RecursiveConfig
 from ..patches import FEATURES, patch_padding, unfold_patches
+from .grad import _GradWhitenMixin, _init_with_signature, _with_whitening_signature
 
-if TYPE_CHECKING:  # pragma: no cover
-    pass
+__all__ = ["GradWhitenConv1d", "GradWhitenConv2d", "GradWhitenConv3d", "GradWhitenLinear", "RecursiveWhitenConv1d",
+           "RecursiveWhitenConv2d", "RecursiveWhitenConv3d", "RecursiveWhitenLinear"]
 
-from ._base import (
-    _check_gathering_untransformed,
-    _check_input,
-    _GradWhitenMixin,
-    _weight_once,
-    _with_whitening_signature,
-)
+_SPATIAL_WORDS = {1: "L", 2: "H, W", 3: "D, H, W"}
 
 
-class GradWhitenConv2d(_GradWhitenMixin, nn.Conv2d):
+class _GradWhitenConvNd(_GradWhitenMixin):
+    """A grad / recursive convolution of any dimension: the subclass puts the plain conv class second in its bases
+    and names it ``_PLAIN``."""
+
+    _PLAIN: Any = nn.Conv2d
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        nd = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}[cls._PLAIN]
+        cls._op = cls._PLAIN._conv_forward  # the plain conv's own operation
+        cls._BATCHED_RANK, cls._SPATIAL = nd + 2, nd
+        cls._INPUT = (-(nd + 1), (nd + 1, nd + 2), f"an input of shape (B, C, {_SPATIAL_WORDS[nd]}) or "
+                                                    f"(C, {_SPATIAL_WORDS[nd]})")
+
+    def _init_conv(self, in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+                   padding_mode, device, dtype, config, process_group, whitening, features="channels") -> None:
+        self._PLAIN.__init__(self, in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+                             padding_mode, device, dtype)
+        conv: Any = self
+        num_features = in_channels
+        if features not in FEATURES:
+            raise ValueError(f"{type(self).__name__}: features must be one of {FEATURES}, "
+                             f"but got features={features!r}")
+        if features == "patches":
+            if groups != 1 or padding_mode != "zeros":
+                raise ValueError(f"{type(self).__name__}: features='patches' needs groups=1 and padding_mode='zeros', "
+                                 f"but got groups={groups}, padding_mode={padding_mode!r}")
+            self._patch_padding = patch_padding(conv.kernel_size, conv.dilation, conv.padding)
+            num_features = in_channels * conv.kernel_size[0] * conv.kernel_size[1]
+            self.features = features
+        self._init_grad_whitening(num_features, out_channels, config, whitening, process_group, device, dtype,
+                                  groups=groups)
+
+    def _features_of(self, x: Tensor, weight: Tensor) -> Tensor:
+        x = super()._features_of(x, weight)
+        if self.features == "patches":  # the unfolded patches (B, C k^2, L)
+            conv: Any = self
+            return unfold_patches(x, conv.kernel_size, conv.dilation, self._patch_padding, conv.stride)
+        return x
+
+    @classmethod
+    def from_conv(cls, conv: nn.Module, **kwargs: Any) -> Any:
+        """A whitening conv computing the same function as ``conv``, sharing its Parameter objects.
+
+        Weight and bias are the same ``nn.Parameter`` objects (an optimizer built on ``conv`` keeps working), so
+        device, dtype and ``requires_grad`` carry over; so does the training flag.
+
+        Args:
+            conv: the plain conv of this class's dimension (``nn.Conv1d`` / ``nn.Conv2d`` / ``nn.Conv3d``) to convert
+                (its constructor arguments are copied).
+            **kwargs: the whitening keyword arguments of the constructor (``config``, ``process_group``,
+                ``features``, ``block_size``, ...), with the same defaults.
+
+        Returns:
+            The new layer (``conv`` itself is left as it is).
+        """
+        return cls._from_plain_conv(conv, cls._PLAIN, **kwargs)
+
+    def to_conv(self) -> Any:
+        """A plain conv of the same dimension with identical outputs (``mu`` folded into the bias); new Parameters.
+
+        Identical to this layer's eval-mode outputs; the whitening state is dropped (the layer is left as it is).
+        :func:`~whitenlayers.to_plain_model` does this for a whole model.
+        """
+        return self._to_plain_conv(self._PLAIN)
+
+
+class GradWhitenConv2d(_GradWhitenConvNd, nn.Conv2d):
     """Drop-in ``nn.Conv2d`` with gradient-based feature whitening (paper section 3).
 
     Forward: ``z = conv(pad0(x) - mu, W) + b`` (centred after zero padding;
@@ -79,12 +142,7 @@ class GradWhitenConv2d(_GradWhitenMixin, nn.Conv2d):
         torch.Size([4, 16, 10, 10])
     """
 
-    if TYPE_CHECKING:  # pragma: no cover
-        # nn.Conv2d stores pairs (its annotations are those of every dimension).
-        kernel_size: Tuple[int, int]
-        stride: Tuple[int, int]
-        padding: Union[str, Tuple[int, int]]
-        dilation: Tuple[int, int]
+    _PLAIN = nn.Conv2d
 
     @_with_whitening_signature(EVDConfig)
     def __init__(
@@ -109,74 +167,93 @@ class GradWhitenConv2d(_GradWhitenMixin, nn.Conv2d):
         self._init_conv(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode,
                         device, dtype, config, process_group, whitening, features)
 
-    def _init_conv(self, in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode,
-                   device, dtype, config, process_group, whitening, features="channels") -> None:
-        nn.Conv2d.__init__(self, in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
-                           padding_mode, device, dtype)
-        num_features = in_channels
-        if features not in FEATURES:
-            raise ValueError(f"{type(self).__name__}: features must be one of {FEATURES}, "
-                             f"but got features={features!r}")
-        if features == "patches":
-            if groups != 1 or padding_mode != "zeros":
-                raise ValueError(f"{type(self).__name__}: features='patches' needs groups=1 and padding_mode='zeros', "
-                                 f"but got groups={groups}, padding_mode={padding_mode!r}")
-            self._patch_padding = patch_padding(self.kernel_size, self.dilation, self.padding)
-            num_features = in_channels * self.kernel_size[0] * self.kernel_size[1]
-            self.features = features
-        self._init_grad_whitening(num_features, out_channels, config, whitening, process_group, device, dtype,
-                                  groups=groups)
 
-    def _stats_input(self, x: Tensor) -> Tensor:
-        """The batch's features on dim 1: ``x`` itself, or its unfolded patches ``(B, C k^2, L)``."""
-        if self.features == "patches":
-            return unfold_patches(x, self.kernel_size, self.dilation, self._patch_padding, self.stride)
-        return x
+class GradWhitenConv1d(_GradWhitenConvNd, nn.Conv1d):
+    """Drop-in ``nn.Conv1d`` with gradient-based feature whitening: :class:`GradWhitenConv2d` for ``(B, C, L)``.
 
-    def forward(self, x: Tensor) -> Tensor:
-        """The convolution of the centred input; in training mode the batch also joins the block statistics.
+    ``z = conv(pad0(x) - mu, W) + b``, weight gradient times ``Q_s`` per kernel
+    tap, ``groups`` supported (block-diagonal whitening), same whitening
+    keyword arguments, :meth:`from_conv` / :meth:`to_conv`.
 
-        Args:
-            x: the input, ``(B, C, H, W)`` or unbatched ``(C, H, W)``, ``C = in_channels``, floating point.
+    Args:
+        in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode:
+            as for ``nn.Conv1d``: same meaning and defaults (``M = in_channels`` features are whitened).
+        device, dtype: as for ``nn.Conv1d`` (default ``None``); they also place the whitening buffers.
+        config, process_group, rule: as for :class:`GradWhitenConv2d` (an :class:`~whitenlayers.EVDConfig` or
+            ``None`` for its defaults; the ranks that sum the statistics, default every rank).
+        block_size, alpha, eps, stats_fraction, accumulation_steps, stats_every, beta, gmax, gains:
+            keyword-only: the :class:`~whitenlayers.EVDConfig` field of that name (meaning, range, default).
 
-        Returns:
-            What ``nn.Conv2d`` returns for it, here ``conv(pad0(x) - mu, W) + b``.
-        """
-        plan = self._take_plan(x, 4)  # a training forward planned by the model's fold coordinator
-        if plan is not None:  # (never a parametrized weight: such a layer is not planned)
-            return self._planned_conv_forward(x, plan, 2)
-        return self._full_forward(x)
+    Example:
+        >>> import torch, whitenlayers as wl
+        >>> conv = wl.GradWhitenConv1d(4, 8, 5, padding=2, block_size=2)
+        >>> _ = conv(torch.randn(3, 4, 50)); _ = conv(torch.randn(3, 4, 50))
+        >>> int(conv.num_blocks), tuple(conv.grad_transform.shape)
+        (1, (4, 4))
+    """
 
-    @_weight_once
-    def _full_forward(self, x: Tensor) -> Tensor:
-        _check_input(self, x, dim=-3, ndims=(3, 4), what="an input of shape (B, C, H, W) or (C, H, W)")
-        return self._whitened_conv_forward(x, 2)
+    _PLAIN = nn.Conv1d
 
-    @classmethod
-    def from_conv(cls, conv: nn.Conv2d, **kwargs: Any) -> "GradWhitenConv2d":
-        """A whitening conv computing the same function as ``conv``, sharing its Parameter objects.
+    @_with_whitening_signature(EVDConfig)
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: _size_1_t,
+        stride: _size_1_t = 1,
+        padding: Union[str, _size_1_t] = 0,
+        dilation: _size_1_t = 1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: str = "zeros",
+        device=None,
+        dtype=None,
+        *,
+        config: Optional[EVDConfig] = None,
+        process_group: Any = None,
+        **whitening: Any,
+    ) -> None:
+        self._init_conv(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode,
+                        device, dtype, config, process_group, whitening)
 
-        Weight and bias are the same ``nn.Parameter`` objects (an optimizer
-        built on ``conv`` keeps working), so device, dtype and
-        ``requires_grad`` carry over; so does the training flag.
 
-        Args:
-            conv: the ``nn.Conv2d`` to convert (its constructor arguments are copied).
-            **kwargs: the whitening keyword arguments of the constructor (``config``, ``process_group``,
-                ``features``, ``block_size``, ...), with the same defaults.
+class GradWhitenConv3d(_GradWhitenConvNd, nn.Conv3d):
+    """Drop-in ``nn.Conv3d`` with gradient-based feature whitening: :class:`GradWhitenConv2d` for
+    ``(B, C, D, H, W)``.
 
-        Returns:
-            The new layer (``conv`` itself is left as it is).
-        """
-        return cls._from_plain_conv(conv, nn.Conv2d, **kwargs)
+    Args:
+        in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode:
+            as for ``nn.Conv3d``: same meaning and defaults (``M = in_channels`` features are whitened).
+        device, dtype: as for ``nn.Conv3d`` (default ``None``); they also place the whitening buffers.
+        config, process_group, rule: as for :class:`GradWhitenConv2d` (an :class:`~whitenlayers.EVDConfig` or
+            ``None`` for its defaults; the ranks that sum the statistics, default every rank).
+        block_size, alpha, eps, stats_fraction, accumulation_steps, stats_every, beta, gmax, gains:
+            keyword-only: the :class:`~whitenlayers.EVDConfig` field of that name (meaning, range, default).
+    """
 
-    def to_conv(self) -> nn.Conv2d:
-        """A plain ``nn.Conv2d`` with identical outputs (``mu`` folded into the bias); new Parameters.
+    _PLAIN = nn.Conv3d
 
-        Identical to this layer's eval-mode outputs; the whitening state is dropped (the layer is left as it
-        is). :func:`~whitenlayers.to_plain_model` does this for a whole model.
-        """
-        return self._to_plain_conv(nn.Conv2d)
+    @_with_whitening_signature(EVDConfig)
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: _size_3_t,
+        stride: _size_3_t = 1,
+        padding: Union[str, _size_3_t] = 0,
+        dilation: _size_3_t = 1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: str = "zeros",
+        device=None,
+        dtype=None,
+        *,
+        config: Optional[EVDConfig] = None,
+        process_group: Any = None,
+        **whitening: Any,
+    ) -> None:
+        self._init_conv(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode,
+                        device, dtype, config, process_group, whitening)
 
 
 # nn.Linear's stubs declare ``bias: Parameter``, though it is None for bias=False (as _GradWhitenMixin declares).
@@ -207,6 +284,8 @@ class GradWhitenLinear(_GradWhitenMixin, nn.Linear):  # type: ignore[misc]
         (1, (6, 6))
     """
 
+    _op = staticmethod(nn.functional.linear)
+
     @_with_whitening_signature(EVDConfig)
     def __init__(
         self,
@@ -220,51 +299,8 @@ class GradWhitenLinear(_GradWhitenMixin, nn.Linear):  # type: ignore[misc]
         process_group: Any = None,
         **whitening: Any,
     ) -> None:
-        self._init_linear(in_features, out_features, bias, device, dtype, config, process_group, whitening)
-
-    def _init_linear(self, in_features, out_features, bias, device, dtype, config, process_group, whitening) -> None:
         nn.Linear.__init__(self, in_features, out_features, bias, device, dtype)
         self._init_grad_whitening(in_features, out_features, config, whitening, process_group, device, dtype)
-
-    def forward(self, x: Tensor) -> Tensor:
-        """``(x - mu) W^T + b``; in training mode the batch also joins the block statistics.
-
-        Args:
-            x: the input, ``(*, in_features)`` (every leading dimension counts as samples), floating point.
-
-        Returns:
-            ``(*, out_features)``, as ``nn.Linear``.
-        """
-        plan = self._take_plan(x, 2)  # a (B, in_features) training forward planned by the model's coordinator
-        if plan is not None:  # (never a parametrized weight: such a layer is not planned)
-            w = self._run_plan(plan, x)
-            out = nn.functional.linear(x, w, self.bias if plan[5] != 3 else self._layer_bias(w, plan[1]))
-            self._planned_end(plan[3])
-            return out
-        return self._full_forward(x)
-
-    @_weight_once
-    def _full_forward(self, x: Tensor) -> Tensor:
-        _check_input(self, x, dim=-1, ndims=tuple(range(1, 9)), what="an input of shape (*, in_features)")
-        bn = self._batchnorm_absorbing_now()  # centring absorbed by the following BatchNorm1d (absorb_centring)
-        if bn is not None and x.dim() != 2:
-            raise ValueError(
-                f"{self._describe()}: with its centring absorbed by a BatchNorm the layer needs an input of shape "
-                f"(B, in_features), but got input of shape {tuple(x.shape)}"
-            )
-        training, state = self._forward_state()
-        if training:
-            _check_gathering_untransformed(self)
-            self._accumulate(x.reshape(-1, self.num_features))
-        w = self._weight_for_forward(state)
-        if bn is not None:
-            self._track_absorbed_offset(w, bn, state)
-            out = nn.functional.linear(x, w, self.bias)
-        else:
-            out = nn.functional.linear(x, w, self._layer_bias(w, state))
-        if training:
-            self._end_batch()
-        return out
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, **kwargs: Any) -> "GradWhitenLinear":
@@ -333,29 +369,43 @@ class RecursiveWhitenConv2d(GradWhitenConv2d):
     """
 
     _CONFIG = RecursiveConfig
+    __init__ = _init_with_signature(GradWhitenConv2d.__init__, RecursiveConfig)
 
-    @_with_whitening_signature(RecursiveConfig)
-    def __init__(
-        self,
-        in_channels: int,
-        out_channels: int,
-        kernel_size: _size_2_t,
-        stride: _size_2_t = 1,
-        padding: Union[str, _size_2_t] = 0,
-        dilation: _size_2_t = 1,
-        groups: int = 1,
-        bias: bool = True,
-        padding_mode: str = "zeros",
-        device=None,
-        dtype=None,
-        *,
-        config: Optional[RecursiveConfig] = None,
-        process_group: Any = None,
-        features: str = "channels",
-        **whitening: Any,
-    ) -> None:
-        self._init_conv(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode,
-                        device, dtype, config, process_group, whitening, features)
+
+class RecursiveWhitenConv1d(GradWhitenConv1d):
+    """:class:`GradWhitenConv1d` with the recursive transform update; see :class:`RecursiveWhitenConv2d`.
+
+    Args:
+        in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode:
+            as for :class:`GradWhitenConv1d` (``nn.Conv1d``'s arguments and defaults).
+        device, dtype, process_group, rule: as for :class:`GradWhitenConv1d`: same meaning and defaults.
+        config: the whitening hyper-parameters as one :class:`~whitenlayers.RecursiveConfig` (default
+            ``None``: its defaults); the keyword arguments below override its values.
+        block_size, alpha, eps, stats_fraction, accumulation_steps, stats_every, beta, gamma, delta, c_rel, c_abs:
+            keyword-only: the :class:`~whitenlayers.RecursiveConfig` field of that name (meaning, range,
+            default).
+    """
+
+    _CONFIG = RecursiveConfig
+    __init__ = _init_with_signature(GradWhitenConv1d.__init__, RecursiveConfig)
+
+
+class RecursiveWhitenConv3d(GradWhitenConv3d):
+    """:class:`GradWhitenConv3d` with the recursive transform update; see :class:`RecursiveWhitenConv2d`.
+
+    Args:
+        in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode:
+            as for :class:`GradWhitenConv3d` (``nn.Conv3d``'s arguments and defaults).
+        device, dtype, process_group, rule: as for :class:`GradWhitenConv3d`: same meaning and defaults.
+        config: the whitening hyper-parameters as one :class:`~whitenlayers.RecursiveConfig` (default
+            ``None``: its defaults); the keyword arguments below override its values.
+        block_size, alpha, eps, stats_fraction, accumulation_steps, stats_every, beta, gamma, delta, c_rel, c_abs:
+            keyword-only: the :class:`~whitenlayers.RecursiveConfig` field of that name (meaning, range,
+            default).
+    """
+
+    _CONFIG = RecursiveConfig
+    __init__ = _init_with_signature(GradWhitenConv3d.__init__, RecursiveConfig)
 
 
 class RecursiveWhitenLinear(GradWhitenLinear):
@@ -372,18 +422,4 @@ class RecursiveWhitenLinear(GradWhitenLinear):
     """
 
     _CONFIG = RecursiveConfig
-
-    @_with_whitening_signature(RecursiveConfig)
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        bias: bool = True,
-        device=None,
-        dtype=None,
-        *,
-        config: Optional[RecursiveConfig] = None,
-        process_group: Any = None,
-        **whitening: Any,
-    ) -> None:
-        self._init_linear(in_features, out_features, bias, device, dtype, config, process_group, whitening)
+    __init__ = _init_with_signature(GradWhitenLinear.__init__, RecursiveConfig)

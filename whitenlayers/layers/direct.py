@@ -1,8 +1,11 @@
-"""``DirectWhiten``: whitening of the features themselves, ``y = T (x - mu)`` (paper section 2).
-Part of :mod:`whitenlayers.layers`."""
+"""Direct whitening of the features themselves (paper section 2): :class:`DirectWhiten`, ``y = T (x - mu)``, and
+:class:`DirectWhitenWrapper`, a ``DirectWhiten`` in front of a conv or linear layer (what ``convert_model(...,
+method="direct")`` puts in place of a target), which multiplies the layer's weight by ``T`` instead of whitening
+its input where that is the same. Part of :mod:`whitenlayers.layers`."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
+import threading
+from typing import Any, Dict, Optional, Tuple, cast
 
 import torch
 from torch import Tensor, nn
@@ -10,19 +13,25 @@ from torch import Tensor, nn
 from .. import functional as F_w
 from ..autograd import POINTWISE_DIMS, _transform_mean, direct_whiten, pointwise_whiten
 from ..config import EVDConfig
-from ..rules import rule_and_config
-from ..stats import WhiteningLayer, _is_compiling
+from ..fold import _autocast_enabled, _no_autocast
+from ..functional.batch import _FUSED_ON_CPU
+from ..privacy import note_direct
+from ..rules import EVDRule, rule_and_config
+from ._checks import check_input, check_not_tracing_function
+from .base import WhiteningLayer
+from .grad import _with_whitening_signature
+from .step import _saved_tensor_hooks
 
-if TYPE_CHECKING:  # pragma: no cover
-    pass
+__all__ = ["DirectWhiten", "DirectWhitenWrapper"]
 
-from ._base import (
-    _cacheable,
-    _check_gathering_untransformed,
-    _check_input,
-    _check_not_tracing_function,
-    _with_whitening_signature,
-)
+#: DirectWhiten's input check (``check_input``'s ranks and wording).
+_INPUT_DIMS = tuple(range(2, 9))
+_INPUT_WHAT = "an input of shape (B, C) or (B, C, *spatial)"
+#: The layers whose weight DirectWhitenWrapper multiplies by T instead of whitening their input.
+_FUSED_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
+_MODULE = nn.modules.module
+_get_ident = threading.get_ident
+_compiling = torch.compiler.is_compiling
 
 
 class DirectWhiten(WhiteningLayer, nn.Module):
@@ -69,7 +78,6 @@ class DirectWhiten(WhiteningLayer, nn.Module):
         (1, (3, 3))
     """
 
-    _CONFIG_CLASS = EVDConfig
     _unused_fields = ("beta",)  # no gradient transform to smooth
     _FORWARD_BUFFERS = ("running_mean", "whitening_matrix")
 
@@ -87,35 +95,21 @@ class DirectWhiten(WhiteningLayer, nn.Module):
     ) -> None:
         nn.Module.__init__(self)
         rule, cfg = rule_and_config(EVDConfig, type(self).__name__, config, whitening, exclude=self._unused_fields)
-        self._check_config(cfg)
+        self._check_config(cfg, rule)
         self._init_whitening(num_features, cfg, grad_transform=False, process_group=process_group, device=device,
                              dtype=dtype, groups=groups, rule=rule)
 
-    def _check_config(self, config: Any) -> None:
-        """``ValueError`` for ``gains="damped"``: its ``T`` is a Cholesky factor's inverse, not symmetric, and this
-        layer applies ``T`` to the features (a non-symmetric ``T`` would rotate them anew at every fold)."""
-        if getattr(config, "gains", None) == "damped":
-            raise ValueError(f"{type(self).__name__}: gains='damped' gives a non-symmetric T (sqrt(c) L^-1, from a "
-                             "Cholesky factor), which the direct method applies to the features, rotating them "
-                             "anew at every fold; use gains='practical' or 'zca' with method='direct', or "
-                             "gains='damped' with method='grad', but got gains='damped'")
-
-    def _pointwise_weights(self, t: Tensor, mean: Tensor, dtype: torch.dtype) -> Tuple[Tensor, Tensor, Tensor]:
-        """``T`` as a 1x1 convolution's ``(M, M/G)`` weight, the bias ``-T mu`` and ``T^T``'s weight, in ``dtype``:
-        made once per block (cached by tensor and version, like the grad layers' centring), in the graph when
-        compiled."""
-        key = (t, t._version, mean, mean._version, dtype) if not _is_compiling() else None
-        cached = self._pointwise_cache
-        if key is not None and cached is not None and cached[0] is t and cached[2] is mean and cached[1:5] == key[1:]:
-            return cached[5]
-        m = self.num_features
-        with torch.no_grad():
-            w = t.reshape(m, -1).to(dtype).contiguous()
-            wt = t.transpose(-1, -2).reshape(m, -1).to(dtype).contiguous()
-            b = _transform_mean(t, mean).neg_().to(dtype)
-        if key is not None and _cacheable(t) and _cacheable(mean):
-            self._pointwise_cache = key + ((w, b, wt),)
-        return w, b, wt
+    def _check_config(self, config: Any, rule: Any = None) -> None:
+        """``ValueError`` for ``gains="damped"`` with the EVD rule's update (``rule``: the rule class, default the
+        layer's): its ``T`` is a Cholesky factor's inverse, not symmetric, and this layer applies ``T`` to the
+        features, which a non-symmetric ``T`` would rotate anew at every fold. A rule of one's own computes its own
+        ``T`` (it should be symmetric for this layer) and may read ``gains`` as it likes."""
+        rule = type(self.rule) if rule is None else rule
+        if getattr(config, "gains", None) == "damped" and getattr(rule, "update", None) is EVDRule.update:
+            raise ValueError(f"{type(self).__name__}: gains='damped' makes the EVD rule give a non-symmetric T "
+                             "(sqrt(c) L^-1, from a Cholesky factor), which the direct method applies to the features, "
+                             "rotating them anew at every fold; use gains='practical' or 'zca' with method='direct', "
+                             "or gains='damped' with method='grad', but got gains='damped'")
 
     def extra_repr(self) -> str:
         rest = self._whitening_repr()
@@ -123,31 +117,17 @@ class DirectWhiten(WhiteningLayer, nn.Module):
             rest = f"groups={self.groups}" + (f", {rest}" if rest else "")
         return f"{self.num_features}" + (f", {rest}" if rest else "")
 
-    def _begin(self, x: Tensor) -> Tuple[bool, Dict[str, Tensor]]:
-        """A forward's first half: the input checks, and in training mode the batch added to the block statistics;
-        whether it is a training batch and the buffers it reads (``_forward_state``). The second half is
-        ``_end_batch()`` after the output, for a training batch (:class:`~whitenlayers.DirectWhitenWrapper` runs
-        the two around the layer it whitens for)."""
-        _check_input(self, x, dim=1, ndims=tuple(range(2, 9)), what="an input of shape (B, C) or (B, C, *spatial)")
-        training, state = self._forward_state()
-        if training:
-            _check_gathering_untransformed(self)
-            self._accumulate(x)
-        return training, state
-
-    def _shift_for(self, mean: Tensor, x: Tensor, features_last: bool) -> Tensor:
-        """``mu`` as ``x`` subtracts it (``x``'s dtype; on dim 1, or the last dim when ``features_last``): made once
-        per block (cached by tensor and version), in the graph when compiled."""
-        shape = (-1,) if features_last else (1, -1) + (1,) * (x.dim() - 2)
-        if _is_compiling():
-            return mean.to(x.dtype).view(shape)
-        cached = self.__dict__.get("_shift_cache")
-        if (cached is not None and cached[0] is mean and cached[1] == mean._version and cached[2] == x.dtype
-                and cached[3] == shape):
-            return cached[4]
-        value = mean.to(x.dtype).view(shape)
-        if _cacheable(mean) and _cacheable(x):
-            self.__dict__["_shift_cache"] = (mean, mean._version, x.dtype, shape, value)
+    def _derived(self, key: Any, make: Any) -> Any:
+        """``make()``, kept in the step cache under ``key`` while the buffers in force stay (once per block); made
+        anew in a compiled graph or a ``torch.jit`` trace, and never kept from an inference-mode forward."""
+        cache = self._cache
+        if _compiling() or torch._C._is_tracing() or cache.state is None:
+            return make()
+        value = cache.derived.get(key)
+        if value is None:
+            value = make()
+            if not torch.is_inference_mode_enabled():
+                cache.derived[key] = value
         return value
 
     def forward(self, x: Tensor) -> Tensor:
@@ -159,22 +139,136 @@ class DirectWhiten(WhiteningLayer, nn.Module):
         Returns:
             The whitened input, same shape and dtype.
         """
-        training, state = self._begin(x)
-        t = state["whitening_matrix"]
-        grads = torch.is_grad_enabled() and x.requires_grad
-        if grads:
-            _check_not_tracing_function(self, "the whitening's backward")
-        if x.dim() in POINTWISE_DIMS and F_w.fused_moments_on(x.device):
-            # CUDA: one 1x1 convolution each way. A CPU keeps the matrix products below: there the convolution was
-            # slower (ResNet-20 step 1.33x against 1.26x).
-            w, b, wt = self._pointwise_weights(t, state["running_mean"], x.dtype)
+        check_input(self, x, None, dim=1, ndims=_INPUT_DIMS, what=_INPUT_WHAT)
+        step = self._begin(x, x.requires_grad)  # (x in the recorded graph: kept anyway)
+        t, mean = step.state["whitening_matrix"], step.state["running_mean"]
+        if torch.is_grad_enabled() and x.requires_grad:
+            check_not_tracing_function(self, "the whitening's backward")
+        if x.dim() in POINTWISE_DIMS and (x.device.type != "cpu" or _FUSED_ON_CPU[0]):
+            # CUDA: one 1x1 convolution each way, T, -T mu and T^T made once per block. A CPU keeps the matrix
+            # products below: there the convolution was slower (ResNet-20 step 1.33x against 1.26x).
+            w, b, wt = self._derived(("pointwise", x.dtype), lambda: self._pointwise_weights(t, mean, x.dtype))
             out = pointwise_whiten(x, w, b, wt, self.groups)
         else:
-            if grads and t is self._buffers["whitening_matrix"]:
-                # the buffer itself (a forward traced by torch.jit), which a fold writes in place: the backward
-                # must use the T of this forward. A snapshot (every other forward) is never written.
-                t = t.clone()
-            out = direct_whiten(x, t, state["running_mean"])
-        if training:
-            self._end_batch()
+            if torch.is_grad_enabled() and x.requires_grad and t is self._buffers["whitening_matrix"]:
+                t = t.clone()  # the buffer itself (a torch.jit trace), which a fold writes in place
+            out = direct_whiten(x, t, mean)
+        if step.counts:
+            self._end(step, None)
+        return out
+
+    def _pointwise_weights(self, t: Tensor, mean: Tensor, dtype: torch.dtype) -> Tuple[Tensor, Tensor, Tensor]:
+        """``T`` as a 1x1 convolution's ``(M, M/G)`` weight, the bias ``-T mu`` and ``T^T``'s weight, in ``dtype``."""
+        m = self.num_features
+        with torch.no_grad():
+            w = t.reshape(m, -1).to(dtype).contiguous()
+            wt = t.transpose(-1, -2).reshape(m, -1).to(dtype).contiguous()
+            b = _transform_mean(t, mean).neg_().to(dtype)
+        return w, b, wt
+
+
+class DirectWhitenWrapper(nn.Module):
+    """``layer(whiten(x))``: a :class:`~whitenlayers.DirectWhiten` in front of a conv or linear layer.
+
+    What ``convert_model(..., method="direct")`` puts in place of a target.
+    ``layer`` is the original module object (same Parameters, same
+    state-dict hooks); the forward/backward hooks that were registered on it
+    are moved to this wrapper, so they see the same input and output as
+    before the conversion.
+
+    Args:
+        whiten: the :class:`~whitenlayers.DirectWhiten` applied first; its ``num_features`` (and
+            ``groups``) must match ``layer``'s input (``in_channels`` / ``in_features``).
+        layer: the conv or linear layer applied to the whitened input, unchanged.
+    """
+
+    def __init__(self, whiten: DirectWhiten, layer: nn.Module) -> None:
+        super().__init__()
+        self.whiten = whiten
+        self.layer = layer
+        note_direct(self)  # Opacus' validator checks the wrapped layer (whitenlayers.privacy)
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        super().__setstate__(state)
+        note_direct(self)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # The whitening layer's check of a checkpoint of another method: a grad / recursive layer's keys sit here,
+        # at the wrapper's place, which the DirectWhiten's own load (given only its keys) does not see.
+        self.whiten._check_checkpoint_method(state_dict, prefix + "whiten.", error_msgs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+    def _fusable(self) -> bool:
+        """Whether the forward multiplies the layer's weight by ``T`` (:meth:`forward`): a plain conv or linear layer,
+        a dense ``T``, and no hook that would see the two modules' calls."""
+        whiten, layer = self.whiten, self.layer
+        return type(layer) in _FUSED_LAYERS and whiten.groups == 1 and not (
+            whiten._forward_hooks or whiten._forward_pre_hooks or whiten._backward_hooks
+            or whiten._backward_pre_hooks or layer._forward_hooks or layer._forward_pre_hooks
+            or layer._backward_hooks or layer._backward_pre_hooks or _MODULE._global_forward_hooks
+            or _MODULE._global_forward_pre_hooks or _MODULE._global_backward_hooks
+            or _MODULE._global_backward_pre_hooks)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``layer(whiten(x))``, computed as ``layer(x - mu)`` with the weight ``W T`` where that is the same.
+
+        A plain conv or linear layer (``nn.Conv1d/2d/3d``, ``nn.Linear``) after a dense ``T`` (``groups=1``), with
+        no hooks on either module, takes its weight times ``T`` on the input-feature axis instead of the whitened
+        input: ``conv(pad(T (x - mu)), W) = conv(pad(x - mu), W T)`` (every padding mode pads each position's
+        features as a whole, which ``T`` does not mix), and the gradients of ``W`` and ``x`` are those of the
+        whitened form (``dW = dW' T^T``, ``dx = T^T conv^T(dz, W)``), up to rounding. One subtraction on the input
+        and one small product on the weight replace two 1x1 products over the activations (forward and
+        backward). Otherwise (hooks, a grouped ``T``, another layer type) the two modules are called in turn.
+
+        Args:
+            x: the wrapped layer's input (features on dim 1 for a conv, on the last dim for an ``nn.Linear``).
+        """
+        whiten, layer = self.whiten, cast(Any, self.layer)
+        if not self._fusable():
+            if isinstance(layer, nn.Linear) and x.dim() != 2:
+                # A linear layer acts on the last dim: whiten the (N, C) rows of x (statistics over all leading dims).
+                return layer(whiten(x.reshape(-1, x.shape[-1])).reshape(x.shape))
+            return layer(whiten(x))
+        # Fused: layer(x - mu) with the weight W T.
+        linear = type(layer) is nn.Linear
+        feats = x.reshape(-1, x.shape[-1]) if linear and x.dim() != 2 else x
+        if not (isinstance(feats, Tensor) and 2 <= feats.dim() <= 8 and feats.shape[1] == whiten.num_features
+                and feats.is_floating_point()):
+            check_input(whiten, feats, None, dim=1, ndims=_INPUT_DIMS, what=_INPUT_WHAT)
+        coordinator = whiten._fold_coordinator
+        scope = coordinator.scopes.get(_get_ident()) if coordinator is not None and coordinator.scopes else None
+        shared = scope.products.pop(whiten, None) if scope is not None and scope.products else None
+        if shared is not None and _saved_tensor_hooks() is not None:  # (checkpointing: a recomputed forward saves
+            shared = None  # what its original saved, and it recomputes without the shared product)
+        step = whiten._begin(feats, x.requires_grad, None if shared is None else shared[3])
+        t, mean = step.state["whitening_matrix"], step.state["running_mean"]
+        if torch.is_grad_enabled() and x.requires_grad and not _compiling() and torch._C._is_tracing():
+            check_not_tracing_function(whiten, "the whitening's backward")  # as DirectWhiten's own forward
+        params = layer._parameters
+        w = params["weight"]
+        if shared is not None and shared[1] is w and shared[2] is t:
+            wt = shared[0]  # its product in the model's shared node (the coordinator's)
+        elif _autocast_enabled(w.device.type):  # W T in the weight's dtype (autocast would multiply in bf16 / fp16)
+            with _no_autocast(w.device):
+                wt = F_w.transform_weight_grad(w, t)
+        else:
+            wt = F_w.transform_weight_grad(w, t)
+        # mu as x subtracts it: kept in the step cache while the buffers in force stay (not from a trace)
+        shape = (-1,) if linear else (1, -1) + (1,) * (x.dim() - 2)
+        key = ("shift", x.dtype, shape)
+        cache = None if _compiling() or torch._C._is_tracing() else whiten._cache
+        shift = cache.derived.get(key) if cache is not None else None
+        if shift is None:
+            shift = mean.to(x.dtype).view(shape)
+            if (cache is not None and cache.state is not None and mean is cache.state["running_mean"]
+                    and not torch.is_inference_mode_enabled()):
+                cache.derived[key] = shift
+        if linear:
+            out = nn.functional.linear(x - shift, wt, params["bias"])
+        else:
+            out = layer._conv_forward(x - shift, wt, params["bias"])
+        if step.counts:
+            whiten._end(step, None)
         return out

@@ -1,24 +1,87 @@
-"""A whitening layer's state outside training: checkpoints (the partial block as extra state, loading with
-checks for another method's or an old version's keys), pickling and copying, scripting.
-Part of :mod:`whitenlayers.stats`.
+"""A whitening layer's state outside training: checkpoints (the partial block as extra state, the rule's identity,
+loading with checks for another method's, another rule's or an old version's keys), pickling and copying,
+scripting.
+
+The rule's identity: a buffer, ``whitening_rule``, holds :func:`~whitenlayers.rules.rule_identity` (a JSON text: the
+rule's name and its config's fields) as one byte per element, zero-padded to a width fixed when the layer is built
+(at least :data:`IDENTITY_WIDTH`): a tensor whose shape a fresh layer of the same construction has, so that loaders
+that shape the state from a fresh model (``torch.distributed.checkpoint``) load it, and that averaging the model's
+buffers (EMA, SWA) or casting them to a low precision (bytes are exact in bf16) leaves it intact. It is written from
+the layer's rule whenever a state dict is taken. Loading a checkpoint whose identity names another rule is an error
+naming both (a warning with ``strict=False``); the same rule with other hyper-parameters loads, keeps the layer's
+config, and warns once per difference. Part of :mod:`whitenlayers.layers`.
 """
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import sys
 import warnings
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union, cast
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Set, Tuple, Union, cast
 
 import torch
 from torch import Tensor
 
-from .. import functional as F_w
 from ..fold import FAILED, FOLDED, FoldOutcome, PendingFold
-from ..rules import RecursiveRule
-from ._core import _LayerCore
+from ..rules import _BUILT_IN, rule_identity
+from .step import _StepCache
 
-__all__ = ["loading_plain_checkpoint"]
+if TYPE_CHECKING:  # pragma: no cover
+    from .block import Block
+
+__all__ = ["IDENTITY_BUFFER", "IDENTITY_WIDTH", "encode_identity", "decode_identity", "loading_plain_checkpoint"]
+
+
+#: The buffer that holds the rule's identity.
+IDENTITY_BUFFER = "whitening_rule"
+#: The least width of the identity buffer (elements, one byte each); a longer identity takes the next multiple.
+#: The built-in rules' identities take under 300 bytes, so that a config changed after the layer was built keeps
+#: the buffer's shape (which a loader that shapes the state from a fresh model needs).
+IDENTITY_WIDTH = 512
+#: Hyper-parameter differences already warned about (one warning per difference, not one per layer).
+_warned_differences: Set[Tuple[str, str]] = set()
+
+
+def _width(text: str) -> int:
+    n = len(text.encode("utf-8"))
+    return max(IDENTITY_WIDTH, -(-n // IDENTITY_WIDTH) * IDENTITY_WIDTH)
+
+
+def encode_identity(text: str, width: Optional[int] = None, **factory: Any) -> Tensor:
+    """``text`` (UTF-8) as a 1-D tensor of its bytes, zero-padded to ``width`` (default: the least multiple of
+    :data:`IDENTITY_WIDTH` that holds it); ``factory``: ``dtype`` (default float32) and ``device``.
+
+    Example:
+        >>> decode_identity(encode_identity('{"rule":"evd"}'))
+        '{"rule":"evd"}'
+    """
+    data = list(text.encode("utf-8"))
+    width = _width(text) if width is None else width
+    if len(data) > width:
+        raise ValueError(f"a rule identity of {len(data)} bytes does not fit in width={width}")
+    factory.setdefault("dtype", torch.float32)
+    return torch.tensor(data + [0] * (width - len(data)), **factory)
+
+
+def decode_identity(values: Any) -> Optional[str]:
+    """The text :func:`encode_identity` wrote into ``values``; ``None`` when ``values`` is not such an encoding (not
+    a 1-D tensor of bytes followed by zeros, not UTF-8)."""
+    if not isinstance(values, Tensor) or values.dim() != 1:
+        return None
+    try:
+        data = [int(v) for v in values.detach().to("cpu", torch.float64).tolist()]
+    except (ValueError, OverflowError):  # NaN, Inf
+        return None
+    if any(v < 0 or v > 255 for v in data):
+        return None
+    end = data.index(0) if 0 in data else len(data)
+    if any(data[end:]):
+        return None
+    try:
+        return bytes(data[:end]).decode("utf-8")
+    except UnicodeDecodeError:
+        return None
 
 
 #: Layout tag of the packed extra state (:meth:`WhiteningLayer.get_extra_state`); version 1 was a dict.
@@ -37,9 +100,9 @@ _LAYOUTS = (_EXTRA_LAYOUT, _EXTRA_LAYOUT_PENDING, _EXTRA_LAYOUT_SLOT)
 #: buffers its outcome holds (:meth:`~whitenlayers.stats.WhiteningLayer._outcome_layout`, the first ``kept``).
 _PENDING_HEAD = ("status", "clamped", "unshifted", "nonfinite", "kept")
 #: The scalar head of the packed extra state, in order; then ``shift (M)``, ``s1 (M)``, ``s2`` (block shape).
-_EXTRA_HEAD = ("layout", "acc_batches", "has_shift", "eig_failures", "skipped_folds", "nonfinite_blocks",
+_EXTRA_HEAD = ("layout", "acc_batches", "has_shift", "transform_failures", "skipped_folds", "nonfinite_blocks",
                "clamped_steps", "acc_count", "stats_unshifted")
-_COUNTERS = ("eig_failures", "skipped_folds", "nonfinite_blocks", "clamped_steps")
+_COUNTERS = ("transform_failures", "skipped_folds", "nonfinite_blocks", "clamped_steps")
 #: Set while :func:`~whitenlayers.load_plain_state_dict` loads a plain checkpoint into a converted model.
 _loading_plain = [False]
 
@@ -54,58 +117,98 @@ def loading_plain_checkpoint() -> Iterator[None]:
         _loading_plain[0] = before
 
 
+def _load_frame() -> Any:
+    """The frame of the ``Module.load_state_dict`` call under way, or ``None`` (a loader of its own)."""
+    frame = sys._getframe(2)
+    code = torch.nn.Module.load_state_dict.__code__
+    while frame is not None and frame.f_code is not code:
+        frame = frame.f_back
+    return frame
+
+
 def _strict_load() -> bool:
     """The ``strict`` of the ``Module.load_state_dict`` call under way (PyTorch passes ``strict=True`` to every
     ``_load_from_state_dict`` and applies ``strict`` to the missing / unexpected keys afterwards); ``False`` where
     no such call is found (a loader of its own: warn, never fail a load PyTorch would accept)."""
-    frame = sys._getframe(2)
-    code = torch.nn.Module.load_state_dict.__code__
-    while frame is not None:
-        if frame.f_code is code:
-            return bool(frame.f_locals.get("strict", True))
-        frame = frame.f_back
-    return False
+    frame = _load_frame()
+    return frame is not None and bool(frame.f_locals.get("strict", True))
+
+
+#: The errors the layers reported for a checkpoint of another method or rule (a strict load), which
+#: :func:`cause_first` puts first.
+_CAUSES: Set[str] = set()
+
+
+def _report_cause(msg: str, error_msgs: List[str]) -> None:
+    _CAUSES.add(msg)
+    error_msgs.append(msg)
+
+
+def cause_first(module: Any, incompatible_keys: Any) -> None:
+    """A converted model's ``load_state_dict`` post-hook: where its layers found a checkpoint of another method or
+    rule (a strict load, which fails), the error leads with that cause and its fix, and the missing and unexpected
+    keys (hundreds in a ResNet, all of them the other method's) are cut to a count and the first few."""
+    frame = _load_frame()
+    error_msgs = frame.f_locals.get("error_msgs") if frame is not None else None
+    ours = [m for m in error_msgs if m in _CAUSES] if isinstance(error_msgs, list) else []
+    _CAUSES.clear()
+    if not ours or not isinstance(error_msgs, list):
+        return
+    def few(keys: List[str]) -> str:
+        return f"{len(keys)}" + (f" ({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})" if keys else "")
+
+    lead = ours[0] + (f" ({len(ours) - 1} more layer(s) alike)" if len(ours) > 1 else "")
+    counts = (f"missing keys: {few(incompatible_keys.missing_keys)}; unexpected keys: "
+              f"{few(incompatible_keys.unexpected_keys)}")
+    rest = [m for m in error_msgs if m not in ours]
+    error_msgs[:] = [lead, counts] + rest
+    incompatible_keys.missing_keys.clear()  # (said in `counts`; the load fails either way)
+    incompatible_keys.unexpected_keys.clear()
 
 
 #: Buffers only a recursive layer has (they tell a recursive checkpoint from a grad one).
 _RECURSIVE_KEYS = ("running_cov_whitened", "running_power", "whitening_gram")
 
-class _StateIOMixin(_LayerCore):
-    """Checkpoints, pickling and scripting of :class:`~whitenlayers.WhiteningLayer` (this module's
-    docstring)."""
-
+class _CheckpointMixin:
+    """Checkpoints, pickling and scripting of :class:`~whitenlayers.WhiteningLayer` (this module's docstring)."""
 
     # 2: the partial block is one tensor in ``_extra_state``; grad layers with a bias keep their bias compensation
     # in ``bias_correction`` (version 1 added it to the bias parameter).
     _version = 2
 
+    if TYPE_CHECKING:  # (provided by WhiteningLayer and nn.Module)
+        _block: Block
+        _buffers: Dict[str, Any]
+        num_features: int
+        groups: int
+        rule: Any
+        running_mean: Tensor
+        _pending_fold: Any
+
+        @property
+        def _block_shape(self) -> tuple: ...
+
+        @property
+        def method(self) -> str: ...
+
+        def _describe(self) -> str: ...
+
+        def _outcome_layout(self) -> List[Tuple[str, Tuple[int, ...]]]: ...
+
+        def _reset_accumulators(self, device: Any = None) -> None: ...
+
+        def register_buffer(self, name: str, tensor: Optional[Tensor], persistent: bool = True) -> None: ...
+
 
     def __getstate__(self) -> Dict[str, Any]:
         self._wait_for_fold()  # a fold in flight: its result is the layer's pending fold, copied with it
-        # The buffers of the last forward and the weight of a fold under way are transient: not pickled or copied;
-        # nor is the deferral's state (a copy is stepped by no optimizer of the deferral, defer_grad_transform).
         state = dict(self.__dict__)
-        for transient in ("_in_force", "_snapshot", "_fold_weight", "_mean_taps", "_pointwise_cache", "_shift_cache",
-                          "_rows_cache", "_shift_store", "_deferred_grad", "_deferred_q", "_absorb_plan",
-                          "_planned", "_shared_weight", "_wrapper", "_t_transposed",
-                          "_spares", "_double_buffered"):  # the last two: set by versions before 2026-11-28
+        # What a forward keeps between steps is made again (the step cache); the deferral's state is not copied (a
+        # copy is stepped by no optimizer of the deferral, defer_grad_transform), nor is a direct wrapper's link.
+        state["_cache"] = _StepCache()
+        for transient in ("_deferral", "_wrapper"):
             state.pop(transient, None)
-        state.pop("_acc_dense", None)
-        aug = state.get("_acc_aug")
-        if aug is not None:  # views of it: made again on load (a pickle would copy them apart)
-            state.pop("_acc_s1", None)
-            state.pop("_acc_s2", None)
-            state.pop("_acc_blocks", None)
-            if aug._base is not None and aug._base.dim() == 3:  # a slice of a coordinator's stacked accumulator
-                state["_acc_aug"] = F_w.moments_accumulator(aug.shape[0] - 1, aug.dtype, aug.device).copy_(aug)
         return state
-
-    def __setstate__(self, state: Dict[str, Any]) -> None:
-        super().__setstate__(state)  # type: ignore[misc]
-        self.__dict__.setdefault("_traced_calls", [])  # layers pickled before compiled forwards counted their calls
-        aug = self.__dict__.get("_acc_aug")
-        if aug is not None:
-            self._set_accumulator(aug)
 
     def __prepare_scriptable__(self) -> Any:
         raise RuntimeError(
@@ -117,7 +220,7 @@ class _StateIOMixin(_LayerCore):
     # ---------------------------------------------------------- checkpointing
     def _wait_for_fold(self) -> None:
         """Wait for an asynchronous fold in flight (the coordinator's), which makes it this layer's pending fold."""
-        coordinator = self.__dict__.get("_fold_coordinator")
+        coordinator = self.__dict__.get("_fold_coordinator")  # (None too while a pickle is being restored)
         if coordinator is not None:
             coordinator.wait()
 
@@ -134,25 +237,27 @@ class _StateIOMixin(_LayerCore):
         of a fold, pending or not, so that the tensor's size depends only on how the layer was built
         (``torch.distributed.checkpoint`` loads into the tensors of a fresh model's ``state_dict``).
         """
-        self._flush_handed()
+        coordinator = self.__dict__.get("_fold_coordinator")
+        if coordinator is not None:
+            coordinator.flush_stats()
         self._wait_for_fold()
         pending = cast(Optional[PendingFold], self._pending_fold)
+        block = self._block
         f64: Dict[str, Any] = {"dtype": torch.float64, "device": self.running_mean.device}
-        coordinator = self.__dict__.get("_fold_coordinator")
         slot = coordinator is not None and coordinator.fold_async
         layout = _EXTRA_LAYOUT_SLOT if slot else _EXTRA_LAYOUT if pending is None else _EXTRA_LAYOUT_PENDING
-        head = torch.tensor([layout, self._acc_batches, self._acc_shift is not None]
-                            + [getattr(self, name) for name in _COUNTERS] + [self._acc_count, self._stats_unshifted],
-                            **f64)
-        shift = self._acc_shift if self._acc_shift is not None else torch.zeros_like(self._acc_s1)
-        parts = [head, shift, self._acc_s1, self._acc_s2.reshape(-1)]
+        head = torch.tensor([layout, block.batches, block.shift is not None]
+                            + [getattr(self, name) for name in _COUNTERS] + [block.rows, block.unshifted], **f64)
+        shift = block.shift if block.shift is not None else torch.zeros_like(block.s1, dtype=torch.float64)
+        parts = [head, shift, block.s1, block.s2.reshape(-1)]
         if pending is not None:
             outcome = cast(FoldOutcome, pending.outcome)
             layout_shapes = self._outcome_layout()
             kept = [name for name, _ in layout_shapes if name in outcome.buffers]
             parts += [torch.tensor([outcome.status, outcome.clamped, pending.unshifted, pending.nonfinite, len(kept)],
                                    **f64),
-                      pending.mean, pending.delta, pending.shift] + [outcome.buffers[name].reshape(-1) for name in kept]
+                      pending.mean, pending.delta, torch.zeros_like(pending.delta)]  # (once the next shift: unused)
+            parts += [outcome.buffers[name].reshape(-1) for name in kept]
             if slot:  # the buffers the outcome does not hold (a failed fold keeps the transform): zeros
                 parts += [torch.zeros(math.prod(shape), **f64) for _, shape in layout_shapes[len(kept):]]
         elif slot:
@@ -174,27 +279,25 @@ class _StateIOMixin(_LayerCore):
         else:
             state = self._unpack_extra_state(state)
         dev = self.running_mean.device
-        self._acc_batches = int(state["acc_batches"])
-        self._gather_next = self._acc_batches % self.config.stats_every == 0
-        self._acc_count = float(state["acc_count"])
-        self._stats_unshifted = bool(state.get("stats_unshifted", False))
-        shift = state["acc_shift"]
-        self._acc_shift = None if shift is None else shift.to(dev, torch.float64).clone()
-        self._acc_shift_x = None  # set from the shift at the next gathered batch (its dtype and rank)
-        if self.groups == 1:  # the augmented accumulator, in its own dtype (exact for sums it had written)
+        block = self._block = self._new_block(dev)  # type: ignore[attr-defined]
+        block.batches = int(state["acc_batches"])
+        block.gather_next = block.batches % block.every == 0
+        block.rows = float(state["acc_count"])
+        block.unshifted = bool(state.get("stats_unshifted", False))
+        if state["acc_shift"] is not None:  # the block's shift, in the tensor a compiled forward reads
+            block.store.copy_(state["acc_shift"].to(dev, torch.float64))
+            block.shift = block.store
+        if block.acc is not None:  # the augmented accumulator, in its own dtype (exact for sums it had written)
             m = self.num_features
-            aug = F_w.moments_accumulator(m, self._acc_dtype(), dev)
-            aug[:m, :m] = state["acc_s2"]
-            aug[:m, m] = state["acc_s1"]
-            aug[m, :m] = state["acc_s1"]
-            aug[m, m] = self._acc_count
-            self._set_accumulator(aug)
+            block.acc[:m, :m] = state["acc_s2"]
+            block.acc[:m, m] = state["acc_s1"]
+            block.acc[m, :m] = state["acc_s1"]
+            block.acc[m, m] = block.rows
         else:
-            self._acc_s1 = state["acc_s1"].to(dev, torch.float64).clone()
-            self._acc_s2 = state["acc_s2"].to(dev, torch.float64).clone()
+            block.s1.copy_(state["acc_s1"])
+            block.s2.copy_(state["acc_s2"])
         for name in _COUNTERS:
             setattr(self, name, int(state.get(name, 0)))
-        self._fold_pending = False
         self._pending_fold = state.get("pending")
 
     def _unpack_extra_state(self, packed: Tensor) -> Dict[str, Any]:
@@ -242,7 +345,7 @@ class _StateIOMixin(_LayerCore):
         values = [t.to(dev).clone() for t in torch.split(packed[n_head:], sizes)]
         buffers = {name: t.view(shape) for (name, shape), t in zip(layout[:kept], values[3:])}
         return PendingFold(FoldOutcome(status, bool(head["clamped"]), buffers),
-                           values[0].to(self.running_mean.dtype), values[1], bool(head["unshifted"]), values[2],
+                           values[0].to(self.running_mean.dtype), values[1], bool(head["unshifted"]),
                            int(head["nonfinite"]))
 
     def _unpack_dict_extra_state(self, state: Dict[str, Any]) -> Dict[str, Any]:
@@ -257,18 +360,12 @@ class _StateIOMixin(_LayerCore):
         state["acc_count"] = float(state["acc_count"])
         return state
 
-    def _method_name(self) -> str:
-        """``"grad"``, ``"recursive"`` or ``"direct"``: :func:`~whitenlayers.convert_model`'s name of the method."""
-        if isinstance(self.rule, RecursiveRule):  # (a subclass of one's own too: it keeps the recursive buffers)
-            return "recursive"
-        return "grad" if "grad_transform" in self._buffers else "direct"
-
     def _checkpoint_method(self, state_dict: Dict[str, Any], prefix: str) -> Tuple[Optional[str], str]:
         """What the checkpoint holds in this layer's place, and where: ``"grad"``, ``"recursive"``, ``"direct"``,
         ``"plain"`` (an unconverted layer) or ``None`` (nothing there). A direct layer sits at ``<name>.whiten.``,
         a grad or recursive one at ``<name>.`` (PyTorch hands a module only the keys under its prefix: the direct
         wrapper checks for its whitening layer, :class:`~whitenlayers.DirectWhitenWrapper`)."""
-        place = prefix[: -len("whiten.")] if self._method_name() == "direct" and prefix.endswith("whiten.") else prefix
+        place = prefix[: -len("whiten.")] if self.method == "direct" and prefix.endswith("whiten.") else prefix
         where = place[:-1] or "<root>"
         for found in (place, place + "whiten."):
             if any(found + name in state_dict for name in _RECURSIVE_KEYS):
@@ -285,7 +382,7 @@ class _StateIOMixin(_LayerCore):
         """A checkpoint of another method (or of the plain model) in this layer's place: an error that names both
         (a strict load), or a warning (``strict=False``, where PyTorch would drop the other method's keys
         silently)."""
-        (theirs, where), mine = self._checkpoint_method(state_dict, prefix), self._method_name()
+        (theirs, where), mine = self._checkpoint_method(state_dict, prefix), self.method
         if theirs is None or theirs == mine or (theirs == "plain" and _loading_plain[0]):
             return
         if theirs == "plain":
@@ -298,13 +395,13 @@ class _StateIOMixin(_LayerCore):
             msg = (f"{self._describe()}: the checkpoint holds a '{theirs}' whitening layer at '{where}', but this "
                    f"model's layer there is '{mine}'; convert the model with method={theirs!r} before loading")
         if _strict_load():
-            error_msgs.append(msg)
+            _report_cause(msg, error_msgs)
         else:
             warnings.warn(msg + " (strict=False: the whitening state of the other method is not loaded; only keys "
                                 "with the same names are)", UserWarning, stacklevel=4)
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
+    def _load_checked(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        """The checks of a checkpoint of this layer, then ``nn.Module``'s load."""
         self._wait_for_fold()  # a fold in flight reads the buffers this writes (set_extra_state then replaces it)
         self._check_checkpoint_method(state_dict, prefix, error_msgs)
         version = local_metadata.get("version", None)
@@ -332,6 +429,100 @@ class _StateIOMixin(_LayerCore):
             return
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+
+
+    # ------------------------------------------------------------ the rule's identity
+    def _register_rule_identity(self) -> None:
+        """Register the identity buffer (once, when the layer is built), in the statistics' dtype and device."""
+        text = rule_identity(self.rule)
+        mean = self.running_mean
+        self.register_buffer(IDENTITY_BUFFER, encode_identity(text, dtype=mean.dtype, device=mean.device))
+        self.__dict__["_identity_of"] = (self.rule, text)
+
+    def _refresh_rule_identity(self, force: bool = False) -> None:
+        """Write the rule's identity into the buffer when the rule changed since it was written (a new config), or
+        always (``force``: after a load or ``to_empty``, which leave other values there)."""
+        written = self.__dict__.get("_identity_of")
+        if not force and written is not None and written[0] is self.rule:
+            return
+        buf = self._buffers.get(IDENTITY_BUFFER)
+        if buf is None:  # a layer pickled before the identity existed
+            self._register_rule_identity()
+            return
+        text = rule_identity(self.rule)
+        width = max(buf.numel(), _width(text))
+        value = encode_identity(text, width, dtype=buf.dtype, device=buf.device)
+        with torch.no_grad():
+            if value.shape == buf.shape:
+                buf.copy_(value)
+            else:
+                self._buffers[IDENTITY_BUFFER] = value
+        self.__dict__["_identity_of"] = (self.rule, text)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        self._refresh_rule_identity()
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        state_dict = self._checked_rule_identity(state_dict, prefix, error_msgs)
+        self._load_checked(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        self._cache.clear()
+        self.__dict__["_identity_of"] = None  # the buffer holds what was loaded: written again at the next save
+
+    def _checked_rule_identity(self, state_dict: Dict[str, Any], prefix: str, error_msgs: List[str]
+                               ) -> Dict[str, Any]:
+        """The checkpoint ``state_dict`` as this layer loads it: the identity checked against the layer's rule (an
+        error naming both for another rule, see the module docstring) and replaced by the layer's own, or added
+        where the checkpoint has none but holds this layer's other keys (a plain or an older checkpoint)."""
+        key = prefix + IDENTITY_BUFFER
+        self._refresh_rule_identity()
+        own = rule_identity(self.rule)
+        buf = self._buffers[IDENTITY_BUFFER]
+        like = state_dict.get(key, state_dict.get(prefix + "running_mean"))  # (the checkpoint's device: a model
+        device = like.device if isinstance(like, Tensor) and not like.is_meta else buf.device  # built on meta)
+        mine = encode_identity(own, max(buf.numel(), _width(own)), dtype=buf.dtype, device=device)
+        if key not in state_dict:
+            if not any(k.startswith(prefix) for k in state_dict):
+                return state_dict  # nothing of this layer: reported missing, as the other keys
+            return {**state_dict, key: mine}
+        text = decode_identity(state_dict[key])
+        where = prefix[:-1] or "<root>"
+        try:
+            theirs = json.loads(text) if text is not None else None
+        except ValueError:
+            theirs = None
+        if not isinstance(theirs, dict) or not isinstance(theirs.get("rule"), str):
+            error_msgs.append(f"{self._describe()}: checkpoint '{key}' does not hold a rule identity (a byte-encoded "
+                              f"JSON object naming the rule), but got a tensor of shape "
+                              f"{tuple(getattr(state_dict[key], 'shape', ()))}")
+            return state_dict
+        ours = json.loads(own)
+        kept = {**state_dict, key: mine}
+        method = self._checkpoint_method(state_dict, prefix)[0]
+        if method not in (None, "plain", self.method) and type(self.rule) in _BUILT_IN:
+            return kept  # another method's built-in rule: the method check's message says it (state_io)
+        if theirs["rule"] != ours["rule"]:
+            msg = (f"{self._describe()}: the checkpoint at '{where}' was saved with the rule {theirs['rule']!r}, but "
+                   f"this layer's rule is {ours['rule']!r} ({type(self.rule).__name__}); build the model with "
+                   f"rule={theirs['rule']!r} (convert_model(..., rule=...)) before loading it")
+            if _strict_load():
+                _report_cause(msg, error_msgs)
+            else:
+                warnings.warn(msg + " (strict=False: loaded into this layer's rule anyway)", UserWarning,
+                              stacklevel=4)
+            return kept
+        differ = [f"{name}={theirs.get(name)!r} (this layer: {value!r})" for name, value in ours.items()
+                  if name != "rule" and theirs.get(name) != value]
+        if differ:
+            what = ", ".join(differ)
+            if (ours["rule"], what) not in _warned_differences:
+                _warned_differences.add((ours["rule"], what))
+                warnings.warn(f"{self._describe()}: the checkpoint at '{where}' was saved with the rule "
+                              f"{ours['rule']!r} and {what}; the layer keeps its own hyper-parameters (assign "
+                              "layer.config to change them). Said once for every layer with this difference",
+                              UserWarning, stacklevel=4)
+        return kept
 
 
 def _shape_words(shape: tuple) -> str:

@@ -1,4 +1,4 @@
-"""Small stand-ins of other architecture families, for tests, examples and ``docs/coverage.py``.
+"""Small stand-ins of other architecture families, for the tests and ``docs/coverage.py``.
 
 They have the module structure (and class names) of the real ones, so conversion rules that look at class
 names treat them alike, without torchvision, timm or transformers installed. Not part of the layers' API.
@@ -14,8 +14,8 @@ names treat them alike, without torchvision, timm or transformers installed. Not
 
 Example:
     >>> import torch
-    >>> from whitenlayers import testing
-    >>> testing.mobilenet_like(width=4)(torch.randn(2, 3, 32, 32)).shape
+    >>> import stand_ins
+    >>> stand_ins.mobilenet_like(width=4)(torch.randn(2, 3, 32, 32)).shape
     torch.Size([2, 10])
 """
 from __future__ import annotations

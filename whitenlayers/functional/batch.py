@@ -1,0 +1,564 @@
+"""What each training batch computes: its sums into a block's accumulator (the layers' hot path, eagerly and in
+compiled graphs), the centring offset ``sum_k W_k mu`` and the weight-gradient transform ``dW <- dW Q_s``, dense and
+grouped. The block's side (summaries, the recursive averages) is :mod:`~whitenlayers.functional.moments`'s. Part of
+:mod:`whitenlayers.functional`."""
+from __future__ import annotations
+
+import collections
+import contextlib
+import math
+from typing import Iterator, Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from .moments import block_outer
+
+__all__ = ["accumulate_moments", "accumulate_moments_split", "moments_accumulator", "ones_for_moments",
+           "fused_moments", "fused_moments_on", "low_precision_products_on", "batch_moments", "batch_sums",
+           "stats_samples", "weight_mean_product", "transform_weight_grad", "grouped_batch_moments"]
+
+
+def _rows_layout(x: Tensor) -> bool:
+    """Whether the 4-D ``x`` lies as ``(P, M)`` rows, features last (channels_last, not also contiguous)."""
+    return x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+
+
+def _as_rows(x: Tensor) -> Optional[Tensor]:
+    """``x`` as a ``(P, M)`` view (features last) when that needs no copy."""
+    if x.dim() == 2:
+        return x
+    if x.dim() == 4 and _rows_layout(x):
+        return x.permute(0, 2, 3, 1).reshape(-1, x.shape[1])
+    return None
+
+
+# CPU statistics: inputs of at least this many values take the unshifted product
+# (see batch_moments), accepted when it loses at most log2(_UNSHIFTED_MAX_LOSS) bits.
+_CPU_UNSHIFTED_MIN_ELEMENTS = 1 << 16
+_UNSHIFTED_MAX_LOSS = 8.0
+
+
+#: Sub-sampled statistics (``stats_fraction < 1``) keep at least this many rows (samples x positions) per
+#: feature in every batch: the fraction thins out batches with rows to spare (a conv's many positions), never
+#: the few rows of a linear layer or a small batch.
+STATS_MIN_ROWS_PER_FEATURE = 16
+
+
+def stats_samples(batch: int, positions: int, features: int, fraction: float) -> int:
+    """How many leading samples of a batch the statistics use with ``stats_fraction=fraction``.
+
+    ``ceil(fraction * batch)``, raised to the samples needed for
+    ``STATS_MIN_ROWS_PER_FEATURE * features`` rows of ``positions`` each, at most ``batch``.
+
+    Args:
+        batch: samples in the batch, >= 1.
+        positions: spatial positions per sample (1 for a linear layer), >= 1.
+        features: the layer's ``M`` (per group), >= 1.
+        fraction: the config field ``stats_fraction``, in ``(0, 1]``.
+
+    Example:
+        >>> stats_samples(128, 32 * 32, 16, 0.25)   # a 16-channel conv at 32x32: a quarter of the batch
+        32
+        >>> stats_samples(128, 8 * 8, 64, 0.25)     # 64 channels at 8x8: still a quarter
+        32
+        >>> stats_samples(128, 1, 512, 0.25)        # a 512-wide linear layer: every sample
+        128
+    """
+    keep = max(math.ceil(fraction * batch), math.ceil(STATS_MIN_ROWS_PER_FEATURE * features / max(positions, 1)))
+    return max(1, min(batch, keep))
+
+
+def _unshifted_moments(x: Tensor, shift: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
+    """Shifted sums from the *unshifted* product ``sum x x^T``, or ``None`` when that would be inaccurate.
+
+    ``s2 = sum x x^T - k s^T - s k^T + n k k^T`` (``s = sum x``, ``k`` the shift),
+    corrected in float64. Rounding in ``sum x x^T`` scales with ``sum x_m^2``
+    instead of ``sum (x_m - k_m)^2``: the result is accepted only when every
+    feature has ``sum x_m^2 <= _UNSHIFTED_MAX_LOSS * sum (x_m - k_m)^2``, i.e.
+    the rounding error is at most that factor above the shifted product's (an
+    error relative to ``sqrt(s2_ii s2_jj)``, off-diagonal entries included).
+    Checking costs one host synchronisation, free on the CPU.
+    """
+    b = x.flatten(2)  # (B, M, H*W): a view for contiguous NC... inputs
+    n = b.shape[0] * b.shape[2]
+    g = torch.bmm(b, b.transpose(1, 2)).sum(0).to(torch.float64)
+    s = b.sum(2).to(torch.float64).sum(0)  # float64 across samples (a float64-accumulating sum of x is 10x slower)
+    k = shift.to(x.dtype).to(torch.float64)
+    ks = torch.outer(k, s)
+    s2 = g - ks - ks.t() + n * torch.outer(k, k)
+    ok = torch.diagonal(g) <= _UNSHIFTED_MAX_LOSS * torch.diagonal(s2)
+    if not bool(ok.all()) and bool(torch.isfinite(s2).all()):
+        return None
+    return (s - n * k).to(x.dtype), s2.to(x.dtype)
+
+
+def batch_sums(x: Tensor, shift: Optional[Tensor] = None, groups: int = 1) -> Tuple[Tensor, Tensor]:
+    """A batch's sums about ``shift``: ``s1 = sum (x - shift)`` ``(M,)`` and ``s2 = sum (x - shift)(x - shift)^T``.
+
+    The layers' hot path (one call per training forward that gathers statistics): a subtraction (none when
+    ``shift`` is ``None``: sums about 0), one product and two reductions, in ``x``'s dtype, no check and no host
+    synchronisation. ``x`` is ``(B, M)`` or ``(B, M, *spatial)`` (features on dim 1); ``shift`` is shaped to
+    broadcast against it (``(1, M, 1, ...)``). ``groups > 1``: the diagonal blocks ``(G, k, k)`` of ``s2`` only.
+
+    About 0 the product's rounding scales with ``sum x_m^2`` instead of ``sum (x_m - mean_m)^2``: a layer sums
+    unshifted only when its statistics allow it (:func:`unshifted_accurate`).
+
+    Args:
+        x: the batch, ``(B, M)`` or ``(B, M, *spatial)``.
+        shift: shaped to broadcast against ``x``, or ``None`` (default: sums about 0).
+        groups: ``G`` >= 1 dividing ``M`` (default 1).
+    """
+    xs = x if shift is None else x - shift
+    m = x.shape[1]
+    rows = _as_rows(xs)
+    if groups == 1:
+        if rows is not None:  # (P, M): 2-D input or channels_last
+            return rows.sum(0), rows.t() @ rows
+        b = xs.flatten(2)  # (B, M, H*W): a view for contiguous NC... inputs; also valid for an empty batch
+        return b.sum((0, 2)), torch.bmm(b, b.transpose(1, 2)).sum(0)
+    k = m // groups
+    if rows is not None:
+        r = rows.reshape(-1, groups, k).transpose(0, 1)  # (G, P, k)
+        return rows.sum(0), torch.matmul(r.transpose(1, 2), r)
+    b = xs.reshape(xs.shape[0], groups, k, math.prod(xs.shape[2:]))  # (B, G, k, P); also for an empty batch
+    return b.sum((0, 3)).reshape(m), torch.matmul(b, b.transpose(-1, -2)).sum(0)
+
+
+_ONES: "collections.OrderedDict[tuple, Tensor]" = collections.OrderedDict()
+#: Ones tensors kept (one per batch shape, dtype and device; shared by the layers of a model).
+_ONES_KEPT = 16
+
+
+def _ones(shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A tensor of ones, made once per shape (in the graph when compiled: no state to guard on)."""
+    if torch.compiler.is_compiling():
+        return torch.ones(shape, dtype=dtype, device=device)
+    key = (shape, dtype, device)
+    ones = _ONES.get(key)
+    if ones is None:
+        if torch.is_inference_mode_enabled():  # never keep an inference tensor
+            return torch.ones(shape, dtype=dtype, device=device)
+        ones = _ONES[key] = torch.ones(shape, dtype=dtype, device=device)
+        while len(_ONES) > _ONES_KEPT:
+            _ONES.popitem(last=False)
+    return ones
+
+
+def ones_for_moments(x: Tensor) -> Tuple[int, ...]:
+    """The shape of the ones :func:`accumulate_moments` uses with ``x``: a column ``(P, 1)`` for a ``(P, M)`` view
+    of ``x`` (2-D or channels_last; the column sums as the product ``x^T 1``), else a row ``(1, B, P)`` appended to
+    ``(M, B, P)``."""
+    return _ones_shape(x, _as_rows(x))
+
+
+def _ones_shape(x: Tensor, rows: Optional[Tensor]) -> Tuple[int, ...]:
+    """:func:`ones_for_moments` given ``rows = _as_rows(x)`` (computed once on the hot path)."""
+    return (rows.shape[0], 1) if rows is not None else (1, x.shape[0], math.prod(x.shape[2:]))
+
+
+#: Where the layers take their fewest-kernel paths (:func:`accumulate_moments`' concatenation and one product;
+#: ``DirectWhiten`` as a 1x1 convolution each way): every device but the CPU, unless :func:`fused_moments` says
+#: otherwise.
+_FUSED_ON_CPU = [False]
+
+
+def fused_moments_on(device: torch.device) -> bool:
+    """Whether ``device`` takes the fewest-kernel paths (:func:`fused_moments`): not the CPU, by default."""
+    return device.type != "cpu" or _FUSED_ON_CPU[0]
+
+
+@contextlib.contextmanager
+def fused_moments(on_cpu: bool = True) -> Iterator[None]:
+    """Within the block, the CPU takes the fewest-kernel paths as CUDA does (or not): the two-op path of
+    :func:`accumulate_moments`, ``DirectWhiten``'s 1x1 convolutions, and at a fold one batched ``eigh`` for
+    EVD layers of any width (``EVDRule.batch_key``). What ``benchmarks/hot_path.py`` counts as the GPU's
+    operations, and what the tests check on a CPU."""
+    before, _FUSED_ON_CPU[0] = _FUSED_ON_CPU[0], on_cpu
+    try:
+        yield
+    finally:
+        _FUSED_ON_CPU[0] = before
+
+
+#: Low-precision dtypes whose products :func:`accumulate_moments` can take as they are, with float32 output.
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+_LOWP_PRODUCTS: dict = {}  # device type -> whether addmm takes out_dtype there
+
+
+def _probe_out_dtype(device: torch.device) -> bool:
+    """Whether this torch multiplies bf16 operands into a float32 result on ``device`` (``torch.addmm(...,
+    out_dtype=torch.float32, out=acc)``): tried once per device type on tiny tensors (CUDA, torch 2.11 at least;
+    the CPU has no such kernel)."""
+    key = device.type
+    if key not in _LOWP_PRODUCTS:
+        ok = False
+        if device.type == "cuda":
+            a = torch.ones(4, 3, dtype=torch.bfloat16, device=device)
+            acc = torch.zeros(3, 3, device=device)
+            try:
+                torch.addmm(acc, a.t(), a, out_dtype=torch.float32, out=acc)
+                ok = True
+            except (RuntimeError, TypeError, NotImplementedError):
+                pass
+        _LOWP_PRODUCTS[key] = ok
+    return _LOWP_PRODUCTS[key]
+
+
+def low_precision_products_known(device: torch.device) -> bool:
+    """:func:`low_precision_products_on` without trying the product: ``False`` where it was not tried yet. What a
+    traced graph reads (nothing may run there; the layers try the product where they are built or moved)."""
+    if device.type == "cpu":
+        return _FUSED_ON_CPU[0]
+    return device.type == "cuda" and _LOWP_PRODUCTS.get(device.type, False)
+
+
+def low_precision_products_on(device: torch.device) -> bool:
+    """Whether :func:`accumulate_moments` multiplies bf16 / fp16 batches as they are (tensor cores, float32
+    accumulation and output) on ``device``, instead of converting them to float32 first: CUDA with a torch whose
+    ``addmm`` takes ``out_dtype`` (2.8 and later). On the CPU only within :func:`fused_moments`, which takes the
+    CUDA paths: the batch then stays bf16 up to the product, converted there (the CPU has no such product)."""
+    if device.type == "cpu":
+        return _FUSED_ON_CPU[0]
+    return device.type == "cuda" and _probe_out_dtype(device)
+
+
+def _product_add(out: Tensor, left: Tensor, right: Tensor) -> None:
+    """``out += left @ right`` in ``out``'s dtype, one kernel: bf16 / fp16 operands with float32 accumulation and
+    output where the device has that product (:func:`low_precision_products_on`), else operands already in
+    ``out``'s dtype. ``out`` may be a strided view (a block of the accumulator). On the CPU within
+    :func:`fused_moments` (CUDA's path, emulated) low-precision operands are converted here, where CUDA's product
+    takes them as they are."""
+    if left.dtype == out.dtype:
+        out.addmm_(left, right)
+    elif torch.compiler.is_compiling():
+        # Traced: dynamo refuses an out= tensor that is not contiguous (a block of the accumulator), and inductor
+        # lowers mm's out_dtype (torch 2.13; addmm's fails there): the product, then an add that inductor fuses.
+        out.add_(_product(left, right, out.dtype))
+    elif _probe_out_dtype(left.device):
+        torch.addmm(out, left, right, out_dtype=out.dtype, out=out)
+    else:
+        out.addmm_(left.to(out.dtype), right.to(out.dtype))
+
+
+def _product(left: Tensor, right: Tensor, dtype: torch.dtype) -> Tensor:
+    """``left @ right`` as a new ``dtype`` tensor: low-precision operands multiplied into ``dtype`` where the device
+    does that (CUDA), else converted first (the CPU, emulating it exactly: products of bf16 numbers are exact in
+    float32)."""
+    if left.dtype == dtype:
+        return left @ right
+    if _probe_out_dtype(left.device):
+        return torch.mm(left, right, out_dtype=dtype)
+    return left.to(dtype) @ right.to(dtype)
+
+
+def accumulate_moments_split(acc: Tensor, x: Tensor, shift: Tensor) -> None:
+    """:func:`accumulate_moments` of a bf16 / fp16 batch about a float32 ``shift`` on tensor cores, for a traced graph.
+
+    The differences ``d = x - shift`` in float32 (as :func:`accumulate_moments` computes them for a float32 shift)
+    are each split into two bf16 numbers (for fp16 batches too: bf16 has float32's range), ``hi = d`` rounded and
+    ``lo = d - hi`` rounded, which leaves ``d - hi - lo`` within ``2^-18 |d|``;
+    ``acc[:M, :M] += hi^T hi + hi^T lo + (hi^T lo)^T`` (two low-precision products into float32: the products of
+    bf16 numbers are exact there) and ``acc[:M, M] += sum d`` (a float32 reduction). Against float64 sums of the
+    same numbers: relative error ~5e-6 for the covariance, ~1e-7 for the mean (ResNet-20's activations),
+    where the float32 product of ``d`` gives ~7e-7; that product runs on CUDA's SIMT cores, 5x the tensor-core
+    path's time for ResNet-50's layers on an H100. (``x - shift`` rounded to bf16 once is biased: ~1e-3.)
+
+    A compiled layer takes this path: its graph sums every batch about a shift (no per-layer flag to guard on),
+    and inductor fuses the subtraction, the split and the reduction into one pass over ``x`` (no float32 copy of
+    the batch). A batch without a ``(P, M)`` view (a contiguous ``(B, M, *spatial)`` one) goes to
+    :func:`accumulate_moments` in float32.
+
+    Args:
+        acc: the ``(M + 1, M + 1)`` float32 accumulator (:func:`moments_accumulator`).
+        x: the batch, bf16 / fp16, ``(P, M)`` or channels_last ``(B, M, H, W)``.
+        shift: float32, broadcasting against ``x`` (``(1, M)`` or ``(1, M, 1, 1)``).
+    """
+    d = x - shift  # float32 (promoted): one kernel, the batch converted on the way
+    rows = _as_rows(d)
+    if rows is None:
+        accumulate_moments(acc, x.to(acc.dtype), shift)
+        return
+    m = rows.shape[1]
+    hi = rows.to(torch.bfloat16)
+    lo = (rows - hi).to(torch.bfloat16)
+    s2 = acc[:m, :m]
+    _product_add(s2, hi.t(), hi)
+    cross = _product(hi.t(), lo, acc.dtype)
+    s2.add_(cross).add_(cross.t())
+    acc[:m, m].add_(rows.sum(0, dtype=acc.dtype))
+
+
+#: Row length of :func:`moments_accumulator`'s storage: a multiple of this many elements (32 bytes in float32).
+_ACC_ROW_ALIGN = 8
+
+
+def moments_accumulator(num_features: int, dtype: torch.dtype = torch.float32,
+                        device: Optional[Union[str, torch.device]] = None) -> Tensor:
+    """A zeroed ``(M + 1, M + 1)`` accumulator for :func:`accumulate_moments`, whose rows start at multiples of
+    8 elements (a view of ``(M + 1, M')`` storage, ``M'`` rounded up): the ``(M, M)`` block the statistics'
+    product writes then has aligned rows, which cuBLAS's fastest tensor-core kernels need (a product into an
+    ``(M + 1) x (M + 1)`` contiguous matrix took 2-3x as long on an H100; ``benchmarks/RESULTS.md``). Any
+    ``(M + 1, M + 1)`` tensor works with :func:`accumulate_moments`; this one is the fast one.
+
+    Args:
+        num_features: ``M`` >= 1.
+        dtype: the accumulator's dtype (float32, or float64 for float64 inputs).
+        device: where it lives.
+
+    Example:
+        >>> acc = moments_accumulator(3)
+        >>> acc.shape, acc.stride()
+        (torch.Size([4, 4]), (8, 1))
+    """
+    m1 = num_features + 1
+    return torch.zeros(m1, -(-m1 // _ACC_ROW_ALIGN) * _ACC_ROW_ALIGN, dtype=dtype, device=device)[:, :m1]
+
+
+def _as_moments_accumulator(acc: Tensor, dtype: torch.dtype) -> Tensor:
+    """``acc`` itself where it has :func:`moments_accumulator`'s aligned rows and ``dtype``, else a copy that has
+    them (after a cast, or a move that copied the strided view contiguous)."""
+    if acc.dtype == dtype and acc.stride(1) == 1 and acc.stride(0) % _ACC_ROW_ALIGN == 0:
+        return acc
+    return moments_accumulator(acc.shape[0] - 1, dtype, acc.device).copy_(acc)
+
+
+def accumulate_moments(acc: Tensor, x: Tensor, shift: Optional[Tensor],
+                       blocks: Optional[Tuple[Tensor, Tensor]] = None) -> None:
+    """Add a batch's sums about ``shift`` to an augmented accumulator ``acc`` ``(M + 1, M + 1)``.
+
+    ``acc[:M, :M] += sum (x - k)(x - k)^T`` and ``acc[:M, M] += sum (x - k)``; ``acc[M, :]`` is left alone
+    (nothing reads it). ``x`` is ``(B, M)`` or ``(B, M, *spatial)``; ``shift`` broadcasts against it. Within a
+    block the sums accumulate in ``acc``'s dtype (float32 for float32 / bf16 / fp16 inputs): each batch's product
+    is already rounded in that dtype, and adding a block of them costs a few more units in the last place, far
+    below the sampling noise of the statistics.
+
+    The layers' hot path on a GPU (and on the CPU within :func:`fused_moments`), two kernels and no copy of the
+    batch for rows ``(P, M)`` (2-D or channels_last input): the product ``x^T x`` into ``acc[:M, :M]`` and the
+    column sums as the product ``x^T 1`` into ``acc[:M, M]``, both accumulating in place (a subtraction first
+    when ``shift`` is not ``None``). Fastest with :func:`moments_accumulator`'s aligned rows. (The batch with a
+    column of ones appended, one ``(M + 1) x (M + 1)`` product, was 2.3x the time on an H100: the concatenation
+    copies the batch, and rows of ``M + 1`` elements keep cuBLAS off its fastest kernels.) A contiguous
+    ``(B, M, *spatial)`` batch has no such view: it is copied once, with a row of ones, as ``(M + 1, B * P)``,
+    and multiplied by itself.
+
+    A bf16 / fp16 batch summed about 0 (``shift`` ``None``) goes into the products as it is where the device
+    multiplies low-precision operands into float32 (:func:`low_precision_products_on`: CUDA): the products of
+    bf16 numbers are exact in float32 and accumulate in float32, so this is the float32 product of the same
+    numbers, on tensor cores, without a float32 copy of the batch. A shifted batch reaches the accumulators' dtype
+    in the subtraction itself (``x - shift`` is not a bf16 number; one pass over the batch, no copy first).
+    """
+    low = x.dtype in LOW_PRECISION
+    fused = x.device.type != "cpu" or _FUSED_ON_CPU[0]  # (fused_moments_on, inline: one call per layer and step)
+    if shift is not None and low and shift.dtype == acc.dtype:
+        xs = x - shift  # promoted to the accumulators' dtype by the subtraction (exactly: one pass, no copy first)
+    else:
+        if x.dtype != acc.dtype and not (shift is None and low and acc.dtype == torch.float32 and fused
+                                         and low_precision_products_on(x.device)):
+            x = x.to(acc.dtype)
+        xs = x if shift is None else x - shift
+    m = xs.shape[1]
+    rows: Optional[Tensor] = None  # (P, M) without a copy: a 2-D batch, or a channels_last one (_as_rows, inline)
+    if xs.dim() == 2:
+        rows = xs
+    elif xs.dim() == 4 and xs.is_contiguous(memory_format=torch.channels_last) and not xs.is_contiguous():
+        rows = xs.permute(0, 2, 3, 1).reshape(-1, m)
+    if not fused:
+        # A CPU is not launch-bound: the product and the sums of batch_sums, added into the accumulator's blocks
+        # (the ones row and the count corner are left as they are).
+        if rows is not None:
+            s1, s2 = rows.sum(0), rows.t() @ rows
+        else:
+            b = xs.flatten(2)  # (B, M, H*W): a view for contiguous NC... inputs; also valid for an empty batch
+            s1, s2 = b.sum((0, 2)), torch.bmm(b, b.transpose(1, 2)).sum(0)
+        acc[:m, :m].add_(s2)
+        acc[:m, m].add_(s1)
+        return
+    ones = _ones(_ones_shape(xs, rows), xs.dtype, xs.device)
+    if rows is not None:  # (P, M): two products into the accumulator's blocks, no copy of the batch
+        s2_block, s1_block = (acc[:m, :m], acc[:m, m:]) if blocks is None else blocks
+        rows_t = rows.t()
+        _product_add(s2_block, rows_t, rows)
+        _product_add(s1_block, rows_t, ones)
+        return
+    b = xs.flatten(2).transpose(0, 1)  # (M, B, P), a view
+    a = torch.cat([b, ones], 0).flatten(1)  # (M + 1, B * P): the one copy
+    _product_add(acc, a, a.t())
+
+
+
+def batch_moments(x: Tensor, shift: Tensor, groups: int = 1) -> Tuple[Tensor, Tensor]:
+    """Shifted first and second moments of one batch, summed over samples and positions.
+
+    ``x`` is ``(B, M)`` or ``(B, M, *spatial)`` (features on dim 1). Returns
+    ``s1 = sum (x - shift)`` ``(M,)`` and ``s2 = sum (x - shift)(x - shift)^T``
+    ``(M, M)`` in ``x``'s dtype. Subtracting a ``shift`` close to the mean
+    before the product keeps the covariance accurate when ``|mean| >> std``
+    (the naive ``sum x x^T - n mu mu^T`` cancels catastrophically there).
+
+    The ``(B, M, H*W)`` layout is used as is (a batched product, no permuted
+    copy of the activation); a channels-last input is read as ``(B*H*W, M)``.
+
+    On the CPU a large ``(B, M, *spatial)`` input first tries the unshifted
+    product (``_unshifted_moments``): no shifted copy of the activation
+    (on a CPU that copy, a fresh activation-sized allocation, costs as much as
+    the product itself), and the shift applied to the ``M x M`` result; it is
+    accepted when the cancellation costs at most 3 bits (``mean^2 <= 7 var``
+    per feature, which post-ReLU activations satisfy), otherwise the shifted
+    product below is computed. Measured in ``benchmarks/RESULTS.md``.
+
+    ``groups > 1``: the block-diagonal second moments ``(G, k, k)`` only
+    (:func:`grouped_batch_moments`), never the ``M x M`` product.
+
+    Args:
+        x: the batch, ``(B, M)`` or ``(B, M, *spatial)``.
+        shift: ``(M,)``, close to the features' mean (e.g. the running mean in force).
+        groups: ``G`` >= 1 dividing ``M`` (default 1).
+    """
+    if groups != 1:
+        return grouped_batch_moments(x, shift, groups)
+    m = x.shape[1]
+    if (x.device.type == "cpu" and x.dim() > 2 and x.numel() >= _CPU_UNSHIFTED_MIN_ELEMENTS
+            and _as_rows(x) is None and not (torch.is_grad_enabled() and x.requires_grad)):
+        res = _unshifted_moments(x, shift)
+        if res is not None:
+            return res
+    return batch_sums(x, shift.to(x.dtype).view((1, m) + (1,) * (x.dim() - 2)))
+
+
+def _grouped_unshifted_moments(x: Tensor, shift: Tensor, groups: int) -> Optional[Tuple[Tensor, Tensor]]:
+    """:func:`_unshifted_moments` per group (same acceptance test), or ``None``."""
+    m = x.shape[1]
+    k = m // groups
+    b = x.reshape(x.shape[0], groups, k, -1)  # (B, G, k, P): a view for contiguous NC... inputs
+    n = b.shape[0] * b.shape[3]
+    g = torch.matmul(b, b.transpose(-1, -2)).sum(0).to(torch.float64)
+    s = b.sum(3).to(torch.float64).sum(0).reshape(m)
+    kk = shift.to(x.dtype).to(torch.float64)
+    ks = block_outer(kk, s, groups)
+    s2 = g - ks - ks.transpose(-1, -2) + n * block_outer(kk, kk, groups)
+    diag_g = torch.diagonal(g, dim1=-2, dim2=-1)
+    ok = diag_g <= _UNSHIFTED_MAX_LOSS * torch.diagonal(s2, dim1=-2, dim2=-1)
+    if not bool(ok.all()) and bool(torch.isfinite(s2).all()):
+        return None
+    return (s - n * kk).to(x.dtype), s2.to(x.dtype)
+
+
+def grouped_batch_moments(x: Tensor, shift: Tensor, groups: int) -> Tuple[Tensor, Tensor]:
+    """:func:`batch_moments` of a grouped layer: ``s1`` ``(M,)`` and the diagonal blocks of ``s2``, ``(G, k, k)``.
+
+    Costs ``M k`` multiply-adds per sample and position (``1/G`` of the
+    ungrouped product): a batched product over the ``B x G`` ``(k, H*W)``
+    slices (for depthwise, ``k = 1``, one dot product per sample and channel),
+    unshifted on the CPU when that loses at most 3 bits (as
+    :func:`batch_moments`; measured on a ``(64, 192, 32, 32)`` depthwise input,
+    one thread: 4.6 ms, against 31 ms with the shifted copy, 90 ms for
+    ``torch.var_mean`` and 84 ms for the depthwise convolution's forward).
+
+    Args:
+        x: the batch, ``(B, M)`` or ``(B, M, *spatial)``.
+        shift: ``(M,)``, close to the features' mean.
+        groups: ``G`` > 1 dividing ``M``.
+    """
+    m = x.shape[1]
+    if (x.device.type == "cpu" and x.dim() > 2 and x.numel() >= _CPU_UNSHIFTED_MIN_ELEMENTS
+            and _as_rows(x) is None and not (torch.is_grad_enabled() and x.requires_grad)):
+        res = _grouped_unshifted_moments(x, shift, groups)
+        if res is not None:
+            return res
+    return batch_sums(x, shift.to(x.dtype).view((1, m) + (1,) * (x.dim() - 2)), groups)
+
+
+def weight_mean_product(weight: Tensor, mean: Tensor) -> Tensor:
+    """``sum_k W_k mean`` per output feature: kernel taps and input features summed.
+
+    ``weight`` is ``(S, M)`` or ``(S, M, *kernel)``, ``mean`` ``(M,)``. It is the
+    centring offset of a layer that centres on ``mean``, and, applied to a change
+    of the mean, the bias compensation of eq. ``vtb_corr`` (ERRATA 8).
+
+    A grouped convolution's weight ``(S, M/G, *kernel)`` (fewer input features
+    than ``mean`` has) is read group by group: the ``S/G`` outputs of group
+    ``g`` see its ``M/G`` features of ``mean``.
+
+    Args:
+        weight: the layer's weight ``(S, M)`` or ``(S, M, *kernel)`` (grouped: ``(S, M/G, *kernel)``).
+        mean: a mean (or a change of the mean) of the ``M`` input features, ``(M,)``.
+
+    Returns:
+        ``(S,)`` in the promoted dtype of the two.
+    """
+    w = weight if weight.dim() == 2 else weight.reshape(weight.shape[0], weight.shape[1], -1).sum(-1)
+    if w.shape[1] != mean.shape[0]:  # grouped convolution
+        s, k = w.shape
+        g = mean.shape[0] // k
+        return (w.view(g, s // g, k) @ mean.to(w.dtype).view(g, k, 1)).reshape(s)
+    return w @ mean.to(w.dtype)
+
+
+# --------------------------------------------------------------------------
+# Gradient transform
+# --------------------------------------------------------------------------
+#: On a CPU a kernel's weight gradient is transformed by one batched product up to this many input features, by
+#: one transposed product above (2-core Xeon, 3x3 kernels, min of 3 rounds: batched/transposed 0.63x at 16, 0.57x
+#: at 32, 0.85x at 64, 1.18x at 128, 1.44x at 256 features). On a GPU always the batched product (one kernel).
+_CPU_BMM_MAX_FEATURES = 64
+
+
+def transform_weight_grad(grad: Tensor, q: Tensor) -> Tensor:
+    """Right-multiply a weight gradient by ``Q`` on the input-feature axis (dim 1).
+
+    ``grad`` is ``(S, M)`` (linear) or ``(S, M, *kernel)`` (convolution, one
+    ``S x M`` matrix per kernel tap): ``out[s, j, k] = sum_i grad[s, i, k] Q[i, j]``.
+    A grouped ``Q`` ``(G, k, k)`` goes with a grouped convolution's gradient
+    ``(S, k, *kernel)``: the ``S/G`` output channels of group ``g`` are
+    right-multiplied by ``Q_g`` (``_grouped_weight_grad``).
+
+    Args:
+        grad: the weight gradient, ``(S, M)`` or ``(S, M, *kernel)`` (grouped: ``(S, k, *kernel)``).
+        q: the gradient transform ``Q_s``, ``(M, M)``, or its diagonal blocks ``(G, k, k)``.
+
+    Returns:
+        The transformed gradient, ``grad``'s shape and dtype.
+    """
+    if q.dim() == 3:
+        return _grouped_weight_grad(grad, q)
+    if q.dtype != grad.dtype:
+        q = q.to(grad.dtype)
+    if grad.dim() == 2:
+        return grad @ q
+    # The common cases first, each a few Python-level calls: this runs in every layer's backward on every step.
+    s, m = grad.shape[0], grad.shape[1]
+    if grad.is_contiguous():
+        if grad.numel() == s * m:  # a 1x1 kernel: one (S x M) @ (M x M) product
+            return (grad.view(s, m) @ q).view(grad.shape)
+        if grad.device.type != "cpu" or m <= _CPU_BMM_MAX_FEATURES:
+            # One batched product, Q^T @ grad[s] for each output feature s (Q^T broadcast, not copied): one
+            # kernel, the result in the gradient's own layout.
+            return torch.bmm(q.t().expand(s, m, m), grad.view(s, m, -1)).view(grad.shape)
+    else:
+        rows = grad.movedim(1, -1)  # (S, *kernel, M)
+        if rows.is_contiguous():
+            # A channels_last gradient (a model moved to channels_last) is an (S * taps, M) matrix as it lies: one
+            # product (matmul folds the leading dimensions of a contiguous operand), the result in the same layout.
+            return torch.matmul(rows, q).movedim(-1, 1)
+    # One (M x M) @ (M x S*K) product on the input-feature axis moved first (a copy of the small weight gradient),
+    # written back in the gradient's layout: three ops, but on a CPU faster than the batched product for wide
+    # layers.
+    g = grad.transpose(0, 1).contiguous().view(m, -1)
+    out = (q.t() @ g).view((m, s) + tuple(grad.shape[2:])).transpose(0, 1)
+    if grad.is_contiguous():
+        return out.contiguous()
+    return torch.empty_like(grad).copy_(out)  # the gradient's own layout (channels_last)
+
+
+def _grouped_weight_grad(grad: Tensor, q: Tensor) -> Tensor:
+    """:func:`transform_weight_grad` for a grouped weight ``(S, k, *kernel)`` and blocks ``q`` ``(G, k, k)``."""
+    g, k = q.shape[0], q.shape[-1]
+    s = grad.shape[0]
+    q = q.to(grad.dtype)
+    if k == 1:  # depthwise: a scale per group, in the gradient's own layout
+        scale = q.reshape(g, 1).expand(g, s // g).reshape((s,) + (1,) * (grad.dim() - 1))
+        return grad * scale
+    gr = grad.reshape(g, s // g, k, -1)  # (G, S/G, k, K)
+    out = torch.matmul(q.transpose(-1, -2).unsqueeze(1), gr)
+    return torch.empty_like(grad).copy_(out.reshape(grad.shape))

@@ -1,0 +1,497 @@
+"""The base of every whitening layer: :class:`WhiteningLayer`, its buffers, its block and its side of a fold.
+
+A whitening layer registers the contract buffers (``running_mean``, ``running_cov``, ``whitening_matrix``,
+``grad_transform``, ``num_blocks``) and its rule's own, adds each training batch to its block
+(:mod:`~whitenlayers.layers.step`, :class:`~whitenlayers.layers.block.Block`), and folds a block every
+``block_size`` training forwards: :mod:`whitenlayers.fold` computes the new moments and hands them to the layer's
+transform rule (:mod:`whitenlayers.rules`), and the layer writes the outcome (:meth:`WhiteningLayer._fold_finish`).
+Hyper-parameters live in a frozen config (:mod:`whitenlayers.config`); checkpoints are
+:mod:`~whitenlayers.layers.checkpoint`'s.
+
+Grouped layers (``groups = G > 1``, grouped convolutions and ``DirectWhiten(groups=G)``) keep every ``M x M`` matrix
+as its ``G`` diagonal blocks, a ``(G, M/G, M/G)`` tensor; vectors stay ``(M,)``. ``groups=1`` layers keep the
+``(M, M)`` shapes of the contract.
+
+The block's sums are *not* buffers: DistributedDataParallel re-broadcasts every buffer from rank 0 before each
+forward, which would overwrite each rank's partial sums. They travel in checkpoints through ``get_extra_state``.
+Part of :mod:`whitenlayers.layers`.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Dict, FrozenSet, List, Optional, Tuple, Type, cast
+
+import torch
+from torch import Tensor
+
+from .. import functional as F_w
+from ..config import WhiteningConfig
+from ..fold import (
+    FAILED,
+    SKIP_MESSAGES,
+    FoldOutcome,
+    PendingFold,
+    _fold_all,
+    _note_nonfinite,
+    _read_with_firsts,
+    _warn_nonfinite,
+)
+from ..functional import BlockSummary
+from ..rules import RecursiveRule, TransformRule, rule_for
+from .block import Block
+from .checkpoint import _CheckpointMixin
+from .step import _StepCache, _StepMixin
+
+__all__ = ["WhiteningLayer"]
+
+#: ``Module``'s global buffer registration hooks (torch 2.0+), which a buffer written past ``setattr`` would skip.
+_buffer_registration_hooks: Dict[int, Any] = getattr(torch.nn.modules.module, "_global_buffer_registration_hooks",
+                                                     {})
+#: Renamed attributes: old name -> new name (the old one warns, for one release).
+_RENAMED = {"eig_failures": "transform_failures"}
+_COUNTERS = ("transform_failures", "skipped_folds", "nonfinite_blocks", "clamped_steps")
+
+
+def _fields(config: WhiteningConfig) -> FrozenSet[str]:
+    return _FIELDS.get(type(config)) or _FIELDS.setdefault(type(config), frozenset(config.field_names()))
+
+
+_FIELDS: Dict[type, FrozenSet[str]] = {}
+
+
+def _owned(value: Tensor, old: Tensor) -> Tensor:
+    """``value`` as buffer ``old`` stores it (its device and dtype), a contiguous tensor of its own."""
+    new = value.to(device=old.device, dtype=old.dtype)
+    if new.data_ptr() == value.data_ptr() or not new.is_contiguous():
+        new = new.clone(memory_format=torch.contiguous_format)
+    return new
+
+
+class WhiteningLayer(_StepMixin, _CheckpointMixin):
+    """Mixin: the block statistics, buffers and fold of one whitening layer; the rule computes the transform.
+
+    Subclasses call ``_init_whitening`` after their ``nn.Module`` base ``__init__``; their forward starts with
+    ``_begin`` and, for a training batch, ends with ``_end`` (``whitenlayers.layers.step``); they may override
+    ``_on_mean_change`` (bias compensation).
+
+    Public state besides the buffers: :attr:`config` (the frozen hyper-parameters; assigning a new config of the
+    same class takes effect at the next fold), its fields as attributes (``layer.alpha``, ...; a rule of one's
+    own adds its config's; assigning one replaces the config, validated), ``rule``, :attr:`method`,
+    :attr:`batches_in_block`, :attr:`frozen`, ``process_group``, the counters ``transform_failures``,
+    ``skipped_folds``, ``nonfinite_blocks`` and ``clamped_steps``.
+    """
+
+    num_features: int
+    groups: int
+    rule: TransformRule
+    #: The model's fold coordinator (set by ``convert_model``), or ``None``: the layer folds at its own blocks' ends.
+    _fold_coordinator: Any = None
+    #: A fold computed but not written yet (an asynchronous coordinator's, or one loaded from a checkpoint taken while
+    #: it was in flight), written at this layer's next block end.
+    _pending_fold: Optional[PendingFold] = None
+    #: Config fields a layer class has no use for (``DirectWhiten``: ``beta``); not accepted, not shown.
+    _unused_fields: tuple = ()
+    #: Buffers of a subclass that a fresh layer holds as zeros, zeroed by :meth:`reset_running_stats`.
+    _ZEROED_ON_RESET: Tuple[str, ...] = ()
+
+    def _init_whitening(self, num_features: int, config: WhiteningConfig, *, grad_transform: bool,
+                        process_group: Any = None, device=None, dtype=None, groups: int = 1,
+                        rule: Optional[Type[TransformRule]] = None) -> None:
+        if not isinstance(num_features, int) or isinstance(num_features, bool) or num_features < 1:
+            raise ValueError(f"num_features must be a positive integer, but got num_features={num_features!r}")
+        if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1 or num_features % groups:
+            raise ValueError(f"groups must be a positive integer that divides num_features={num_features}, "
+                             f"but got groups={groups!r}")
+        self.num_features = num_features
+        self.groups = groups
+        self.rule = rule_for(config) if rule is None else rule(config)
+        self.process_group = process_group
+        self.layer_name: Optional[str] = None
+        self.frozen = False
+        fk = {"device": device, "dtype": torch.float64 if dtype == torch.float64 else torch.float32}
+        m = num_features
+        self.register_buffer("running_mean", torch.zeros(m, **fk))
+        self.register_buffer("running_cov", torch.zeros(self._block_shape, **fk))
+        self.register_buffer("whitening_matrix", F_w.block_identity(m, groups, **fk))
+        if grad_transform:
+            self.register_buffer("grad_transform", F_w.block_identity(m, groups, **fk))
+        self.register_buffer("num_blocks", torch.tensor(0, dtype=torch.long, device=device))
+        for name, value in self.rule.initial_buffers(m, fk, groups=groups).items():
+            self.register_buffer(name, value)
+        self._register_rule_identity()  # the rule's name and config, for checkpoints (layers/checkpoint.py)
+        self.transform_failures = self.skipped_folds = self.nonfinite_blocks = self.clamped_steps = 0
+        self._warned: set = set()
+        self._cache = _StepCache()
+        self._block = self._new_block(self.running_mean.device)
+        if self.running_mean.device.type == "cuda" and not torch.compiler.is_compiling():
+            F_w.low_precision_products_on(self.running_mean.device)  # tried once per process, before any trace
+
+    def _new_block(self, device: Any) -> Block:
+        dtype = torch.float64 if self.running_mean.dtype == torch.float64 else torch.float32
+        return Block(self.num_features, self.groups, dtype, device, self.rule.config)
+
+    # ---------------------------------------------------------- configuration
+    @property
+    def config(self) -> WhiteningConfig:
+        """The layer's hyper-parameters (a frozen :class:`~whitenlayers.config.WhiteningConfig`)."""
+        return self.rule.config
+
+    @config.setter
+    def config(self, value: WhiteningConfig) -> None:
+        self._check_config(value)
+        self.rule = type(self.rule)(value)  # type-checked by the rule
+        block = self.__dict__.get("_block")
+        if block is not None:
+            block.configure(value)
+
+    def _check_config(self, config: WhiteningConfig, rule: Any = None) -> None:
+        """Hook: ``ValueError`` for a config this layer class cannot use with its rule (``rule``: the rule class, by
+        default the layer's; ``DirectWhiten``: the EVD rule's damped gains)."""
+
+    def __getattr__(self, name: str) -> Any:
+        """The config's fields as attributes (``layer.alpha``), then ``nn.Module``'s (parameters, buffers,
+        submodules), then the renamed attributes' old names (a ``FutureWarning``)."""
+        rule = self.__dict__.get("rule")
+        if rule is not None and name in (_FIELDS.get(type(rule.config)) or _fields(rule.config)):
+            return getattr(rule.config, name)
+        if name in _RENAMED:
+            warnings.warn(f"{type(self).__name__}.{name} is renamed {_RENAMED[name]}; the old name will be removed in "
+                          "the next release", FutureWarning, stacklevel=2)
+            return getattr(self, _RENAMED[name])
+        return super().__getattr__(name)  # type: ignore[misc]
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        rule = self.__dict__.get("rule")
+        if rule is not None and name in _fields(rule.config):  # a field: a new config, validated
+            self.config = rule.config.replace(**{name: value})
+        elif name in _RENAMED:
+            warnings.warn(f"{type(self).__name__}.{name} is renamed {_RENAMED[name]}; the old name will be removed in "
+                          "the next release", FutureWarning, stacklevel=2)
+            setattr(self, _RENAMED[name], value)
+        else:
+            super().__setattr__(name, value)
+
+    def __dir__(self) -> List[str]:
+        return sorted(set(super().__dir__()) | _fields(self.rule.config))
+
+    @property
+    def method(self) -> str:
+        """What :func:`~whitenlayers.convert_model` calls the layer's method: ``"grad"``, ``"recursive"`` or
+        ``"direct"`` (its transform rule's name is :attr:`rule_name`)."""
+        if isinstance(self.rule, RecursiveRule):  # (a subclass of one's own too: it keeps the recursive buffers)
+            return "recursive"
+        return "grad" if "grad_transform" in self._buffers else "direct"
+
+    @property
+    def rule_name(self) -> str:
+        """The transform rule's name (:attr:`~whitenlayers.TransformRule.name`): ``"evd"``, ``"recursive"`` or a rule
+        of one's own."""
+        return self.rule.name
+
+    @property
+    def _block_shape(self) -> tuple:
+        """Shape of the per-group matrices: ``(M, M)``, or ``(G, M/G, M/G)`` for ``groups > 1``."""
+        return F_w.block_shape(self.num_features, self.groups)
+
+    def _describe(self) -> str:
+        name = f" '{self.layer_name}'" if self.layer_name else ""
+        groups = f", groups={self.groups}" if self.groups != 1 else ""
+        return f"{type(self).__name__}{name} (num_features={self.num_features}{groups})"
+
+    def _warn_once(self, kind: str, message: str) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            warnings.warn(f"{self._describe()}: {message}", RuntimeWarning, stacklevel=3)
+
+    def _whitening_repr(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.config.non_defaults(exclude=self._unused_fields).items())
+
+    # ------------------------------------------------------------ quantization
+    # Eager-mode quantization (torch.ao.quantization.prepare / prepare_qat) gives every module a ``qconfig``, then
+    # observes the modules it does not know: a whitening layer would train and calibrate unquantized without a word
+    # and fail after ``convert``. Assigning it a qconfig is refused; ``None`` keeps it in float on purpose.
+    @property
+    def qconfig(self) -> Any:
+        """Always ``None`` where set: a whitening layer has no quantized form (assigning a qconfig raises)."""
+        try:
+            return self.__dict__["_qconfig"]
+        except KeyError:  # unset: getattr(layer, "qconfig", parent's) takes the parent's, which the setter refuses
+            raise AttributeError("qconfig") from None
+
+    @qconfig.setter
+    def qconfig(self, value: Any) -> None:
+        if value is not None:
+            raise ValueError(
+                f"{self._describe()}: eager-mode quantization (torch.ao.quantization.prepare_qat / prepare) has no "
+                "quantized form of a whitening layer: it would train unquantized (no fake quantization) and fail "
+                "after convert. Quantize the plain model after training, wl.to_plain_model(copy.deepcopy(model)), "
+                "then prepare_qat and fine-tune (or prepare and calibrate) that; or keep the whitening layers in float "
+                "on purpose: set layer.qconfig = None on each of wl.whitening_layers(model) before prepare, and put a "
+                "DeQuantStub before each and a QuantStub after it"
+            )
+        self.__dict__["_qconfig"] = None
+
+    # ------------------------------------------------------------ state
+    @property
+    def batches_in_block(self) -> int:
+        """Training forwards accumulated in the current (partial) block, ``0 <= n < block_size``."""
+        return self._block.batches
+
+    def freeze(self, frozen: bool = True) -> "WhiteningLayer":
+        """Stop (or, with ``False``, resume) updating the statistics; returns the layer.
+
+        A frozen layer keeps applying the transform in force (centring, ``T`` or ``Q_s``) but its training forwards
+        accumulate nothing and fold nothing, like a network whose whitening was fitted once and then fixed. A
+        partial block is kept and continues when the layer is unfrozen.
+
+        Args:
+            frozen: ``True`` (default) to stop updating, ``False`` to resume. :func:`~whitenlayers.frozen` freezes
+                every layer of a model for the duration of a ``with`` block.
+        """
+        self.frozen = bool(frozen)
+        return self
+
+    def make_standalone(self) -> "WhiteningLayer":
+        """Fold at the end of this layer's own blocks, not through a converted model's coordinator.
+
+        For a layer taken (e.g. deep-copied) out of a converted model. Returns the layer.
+        """
+        if self._block.fold_pending:
+            self._fold_now()
+        self._fold_coordinator = None
+        return self
+
+    def reset_running_stats(self, keep_function: bool = False) -> None:
+        """Back to the state of a freshly built layer: every buffer and the extra state.
+
+        ``mu = 0``, ``Phi_x = 0``, ``T = Q_s = I`` (and the recursive rule's initial state), ``num_blocks = 0``, an
+        empty partial block, the counters at zero and, for grad/recursive layers, no bias compensation
+        (``bias_correction = 0``) and no absorbed offset. Like BatchNorm's, it reads none of the old values, so it
+        also initialises a layer whose memory is garbage (``to_empty`` after building on the meta device);
+        :meth:`reset_parameters` calls it. The layer then computes what a freshly converted layer with the same
+        weights computes (the plain layer's function).
+
+        Args:
+            keep_function: ``True`` keeps what the layer computes instead: the old centring ``-sum_k W_k mu`` moves
+                into ``bias_correction`` and the absorbed offset is kept (grad/recursive layers; reads the old
+                ``mu``, so the state must be initialised). Default ``False``.
+        """
+        self._wait_for_fold()
+        self._pending_fold = None
+        self._cache.clear()
+        with torch.no_grad():
+            if keep_function:
+                self._on_mean_change(-self.running_mean.to(torch.float64))
+            else:
+                for name in self._ZEROED_ON_RESET:
+                    buf = self._buffers.get(name)
+                    if buf is not None:
+                        buf.zero_()
+            self.running_mean.zero_()
+            self.running_cov.zero_()
+            self.whitening_matrix.copy_(F_w.block_identity(self.num_features, self.groups))
+            if "grad_transform" in self._buffers:
+                self.grad_transform.copy_(F_w.block_identity(self.num_features, self.groups))
+            fk = {"device": self.running_mean.device, "dtype": self.running_mean.dtype}
+            for name, value in self.rule.initial_buffers(self.num_features, fk, groups=self.groups).items():
+                self._buffers[name].copy_(value)
+            self._refresh_rule_identity(force=True)
+            self.num_blocks.zero_()
+        self.transform_failures = self.skipped_folds = self.nonfinite_blocks = self.clamped_steps = 0
+        self._warned = set()
+        self._block = self._new_block(self.running_mean.device)
+
+    def reset_parameters(self) -> None:
+        """The layer's own ``reset_parameters`` (a conv's or linear layer's weight and bias), then
+        :meth:`reset_running_stats`, as BatchNorm does: what meta-device initialisation recipes call after
+        ``to_empty``."""
+        parent = getattr(super(), "reset_parameters", None)
+        if parent is not None:
+            parent()
+        if "running_mean" in self.__dict__.get("_buffers", {}):  # nn.Conv2d.__init__ calls this before the state
+            self.reset_running_stats()
+
+    def _apply(self, fn, recurse: bool = True):
+        """``Module._apply`` (``to``, ``cuda``, ``to_empty``, ``half``, ...), with two differences.
+
+        The whitening state keeps its precision: a cast to a dtype other than float32 / float64
+        (``model.to(torch.bfloat16)``, ``.half()``) moves the layer's own floating buffers (statistics,
+        transforms, bias compensation) to the new device in their own dtype (float32, or float64 for a float64
+        layer); a cast between float32 and float64 casts them as before. And the partial block, which is not
+        buffers (DDP would broadcast them), moves with the layer, its sums in the statistics' dtype.
+        """
+        self._wait_for_fold()
+        own = {name: buf for name, buf in self._buffers.items() if buf is not None and buf.is_floating_point()}
+        result = super()._apply(fn, recurse)  # type: ignore[misc]
+        for name, old in own.items():
+            new = self._buffers.get(name)
+            if new is not None and new.dtype != old.dtype and new.dtype not in (torch.float32, torch.float64):
+                self._buffers[name] = old.to(device=new.device)
+        if "_block" in self.__dict__:
+            self._block.move(fn, torch.float64 if self.running_mean.dtype == torch.float64 else torch.float32)
+        pending = self._pending_fold
+        if pending is not None:  # a pending fold (fold_async) follows to the new device, in its own dtypes
+            self._pending_fold = _moved(pending, self.running_mean.device)
+        if self.running_mean.device.type == "cuda":
+            F_w.low_precision_products_on(self.running_mean.device)
+        self._cache.clear()
+        return result
+
+    def whitened_covariance(self) -> Tensor:
+        """``T Phi_x T^T``: the covariance of the features the layer's weights effectively see. float64.
+
+        For ``groups > 1`` its diagonal blocks ``(G, k, k)`` (the rest is not tracked).
+        """
+        t = self.whitening_matrix.to(torch.float64)
+        return F_w.symmetrize(F_w.whitened_covariance(t, self.running_cov.to(torch.float64)))
+
+    # ------------------------------------------------------------ the block
+    def _reset_accumulators(self, device: Any = None) -> None:
+        """An empty block (on ``device``, default the buffers')."""
+        dev = self.running_mean.device if device is None else torch.device(device)
+        block = self._block
+        if block.s1.device == dev and not block.s1.is_meta and not block.store.is_meta:
+            torch._foreach_zero_(block.restart())
+        else:
+            self._block = self._new_block(dev)
+
+    def _fold_weight_of(self, weight: Optional[Tensor]) -> Optional[Tensor]:
+        """What the coming fold compensates with, taken at the block's end (grad layers: the forward's weight, which
+        a sharded wrapper gathers only during the forward); ``None``: nothing."""
+        return None
+
+    # -------------------------------------------------------------------- fold
+    # :mod:`whitenlayers.fold` computes a fold for stacks of layers (moments, transforms, Q_s) from the layers'
+    # blocks and buffers; the layer's part: _begin_fold (every rank: counters, an empty block) and _fold_finish
+    # (every rank: writes the outcome, counters, bias compensation).
+    def _begin_fold(self, nonfinite: int) -> List[Tensor]:
+        """Count the ranks whose block had non-finite sums (``nonfinite``) and start an empty block; returns the
+        accumulators to zero. Read the block's sums before."""
+        self._count_nonfinite(nonfinite)
+        return self._block.restart()
+
+    def _count_nonfinite(self, nonfinite: int) -> None:
+        """Count the ranks whose block had non-finite sums (an asynchronous fold counts them when it is written)."""
+        if nonfinite:
+            self.nonfinite_blocks += nonfinite
+            _note_nonfinite(self)  # one warning for the fold's layers (fold._warn_nonfinite)
+
+    def _outcome_layout(self) -> List[Tuple[str, Tuple[int, ...]]]:
+        """``(name, shape)`` of the buffers a fold's outcome may hold, in a fixed order."""
+        buffers = self._buffers
+        names = ["running_cov", "whitening_matrix"] + (["grad_transform"] if "grad_transform" in buffers else [])
+        names += self._rule_buffer_names()
+        return [(name, tuple(buffers[name].shape)) for name in names]
+
+    def _rule_buffer_names(self) -> List[str]:
+        """The names of the rule's own buffers, kept with the rule they came from (building them on the meta device
+        costs about 0.35 ms a layer, at every asynchronous fold)."""
+        kept = self._cache.derived.get("rule_buffers")
+        if kept is None or kept[0] is not self.rule:
+            names = list(self.rule.initial_buffers(self.num_features, {"device": "meta"}, groups=self.groups))
+            kept = self._cache.derived["rule_buffers"] = (self.rule, names)
+        return list(kept[1])
+
+    @torch.no_grad()
+    def _fold_finish(self, outcome: FoldOutcome, mean: Tensor, delta: Tensor, unshifted: bool,
+                     writes: Tuple[List[Tensor], List[Tensor]]) -> bool:
+        """Write a fold's ``outcome`` (a skipped fold, a failed transform: the previous one is kept, and counted),
+        the new mean ``mean``, the bias compensation for the mean's change ``delta`` (float64) and whether the next
+        block sums unshifted. ``outcome.buffers`` and ``mean`` may be views of the fold's stacks, in another dtype:
+        the in-place copies into the buffers are appended to ``writes`` (``(buffers, values)``), which the caller
+        makes for many layers in one multi-tensor op before anything reads the buffers. Returns whether the block
+        counts (the caller adds it to ``num_blocks``); ``False`` for a skipped fold."""
+        if outcome.status in SKIP_MESSAGES:
+            self.skipped_folds += 1
+            if SKIP_MESSAGES[outcome.status]:
+                self._warn_once("skip", cast(str, SKIP_MESSAGES[outcome.status]))
+            return False
+        if outcome.status == FAILED:
+            self.transform_failures += 1
+            self._warn_once("transform", self.rule.failure_message)
+        for name, value in outcome.buffers.items():
+            self._set_fold_buffer(name, value, writes)
+        self._on_mean_change(delta)
+        self._set_fold_buffer("running_mean", mean, writes)
+        self._block.unshifted = unshifted
+        if outcome.clamped:
+            self.clamped_steps += 1
+        return True
+
+    def _set_fold_buffer(self, name: str, value: Tensor,
+                         writes: Optional[Tuple[List[Tensor], List[Tensor]]] = None) -> None:
+        """Write a fold's new ``value`` into buffer ``name`` in place (``copy_``), so the buffer keeps its tensor and
+        storage across folds: whatever holds a reference to it sees the fold (``torch.func.functional_call``, a
+        captured CUDA graph, an EMA helper holding ``named_buffers()``). A forward never hands a buffer itself to
+        autograd (an eager one reads copies, a compiled one copies them in the graph), so a backward still to come
+        keeps the values of its forward. A new tensor only where ``value`` cannot go into the old one (another
+        shape, an inference tensor). ``writes``: the copy appended there instead of made."""
+        old = cast(Tensor, self._buffers.get(name))
+        if old.shape == value.shape and not old.is_inference():
+            if writes is None:
+                old.copy_(value)  # converts to the buffer's dtype and device
+            else:
+                writes[0].append(old)
+                writes[1].append(value)
+        elif _buffer_registration_hooks:  # Module.__setattr__ ends in _buffers; hooks must see the write
+            setattr(self, name, _owned(value, old))
+        else:
+            self._buffers[name] = _owned(value, old)
+
+    def _on_mean_change(self, delta: Tensor) -> None:
+        """Hook for layers that must keep their function when the mean in force changes by ``delta`` (float64)."""
+
+    # ------------------------------------------------------------- public API
+    def fold(self, block: Optional[BlockSummary] = None) -> None:
+        """Fold the current (possibly partial) block now, as if the block had ended.
+
+        Either way the layer starts a new, empty block.
+
+        Args:
+            block: a block summary to fold instead of the accumulated block (from :meth:`block_statistics`, e.g. to
+                time one layer's fold on the same block again and again); nothing is summed across ranks then.
+                Default ``None``: the accumulated block, summed across ranks under ``torch.distributed``.
+        """
+        if block is None:
+            self._fold_now()
+            return
+        layers = [self]
+        nonfinite, firsts = _read_with_firsts(self._block.nonfinite().view(1), layers)  # one host synchronisation
+        _fold_all(layers, [block], [int(nonfinite[0])], firsts)
+        _warn_nonfinite()
+
+    def accumulate(self, x: Tensor) -> None:
+        """Add ``x`` (features on dim 1: ``(N, M)`` or ``(N, M, *positions)``) to the current block's statistics,
+        as a training forward does, without counting a batch toward ``block_size`` (see :meth:`fold`).
+
+        Args:
+            x: the features, ``(N, M)`` or ``(N, M, *positions)`` with ``M = num_features``: every sample and
+                position is one observation (a conv layer's input before padding, or its unfolded patches).
+        """
+        if x.dim() < 2 or x.shape[1] != self.num_features:
+            raise ValueError(f"{self._describe()}: accumulate expects features on dim 1 ({self.num_features}), but "
+                             f"got shape {tuple(x.shape)}")
+        if self.frozen:
+            return
+        if self._block.fold_pending:
+            self._fold_now()
+        self._add_batch(x, None)
+
+    def block_statistics(self) -> BlockSummary:
+        """This rank's current block as a :class:`~whitenlayers.functional.BlockSummary` (count, mean, scatter)."""
+        if self._fold_coordinator is not None:
+            self._fold_coordinator.flush_stats()
+        return F_w.summarize_block(*self._block.sums())
+
+    def discard_block(self) -> None:
+        """Drop the current partial block (its statistics and its batch count); the state in force is kept."""
+        if self._fold_coordinator is not None:
+            self._fold_coordinator.flush_stats()
+        self._reset_accumulators()
+
+
+def _moved(fold: PendingFold, device: torch.device) -> PendingFold:
+    """``fold`` with its tensors on ``device`` (their dtypes kept)."""
+    outcome = cast(FoldOutcome, fold.outcome)
+    return fold._replace(outcome=outcome._replace(buffers={k: v.to(device) for k, v in outcome.buffers.items()}),
+                         mean=fold.mean.to(device), delta=fold.delta.to(device))

@@ -1,0 +1,632 @@
+"""A whitening layer's forward: one path for every call, training or not, through the model's root or not, eager or
+compiled.
+
+A forward starts with :meth:`~_StepMixin._begin`, which decides what it does as a :class:`Step`: the buffers in
+force (copies, renewed when a buffer changed), whether it is a training batch (counted, at its end, by
+:meth:`~_StepMixin._end`), and the scope of the model's forward it is part of, if any (what the model's fold
+coordinator, :mod:`whitenlayers.coordinator`, offers: its weight's view in one shared gradient-transform node, a
+list to hand its batch to, a fold at the forward's end). A training batch that gathers statistics is added to the
+block (:meth:`~_StepMixin._add_batch`); at the block's end the layer folds: at the end of the model's forward when
+its coordinator's scope is open, else at once. So a layer is correct on its own, whichever module the call enters
+by; the coordinator only does together what the layers would do alone.
+
+Inside a compiled graph a layer reads no Python number that changes from step to step (dynamo would guard on it
+and recompile): the graph holds the tensor work (its buffers copied, the batch's sums added about the block's
+shift tensor), and the batch is counted outside it, by the coordinator after the root's forward when the root is
+what was compiled (one graph), else by the layer itself through a graph break.
+
+:class:`_GradStep` is the forward of the grad / recursive layers (convolutions and linear layers): the weight
+whose gradient is right-multiplied by ``Q_s``, and the centring (``b + c - sum_k W_k mu``, or absorbed by a
+following BatchNorm). Part of :mod:`whitenlayers.layers`.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import operator
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Dict, NamedTuple, Optional, Tuple, cast
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from .. import functional as F_w
+from ..autograd import _transforms_active, grad_transformed
+from ..fold import _autocast_enabled, _no_autocast, fold_layers
+from ..functional.batch import _FUSED_ON_CPU, LOW_PRECISION, low_precision_products_known, stats_samples
+from ._checks import FUNC_WHAT_TO_DO, check_not_tracing_function, onnx_exporting
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..coordinator import FoldCoordinator, ForwardScope
+    from .base import WhiteningLayer
+    from .block import Block
+
+__all__ = ["Step", "recomputing"]
+
+_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", lambda: False)
+_exporting: Callable[[], bool] = getattr(torch.compiler, "is_exporting", lambda: False)
+_graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+_jit_tracing: Callable[[], bool] = torch._C._is_tracing
+_get_ident = threading.get_ident
+_version = operator.attrgetter("_version")
+#: The innermost saved-tensor hooks (activation checkpointing, ``save_on_cpu``), or ``None``; a torch without the
+#: query answers "some" (nothing handed over).
+_saved_tensor_hooks: Callable[[], Any] = (
+    functools.partial(torch._C._autograd._top_saved_tensors_default_hooks, False)
+    if hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks") else lambda: True)
+
+
+def recomputing() -> bool:
+    """Whether the current forward runs inside a backward pass, i.e. autograd re-runs it (activation checkpointing).
+
+    Both kinds of :func:`torch.utils.checkpoint.checkpoint` recompute a segment's forward while the autograd engine
+    executes the backward; an original forward never runs there. Inside a compiled graph this is ``False``
+    (compiled checkpointing replays the graph, not the module).
+    """
+    return not _compiling() and _graph_task_id() != -1
+
+
+class Step(NamedTuple):
+    """What one forward of a layer does, decided once, at its start (:meth:`_StepMixin._begin`)."""
+
+    #: The buffers the forward reads (:attr:`_StepMixin._FORWARD_BUFFERS`): copies taken when they last changed.
+    state: Dict[str, Tensor]
+    #: A training batch that the forward counts at its end (:meth:`_StepMixin._end`).
+    counts: bool
+    #: The scope of the model's forward this call is part of (its fold coordinator's), or ``None``.
+    scope: Optional["ForwardScope"]
+    #: The forward runs inside a compiled graph (nothing kept between forwards may be read).
+    traced: bool = False
+    #: The rows a compiled forward added (counted outside the graph at its end).
+    rows: int = 0
+
+
+def _define_snapshot_op() -> None:
+    """``torch.ops.whitenlayers.snapshot(x)``: a copy of ``x``, an operator of its own so that a compiled graph keeps
+    it. A compiled forward reads its buffers through it: the graph's backward then holds the copies, which
+    AOTAutograd's partitioner saves rather than recomputing them from the buffers in the backward (it recomputes a
+    ``clone``; an operator outside its allowlist is never recomputed), so a fold may write the buffers in place
+    between a forward and its backward, and the buffers keep their addresses (CUDA graphs)."""
+    if hasattr(torch.ops.whitenlayers, "snapshot"):  # defined already (a module reloaded)
+        return
+    lib = torch.library.Library("whitenlayers", "FRAGMENT")
+    lib.define("snapshot(Tensor x) -> Tensor")
+    lib.impl("snapshot", lambda x: x.clone(), "CompositeExplicitAutograd")
+    _LIBRARIES.append(lib)  # a Library object unregisters its operators when collected
+    side_effect = getattr(torch.fx.node, "has_side_effect", None)  # the partitioners never move it to the backward
+    if side_effect is not None:
+        side_effect(torch.ops.whitenlayers.snapshot.default)
+
+
+_LIBRARIES: list = []
+_define_snapshot_op()
+
+
+@contextlib.contextmanager
+def _tracing_suspended():
+    """No ``torch.jit.trace`` recording inside (what it would record is not part of the traced function)."""
+    state = torch._C._get_tracing_state()
+    torch._C._set_tracing_state(None)
+    try:
+        yield
+    finally:
+        torch._C._set_tracing_state(state)
+
+
+def _work_dtype(x: Tensor) -> torch.dtype:
+    """The dtype a batch's statistics are computed in: its own when float32 / float64, else float32."""
+    return x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+
+
+class _StepCache:
+    """The one place for what a layer keeps between forwards: the buffers in force as copies (``held`` and their
+    ``versions``: the buffers they were taken from) and the values derived from them or from the weight
+    (``derived``: the mean per kernel tap, the weight's rows, ``DirectWhiten``'s 1x1 weights, ...). One
+    invalidation rule: a forward that finds a buffer replaced or written since takes new copies and drops every
+    derived value; a move, a reset or a load drops everything (:meth:`clear`)."""
+
+    __slots__ = ("held", "versions", "state", "derived")
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self.held: Optional[tuple] = None
+        self.versions: tuple = ()
+        self.state: Optional[Dict[str, Tensor]] = None
+        self.derived: Dict[Any, Any] = {}
+
+
+class _StepMixin:
+    """The per-step part of :class:`~whitenlayers.WhiteningLayer` (this module's docstring)."""
+
+    #: The buffers a forward reads (a recomputed forward reads those of the original one).
+    _FORWARD_BUFFERS: Tuple[str, ...] = ("running_mean",)
+
+    if TYPE_CHECKING:  # (provided by WhiteningLayer and nn.Module)
+        _block: Block
+        _cache: _StepCache
+        _fold_coordinator: Optional[FoldCoordinator]
+        _buffers: Dict[str, Any]
+        training: bool
+        frozen: bool
+        num_features: int
+        groups: int
+        rule: Any
+
+        def _describe(self) -> str: ...
+
+        def _warn_once(self, kind: str, message: str) -> None: ...
+
+        def _fold_weight_of(self, weight: Optional[Tensor]) -> Optional[Tensor]: ...
+
+    # ------------------------------------------------------------------ a forward
+    def _begin(self, x: Tensor, keeps: bool = False, state: Optional[Dict[str, Tensor]] = None) -> Step:
+        """Start a forward (``x``: the batch's features on dim 1): the :class:`Step` it takes, and, for a training
+        batch that gathers statistics, the batch added to the block (``keeps``: the forward's backward keeps ``x``
+        anyway, as a convolution does for its weight's gradient; ``state``: the buffers in force as the model's
+        forward took them for this layer before it, if it did).
+
+        A forward recomputed inside a backward (activation checkpointing) is not a batch: it reads the copies its
+        original forward read, even if a fold came in between. A block that ended without being folded (its model's
+        forward did not end: the layer was called again within it) is folded first, as the model's end would have.
+        Under ``torch.inference_mode`` a training-mode forward gathers and counts nothing (a fold there would store
+        inference tensors as state)."""
+        if _compiling():
+            return self._begin_traced(x)
+        cache = self._cache
+        if _graph_task_id() != -1:  # recomputed inside a backward (recomputing(), inline)
+            return Step(cache.state if cache.state is not None else self._state_in_force(), False, None)
+        coordinator = self._fold_coordinator
+        scope = coordinator.scopes.get(_get_ident()) if coordinator is not None and coordinator.scopes else None
+        block = self._block
+        if block.fold_pending:
+            state = None  # (the fold writes the buffers)
+            if _jit_tracing():  # folded outside the trace (its check run, which finds nothing pending, traces again)
+                with _tracing_suspended():
+                    self._fold_now()
+            else:
+                self._fold_now()
+        if state is None:
+            state = self._state_in_force()
+        if not self.training or self.frozen or torch.is_inference_mode_enabled() or (scope is not None and scope.local):
+            return Step(state, False, scope)
+        if _transforms_active():
+            raise RuntimeError(
+                f"{self._describe()}: a training-mode forward inside a torch.func transform (vmap, grad, jacrev, ...) "
+                "is not supported: the layer adds the batch to its block statistics and folds them into its buffers in "
+                "place, and a transformed (batched or gradient-tracking) tensor cannot be written into the layer's "
+                "state. " + FUNC_WHAT_TO_DO)
+        if block.gather_next:
+            self._add_batch(x, scope, keeps)
+        return Step(state, True, scope)
+
+    def _state_in_force(self) -> Dict[str, Tensor]:
+        """The buffers a forward reads (:attr:`_FORWARD_BUFFERS`) as copies, taken again only when a buffer changed
+        since (another tensor in its place, e.g. under ``torch.func.functional_call``, or a write into it: a fold, a
+        load, DDP's buffer broadcast): per step, one identity and one version check per buffer. A fold writes the
+        buffers in place, so a backward still to come keeps the values of its forward."""
+        buffers = self._buffers
+        names = self._FORWARD_BUFFERS
+        if _jit_tracing():  # the trace reads the buffers themselves: nothing cached by one run
+            return {name: buffers[name] for name in names}
+        cache = self._cache
+        held = cache.held
+        if (held is not None and all(map(operator.is_, held, map(buffers.__getitem__, names)))
+                and all(map(operator.eq, map(_version, held), cache.versions))):
+            return cache.state  # type: ignore[return-value]
+        held = tuple(map(buffers.__getitem__, names))
+        if held[0].is_meta:
+            raise RuntimeError(
+                f"{self._describe()}: its state is on the meta device (the model was built there and not loaded or "
+                "initialised): load a checkpoint with model.load_state_dict(state_dict, assign=True), or call "
+                "model.to_empty(device=...) and then each layer's reset_parameters() (reset_running_stats() for the "
+                "whitening state alone)")
+        if torch.is_inference_mode_enabled():  # never keep an inference tensor (the next training step can't save it)
+            return dict(zip(names, held))
+        with torch.no_grad():
+            state = {name: buf.clone() for name, buf in zip(names, held)}
+        cache.held, cache.versions, cache.state = held, tuple(map(_version, held)), state
+        cache.derived.clear()
+        return state
+
+    def _add_batch(self, x: Tensor, scope: Optional["ForwardScope"], keeps: bool = False) -> None:
+        """Add the batch ``x`` (features on dim 1) to the block: its sums about the block's shift (chosen at the
+        block's first gathered batch) into the accumulator, and its rows counted. No host synchronisation and no
+        check: a non-finite batch makes its block's sums non-finite, and the fold drops that block (counted).
+
+        Inside a model's forward on the fewest-kernel path (CUDA's), while the forward records a backward that
+        keeps ``x`` anyway (``keeps``), the batch is handed to the scope instead, and the coordinator adds the batches
+        of all the forward's layers at its end, a few operations for all of them. A bf16 / fp16 batch reaches the
+        product as it is where the device multiplies it into float32; otherwise it is converted to float32 first."""
+        block = self._block
+        if block.fraction < 1.0 and x.shape[0] > 1:
+            x = x[: stats_samples(x.shape[0], x[0].numel() // self.num_features, self.num_features, block.fraction)]
+        acc = block.acc
+        device = x.device
+        fused = _FUSED_ON_CPU[0] or device.type != "cpu"  # (functional.fused_moments_on, inline)
+        if acc is None and x.dtype not in (torch.float32, torch.float64):  # (a bf16 / fp16 batch: see the docstring)
+            x = x.float()
+        if block.s1.device != device:  # accumulators left on another device (or the meta device): moved
+            self._move_block_to(device)
+            acc = block.acc
+        if block.shift is None:
+            self._start_block(x.detach())
+        elif not block.unshifted and (block.shift_x is None or block.shift_x.dim() != x.dim()):
+            # a block resumed from a checkpoint, or a batch of another rank than the block's first
+            block.shift_x = block.shift.to(_work_dtype(x)).view((1, -1) + (1,) * (x.dim() - 2))
+        if (keeps and scope is not None and scope.batches is not None and acc is not None and fused
+                and torch.is_grad_enabled() and _saved_tensor_hooks() is None):
+            scope.batches.append((self, x, x._version, block.shift_x))  # the backward keeps x: nothing held longer
+        elif acc is not None:
+            autocast = _autocast_enabled(device.type)  # products under autocast would run in fp16 / bf16
+            with _no_autocast(device) if autocast else contextlib.nullcontext():
+                F_w.accumulate_moments(acc, x.detach(), block.shift_x, block.parts)
+        else:  # a grouped layer: float64 s1 and the diagonal blocks of s2
+            with _no_autocast(x.device):
+                s1, s2 = F_w.batch_sums(x.detach(), block.shift_x, self.groups)
+            block.s1.add_(s1)
+            block.s2.add_(s2)
+        block.rows += x.numel() // self.num_features
+
+    def _start_block(self, x: Optional[Tensor] = None, first: Optional[Tensor] = None) -> None:
+        """Choose the block's shift: 0 when it sums unshifted, else the mean in force or, for the very first block,
+        the mean of its first gathered batch ``x`` (or ``first``, float64: a compiled forward's), 0 where that is not
+        finite, so that one bad batch cannot poison the block's other batches. The one place a shift is chosen; on
+        the device (no host synchronisation), written into the block's shift tensor (a compiled graph reads it)."""
+        block = self._block
+        store = block.store
+        with torch.no_grad():
+            if block.unshifted:
+                store.zero_()
+            else:
+                if first is None and x is not None and x.numel() > 0:
+                    first = x.mean([0] + list(range(2, x.dim())), dtype=_work_dtype(x)).to(torch.float64)
+                first = torch.zeros_like(store) if first is None else torch.nan_to_num(
+                    first.to(store.device), nan=0.0, posinf=0.0, neginf=0.0)
+                in_force = cast(Tensor, self._buffers["running_mean"]).detach().to(store.device, torch.float64)
+                store.copy_(torch.where(cast(Tensor, self._buffers["num_blocks"]).to(store.device) > 0, in_force,
+                                        first))
+        block.shift = store
+        block.shift_x = None if block.unshifted or x is None else store.to(_work_dtype(x)).view(
+            (1, -1) + (1,) * (x.dim() - 2))
+
+    def _end(self, step: Step, weight: Optional[Tensor]) -> None:
+        """End a training batch: count it; at the block's end, fold (:meth:`_block_ends`). ``weight``: the weight the
+        forward used (what the fold compensates with). A compiled forward's batch is counted outside the graph: by
+        the coordinator after the root's forward when the root is what was compiled (one graph), else here through
+        a graph break (a compiled sub-module, or a layer on its own)."""
+        if step.traced:
+            coordinator = self._fold_coordinator
+            if coordinator is not None and coordinator.traced_open:
+                coordinator.traced_calls.append((self, step.rows))
+            else:
+                _count_outside_graph(self, step.rows)
+            return
+        scope = step.scope
+        block = self._block
+        n = block.batches = block.batches + 1
+        block.gather_next = n % block.every == 0
+        if n >= block.length:
+            self._block_ends(weight, scope)
+
+    def _count_without_data(self) -> None:
+        """A batch this rank did not run, counted as the others count theirs (a rank that has joined under
+        :func:`~whitenlayers.coordinator.joinable`); a block's end is folded by the coordinator, with the others."""
+        self._end(Step({}, True, True), None)  # type: ignore[arg-type]
+
+    def _block_ends(self, weight: Optional[Tensor], scope: Any) -> None:
+        """The block's last batch was counted: fold at the end of the model's forward (``scope``: its coordinator
+        folds all its layers together there), else now."""
+        block = self._block
+        block.fold_pending = True
+        block.fold_weight = self._fold_weight_of(weight)
+        if scope:
+            cast("FoldCoordinator", self._fold_coordinator).request(cast("WhiteningLayer", self))
+        else:
+            self._fold_now()
+
+    def _fold_now(self) -> None:
+        """Fold this layer alone, now; a fold of an asynchronous coordinator that it still has pending first."""
+        coordinator = self._fold_coordinator
+        if coordinator is not None:
+            coordinator.flush_stats()  # the batches this forward's layers handed over, this one's too
+            coordinator.wait()
+        fold_layers([self])
+
+    # -------------------------------------------------------------- compiled
+    def _begin_traced(self, x: Tensor) -> Step:
+        """:meth:`_begin` inside a compiled graph: the buffers copied in the graph (no backward: the buffers
+        themselves) and the batch's sums added about the block's shift tensor; its end counts it outside the graph
+        (:meth:`_end`)."""
+        buffers = self._buffers
+        names = self._FORWARD_BUFFERS
+        if not torch.is_grad_enabled() or _exporting():  # no backward to keep values for (an export, ONNX)
+            state = {name: buffers[name] for name in names}
+        else:
+            snapshot = torch.ops.whitenlayers.snapshot
+            state = {name: snapshot(buffers[name]) for name in names}
+        if not self.training or self.frozen:
+            return Step(state, False, None, True)
+        return Step(state, True, None, True, self._add_batch_traced(x) if self._block.gather_next else 0)
+
+    def _add_batch_traced(self, x: Tensor) -> int:
+        """:meth:`_add_batch` in a compiled graph, always about the block's shift tensor (no per-layer flag to guard
+        on): a block whose shift is not chosen yet is summed about the tensor's values as they are, and moved to the
+        shift after the forward (:meth:`_count_traced`). Returns the rows added."""
+        block = self._block
+        acc = block.acc
+        # A bf16 / fp16 batch, where the device multiplies it into float32 (tried before the trace): its differences
+        # from the shift split in two low-precision numbers, multiplied on tensor cores.
+        lowp = (acc is not None and acc.dtype == torch.float32 and x.dtype in LOW_PRECISION
+                and F_w.fused_moments_on(x.device) and low_precision_products_known(x.device))
+        x = x.detach()
+        if x.dtype not in (torch.float32, torch.float64) and not lowp:
+            x = x.float()
+        if block.fraction < 1.0 and x.shape[0] > 1:
+            x = x[: stats_samples(x.shape[0], x[0].numel() // self.num_features, self.num_features, block.fraction)]
+        with _no_autocast(x.device):
+            shift_x = block.store.to(_work_dtype(x)).view((1, -1) + (1,) * (x.dim() - 2))
+            if lowp:
+                F_w.accumulate_moments_split(cast(Tensor, acc), x, shift_x)
+            elif acc is not None and x.dim() > 2 and x.is_contiguous() and not F_w.fused_moments_on(x.device):
+                # A contiguous (B, M, *spatial) batch on the CPU: its rows (M, B P) made in the subtraction's pass,
+                # one product (a batched product summed over the batch is a reduction inductor generates per width)
+                m = x.shape[1]
+                rows = (x - shift_x).transpose(0, 1).reshape(m, -1)
+                acc[:m, :m].add_(rows @ rows.t())
+                acc[:m, m].add_(rows.sum(1))
+            elif acc is not None:
+                F_w.accumulate_moments(acc, x, shift_x)
+            else:
+                s1, s2 = F_w.batch_sums(x, shift_x, self.groups)
+                block.s1.add_(s1)
+                block.s2.add_(s2)
+        return x.numel() // self.num_features
+
+    def _count_traced(self, calls: Any, scope: Any = None) -> None:
+        """Outside the graph, after a compiled forward that called this layer (``calls``: the rows of each call):
+        what :meth:`_add_batch` and :meth:`_end` count in eager mode, a batch per call; ``scope``: the root's
+        forward folds at its end. The first calls of a block whose shift was not chosen have their sums moved to
+        the shift they choose (float64). A block that ends before the forward's last call takes the later calls too
+        (a warning, once)."""
+        block = self._block
+        if block.shift is None and sum(calls):  # the block's first gathered calls: their shift now
+            self._recentre_block(sum(calls))
+        for i, rows in enumerate(calls):
+            block.rows += rows
+            self._end(Step({}, True, scope), None)
+            if block.fold_pending and i < len(calls) - 1:
+                self._warn_once("traced_calls", (
+                    f"called {len(calls)} times in one compiled forward, and a block ended after call {i + 1}: the "
+                    "fold waits for the forward's end, so this block also holds the forward's later calls (in "
+                    "eager mode it would fold between them); make block_size * accumulation_steps a multiple of "
+                    f"{len(calls)} for blocks of exactly block_size batches"))
+                block.rows += sum(calls[i + 1:])
+                block.batches += len(calls) - i - 1
+                break
+
+    def _recentre_block(self, rows: float) -> None:
+        """The block's first compiled batch(es), summed about the shift tensor's values as they were: the shift they
+        choose (:meth:`_start_block`, from their mean), and their sums moved to it in float64 (``s2 - s1 d^T -
+        d s1^T + n d d^T``, ``s1 - n d``; the product's rounding stays that of the values it was taken about)."""
+        block = self._block
+        store = block.store
+        with torch.no_grad(), _no_autocast(store.device):
+            n = float(rows)
+            s1_64 = block.s1.to(torch.float64)
+            old = store.clone()
+            self._start_block(None, old + s1_64 / n if n > 0 else None)
+            d = store - old
+            if self.groups == 1:
+                sd = torch.outer(s1_64, d)
+                block.s2.copy_(block.s2.to(torch.float64) - sd - sd.t() + n * torch.outer(d, d))
+            else:  # the diagonal blocks (G, k, k)
+                a, b = s1_64.view(block.s2.shape[0], -1, 1), d.view(block.s2.shape[0], -1, 1)
+                sd = a @ b.transpose(1, 2)
+                block.s2.copy_(block.s2.to(torch.float64) - sd - sd.transpose(1, 2) + n * (b @ b.transpose(1, 2)))
+            block.s1.copy_(s1_64 - n * d)
+
+    def _move_block_to(self, device: torch.device) -> None:
+        """Accumulators left on another device than the batch (the meta device: a new, empty block)."""
+        block = self._block
+        if block.s1.is_meta or block.store.is_meta:
+            self._reset_accumulators(device)  # type: ignore[attr-defined]
+        else:
+            block.move(lambda t: t.to(device), None)
+
+
+@torch.compiler.disable  # a graph break: the counting and a fold run eagerly
+def _count_outside_graph(layer: _StepMixin, rows: int) -> None:
+    """A compiled forward's batch counted by the layer itself: nothing after the graph would count it (the graph is
+    a sub-module's, or the layer has no coordinator)."""
+    layer._count_traced([rows])
+
+
+class _GradStep:
+    """The forward of the grad / recursive layers (convolutions of any dimension and linear layers): this module's
+    docstring. The layer class sets ``_op`` (its operation: the plain conv's ``_conv_forward``, or
+    ``F.linear``), ``_BATCHED_RANK`` and ``_SPATIAL``."""
+
+    _op: Callable[..., Tensor]
+    #: The rank of a batched input (the forward's fast check), and a convolution's spatial dimensions (0: linear).
+    _BATCHED_RANK: int = 2
+    _SPATIAL: int = 0
+    #: A :func:`~whitenlayers.defer_grad_transform` deferral of the weight-gradient transform, or ``None``.
+    _deferral: Any = None
+    #: Where the BatchNorm that absorbs the centring is (absorb_centring): (None, bn) or (parent, child name).
+    _centring_ref: Optional[Tuple[Optional[nn.Module], Any]] = None
+    features: str = "channels"
+
+    if TYPE_CHECKING:
+        weight: Tensor
+        bias: Optional[Tensor]
+        num_features: int
+        groups: int
+        training: bool
+        _buffers: Dict[str, Any]
+        _parameters: Dict[str, Any]
+        _cache: _StepCache
+
+        def _begin(self, x: Tensor, keeps: bool = False, state: Optional[Dict[str, Tensor]] = None) -> Step: ...
+
+        def _end(self, step: Step, weight: Optional[Tensor]) -> None: ...
+
+        def _describe(self) -> str: ...
+
+        def _features_of(self, x: Tensor, weight: Tensor) -> Tensor: ...
+
+    def forward(self, x: Tensor) -> Tensor:
+        """The plain layer's operation with the weight whose gradient is right-multiplied by ``Q_s`` and the
+        centred input's bias ``b + c - sum_k W_k mu`` (or, centring absorbed, ``b``); in training mode the batch
+        also joins the block statistics.
+
+        Args:
+            x: the input as the plain layer takes it: ``(B, C, *spatial)`` or unbatched ``(C, *spatial)`` for a
+                convolution (``C = in_channels``), ``(*, in_features)`` for a linear layer; floating point.
+        """
+        params = self._parameters  # (read without Module.__getattr__; a parametrized weight is a property)
+        w = params["weight"] if "weight" in params else self.weight  # read once: computed once per forward
+        feats = x
+        if not (isinstance(x, Tensor) and x.dim() == self._BATCHED_RANK and self.features == "channels"
+                and x.shape[1] == self.num_features and (x.dtype == w.dtype or _autocast_enabled(x.device.type))):
+            feats = self._features_of(x, w)  # every other input: checked (a clear error), its features on dim 1
+        step = self._begin(feats, w.requires_grad)
+        state, scope = step.state, step.scope
+        if torch.is_grad_enabled() and (w.requires_grad or _transforms_active()):
+            shared = scope.weights.pop(self, None) if scope is not None and scope.weights else None
+            if shared is not None and shared[1] is w:  # its view in the model's shared node (the coordinator's)
+                shared[2][shared[3]] = state["grad_transform"]  # the Q_s the node's backward uses for it
+                w = shared[0]
+            else:
+                w = self._transformed_weight(w, state)
+        bn = None
+        ref = self._centring_ref
+        if ref is not None:  # centring absorbed: by the BatchNorm there, while it normalises with batch statistics
+            bn = ref[1] if ref[0] is None else ref[0]._modules.get(ref[1])
+            if not (isinstance(bn, _BatchNorm)
+                    and (bn.training or (bn.running_mean is None and bn.running_var is None))):
+                bn = None
+        if bn is not None:
+            if bn.training and bn.track_running_stats and bn._buffers.get("running_mean") is not None:
+                kept: Any = None if step.traced else self._cache.derived.get("absorbed")
+                param = params.get("weight")
+                if (kept is not None and kept[0] is bn and kept[1] == bn.momentum and param is not None
+                        and kept[2] == param.data_ptr() and kept[3] is self._buffers.get("absorbed_offset")
+                        and not _transforms_active()):
+                    kept[3].addmv_(kept[4], kept[5], beta=kept[6], alpha=kept[7])  # type: ignore[union-attr]  # d <- (1 - f) d + f (-W mu)
+                else:
+                    self._track_absorbed_offset(w, bn, state)
+            out = self._op(x, w, params["bias"] if "bias" in params else self.bias)
+        elif (self._SPATIAL and params.get("bias", 0) is None and self.training and w.requires_grad
+              and torch.is_grad_enabled()):
+            # Training a bias-free conv (the ResNet case): the centring term added to the fresh output in place, not
+            # passed as a bias (the CPU convolution's bias gradient is several times slower than autograd's one
+            # reduction for this add); the two differ by rounding only
+            out = self._op(x, w, None).add_(self._layer_bias(w, state).view((-1,) + (1,) * self._SPATIAL))
+        else:  # the plain layer's own bias path: bit-identical to to_plain_model's
+            out = self._op(x, w, self._layer_bias(w, state))
+        if step.counts:
+            self._end(step, w)
+        return out
+
+    def _transformed_weight(self, w: Tensor, state: Dict[str, Tensor]) -> Tensor:
+        """The weight whose gradient the backward right-multiplies by this forward's ``Q_s`` (even if a fold follows):
+        through the autograd Function, or, with :func:`~whitenlayers.defer_grad_transform`, the weight itself,
+        whose hook transforms the gradient. Under a torch.func transform a weight with a forward-mode tangent
+        (``jvp``) requires no grad: it takes the Function too, whose ``jvp`` is its backward's adjoint."""
+        deferral = self._deferral
+        if deferral is not None:
+            if _compiling():  # the graph takes the Function below; the hook must go
+                deferral.leave()
+            elif not _transforms_active():  # (torch.func's gradients never reach the weight's hook)
+                deferred = deferral(w, state["grad_transform"])
+                if deferred is not None:
+                    return deferred
+        check_not_tracing_function(self, "the weight-gradient transform")
+        if self.features == "patches":  # Q acts on the flattened C k^2 axis
+            return grad_transformed(w.flatten(1), state["grad_transform"]).view_as(w)
+        return grad_transformed(w, state["grad_transform"])
+
+    # ------------------------------------------------------------ centring
+    def _layer_bias(self, weight: Tensor, state: Optional[Dict[str, Tensor]] = None) -> Tensor:
+        """The bias of the equivalent plain layer, ``b + c - sum_k W_k mu`` (in ``weight``'s dtype), minus ``d`` when
+        the centring is absorbed (the output is then the centred layer's minus ``d``, what its BatchNorm's running
+        mean expects). ``state``: the buffers of this forward (default: those in force)."""
+        state = self._buffers if state is None else state
+        offset = self._offset(weight, state["running_mean"], state["bias_correction"])
+        bias = offset if self.bias is None else self.bias + offset
+        absorbed = self._buffers.get("absorbed_offset")
+        return bias if absorbed is None else bias - absorbed.to(bias.dtype)
+
+    def _offset(self, weight: Tensor, mean: Tensor, comp: Tensor) -> Tensor:
+        """``s = c - sum_k W_k mu`` (one ``addmv`` for a dense layer), in ``weight``'s dtype."""
+        if self.groups != 1:  # grouped conv: each group's outputs see its own channels of the mean
+            return comp.to(weight.dtype) - F_w.weight_mean_product(weight, mean)
+        rows, taps_last = _weight_rows(weight)
+        mean_k = self._mean_per_tap(mean, rows.shape[1] // mean.shape[0], weight.dtype, taps_last)
+        if onnx_exporting():  # the TorchScript-based exporter has no addmv
+            return comp.to(weight.dtype) - rows @ mean_k
+        return torch.addmv(comp.to(weight.dtype), rows, mean_k, alpha=-1)
+
+    def _mean_per_tap(self, mean: Tensor, taps: int, dtype: torch.dtype, taps_last: bool = False) -> Tensor:
+        """``mu`` repeated for each of ``taps`` kernel taps, in ``dtype``: ``rows @ mu_k = sum_k W_k mu`` in one
+        product for the weight's rows (:func:`_weight_rows`; ``taps_last``: their tap-major order; a patch layer's
+        mean has one entry per tap already). Kept in the step cache while ``mean`` is the mean in force (once per
+        block), made in the graph when compiled."""
+        cache = None if _compiling() else self._cache
+        key = ("taps", dtype, taps_last, taps)
+        keep = cache is not None and cache.state is not None and mean is cache.state.get("running_mean")
+        if keep and key in cache.derived:  # type: ignore[union-attr]
+            return cache.derived[key]  # type: ignore[union-attr]
+        value = mean.to(dtype)
+        if taps != 1:
+            value = value.repeat(taps) if taps_last else value.repeat_interleave(taps)
+        if keep:
+            cache.derived[key] = value  # type: ignore[union-attr]
+        return value
+
+    def _track_absorbed_offset(self, weight: Tensor, bn: _BatchNorm, state: Dict[str, Tensor]) -> None:
+        """``d <- (1 - f) d + f s`` with the BatchNorm's factor ``f``, as it updates its running mean now: one in-place
+        product-accumulate on the weight's rows as they lie (no copy of a channels_last weight), no autocast (in-place
+        ops are never autocast). Where the update is one ``addmv_`` (a float momentum, dense weight), what it needs
+        is kept in the step cache (the forward makes it from there while the mean, BatchNorm and weight stay)."""
+        if not _compiling() and _transforms_active():
+            raise RuntimeError(
+                f"{self._describe()}: its centring is absorbed by a BatchNorm in training mode, whose running mean "
+                "it follows in place; a torch.func transform (vmap, grad, jacrev, ...) cannot update state in place "
+                "(the BatchNorm itself fails there too). " + FUNC_WHAT_TO_DO)
+        d = self._buffers["absorbed_offset"]
+        factor: Any = bn.momentum
+        if factor is None:  # cumulative average: f = 1 / num_batches_tracked after the BatchNorm's increment
+            if bn.num_batches_tracked is None:
+                return
+            factor = (bn.num_batches_tracked.to(device=d.device, dtype=d.dtype) + 1).reciprocal()
+        if isinstance(factor, float) and self.groups == 1 and not onnx_exporting():
+            # c = 0 for an absorbed layer (it lives in d): d <- (1 - f) d + f (c - W mu) is one product-accumulate
+            param: Any = self._parameters.get("weight")
+            plain = param is not None and weight.dtype == d.dtype and not _compiling()
+            rows, taps_last = _weight_rows((param if plain else weight).detach().to(d.dtype))
+            mean = state["running_mean"]
+            mean_k = self._mean_per_tap(mean, rows.shape[1] // mean.shape[0], rows.dtype, taps_last)
+            d.addmv_(rows, mean_k, beta=1.0 - factor, alpha=-factor)
+            if plain and not torch.is_inference_mode_enabled():
+                self._cache.derived["absorbed"] = (bn, factor, param.data_ptr(), d, rows, mean_k, 1.0 - factor,
+                                                   -factor)
+            return
+        w = weight.detach()
+        w = w if w.dtype == d.dtype else w.to(d.dtype)
+        with _no_autocast(d.device):  # an out-of-place product under CUDA's autocast would run in bf16 / fp16
+            d.lerp_(self._offset(w, state["running_mean"], state["bias_correction"]), factor)
+
+
+def _weight_rows(weight: Tensor) -> Tuple[Tensor, bool]:
+    """The weight as an ``(S, M k)`` matrix of rows without a copy where its layout allows: channel-major (a view of a
+    contiguous weight) or, for a channels_last weight, tap-major (a view of its memory), with whether it is
+    tap-major."""
+    if weight.dim() > 3 and not weight.is_contiguous():
+        moved = weight.movedim(1, -1)  # (S, *kernel, C): contiguous for a channels_last weight
+        if moved.is_contiguous():
+            return moved.reshape(weight.shape[0], -1), True
+    return weight.reshape(weight.shape[0], -1), False
