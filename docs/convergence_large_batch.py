@@ -159,22 +159,21 @@ def lb_val_table() -> str:
 # Steps to the target
 # --------------------------------------------------------------------------
 def measurements() -> Tuple[Dict[Tuple[int, str], Dict[int, Dict[str, float]]], Dict[int, List[int]]]:
-    """(batch, arm) -> seed -> reach record, for the seeds whose runs of every arm at that batch finished; and
-    per batch those seeds."""
+    """(batch, arm) -> seed -> reach record, for the finished runs whose seed's baseline run at that batch finished
+    too; and per batch the seeds whose baseline run finished."""
     chosen = _lb_chosen()
     data: Dict[Tuple[int, str], Dict[int, Dict[str, float]]] = {}
     seeds_at: Dict[int, List[int]] = {}
     for b in cv.LB_BATCHES:
-        arms = [a for a in cv.LB_ARMS if (b, a) in chosen]
-        if len(arms) < len(cv.LB_ARMS):
-            continue
         for s in cv.LB_SEEDS + cv.LB_MORE_SEEDS:
-            got = {a: _lb_reach(_lb_name(b, a, s), a) for a in arms}
-            if any(v is None or s not in v for v in got.values()):
+            base = _lb_reach(_lb_name(b, "baseline", s), "baseline")
+            if base is None or s not in base or (b, "baseline") not in chosen:
                 continue
             seeds_at.setdefault(b, []).append(s)
-            for a, rec in got.items():
-                data.setdefault((b, a), {})[s] = rec[s]  # type: ignore[index]
+            for a in cv.LB_ARMS:
+                rec = _lb_reach(_lb_name(b, a, s), a) if (b, a) in chosen else None
+                if rec is not None and s in rec:
+                    data.setdefault((b, a), {})[s] = rec[s]
     return data, seeds_at
 
 
@@ -197,15 +196,9 @@ def critical_batch(steps: Dict[int, float]) -> Tuple[Optional[int], str]:
 
 
 def best_whitened(batch: int) -> Optional[str]:
-    """The whitened arm with the fewest steps to the target on the validation seed at its chosen rate (the
-    higher accuracy there, then the order of cv.LB_WHITENED, on a tie)."""
-    scored = []
-    for arm in cv.LB_WHITENED:
-        k = _lb_grid(batch, arm)[1]
-        if k is None:
-            return None
-        scored.append((_lb_score(batch, arm, k), cv.LB_WHITENED.index(arm), arm))
-    return min(scored)[2] if scored else None  # type: ignore[type-var]
+    """The whitened arm with the fewest steps to the target on the validation seed at its chosen rate (the arm
+    seeds 2 and 3 run beside the baseline)."""
+    return cv._lb_best_whitened(batch)
 
 
 def lb_table() -> str:
@@ -214,7 +207,7 @@ def lb_table() -> str:
     sps = seconds_per_step()
     if not data:
         return "(not run)\n"
-    head = ["batch", "arm", "rate", "steps to target: geo. mean [min, max]", "reached", "examples to target",
+    head = ["batch", "arm", "rate", "seeds", "steps to target: geo. mean [min, max]", "reached", "examples to target",
             "paired ratio to baseline's steps [95 % CI]", "CPU s / step", "CPU s to target (steps x s/step)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     curve: Dict[str, Dict[int, float]] = {a: {} for a in cv.LB_ARMS}
@@ -224,10 +217,13 @@ def lb_table() -> str:
         if b not in seeds_at:
             lines.append(f"| {b} | (not run) |" + " |" * (len(head) - 2))
             continue
-        seeds = seeds_at[b]
         base = data[b, "baseline"]
         for arm in cv.LB_ARMS:
-            recs = data[b, arm]
+            recs = data.get((b, arm), {})
+            seeds = sorted(recs)
+            if not seeds:
+                lines.append(f"| {b} | {LABELS[arm]} | (not run) |" + " |" * (len(head) - 3))
+                continue
             steps = [recs[s]["step"] for s in seeds]
             reached = [v for v in steps if math.isfinite(v)]
             g = _geo(steps) if len(reached) == len(steps) else float("nan")
@@ -240,7 +236,8 @@ def lb_table() -> str:
             cell = (f"{g:.0f} [{min(reached):.0f}, {max(reached):.0f}]" if math.isfinite(g) else
                     (f"not reached on {len(steps) - len(reached)} (budget {_lb_budget(b)})"))
             lines.append("| " + " | ".join([
-                str(b), LABELS[arm], f"{chosen[b, arm]:g}", cell, f"{len(reached)}/{len(steps)}",
+                str(b), LABELS[arm], f"{chosen[b, arm]:g}", ", ".join(map(str, seeds)), cell,
+                f"{len(reached)}/{len(steps)}",
                 f"{g * b:,.0f}" if math.isfinite(g) else "—",
                 "—" if arm == "baseline" else _ratio_cell(r, len(seeds)),
                 f"{cpu:.4g}" if math.isfinite(cpu) else "—",
@@ -258,7 +255,7 @@ def lb_table() -> str:
         if b not in seeds_at:
             continue
         bw = best_whitened(b)
-        r = [x for x in ratios[b, bw] if math.isfinite(x) and x > 0] if bw else []
+        r = [x for x in ratios.get((b, bw), []) if math.isfinite(x) and x > 0] if bw else []
         ok = False
         if len(r) >= 3:
             m, lo, hi = geometric_t_interval(r)
@@ -266,9 +263,10 @@ def lb_table() -> str:
         if ok:
             met.append(b)
         goal.append("| " + " | ".join([str(b), LABELS[bw] if bw else "—",
-                                      _ratio_cell(ratios[b, bw], len(seeds_at[b])) if bw else "—",
+                                      _ratio_cell(ratios.get((b, bw), []), len(seeds_at[b])) if bw else "—",
                                       "yes" if ok else "no"]
-                                     + [_ratio_cell(ratios[b, a], len(seeds_at[b])) for a in others]) + " |")
+                                     + [_ratio_cell(ratios.get((b, a), []), len(data.get((b, a), {})))
+                                        for a in others]) + " |")
     verdict = (f"The best whitened arm needs <= {GOAL}x the baseline's steps, with an interval below 1, at batch "
                f"{', '.join(map(str, met))}." if met else
                f"At no batch measured ({min(seeds_at)}-{max(seeds_at)}) does the best whitened arm need <= {GOAL}x "
@@ -278,11 +276,14 @@ def lb_table() -> str:
     cfgs = [json.load(open(os.path.join(cv.RUNS, _lb_name(b, "baseline", s), "config.json")))
             for b in seeds_at for s in seeds_at[b]]
     first = [_lb_name(cv.LB_BATCHES[0], a, cv.LB_SEEDS[0]) for a in cv.LB_ARMS]
-    return (f"Target: {cv.LB_TARGET:g} % validation accuracy. Seeds {', '.join(map(str, cv.LB_SEEDS))} at every batch"
-            + (f", {', '.join(map(str, cv.LB_MORE_SEEDS))} added at batch "
-               f"{', '.join(str(b) for b in seeds_at if len(seeds_at[b]) > len(cv.LB_SEEDS))}"
-               if any(len(v) > len(cv.LB_SEEDS) for v in seeds_at.values()) else "")
-            + f" ({'-'.join(map(str, n_seeds))} seeds); a seed counts at a batch when every arm's run finished. "
+    more = [b for b in seeds_at if len(seeds_at[b]) > len(cv.LB_SEEDS)]
+    return (f"Target: {cv.LB_TARGET:g} % validation accuracy. Seed {', '.join(map(str, cv.LB_ALL_ARMS_SEEDS))}: every "
+            f"arm; seeds {', '.join(str(s) for s in cv.LB_SEEDS if s not in cv.LB_ALL_ARMS_SEEDS)}: the baseline and, "
+            "at each batch, the whitened arm with the fewest steps on the validation seed (sized to a 2-core "
+            "machine: the other arms' rows rest on seed 1 alone)"
+            + (f"; seeds {', '.join(map(str, cv.LB_MORE_SEEDS))} added at batch {', '.join(map(str, more))}"
+               if more else "")
+            + f" ({'-'.join(map(str, n_seeds))} baseline seeds per batch). "
             f"Steps: the first evaluation at or above the target (every N steps: {_every_text()}); "
             "geometric means over seeds. Ratios: per seed the arm's steps over the baseline's (same "
             "initial weights and data order), geometric mean and 95 % t-interval of the logs. Examples = steps x "
