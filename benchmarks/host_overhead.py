@@ -35,15 +35,17 @@ process's CPU time, gloo's threads included)::
 ``--ablate METHOD`` attributes that method's default step to its parts: the same converted model stepped with one
 part switched off at a time (the statistics not gathered; gathered and handed over, but dropped at the forward's
 end; the absorbed offset's update; the weight-gradient transform, the shared node not made; the coordinator's shared
-node and grouped sums, each layer doing its own work), interleaved with the full step and the plain one. A step
-without a part is not a configuration anyone trains (nothing is folded without the statistics); it only says what
-that part costs. What is left (row "all parts off") is the layers' forwards around their convolutions and the
+node and grouped sums, each layer doing its own work; the C++ apply of the autograd Functions, ``Function.apply``
+called instead, with the coordinator and with each layer alone), interleaved with the full step and the plain one. A
+step without a part is not a configuration anyone trains (nothing is folded without the statistics); it only says
+what that part costs. What is left (row "all parts off") is the layers' forwards around their convolutions and the
 coordinator's hooks.
 """
 # ruff: noqa: B007, E501  (closures timed in the loop that makes them; long table lines)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import inspect
 import statistics
@@ -57,6 +59,7 @@ from _resnet50 import resnet50
 from torch import nn
 
 import whitenlayers as wl
+import whitenlayers.autograd as autograd_mod
 import whitenlayers.coordinator as fold_mod  # the coordinator's fold_layers: the one a model's forward calls
 
 #: The variants: method and its settings.
@@ -249,8 +252,35 @@ PARTS = {
     "absorbed offset update": ("offset",),
     "weight-gradient transform (the shared node's backward)": ("shared", "transform"),
     "the coordinator's shared node and grouped sums (each layer alone)": ("alone",),
+    "the C++ apply of the autograd Functions (`Function.apply` instead)": ("apply",),
+    "the C++ apply, each layer alone": ("apply", "alone"),
     "all parts off": ("statistics", "offset", "shared", "transform"),
 }
+
+
+@contextlib.contextmanager
+def _function_apply():
+    """The autograd Functions called through ``Function.apply`` (which binds its arguments with ``inspect`` at every
+    call) instead of the C++ apply the library calls directly (``whitenlayers.autograd._fast_apply``)."""
+    names = {autograd_mod: ("_direct_apply", "_weight_grad_apply", "_pointwise_apply"),
+             fold_mod: ("shared_weight_grad_apply", "shared_weight_product_apply")}
+    saved = {(mod, n): getattr(mod, n) for mod, ns in names.items() for n in ns}
+    for mod, n in saved:
+        setattr(mod, n, None)
+    fold_mod.shared_weight_grad_apply = fold_mod.SharedWeightGradTransform.apply
+    fold_mod.shared_weight_product_apply = fold_mod.SharedWeightProduct.apply
+    try:
+        yield
+    finally:
+        for (mod, n), value in saved.items():
+            setattr(mod, n, value)
+
+
+def _with_function_apply(step: Callable[[], None]) -> Callable[[], None]:
+    def run() -> None:
+        with _function_apply():
+            step()
+    return run
 
 
 def switched_off(model: nn.Module, parts) -> nn.Module:
@@ -282,6 +312,7 @@ def ablate(args) -> Dict[str, object]:
     for name, parts in PARTS.items():
         switched_off(models[name], parts)
     runners = {name: _stepper(model, x, y) for name, model in models.items()}
+    runners.update({name: _with_function_apply(runners[name]) for name, parts in PARTS.items() if "apply" in parts})
     steps = 5 if args.tiny else 50 * args.blocks
     times = _interleaved(runners, names, steps, 2 if args.tiny else 50)
     plain_med, full_med = statistics.median(times["plain"]), statistics.median(times["full"])

@@ -1,7 +1,8 @@
 """Write ``docs/default_run.md`` (and ``docs/default_run.png``) from one run of the main job: one run, named once.
 
     /usr/bin/time -v python -m whitenlayers.experiment --out /tmp/run 2> /tmp/run.time
-    python docs/default_run.py /tmp/run --time /tmp/run.time --machine "an idle 2-core AMD EPYC machine"
+    python docs/default_run.py /tmp/run --time /tmp/run.time --machine "an idle 2-core AMD EPYC machine" \
+        --other "On another CPU ..."
 
 Every figure on the page is read from the run's own files (``summary.md``, ``metrics.csv``, ``config.json``)
 or computed from them here (the epoch-2 leads with the runner's paired interval); the README quotes the page,
@@ -75,10 +76,12 @@ def _wall(time_file: Path) -> str:
     text = time_file.read_text()
     m = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (?:(\d+):)?(\d+):(\d+)", text)
     cpu = re.search(r"Percent of CPU this job got: (\d+)%", text)
+    seconds = [float(x) for x in re.findall(r"(?:User|System) time \(seconds\): ([\d.]+)", text)]
     if not m:
         return "an unrecorded time"
     minutes = int(m.group(1) or 0) * 60 + int(m.group(2))
-    return f"**{minutes} min {int(float(m.group(3)))} s** wall time" + (f" (CPU {cpu.group(1)} %)" if cpu else "")
+    used = f"{sum(seconds):.0f} CPU seconds, " if seconds else ""
+    return f"**{minutes} min {int(float(m.group(3)))} s** wall time" + (f" ({used}CPU {cpu.group(1)} %)" if cpu else "")
 
 
 def main(argv=None) -> None:
@@ -87,6 +90,7 @@ def main(argv=None) -> None:
     p.add_argument("--time", type=Path, help="the /usr/bin/time -v output of the run")
     p.add_argument("--machine", default="a 2-core machine", help="the machine, in words")
     p.add_argument("--date", default=datetime.date.today().isoformat())
+    p.add_argument("--other", default="", help="a paragraph on the same command on another CPU, from its run")
     args = p.parse_args(argv)
     summary = (args.run / "summary.md").read_text()
     with open(args.run / "metrics.csv") as f:
@@ -138,7 +142,7 @@ is **no estimate** of a time ratio where fewer than 3 seeds reach it, and no cla
 An epoch costs {grad["time vs baseline"]} (grad) and {rec["time vs baseline"]} (recursive) the baseline's (block
 size 2: a fold every second batch).
 
-On another CPU the same command trains differently: on a 2-core Intel Xeon (load 2-4; 8 min 11 s) grad led the baseline at epoch 2 by +28.4 [-18.1, +75.0] points (all three seeds ahead: +41.7, +7.0, +36.6). Three seeds do not fix the size of an early lead; the headline comes from the multi-seed study ([the convergence study](CONVERGENCE.md)).
+{args.other}
 
 `summary.md` of the run:
 

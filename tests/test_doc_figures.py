@@ -162,7 +162,7 @@ def _kappa_rho(page: str) -> List[Quote]:
 
 QUOTES = [
     *_kappa_rho("README.md"),
-    Quote("README.md", rf"grad led the baseline by ({NUMBER}) \[({NUMBER}), ({NUMBER})\] points on a 2-core AMD EPYC "
+    Quote("README.md", rf"grad led the baseline by ({NUMBER}) \[({NUMBER}), ({NUMBER})\] points on a 2-core Intel Xeon "
                        rf"\(recursive ({NUMBER}) \[({NUMBER}), ({NUMBER})\]\)",
           lambda: _epoch_lead("grad", 2) + _epoch_lead("recursive", 2)),
     Quote("README.md",

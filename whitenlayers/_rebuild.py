@@ -1,7 +1,8 @@
 """One helper per module type to build a layer with another layer's settings (conversion, export, ``to_conv``)."""
 from __future__ import annotations
 
-from typing import Any, Optional, cast
+import contextlib
+from typing import Any, Iterable, Iterator, Optional, cast
 
 from torch import nn
 from torch.nn.utils import parametrize
@@ -14,19 +15,17 @@ def plain_conv_class(conv: Any) -> type:
     return _PLAIN_CONVS[len(conv.kernel_size)]
 
 
-def conv_like(conv: Any, cls: Optional[type] = None, *, bias: bool, **extra: Any) -> Any:
-    """A new conv of class ``cls`` (default: the plain conv of ``conv``'s dimension) with ``conv``'s channels,
-    kernel, stride, padding, dilation, groups, padding mode, device and dtype; fresh parameters."""
-    cls = cls if cls is not None else plain_conv_class(conv)
-    return cls(conv.in_channels, conv.out_channels, conv.kernel_size, stride=conv.stride, padding=conv.padding,
-               dilation=conv.dilation, groups=conv.groups, bias=bias, padding_mode=conv.padding_mode,
-               device=conv.weight.device, dtype=conv.weight.dtype, **extra)
-
-
-def linear_like(linear: Any, cls: type = nn.Linear, *, bias: bool, **extra: Any) -> Any:
-    """A new linear layer of class ``cls`` with ``linear``'s features, device and dtype; fresh parameters."""
-    return cls(linear.in_features, linear.out_features, bias=bias, device=linear.weight.device,
-               dtype=linear.weight.dtype, **extra)
+def layer_like(layer: Any, cls: Optional[type] = None, *, bias: bool, **extra: Any) -> Any:
+    """A new layer of class ``cls`` (default: the plain ``nn.Linear``, or the plain conv of ``layer``'s dimension)
+    with ``layer``'s features (a conv's channels, kernel, stride, padding, dilation, groups and padding mode),
+    device and dtype; fresh parameters."""
+    factory = {"device": layer.weight.device, "dtype": layer.weight.dtype}
+    if hasattr(layer, "in_features"):  # a linear layer
+        return (cls or nn.Linear)(layer.in_features, layer.out_features, bias=bias, **factory, **extra)
+    cls = cls if cls is not None else plain_conv_class(layer)
+    return cls(layer.in_channels, layer.out_channels, layer.kernel_size, stride=layer.stride, padding=layer.padding,
+               dilation=layer.dilation, groups=layer.groups, bias=bias, padding_mode=layer.padding_mode, **factory,
+               **extra)
 
 
 def share_parameters(src: nn.Module, dst: nn.Module) -> None:
@@ -36,16 +35,20 @@ def share_parameters(src: nn.Module, dst: nn.Module) -> None:
     shared) over the same original Parameters. No parametrization runs a training step here (they are registered
     in eval mode: spectral norm's power iteration does not advance)."""
     if parametrize.is_parametrized(src):
-        mods = list(cast(nn.Module, src.parametrizations).modules())
-        modes = [m.training for m in mods]
-        dst_mode = dst.training
-        dst.eval()  # registering sets a parametrization's mode to its host's
-        try:
+        with modes_kept(list(cast(nn.Module, src.parametrizations).modules()) + [dst]):
+            dst.eval()  # registering sets a parametrization's mode to its host's
             parametrize.transfer_parametrizations_and_params(src, dst)
-        finally:
-            for m, mode in zip(mods, modes):
-                m.training = mode
-            dst.training = dst_mode
     for name in ("weight", "bias"):
         if not parametrize.is_parametrized(src, name):
             setattr(dst, name, getattr(src, name))
+
+
+@contextlib.contextmanager
+def modes_kept(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """The training flags of ``modules`` (as they are on entry) restored on exit."""
+    modes = [(m, m.training) for m in modules]
+    try:
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode

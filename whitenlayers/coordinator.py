@@ -200,10 +200,10 @@ class FoldCoordinator:
     #: (and a CUDA event, or ``None``); ``jobs`` its inputs, held until this thread's stream has waited for the fold.
     _in_flight: Optional[Tuple[List["WhiteningLayer"], Any, torch.device, Any]] = None
     _executor: Any = None
-    _streams: Optional[Dict[torch.device, Any]] = None
+    _streams: Dict[torch.device, Any]
     #: The stacked accumulators of the groups of layers whose batches are added together (``_arena``); never
     #: pickled (the layers' accumulators are pickled apart, and stacked again at the next forward).
-    _arenas: Optional[Dict[tuple, list]] = None
+    _arenas: Dict[tuple, list]
 
     def __init__(self, strategy: str = "auto", fold_async: bool = False) -> None:
         check_strategy(strategy)
@@ -215,7 +215,7 @@ class FoldCoordinator:
         self.layers = []
         self.wrappers = []
         self.checked = False
-        self.scopes = {}
+        self.scopes, self._arenas, self._streams = {}, {}, {}
 
     def begin_forward(self, module: nn.Module, inputs: Any) -> None:
         """The model's forward pre-hook: open this thread's ``ForwardScope`` (a forward of the model inside
@@ -271,6 +271,9 @@ class FoldCoordinator:
     def flush(self) -> None:
         """Fold the layers whose block ended, in the model's order (the same on every rank, whatever order their
         blocks ended in)."""
+        if not self.checked:  # the first fold after a conversion
+            self.checked = True
+            _warn_uncalled(self.layers)
         pending, self.pending = self.pending, []
         order = {id(layer): i for i, layer in enumerate(self.layers)}
         layers = sorted((p for p in pending if p._block.fold_pending), key=lambda p: order.get(id(p), len(order)))
@@ -307,8 +310,6 @@ class FoldCoordinator:
         if scope is not None and scope.batches:
             batches = list(scope.batches)
             scope.batches.clear()
-            if self._arenas is None:
-                self._arenas = {}
             _add_handed_batches(batches, self._arenas)
 
     @torch.compiler.disable  # Python bookkeeping and the fold: outside any compiled graph, never guarded on
@@ -317,8 +318,6 @@ class FoldCoordinator:
         whose block ended folded."""
         scope = self.scopes.pop(_get_ident(), None)  # (its unused weight views go with it)
         if scope is not None and scope.batches:
-            if self._arenas is None:
-                self._arenas = {}
             _add_handed_batches(scope.batches, self._arenas)
         if self.traced_open:
             self.traced_open = False
@@ -354,9 +353,6 @@ class FoldCoordinator:
     def _fold_async(self, layers: List["WhiteningLayer"]) -> None:
         """A block's end with ``fold_async``: wait for the fold in flight, read the block's sums and start the next
         block, write the pending folds, start this block's fold in the worker (the class docstring)."""
-        if not self.checked:
-            self.checked = True
-            _warn_uncalled(self.layers)
         self.wait()
         if not layers:
             return
@@ -378,8 +374,6 @@ class FoldCoordinator:
                              False))
         stream = None
         if device.type == "cuda":
-            if self._streams is None:
-                self._streams = {}
             stream = self._streams.get(device)
             if stream is None:
                 stream = self._streams[device] = torch.cuda.Stream(device)
@@ -400,7 +394,7 @@ class FoldCoordinator:
                 "fold_async": self.fold_async}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
-        self.__dict__.update({"strategy": "auto", **state, "scopes": {}})
+        self.__dict__.update({"strategy": "auto", **state, "scopes": {}, "_arenas": {}, "_streams": {}})
 
 
 def _grad_leaf(output: Any) -> Optional[Tensor]:
@@ -443,7 +437,7 @@ def joinable(model: nn.Module) -> Any:
             coord._shadow_forward()
 
     class _Whitening(Joinable):
-        def __init__(self) -> None:
+        def __init__(self) -> None:  # (Joinable's __init__ is abstract)
             super().__init__()
 
         def join_hook(self, **kwargs: Any) -> JoinHook:
@@ -562,12 +556,8 @@ def _add_handed_batches(entries: Sequence[tuple], arenas: Dict[tuple, list]) -> 
             size = max(1, GROUP_BYTES // max(1, x0.numel() * x0.element_size()))
             for start in range(0, len(members), size):
                 part = members[start:start + size]
-                if len(part) == 1:
-                    layer, x, _, shift = part[0]
-                    accumulate_moments(layer._block.acc, x, shift, layer._block.parts)
-                    continue
-                arena = _arena(arenas, key + (start,), [e[0] for e in part])
-                if arena is None:  # some of a kept group's layers (a block's first batch): each adds on its own
+                arena = _arena(arenas, key + (start,), [e[0] for e in part]) if len(part) > 1 else None
+                if arena is None:  # one batch, or some of a kept group's layers (a block's first batch): each alone
                     for layer, x, _, shift in part:
                         accumulate_moments(layer._block.acc, x, shift, layer._block.parts)
                     continue

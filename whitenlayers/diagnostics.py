@@ -41,6 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from . import functional as F_w
+from ._rebuild import modes_kept
 from .convert import BlockTypes, DirectWhitenWrapper, Predicate, TargetSpec
 from .layers import GRAD_LAYER_TYPES, WhiteningLayer
 
@@ -138,10 +139,9 @@ def _targets(model: nn.Module, spec: TargetSpec) -> List[Tuple[str, nn.Module, s
 class _Moments:
     """Shifted float64 sums of one layer's inputs over all batches (the layers' estimator)."""
 
-    def __init__(self, is_conv: bool, groups: int = 1, spatial_dims: int = 2) -> None:
-        self.is_conv = is_conv
-        self.groups = groups
-        self.spatial_dims = spatial_dims
+    def __init__(self, layer: nn.Module) -> None:
+        self.groups = getattr(layer, "groups", 1)  # (a linear layer: 1)
+        self.spatial_dims = len(getattr(layer, "kernel_size", ()))  # (a linear layer: 0)
         self.count = 0
         self.shift: Optional[Tensor] = None
         self.s1: Optional[Tensor] = None
@@ -149,21 +149,17 @@ class _Moments:
 
     def __call__(self, module: nn.Module, args: Tuple[Any, ...]) -> None:
         x = args[0].detach()
-        with torch.autocast(device_type=x.device.type, enabled=False):  # float64 even inside autocast
-            self._add(x.to(torch.float64))
-
-    def _add(self, x: Tensor) -> None:
-        if self.is_conv:
-            if x.dim() == self.spatial_dims + 1:  # unbatched input
-                x = x.unsqueeze(0)
-        else:
+        if not self.spatial_dims:  # a linear layer's (*, in_features)
             x = x.reshape(-1, x.shape[-1])
+        elif x.dim() == self.spatial_dims + 1:  # an unbatched input
+            x = x.unsqueeze(0)
         if x.numel() == 0:
             return
-        if self.shift is None:
-            dims = [0] + list(range(2, x.dim()))
-            self.shift = x.mean(dims)
-        s1, s2 = F_w.batch_moments(x, self.shift, groups=self.groups)
+        with torch.autocast(device_type=x.device.type, enabled=False):  # float64 even inside autocast
+            x = x.to(torch.float64)
+            if self.shift is None:
+                self.shift = x.mean([0] + list(range(2, x.dim())))
+            s1, s2 = F_w.batch_moments(x, self.shift, groups=self.groups)
         self.s1 = s1 if self.s1 is None else self.s1 + s1
         self.s2 = s2 if self.s2 is None else self.s2 + s2
         self.count += x.numel() // x.shape[1]
@@ -172,7 +168,7 @@ class _Moments:
         if self.count == 0 or self.s1 is None:
             return None
         count = torch.tensor(float(self.count), dtype=torch.float64, device=self.s1.device)
-        assert self.shift is not None and self.s2 is not None  # set with s1 (_add)
+        assert self.shift is not None and self.s2 is not None  # set with s1 (__call__)
         block = F_w.summarize_block(count, self.shift, self.s1, self.s2)
         return block.scatter / block.count
 
@@ -252,27 +248,22 @@ def collect_diagnostics(
         device = _model_device(model)
     moments: Dict[str, _Moments] = {}
     handles = []
-    flags = [(m, m.training) for m in model.modules()]
     try:
         for name, module, _ in positions:
-            is_conv = isinstance(module, nn.modules.conv._ConvNd)
-            conv = cast(nn.modules.conv._ConvNd, module)  # read only when is_conv
-            acc = _Moments(is_conv, conv.groups if is_conv else 1, len(conv.kernel_size) if is_conv else 0)
-            moments[name] = acc
+            acc = moments[name] = _Moments(module)
             handles.append(module.register_forward_pre_hook(acc))
-        model.eval()
-        for i, batch in enumerate(batches):
-            if max_batches is not None and i >= max_batches:
-                break
-            x = batch[0] if isinstance(batch, (tuple, list)) else batch
-            if device is not None:
-                x = x.to(device)
-            model(x)
+        with modes_kept(model.modules()):
+            model.eval()
+            for i, batch in enumerate(batches):
+                if max_batches is not None and i >= max_batches:
+                    break
+                x = batch[0] if isinstance(batch, (tuple, list)) else batch
+                if device is not None:
+                    x = x.to(device)
+                model(x)
     finally:
         for h in handles:
             h.remove()
-        for m, flag in flags:
-            m.training = flag
     covs: Dict[str, Optional[Tensor]] = {}
     kinds: Dict[str, str] = {}
     for name, module, kind in positions:

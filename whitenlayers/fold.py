@@ -190,12 +190,10 @@ def fold_layers(layers: Iterable["WhiteningLayer"], *, strategy: str = "auto",
     Args:
         layers: the whitening layers to fold now, sharing one ``process_group``.
         strategy: ``"auto"`` (default), ``"replicated"`` or ``"owner"``, as above.
-        _coordinator: internal (the :class:`~whitenlayers.coordinator.FoldCoordinator` calling this).
+        _coordinator: internal (the :class:`~whitenlayers.coordinator.FoldCoordinator` calling this, which warns
+            about non-finite blocks after its whole fold).
     """
     check_strategy(strategy)
-    if _coordinator is not None and not _coordinator.checked:  # the first fold after a conversion
-        _coordinator.checked = True
-        _warn_uncalled(_coordinator.layers)
     layers = list(layers)
     if not layers:
         return
@@ -462,7 +460,7 @@ def _outcomes(layers: Sequence["WhiteningLayer"], blocks: Sequence[BlockSummary]
                        [firsts[k] for k in todo])
     results = _transforms([layers[k] for k in todo], stacked, [states[k] for k in todo])
     stored_dtype = lead.running_cov.dtype
-    cov_stored = cov.to(stored_dtype)
+    covs_stored = cov.to(stored_dtype).unbind(0)
     out = [FoldOutcome(cast(int, st)) for st in status]  # st None: a placeholder, replaced below
     done = [(k, r) for k, r in zip(todo, results) if r is not None]
     qs: Optional[Tensor] = None
@@ -472,7 +470,6 @@ def _outcomes(layers: Sequence["WhiteningLayer"], blocks: Sequence[BlockSummary]
         beta = cast("Union[EVDConfig, RecursiveConfig]", config).beta  # the configs of layers with a Q_s
         qs = F_w.smooth_grad_transform(prev, gram, beta).to(lead.grad_transform.dtype)
     items: List[Tuple[int, str, Tensor]] = []
-    covs_stored = cov_stored.unbind(0)
     for k, result in zip(todo, results):
         items.append((k, "running_cov", covs_stored[k]))
         if result is not None:
@@ -755,7 +752,7 @@ def _warn_uncalled(layers: Sequence["WhiteningLayer"]) -> None:
             f"{_named(uncalled, 8)}. The model probably uses their weights without calling them as modules (e.g. "
             "torchvision's Swin attention passes qkv.weight to a function), so they do not whiten: convert the "
             "model without them (a predicate, or conversion_report to see the targets)", RuntimeWarning,
-            stacklevel=4,
+            stacklevel=3,
         )
 
 

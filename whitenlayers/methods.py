@@ -75,18 +75,14 @@ class WhiteningMethod:
         raise TypeError(f"method {self.name!r} has no whitening layer for {type(module).__name__}")
 
     def check_kwargs(self, owner: str, kwargs: Mapping[str, Any]) -> None:
-        """``TypeError`` for a keyword this method's layers do not take, or a ``config`` of another class.
+        """``TypeError`` for a keyword this method's layers do not take, or a ``config`` of another class;
+        ``ValueError`` for a value out of its range: the checks of :meth:`make_config`, which makes the config.
 
         Args:
             owner: the name the message gives (``"convert_model"``).
             kwargs: the layer keyword arguments to check.
         """
-        whitening = {k: v for k, v in kwargs.items() if k not in LAYER_OPTIONS}
-        wanted = self.rule_class(owner, kwargs).config_class
-        wanted.check_names(owner, whitening, exclude=self.exclude)
-        config = kwargs.get("config")
-        if config is not None and not (type(config) is wanted or issubclass(wanted, type(config))):
-            raise TypeError(f"{owner} expects config to be a {wanted.__name__}, but got {type(config).__name__}")
+        self.make_config(owner, kwargs)
 
     def rule_class(self, owner: str, kwargs: Mapping[str, Any]) -> Type[TransformRule]:
         """The rule class that layers built with ``kwargs`` get: ``kwargs["rule"]`` (a class or a registered name,

@@ -5,7 +5,6 @@ import copy
 import itertools
 import warnings
 from typing import (
-    TYPE_CHECKING,
     Dict,
     Optional,
     Sequence,
@@ -20,8 +19,6 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ._common import _is_whitening
 
-if TYPE_CHECKING:  # pragma: no cover
-    pass
 
 # --------------------------------------------------------------------------
 # Centring absorbed by a following BatchNorm: which targets feed only a BatchNorm

@@ -18,12 +18,11 @@ import torch.fx
 from torch import nn
 
 from .. import functional as F_w
-from .._rebuild import conv_like, linear_like, plain_conv_class
+from .._rebuild import layer_like, plain_conv_class
 from ..autograd import _transform_mean
 from ..layers import (
     GRAD_LAYER_TYPES,
     GradWhitenLinear,
-    WhiteningLayer,
 )
 from ..layers.checkpoint import loading_plain_checkpoint
 from ._common import _CALL_HOOKS, _STATE_HOOKS, DirectWhitenWrapper, _is_whitening, _remove_coordinators, _share_hooks
@@ -73,7 +72,7 @@ def _export_direct(wrapper: DirectWhitenWrapper) -> nn.Module:
             wt = torch.einsum("oi...,ij->oj...", w.to(torch.float64), t)
             offset = wt.reshape(wt.shape[0], wt.shape[1], -1).sum(-1) @ mu
         bias = (b64 if b64 is not None else torch.zeros_like(offset)) - offset
-        out = conv_like(layer, bias=True) if conv else linear_like(layer, bias=True)
+        out = layer_like(layer, bias=True)
         out.weight.copy_(wt)
         out.bias.copy_(bias)
         out.weight.requires_grad_(w.requires_grad)
@@ -89,8 +88,7 @@ def _export_absorbed(layer: Any) -> nn.Module:  # a grad layer (conv of any dime
     the BatchNorm's ``running_mean`` (exact: the BatchNorm subtracts it; in training mode it removes any offset)."""
     w = layer.weight
     has_bias = layer.bias is not None
-    linear = isinstance(layer, nn.Linear)
-    out: Any = linear_like(layer, bias=has_bias) if linear else conv_like(layer, bias=has_bias)
+    out: Any = layer_like(layer, bias=has_bias)
     out.weight.copy_(w)
     out.weight.requires_grad_(w.requires_grad)
     if has_bias:
@@ -195,12 +193,6 @@ def _positions(model: nn.Module) -> Dict[str, nn.Module]:
     return {n: m for n, m in model.named_modules() if isinstance(m, GRAD_LAYER_TYPES + (DirectWhitenWrapper,))}
 
 
-@torch.no_grad()
-def _reset_to_identity(layer: WhiteningLayer) -> None:
-    """The state right after conversion: ``mu = 0``, ``T = Q_s = I``, no blocks, no bias compensation."""
-    layer.reset_running_stats()  # also d = 0: the checkpoint's BatchNorm running mean is the plain model's
-
-
 def load_plain_state_dict(model: nn.Module, state_dict: Dict[str, Any], strict: bool = True) -> _LoadResult:
     """Load a checkpoint of the *unconverted* architecture into a converted ``model``.
 
@@ -266,7 +258,9 @@ def load_plain_state_dict(model: nn.Module, state_dict: Dict[str, Any], strict: 
             f"missing keys {missing}, unexpected keys {unexpected}"
         )
     for _, layer in whitening_layers(model):
-        _reset_to_identity(layer)
+        # the state right after conversion (mu = 0, T = Q_s = I, no blocks, no bias compensation); also d = 0: the
+        # checkpoint's BatchNorm running mean is the plain model's
+        layer.reset_running_stats()
     for key in [k for k in translated if k not in model_keys]:
         del translated[key]
     with loading_plain_checkpoint():

@@ -8,7 +8,6 @@ from typing import (
     Any,
     Dict,
     Iterator,
-    List,
     Optional,
     Tuple,
     Union,
@@ -19,6 +18,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.utils import parametrize
 
+from .._rebuild import modes_kept
 from ..coordinator import FoldCoordinator, check_fold_async
 from ..fold import check_strategy
 from ..layers import (
@@ -387,14 +387,16 @@ def convert_model(
         plan = _plan(model, target_spec)
         selected = [(name, module) for name, module, decision in plan if decision.status == "to convert"]
         patch_stem = _patch_stem(plan, method, include_stem, max_features) if stem_patches else None
-        # Build every new layer first, so an error leaves the model untouched.
-        new_by_id = _build_layers(method, selected, patch_stem, layer_kwargs)
-        if absorb_centring and method != "direct":
-            _absorb_centrings(model, selected, new_by_id)
+        # Build every new layer first, so an error leaves the model untouched (by the id of the module it replaces;
+        # the stem whitens its patches when it is patch_stem).
+        new_by_id = {id(module): _make_layer(method, module, name, dict(layer_kwargs, features="patches")
+                                             if module is patch_stem else layer_kwargs) for name, module in selected}
+        if absorb_centring and method != "direct":  # each BatchNorm that alone consumes a new layer's output
+            for key, (bn, parent) in absorbing_batchnorms(model, selected).items():
+                cast("_GradWhitenMixin", new_by_id[key]).absorb_centring(cast(_BatchNorm, bn), parent=parent)
         result = ConversionReport(method, [d._replace(status="converted") if d.status == "to convert" else d
                                            for _, _, d in plan])
-        _warn_left_out(result, targets=targets, predicate=predicate, include_linear=include_linear,
-                       model_has_whitening=bool(whitening_layers(model)))
+        _warn_left_out(result, targets=targets, predicate=predicate, model_has_whitening=bool(whitening_layers(model)))
         if id(model) in new_by_id:  # a bare layer passed as the model
             if fold_async:
                 raise ValueError(f"convert_model: fold_async=True needs a model that contains the layers it converts "
@@ -411,12 +413,11 @@ def convert_model(
 def _check_arguments(model: nn.Module, method: str, fold_strategy: str, layer_kwargs: Dict[str, Any]) -> None:
     """:func:`convert_model`'s checks before anything is built: a known method and strategy, keyword arguments
     that method takes, a model not wrapped in DDP yet, no whitening of another kind already in it."""
-    method_spec = get_method(method)
+    get_method(method)
     check_strategy(fold_strategy, "fold_strategy")
     if isinstance(model, nn.parallel.DistributedDataParallel):
         raise ValueError("convert_model: convert the model before wrapping it in DistributedDataParallel")
-    method_spec.check_kwargs(f"convert_model(method={method!r})", layer_kwargs)
-    _check_existing(model, method, layer_kwargs)
+    _check_existing(model, method, layer_kwargs)  # (the keyword arguments checked as the layers' config is made)
     _check_not_quantized(model)
     register_if_loaded()  # Opacus' validator refuses the layers this makes, where Opacus is loaded (privacy.py)
 
@@ -435,24 +436,6 @@ def _check_not_quantized(model: nn.Module) -> None:
             )
 
 
-def _build_layers(method: str, selected: List[Tuple[str, nn.Module]], patch_stem: Optional[nn.Module],
-                  layer_kwargs: Dict[str, Any]) -> Dict[int, nn.Module]:
-    """The new layer of every selected module, by the module's ``id`` (the stem whitens its patches when it is
-    ``patch_stem``); nothing in the model is replaced yet."""
-    new_by_id: Dict[int, nn.Module] = {}
-    for name, module in selected:
-        kwargs = dict(layer_kwargs, features="patches") if module is patch_stem else layer_kwargs
-        new_by_id[id(module)] = _make_layer(method, module, name, kwargs)
-    return new_by_id
-
-
-def _absorb_centrings(model: nn.Module, selected: List[Tuple[str, nn.Module]],
-                      new_by_id: Dict[int, nn.Module]) -> None:
-    """Let each BatchNorm that alone consumes a new layer's output absorb that layer's centring."""
-    for key, (bn, parent) in absorbing_batchnorms(model, selected).items():
-        cast("_GradWhitenMixin", new_by_id[key]).absorb_centring(cast(_BatchNorm, bn), parent=parent)
-
-
 def _swap_in(model: nn.Module, new_by_id: Dict[int, nn.Module]) -> None:
     """Put each new layer in its module's place in every parent that holds it (not inside a whitening layer)."""
     if not new_by_id:
@@ -467,14 +450,10 @@ def _swap_in(model: nn.Module, new_by_id: Dict[int, nn.Module]) -> None:
 def _parametrizations_in_eval(model: nn.Module) -> Iterator[None]:
     """Every parametrization of ``model`` (``torch.nn.utils.parametrize``) in eval mode inside the block."""
     mods = [p for m in model.modules() if isinstance(m, parametrize.ParametrizationList) for p in m.modules()]
-    modes = [p.training for p in mods]
-    for p in mods:
-        p.training = False
-    try:
+    with modes_kept(mods):
+        for p in mods:
+            p.training = False
         yield
-    finally:
-        for p, mode in zip(mods, modes):
-            p.training = mode
 
 
 def _patch_stem(plan, method: str, include_stem: bool, max_features: Optional[int]) -> Optional[nn.Module]:
@@ -500,8 +479,7 @@ def _patch_stem(plan, method: str, include_stem: bool, max_features: Optional[in
     return stem
 
 
-def _warn_left_out(report: ConversionReport, *, targets: str, predicate, include_linear: Optional[bool],
-                   model_has_whitening: bool) -> None:
+def _warn_left_out(report: ConversionReport, *, targets: str, predicate, model_has_whitening: bool) -> None:
     """The warnings of :func:`convert_model`: selected layers that cannot be converted; nothing converted."""
     def listing(items: Dict[str, str], limit: int = 6) -> str:
         parts = [f"'{n or '<root>'}' ({r})" for n, r in list(items.items())[:limit]]

@@ -14,6 +14,7 @@ from typing import (
     Optional,
     Sequence,
     Tuple,
+    Union,
     cast,
 )
 
@@ -22,6 +23,7 @@ import torch.fx
 from torch import nn
 from torch.nn.utils import parametrize
 
+from .._rebuild import modes_kept
 from ..layers import WhiteningLayer
 from ..methods import get_method
 from ._common import DEFAULT_BLOCK_TYPES, BlockTypes, DirectWhitenWrapper, Predicate, _is_whitening
@@ -32,13 +34,16 @@ if TYPE_CHECKING:  # pragma: no cover
 # --------------------------------------------------------------------------
 # Target selection
 # --------------------------------------------------------------------------
-def _block_matcher(block_types: Optional[BlockTypes]) -> Callable[[nn.Module], bool]:
+def _block_tuple(block_types: Optional[BlockTypes]) -> Sequence[Union[str, type]]:
+    """``block_types`` as a sequence (default :data:`DEFAULT_BLOCK_TYPES`)."""
     if block_types is None:
-        block_types = DEFAULT_BLOCK_TYPES
-    if isinstance(block_types, (str, type)):
-        block_types = (block_types,)
+        return DEFAULT_BLOCK_TYPES
+    return (block_types,) if isinstance(block_types, (str, type)) else block_types
+
+
+def _block_matcher(block_types: Optional[BlockTypes]) -> Callable[[nn.Module], bool]:
     names, classes = set(), []
-    for b in block_types:
+    for b in _block_tuple(block_types):
         if isinstance(b, str):
             names.add(b)
         elif isinstance(b, type):
@@ -55,27 +60,27 @@ def _block_matcher(block_types: Optional[BlockTypes]) -> Callable[[nn.Module], b
     return is_block
 
 
-def _walk(model: nn.Module, visit: Callable[[nn.Module, str, nn.Module, str, bool], bool], is_block) -> None:
-    """Depth-first over ``named_children``; ``visit(parent, child_name, child, qualified, in_block)``.
-
-    ``visit`` returns True to stop descending into ``child``. Whitening layers
-    and :class:`DirectWhitenWrapper` wrappers are visited but never descended into.
-    Each module object is visited once even when it appears at several places.
-    """
+def _entries(model: nn.Module, is_block: Callable[[nn.Module], bool]) -> List[Tuple[str, nn.Module, bool]]:
+    """The conv / linear layers, ``nn.MultiheadAttention`` modules and whitening layers of ``model``, each with its
+    qualified name and whether it is inside a block: depth-first over ``named_children``, each module object once
+    (at its first place), never descending into the modules listed."""
+    if _is_layer(model) or _is_whitening(model):
+        return [("", model, is_block(model))]
+    entries: List[Tuple[str, nn.Module, bool]] = []
     seen = set()
 
     def rec(module: nn.Module, prefix: str, in_block: bool) -> None:
         for name, child in module._modules.items():
-            if child is None:
-                continue
-            qualified = prefix + name
-            stop = visit(module, name, child, qualified, in_block)
-            if stop or _is_whitening(child) or id(child) in seen:
+            if child is None or id(child) in seen:
                 continue
             seen.add(id(child))
-            rec(child, qualified + ".", in_block or is_block(child))
+            if isinstance(child, nn.MultiheadAttention) or _is_layer(child) or _is_whitening(child):
+                entries.append((prefix + name, child, in_block))
+            else:
+                rec(child, prefix + name + ".", in_block or is_block(child))
 
     rec(model, "", is_block(model))
+    return entries
 
 
 _TARGETS = ("blocks", "all")
@@ -251,37 +256,18 @@ class TargetSpec:
 
 def _plan(model: nn.Module, spec: TargetSpec) -> List[Tuple[str, nn.Module, LayerDecision]]:
     """The decision for every conv / linear layer (and ``nn.MultiheadAttention``) of ``model``, in module order."""
-    targets, predicate, block_types = spec.targets, spec.predicate, spec.block_types
-    include_linear, include_stem, include_classifier = spec.include_linear, spec.include_stem, spec.include_classifier
-    max_features, example_input = spec.max_features, spec.example_input
-    cap = max_features if max_features is not None else (ALL_MAX_FEATURES if targets == "all" else None)
-    if include_linear is None:
-        include_linear = targets == "all"
-    is_block = _block_matcher(block_types)
-    entries: List[Tuple[str, nn.Module, bool]] = []
-    if _is_layer(model) or _is_whitening(model):
-        entries.append(("", model, is_block(model)))
-    else:
-        seen = set()
-
-        def visit(parent, name, child, qualified, in_block):
-            if id(child) in seen:
-                return True
-            if isinstance(child, nn.MultiheadAttention) or _is_layer(child) or _is_whitening(child):
-                seen.add(id(child))
-                entries.append((qualified, child, in_block))
-                return True
-            return False
-
-        _walk(model, visit, is_block)
+    targets, predicate = spec.targets, spec.predicate
+    cap = spec.max_features if spec.max_features is not None else (ALL_MAX_FEATURES if targets == "all" else None)
+    include_linear = targets == "all" if spec.include_linear is None else spec.include_linear
+    entries = _entries(model, _block_matcher(spec.block_types))
     layers = [m for _, m, _ in entries if _is_layer(m) or isinstance(m, DirectWhitenWrapper)]
     called: Optional[Dict[int, int]] = None
-    if example_input is not None:
-        called = _call_order(model, [m for _, m, _ in entries], example_input)
+    if spec.example_input is not None:
+        called = _call_order(model, [m for _, m, _ in entries], spec.example_input)
         layers = sorted((m for m in layers if id(m) in called), key=lambda m: called[id(m)])
     stem = id(layers[0]) if layers else None
     classifier = id(layers[-1]) if layers else None
-    block_words = f"class or base class named {', '.join(map(repr, _block_names(block_types)))}"
+    block_words = f"class or base class named {', '.join(map(repr, _block_names(spec.block_types)))}"
     out = []
     for name, m, in_block in entries:
         kind = type(m).__name__
@@ -297,13 +283,12 @@ def _plan(model: nn.Module, spec: TargetSpec) -> List[Tuple[str, nn.Module, Laye
             continue
         linear = isinstance(m, nn.Linear)
         problem = _unsupported(m, allow_subclass=predicate is not None)
+        position = "stem" if id(m) == stem else "classifier" if id(m) == classifier else ""
         role = ""
-        if id(m) == stem:
-            role = "the stem (the model's first conv/linear layer; " + (
-                "include_stem=True converts it)" if problem is None else f"and {problem})")
-        elif id(m) == classifier:
-            role = "the classifier (the model's last conv/linear layer; " + (
-                "include_classifier=True converts it)" if problem is None else f"and {problem})")
+        if position:
+            role = f"the {position} (the model's {'first' if position == 'stem' else 'last'} conv/linear layer; " + (
+                f"include_{position}=True converts it)" if problem is None else f"and {problem})")
+        forced = id(m) == stem and spec.include_stem or id(m) == classifier and spec.include_classifier
         why = ""
         if predicate is not None:
             if linear and not include_linear:
@@ -316,7 +301,7 @@ def _plan(model: nn.Module, spec: TargetSpec) -> List[Tuple[str, nn.Module, Laye
                 selected = bool(predicate(name, m))
                 why = "not selected by the predicate"
         elif targets == "blocks":
-            if id(m) == stem and include_stem or id(m) == classifier and include_classifier:
+            if forced:
                 selected = True
             elif linear:
                 selected = include_linear
@@ -327,7 +312,7 @@ def _plan(model: nn.Module, spec: TargetSpec) -> List[Tuple[str, nn.Module, Laye
                 why = role or f"not inside a residual block ({block_words}); " + (
                     "targets='all' converts it" if problem is None else problem)
         else:  # all
-            if role and not (id(m) == stem and include_stem or id(m) == classifier and include_classifier):
+            if role and not forced:
                 selected, why = False, role
             elif linear and not include_linear:
                 selected, why = False, "nn.Linear, and include_linear=False"
@@ -344,7 +329,6 @@ def _plan(model: nn.Module, spec: TargetSpec) -> List[Tuple[str, nn.Module, Laye
         if selected and problem is None and called is not None and id(m) not in called:
             problem = ("not called as a module by the model's forward of example_input (the model uses its weight "
                        "directly, e.g. torchvision's Swin attention, or the branch did not run in eval mode)")
-        position = "stem" if id(m) == stem else "classifier" if id(m) == classifier else ""
         if selected and problem is not None:
             out.append((name, m, LayerDecision(name, kind, "skipped", problem, True, position)))
         elif selected:
@@ -368,29 +352,23 @@ def _call_order(model: nn.Module, modules: Sequence[nn.Module], example_input: A
         order.setdefault(id(module), len(order))
 
     handles = [m.register_forward_pre_hook(hook) for m in modules]
-    flags = [(m, m.training) for m in model.modules()]
     try:
-        model.eval()
-        if isinstance(example_input, tuple):
-            model(*example_input)
-        elif isinstance(example_input, dict):
-            model(**example_input)
-        else:
-            model(example_input)
+        with modes_kept(model.modules()):
+            model.eval()
+            if isinstance(example_input, tuple):
+                model(*example_input)
+            elif isinstance(example_input, dict):
+                model(**example_input)
+            else:
+                model(example_input)
     finally:
         for h in handles:
             h.remove()
-        for m, flag in flags:
-            m.training = flag
     return order
 
 
 def _block_names(block_types: Optional[BlockTypes]) -> List[str]:
-    if block_types is None:
-        block_types = DEFAULT_BLOCK_TYPES
-    if isinstance(block_types, (str, type)):
-        block_types = (block_types,)
-    return [b if isinstance(b, str) else getattr(b, "__name__", repr(b)) for b in block_types]
+    return [b if isinstance(b, str) else getattr(b, "__name__", repr(b)) for b in _block_tuple(block_types)]
 
 
 def target_layers(

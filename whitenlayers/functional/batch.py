@@ -69,7 +69,7 @@ def stats_samples(batch: int, positions: int, features: int, fraction: float) ->
     return max(1, min(batch, keep))
 
 
-def _unshifted_moments(x: Tensor, shift: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
+def _unshifted_moments(x: Tensor, shift: Tensor, groups: int = 1) -> Optional[Tuple[Tensor, Tensor]]:
     """Shifted sums from the *unshifted* product ``sum x x^T``, or ``None`` when that would be inaccurate.
 
     ``s2 = sum x x^T - k s^T - s k^T + n k k^T`` (``s = sum x``, ``k`` the shift),
@@ -78,19 +78,21 @@ def _unshifted_moments(x: Tensor, shift: Tensor) -> Optional[Tuple[Tensor, Tenso
     feature has ``sum x_m^2 <= _UNSHIFTED_MAX_LOSS * sum (x_m - k_m)^2``, i.e.
     the rounding error is at most that factor above the shifted product's (an
     error relative to ``sqrt(s2_ii s2_jj)``, off-diagonal entries included).
-    Checking costs one host synchronisation, free on the CPU.
+    Checking costs one host synchronisation, free on the CPU. ``groups > 1``: per group, ``s2`` its diagonal
+    blocks ``(G, k, k)``.
     """
-    b = x.flatten(2)  # (B, M, H*W): a view for contiguous NC... inputs
-    n = b.shape[0] * b.shape[2]
-    g = torch.bmm(b, b.transpose(1, 2)).sum(0).to(torch.float64)
-    s = b.sum(2).to(torch.float64).sum(0)  # float64 across samples (a float64-accumulating sum of x is 10x slower)
+    m = x.shape[1]
+    b = x.reshape(x.shape[0], groups, m // groups, -1)  # (B, G, k, P): a view for contiguous NC... inputs
+    n = b.shape[0] * b.shape[3]
+    g = torch.matmul(b, b.transpose(-1, -2)).sum(0).to(torch.float64)
+    s = b.sum(3).to(torch.float64).sum(0).reshape(m)  # float64 across samples (a float64-accumulating sum is slower)
     k = shift.to(x.dtype).to(torch.float64)
-    ks = torch.outer(k, s)
-    s2 = g - ks - ks.t() + n * torch.outer(k, k)
-    ok = torch.diagonal(g) <= _UNSHIFTED_MAX_LOSS * torch.diagonal(s2)
+    ks = block_outer(k, s, groups)
+    s2 = g - ks - ks.transpose(-1, -2) + n * block_outer(k, k, groups)
+    ok = torch.diagonal(g, dim1=-2, dim2=-1) <= _UNSHIFTED_MAX_LOSS * torch.diagonal(s2, dim1=-2, dim2=-1)
     if not bool(ok.all()) and bool(torch.isfinite(s2).all()):
         return None
-    return (s - n * k).to(x.dtype), s2.to(x.dtype)
+    return (s - n * k).to(x.dtype), (s2 if groups != 1 else s2[0]).to(x.dtype)
 
 
 def batch_sums(x: Tensor, shift: Optional[Tensor] = None, groups: int = 1) -> Tuple[Tensor, Tensor]:
@@ -408,40 +410,20 @@ def batch_moments(x: Tensor, shift: Tensor, groups: int = 1) -> Tuple[Tensor, Te
     product below is computed. Measured in ``benchmarks/RESULTS.md``.
 
     ``groups > 1``: the block-diagonal second moments ``(G, k, k)`` only
-    (:func:`grouped_batch_moments`), never the ``M x M`` product.
+    (as :func:`grouped_batch_moments`), never the ``M x M`` product.
 
     Args:
         x: the batch, ``(B, M)`` or ``(B, M, *spatial)``.
         shift: ``(M,)``, close to the features' mean (e.g. the running mean in force).
         groups: ``G`` >= 1 dividing ``M`` (default 1).
     """
-    if groups != 1:
-        return grouped_batch_moments(x, shift, groups)
     m = x.shape[1]
     if (x.device.type == "cpu" and x.dim() > 2 and x.numel() >= _CPU_UNSHIFTED_MIN_ELEMENTS
             and _as_rows(x) is None and not (torch.is_grad_enabled() and x.requires_grad)):
-        res = _unshifted_moments(x, shift)
+        res = _unshifted_moments(x, shift, groups)
         if res is not None:
             return res
-    return batch_sums(x, shift.to(x.dtype).view((1, m) + (1,) * (x.dim() - 2)))
-
-
-def _grouped_unshifted_moments(x: Tensor, shift: Tensor, groups: int) -> Optional[Tuple[Tensor, Tensor]]:
-    """:func:`_unshifted_moments` per group (same acceptance test), or ``None``."""
-    m = x.shape[1]
-    k = m // groups
-    b = x.reshape(x.shape[0], groups, k, -1)  # (B, G, k, P): a view for contiguous NC... inputs
-    n = b.shape[0] * b.shape[3]
-    g = torch.matmul(b, b.transpose(-1, -2)).sum(0).to(torch.float64)
-    s = b.sum(3).to(torch.float64).sum(0).reshape(m)
-    kk = shift.to(x.dtype).to(torch.float64)
-    ks = block_outer(kk, s, groups)
-    s2 = g - ks - ks.transpose(-1, -2) + n * block_outer(kk, kk, groups)
-    diag_g = torch.diagonal(g, dim1=-2, dim2=-1)
-    ok = diag_g <= _UNSHIFTED_MAX_LOSS * torch.diagonal(s2, dim1=-2, dim2=-1)
-    if not bool(ok.all()) and bool(torch.isfinite(s2).all()):
-        return None
-    return (s - n * kk).to(x.dtype), s2.to(x.dtype)
+    return batch_sums(x, shift.to(x.dtype).view((1, m) + (1,) * (x.dim() - 2)), groups)
 
 
 def grouped_batch_moments(x: Tensor, shift: Tensor, groups: int) -> Tuple[Tensor, Tensor]:
@@ -460,13 +442,7 @@ def grouped_batch_moments(x: Tensor, shift: Tensor, groups: int) -> Tuple[Tensor
         shift: ``(M,)``, close to the features' mean.
         groups: ``G`` > 1 dividing ``M``.
     """
-    m = x.shape[1]
-    if (x.device.type == "cpu" and x.dim() > 2 and x.numel() >= _CPU_UNSHIFTED_MIN_ELEMENTS
-            and _as_rows(x) is None and not (torch.is_grad_enabled() and x.requires_grad)):
-        res = _grouped_unshifted_moments(x, shift, groups)
-        if res is not None:
-            return res
-    return batch_sums(x, shift.to(x.dtype).view((1, m) + (1,) * (x.dim() - 2)), groups)
+    return batch_moments(x, shift, groups)
 
 
 def weight_mean_product(weight: Tensor, mean: Tensor) -> Tensor:

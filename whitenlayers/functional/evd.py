@@ -90,7 +90,12 @@ def whitening_gains(
 
 def _zca_from_eig(lam: Tensor, vec: Tensor, eps: float, gmax: float, gains: str) -> Tuple[Tensor, Tensor]:
     """``T = V diag(g)^(1/2) V^T`` and ``Q = V diag(g) V^T`` from decreasing eigenpairs (batched on leading dims)."""
-    g = whitening_gains(lam, eps=eps, gmax=gmax, gains=gains).unsqueeze(-2)
+    return _from_gains(vec, whitening_gains(lam, eps=eps, gmax=gmax, gains=gains))
+
+
+def _from_gains(vec: Tensor, gains: Tensor) -> Tuple[Tensor, Tensor]:
+    """``T = V diag(g)^(1/2) V^T`` and ``Q = V diag(g) V^T`` (batched on leading dims)."""
+    g = gains.unsqueeze(-2)
     vt = vec.transpose(-1, -2)
     return symmetrize((vec * g.sqrt()) @ vt), symmetrize((vec * g) @ vt)
 
@@ -191,12 +196,9 @@ def grouped_whitening_gains(eigenvalues: Tensor, *, eps: float, gmax: float, gai
         eps, gmax, gains: the :class:`~whitenlayers.EVDConfig` fields of those names (``gmax`` unused with
             ``gains="zca"``).
     """
-    lam = torch.clamp(eigenvalues, min=0.0)
-    if gains == "zca":
-        return 1.0 / torch.clamp(lam, min=eps)
-    if gains != "practical":
-        raise ValueError(f"gains must be 'practical' or 'zca', but got gains={gains!r}")
-    flat = lam.reshape(-1)
+    if gains != "practical":  # elementwise ('zca'), or the error naming the choices
+        return whitening_gains(eigenvalues, eps=eps, gmax=gmax, gains=gains)
+    flat = torch.clamp(eigenvalues, min=0.0).reshape(-1)
     m = flat.shape[0]
     ms = torch.clamp(torch.round(effective_rank(flat)), 1, m)
     g = torch.clamp(flat.mean() / torch.clamp(flat, min=eps), max=gmax)
@@ -204,7 +206,7 @@ def grouped_whitening_gains(eigenvalues: Tensor, *, eps: float, gmax: float, gai
     position = torch.empty_like(order)
     position[order] = torch.arange(m, device=flat.device)
     keep = position < ms
-    return torch.where(keep, g, torch.ones_like(g)).view_as(lam)
+    return torch.where(keep, g, torch.ones_like(g)).view_as(eigenvalues)
 
 
 def _grouped_eigh(covs: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
@@ -238,9 +240,7 @@ def _zca_grouped(lam: Tensor, vec: Tensor, eps: float, gmax: float, gains: str) 
     g = grouped_whitening_gains(lam, eps=eps, gmax=gmax, gains=gains)
     if lam.shape[-1] == 1:
         return g.sqrt().unsqueeze(-1), g.unsqueeze(-1)
-    gg = g.unsqueeze(-2)
-    vt = vec.transpose(-1, -2)
-    return symmetrize((vec * gg.sqrt()) @ vt), symmetrize((vec * gg) @ vt)
+    return _from_gains(vec, g)
 
 
 def evd_transform_grouped(
@@ -423,14 +423,11 @@ def damped_transform_batched(
     t, q, ok = _damped_stack(stack, eps, gmax, work)
     ok_out = ok.tolist()  # one host synchronisation
     for j, (tj, qj) in enumerate(zip(t.unbind(0), q.unbind(0))):
-        if ok_out[j]:
-            out[j] = (tj, qj) if grouped else (tj[0], qj[0])
-    for j in range(len(out)):
         if not ok_out[j] and work != torch.float64:  # retried alone, in float64
             t64, q64, ok64 = _damped_stack(stack[j : j + 1], eps, gmax, torch.float64)
-            if bool(ok64[0]):
-                tj, qj = t64[0].to(work), q64[0].to(work)
-                out[j] = (tj, qj) if grouped else (tj[0], qj[0])
+            ok_out[j], tj, qj = bool(ok64[0]), t64[0].to(work), q64[0].to(work)
+        if ok_out[j]:
+            out[j] = (tj, qj) if grouped else (tj[0], qj[0])
     return out
 
 

@@ -60,19 +60,16 @@ def principal_subspace(phi_y: Tensor, *, c_rel: float, c_abs: float) -> Tensor:
     c = phi_y.t() @ col
     thresh = torch.clamp(c_rel * xi[mp] * xi, min=c_abs)
     sel = c.abs() >= thresh
-    if not bool(sel.any()):
-        v = torch.zeros_like(col)
-        v[mp] = 1.0
-        return v
-    # weights c_m / c_m' (c_m' = xi_m'^2 >= |c_m|); a zero phi_y with c_abs = 0 gives 0 / 0: e_m' below
-    w = torch.where(sel, c / c[mp], torch.zeros_like(c))
-    v = phi_y @ w / sel.sum()
-    norm = torch.linalg.vector_norm(v)
-    if not bool(norm > 0) or not bool(torch.isfinite(norm)):
-        v = torch.zeros_like(col)
-        v[mp] = 1.0
-        return v
-    return v / norm
+    if bool(sel.any()):
+        # weights c_m / c_m' (c_m' = xi_m'^2 >= |c_m|); a zero phi_y with c_abs = 0 gives 0 / 0: e_m' below
+        w = torch.where(sel, c / c[mp], torch.zeros_like(c))
+        v = phi_y @ w / sel.sum()
+        norm = torch.linalg.vector_norm(v)
+        if bool(norm > 0) and bool(torch.isfinite(norm)):
+            return v / norm
+    v = torch.zeros_like(col)  # no column selected, or no direction: e_m'
+    v[mp] = 1.0
+    return v
 
 
 class RecursiveStep(NamedTuple):

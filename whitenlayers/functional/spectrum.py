@@ -75,15 +75,19 @@ def whiteness(cov: Tensor) -> Tensor:
     >>> round(float(whiteness(torch.ones(4, 4))), 6)
     0.25
     """
+    return (cov.shape[-1] / _squared_correlations(cov).sum((-1, -2))).to(cov.dtype)
+
+
+def _squared_correlations(cov: Tensor) -> Tensor:
+    """The squared correlations ``Phi[m,m']^2 / (Phi[m,m] Phi[m',m'])`` in float64 (of each matrix of a stack), 1 on
+    the diagonal and 0 off it for a feature whose variance is not positive (:func:`whiteness`' guard)."""
     c = cov.to(torch.float64)
-    m = c.shape[-1]
     d = torch.diagonal(c, dim1=-2, dim2=-1)
     pos = d > 0
     inv = torch.where(pos, 1.0 / torch.where(pos, d, torch.ones_like(d)), torch.zeros_like(d))
     corr2 = c * c * inv.unsqueeze(-1) * inv.unsqueeze(-2)
-    eye = torch.eye(m, dtype=c.dtype, device=c.device)
-    corr2 = torch.where(eye.bool(), eye.expand_as(corr2), corr2)
-    return (m / corr2.sum((-1, -2))).to(cov.dtype)
+    eye = torch.eye(c.shape[-1], dtype=c.dtype, device=c.device).bool()
+    return torch.where(eye, torch.ones_like(corr2), corr2)
 
 
 def grouped_normalized_rank(cov: Tensor) -> Tensor:
@@ -109,12 +113,4 @@ def grouped_whiteness(cov: Tensor) -> Tensor:
     Args:
         cov: the diagonal blocks ``(G, k, k)`` of a block-diagonal covariance.
     """
-    c = cov.to(torch.float64)
-    m = c.shape[0] * c.shape[-1]
-    d = torch.diagonal(c, dim1=-2, dim2=-1)
-    pos = d > 0
-    inv = torch.where(pos, 1.0 / torch.where(pos, d, torch.ones_like(d)), torch.zeros_like(d))
-    corr2 = c * c * inv.unsqueeze(-1) * inv.unsqueeze(-2)
-    eye = torch.eye(c.shape[-1], dtype=c.dtype, device=c.device).bool()
-    corr2 = torch.where(eye, torch.ones_like(corr2), corr2)
-    return (m / corr2.sum()).to(cov.dtype)
+    return (cov.shape[0] * cov.shape[-1] / _squared_correlations(cov).sum()).to(cov.dtype)

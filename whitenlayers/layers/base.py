@@ -34,6 +34,7 @@ from ..fold import (
     _fold_all,
     _note_nonfinite,
     _read_with_firsts,
+    _stored_all,
     _warn_nonfinite,
 )
 from ..functional import BlockSummary
@@ -49,7 +50,6 @@ _buffer_registration_hooks: Dict[int, Any] = getattr(torch.nn.modules.module, "_
                                                      {})
 #: Renamed attributes: old name -> new name (the old one warns, for one release).
 _RENAMED = {"eig_failures": "transform_failures"}
-_COUNTERS = ("transform_failures", "skipped_folds", "nonfinite_blocks", "clamped_steps")
 
 
 def _fields(config: WhiteningConfig) -> FrozenSet[str]:
@@ -59,12 +59,11 @@ def _fields(config: WhiteningConfig) -> FrozenSet[str]:
 _FIELDS: Dict[type, FrozenSet[str]] = {}
 
 
-def _owned(value: Tensor, old: Tensor) -> Tensor:
-    """``value`` as buffer ``old`` stores it (its device and dtype), a contiguous tensor of its own."""
-    new = value.to(device=old.device, dtype=old.dtype)
-    if new.data_ptr() == value.data_ptr() or not new.is_contiguous():
-        new = new.clone(memory_format=torch.contiguous_format)
-    return new
+def _renamed(layer: Any, name: str) -> str:
+    """The new name of the renamed attribute ``name`` (a ``FutureWarning``)."""
+    warnings.warn(f"{type(layer).__name__}.{name} is renamed {_RENAMED[name]}; the old name will be removed in the "
+                  "next release", FutureWarning, stacklevel=3)
+    return _RENAMED[name]
 
 
 class WhiteningLayer(_StepMixin, _CheckpointMixin):
@@ -108,23 +107,32 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
         self.process_group = process_group
         self.layer_name: Optional[str] = None
         self.frozen = False
-        fk = {"device": device, "dtype": torch.float64 if dtype == torch.float64 else torch.float32}
-        m = num_features
-        self.register_buffer("running_mean", torch.zeros(m, **fk))
-        self.register_buffer("running_cov", torch.zeros(self._block_shape, **fk))
-        self.register_buffer("whitening_matrix", F_w.block_identity(m, groups, **fk))
-        if grad_transform:
-            self.register_buffer("grad_transform", F_w.block_identity(m, groups, **fk))
-        self.register_buffer("num_blocks", torch.tensor(0, dtype=torch.long, device=device))
-        for name, value in self.rule.initial_buffers(m, fk, groups=groups).items():
+        state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        for name, value in self._fresh_buffers(device, state_dtype, grad_transform).items():
             self.register_buffer(name, value)
         self._register_rule_identity()  # the rule's name and config, for checkpoints (layers/checkpoint.py)
-        self.transform_failures = self.skipped_folds = self.nonfinite_blocks = self.clamped_steps = 0
-        self._warned: set = set()
         self._cache = _StepCache()
-        self._block = self._new_block(self.running_mean.device)
+        self._fresh_block_and_counters()
         if self.running_mean.device.type == "cuda" and not torch.compiler.is_compiling():
             F_w.low_precision_products_on(self.running_mean.device)  # tried once per process, before any trace
+
+    def _fresh_buffers(self, device: Any, dtype: torch.dtype, grad_transform: bool) -> Dict[str, Tensor]:
+        """The buffers of a freshly built layer by name, in the order they are registered: ``mu = 0``, ``Phi_x =
+        0``, ``T = Q_s = I``, ``num_blocks = 0`` and the rule's own initial buffers."""
+        fk = {"device": device, "dtype": dtype}
+        m, groups = self.num_features, self.groups
+        fresh = {"running_mean": torch.zeros(m, **fk), "running_cov": torch.zeros(self._block_shape, **fk),
+                 "whitening_matrix": F_w.block_identity(m, groups, **fk)}
+        if grad_transform:
+            fresh["grad_transform"] = F_w.block_identity(m, groups, **fk)
+        fresh["num_blocks"] = torch.tensor(0, dtype=torch.long, device=device)
+        return {**fresh, **self.rule.initial_buffers(m, fk, groups=groups)}
+
+    def _fresh_block_and_counters(self) -> None:
+        """An empty block, the counters at zero and no warning given yet."""
+        self.transform_failures = self.skipped_folds = self.nonfinite_blocks = self.clamped_steps = 0
+        self._warned: set = set()
+        self._block = self._new_block(self.running_mean.device)
 
     def _new_block(self, device: Any) -> Block:
         dtype = torch.float64 if self.running_mean.dtype == torch.float64 else torch.float32
@@ -155,19 +163,15 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
         if rule is not None and name in (_FIELDS.get(type(rule.config)) or _fields(rule.config)):
             return getattr(rule.config, name)
         if name in _RENAMED:
-            warnings.warn(f"{type(self).__name__}.{name} is renamed {_RENAMED[name]}; the old name will be removed in "
-                          "the next release", FutureWarning, stacklevel=2)
-            return getattr(self, _RENAMED[name])
-        return super().__getattr__(name)  # type: ignore[misc]
+            return getattr(self, _renamed(self, name))
+        return super().__getattr__(name)
 
     def __setattr__(self, name: str, value: Any) -> None:
         rule = self.__dict__.get("rule")
         if rule is not None and name in _fields(rule.config):  # a field: a new config, validated
             self.config = rule.config.replace(**{name: value})
         elif name in _RENAMED:
-            warnings.warn(f"{type(self).__name__}.{name} is renamed {_RENAMED[name]}; the old name will be removed in "
-                          "the next release", FutureWarning, stacklevel=2)
-            setattr(self, _RENAMED[name], value)
+            setattr(self, _renamed(self, name), value)
         else:
             super().__setattr__(name, value)
 
@@ -287,19 +291,11 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
                     buf = self._buffers.get(name)
                     if buf is not None:
                         buf.zero_()
-            self.running_mean.zero_()
-            self.running_cov.zero_()
-            self.whitening_matrix.copy_(F_w.block_identity(self.num_features, self.groups))
-            if "grad_transform" in self._buffers:
-                self.grad_transform.copy_(F_w.block_identity(self.num_features, self.groups))
-            fk = {"device": self.running_mean.device, "dtype": self.running_mean.dtype}
-            for name, value in self.rule.initial_buffers(self.num_features, fk, groups=self.groups).items():
+            mean = self.running_mean
+            for name, value in self._fresh_buffers(mean.device, mean.dtype, "grad_transform" in self._buffers).items():
                 self._buffers[name].copy_(value)
             self._refresh_rule_identity(force=True)
-            self.num_blocks.zero_()
-        self.transform_failures = self.skipped_folds = self.nonfinite_blocks = self.clamped_steps = 0
-        self._warned = set()
-        self._block = self._new_block(self.running_mean.device)
+        self._fresh_block_and_counters()
 
     def reset_parameters(self) -> None:
         """The layer's own ``reset_parameters`` (a conv's or linear layer's weight and bias), then
@@ -322,7 +318,7 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
         """
         self._wait_for_fold()
         own = {name: buf for name, buf in self._buffers.items() if buf is not None and buf.is_floating_point()}
-        result = super()._apply(fn, recurse)  # type: ignore[misc]
+        result = super()._apply(fn, recurse)
         for name, old in own.items():
             new = self._buffers.get(name)
             if new is not None and new.dtype != old.dtype and new.dtype not in (torch.float32, torch.float64):
@@ -434,9 +430,9 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
                 writes[0].append(old)
                 writes[1].append(value)
         elif _buffer_registration_hooks:  # Module.__setattr__ ends in _buffers; hooks must see the write
-            setattr(self, name, _owned(value, old))
+            setattr(self, name, _stored_all([(self, name, value)])[0])
         else:
-            self._buffers[name] = _owned(value, old)
+            self._buffers[name] = _stored_all([(self, name, value)])[0]
 
     def _on_mean_change(self, delta: Tensor) -> None:
         """Hook for layers that must keep their function when the mean in force changes by ``delta`` (float64)."""

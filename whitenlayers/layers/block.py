@@ -34,14 +34,13 @@ class Block:
     """
 
     __slots__ = ("batches", "rows", "gather_next", "length", "every", "fraction", "fold_pending", "fold_weight", "acc",
-                 "dense", "s1", "s2", "parts", "shift", "shift_x", "store", "unshifted", "traced")
+                 "dense", "s1", "s2", "parts", "shift", "shift_x", "store", "unshifted")
 
     def __init__(self, num_features: int, groups: int, dtype: torch.dtype, device: Any, config: Any) -> None:
         self.configure(config)
         self.unshifted = False
         self.fold_weight: Optional[Tensor] = None  # the weight a fold compensates with, taken at the block's end
         self.store = torch.zeros(num_features, dtype=torch.float64, device=device)
-        self.traced: List[int] = []  # rows of each call inside a compiled forward, counted after it (coordinator)
         self.acc: Optional[Tensor] = None
         if groups == 1:
             self.set_accumulator(F_w.moments_accumulator(num_features, dtype, device))
@@ -116,8 +115,7 @@ class Block:
 
     def __getstate__(self) -> Dict[str, Any]:
         state = {name: getattr(self, name) for name in self.__slots__ if hasattr(self, name)}
-        for transient in ("dense", "parts", "shift_x", "traced", "s1", "s2") if self.acc is not None else (
-                "shift_x", "traced"):
+        for transient in ("dense", "parts", "shift_x", "s1", "s2") if self.acc is not None else ("shift_x",):
             state.pop(transient, None)
         acc = self.acc
         if acc is not None and acc._base is not None and acc._base.dim() == 3:  # a slice of a stacked accumulator
@@ -128,7 +126,6 @@ class Block:
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.shift_x = None
-        self.traced = []
         for name, value in state.items():
             setattr(self, name, value)
         if state.get("shift") == "store":

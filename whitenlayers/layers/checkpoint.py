@@ -18,17 +18,14 @@ import json
 import math
 import sys
 import warnings
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Set, Tuple, Union, cast
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple, Union, cast
 
 import torch
 from torch import Tensor
 
 from ..fold import FAILED, FOLDED, FoldOutcome, PendingFold
 from ..rules import _BUILT_IN, rule_identity
-from .step import _StepCache
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .block import Block
+from .step import _Layer, _StepCache
 
 __all__ = ["IDENTITY_BUFFER", "IDENTITY_WIDTH", "encode_identity", "decode_identity", "loading_plain_checkpoint"]
 
@@ -139,9 +136,14 @@ def _strict_load() -> bool:
 _CAUSES: Set[str] = set()
 
 
-def _report_cause(msg: str, error_msgs: List[str]) -> None:
-    _CAUSES.add(msg)
-    error_msgs.append(msg)
+def _report_cause(msg: str, error_msgs: List[str], lenient: str) -> None:
+    """A checkpoint of another method or rule: the error ``msg`` (a strict load, :func:`cause_first` puts it first),
+    or, with ``strict=False``, a warning: ``msg`` and what the lenient load does (``lenient``)."""
+    if _strict_load():
+        _CAUSES.add(msg)
+        error_msgs.append(msg)
+    else:
+        warnings.warn(msg + lenient, UserWarning, stacklevel=5)
 
 
 def cause_first(module: Any, incompatible_keys: Any) -> None:
@@ -169,36 +171,12 @@ def cause_first(module: Any, incompatible_keys: Any) -> None:
 #: Buffers only a recursive layer has (they tell a recursive checkpoint from a grad one).
 _RECURSIVE_KEYS = ("running_cov_whitened", "running_power", "whitening_gram")
 
-class _CheckpointMixin:
+class _CheckpointMixin(_Layer):
     """Checkpoints, pickling and scripting of :class:`~whitenlayers.WhiteningLayer` (this module's docstring)."""
 
     # 2: the partial block is one tensor in ``_extra_state``; grad layers with a bias keep their bias compensation
     # in ``bias_correction`` (version 1 added it to the bias parameter).
     _version = 2
-
-    if TYPE_CHECKING:  # (provided by WhiteningLayer and nn.Module)
-        _block: Block
-        _buffers: Dict[str, Any]
-        num_features: int
-        groups: int
-        rule: Any
-        running_mean: Tensor
-        _pending_fold: Any
-
-        @property
-        def _block_shape(self) -> tuple: ...
-
-        @property
-        def method(self) -> str: ...
-
-        def _describe(self) -> str: ...
-
-        def _outcome_layout(self) -> List[Tuple[str, Tuple[int, ...]]]: ...
-
-        def _reset_accumulators(self, device: Any = None) -> None: ...
-
-        def register_buffer(self, name: str, tensor: Optional[Tensor], persistent: bool = True) -> None: ...
-
 
     def __getstate__(self) -> Dict[str, Any]:
         self._wait_for_fold()  # a fold in flight: its result is the layer's pending fold, copied with it
@@ -261,8 +239,7 @@ class _CheckpointMixin:
             if slot:  # the buffers the outcome does not hold (a failed fold keeps the transform): zeros
                 parts += [torch.zeros(math.prod(shape), **f64) for _, shape in layout_shapes[len(kept):]]
         elif slot:
-            m = self.num_features
-            size = 3 * m + sum(math.prod(shape) for _, shape in self._outcome_layout())
+            size = 3 * self.num_features + sum(math.prod(shape) for _, shape in self._outcome_layout())
             parts += [torch.tensor([_NO_FOLD, 0, 0, 0, 0], **f64), torch.zeros(size, **f64)]
         return torch.cat([t.to(device=head.device, dtype=torch.float64) for t in parts])
 
@@ -279,7 +256,7 @@ class _CheckpointMixin:
         else:
             state = self._unpack_extra_state(state)
         dev = self.running_mean.device
-        block = self._block = self._new_block(dev)  # type: ignore[attr-defined]
+        block = self._block = self._new_block(dev)
         block.batches = int(state["acc_batches"])
         block.gather_next = block.batches % block.every == 0
         block.rows = float(state["acc_count"])
@@ -394,11 +371,8 @@ class _CheckpointMixin:
         else:
             msg = (f"{self._describe()}: the checkpoint holds a '{theirs}' whitening layer at '{where}', but this "
                    f"model's layer there is '{mine}'; convert the model with method={theirs!r} before loading")
-        if _strict_load():
-            _report_cause(msg, error_msgs)
-        else:
-            warnings.warn(msg + " (strict=False: the whitening state of the other method is not loaded; only keys "
-                                "with the same names are)", UserWarning, stacklevel=4)
+        _report_cause(msg, error_msgs, " (strict=False: the whitening state of the other method is not loaded; only "
+                                       "keys with the same names are)")
 
     def _load_checked(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         """The checks of a checkpoint of this layer, then ``nn.Module``'s load."""
@@ -409,8 +383,7 @@ class _CheckpointMixin:
         if (version is None or version < 1) and key not in state_dict:
             # Checkpoints without the partial block: start a fresh block.
             self._reset_accumulators()
-            state_dict = dict(state_dict)
-            state_dict[key] = self.get_extra_state()
+            state_dict = {**state_dict, key: self.get_extra_state()}
         m = self.num_features
         mkey = prefix + "running_mean"
         if mkey in state_dict and state_dict[mkey].shape != (m,):
@@ -506,11 +479,7 @@ class _CheckpointMixin:
             msg = (f"{self._describe()}: the checkpoint at '{where}' was saved with the rule {theirs['rule']!r}, but "
                    f"this layer's rule is {ours['rule']!r} ({type(self.rule).__name__}); build the model with "
                    f"rule={theirs['rule']!r} (convert_model(..., rule=...)) before loading it")
-            if _strict_load():
-                _report_cause(msg, error_msgs)
-            else:
-                warnings.warn(msg + " (strict=False: loaded into this layer's rule anyway)", UserWarning,
-                              stacklevel=4)
+            _report_cause(msg, error_msgs, " (strict=False: loaded into this layer's rule anyway)")
             return kept
         differ = [f"{name}={theirs.get(name)!r} (this layer: {value!r})" for name, value in ours.items()
                   if name != "rule" and theirs.get(name) != value]

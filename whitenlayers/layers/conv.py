@@ -5,11 +5,9 @@ from __future__ import annotations
 
 from typing import Any, Optional, Union
 
-import torch
 from torch import Tensor, nn
 from torch.nn.common_types import _size_1_t, _size_2_t, _size_3_t
 
-from .._rebuild import linear_like, share_parameters
 from ..config import EVDConfig, RecursiveConfig
 from ..patches import FEATURES, patch_padding, unfold_patches
 from .grad import _GradWhitenMixin, _init_with_signature, _with_whitening_signature
@@ -76,7 +74,7 @@ class _GradWhitenConvNd(_GradWhitenMixin):
         Returns:
             The new layer (``conv`` itself is left as it is).
         """
-        return cls._from_plain_conv(conv, cls._PLAIN, **kwargs)
+        return cls._from_plain(conv, cls._PLAIN, "from_conv", **kwargs)
 
     def to_conv(self) -> Any:
         """A plain conv of the same dimension with identical outputs (``mu`` folded into the bias); new Parameters.
@@ -84,7 +82,7 @@ class _GradWhitenConvNd(_GradWhitenMixin):
         Identical to this layer's eval-mode outputs; the whitening state is dropped (the layer is left as it is).
         :func:`~whitenlayers.to_plain_model` does this for a whole model.
         """
-        return self._to_plain_conv(self._PLAIN)
+        return self._to_plain(self._PLAIN)
 
 
 class GradWhitenConv2d(_GradWhitenConvNd, nn.Conv2d):
@@ -256,7 +254,7 @@ class GradWhitenConv3d(_GradWhitenConvNd, nn.Conv3d):
                         device, dtype, config, process_group, whitening)
 
 
-# nn.Linear's stubs declare ``bias: Parameter``, though it is None for bias=False (as _GradWhitenMixin declares).
+# nn.Linear's stubs declare ``bias: Parameter``, though it is None for bias=False (as the layers' stubs declare).
 class GradWhitenLinear(_GradWhitenMixin, nn.Linear):  # type: ignore[misc]
     """Drop-in ``nn.Linear`` with gradient-based feature whitening (paper section 3).
 
@@ -312,22 +310,11 @@ class GradWhitenLinear(_GradWhitenMixin, nn.Linear):  # type: ignore[misc]
             **kwargs: the whitening keyword arguments of the constructor (``config``, ``process_group``,
                 ``block_size``, ...), with the same defaults.
         """
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(f"{cls.__name__}.from_linear expects an nn.Linear, but got {type(linear).__name__}")
-        new = linear_like(linear, cls, bias=linear.bias is not None, **kwargs)
-        share_parameters(linear, new)
-        new.train(linear.training)
-        return new
+        return cls._from_plain(linear, nn.Linear, "from_linear", **kwargs)
 
     def to_linear(self) -> nn.Linear:
         """A plain ``nn.Linear`` with identical outputs (``mu`` folded into the bias); new Parameters."""
-        lin = linear_like(self, bias=True)
-        with torch.no_grad():
-            lin.weight.copy_(self.weight)
-            lin.bias.copy_(self._layer_bias(self.weight))
-        lin.weight.requires_grad_(self.weight.requires_grad)
-        lin.train(self.training)
-        return lin
+        return self._to_plain(nn.Linear)
 
 
 class RecursiveWhitenConv2d(GradWhitenConv2d):

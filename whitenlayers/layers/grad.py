@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .. import functional as F_w
-from .._rebuild import conv_like, share_parameters
+from .._rebuild import layer_like, share_parameters
 from ..config import EVDConfig, WhiteningConfig
 from ..rules import rule_and_config
 from ._checks import check_input
@@ -60,8 +60,6 @@ def _init_with_signature(init: Callable[..., None], config_class: Type[Whitening
 class _GradWhitenMixin(_GradStep, WhiteningLayer):
     """Shared by the grad/recursive conv and linear layers: construction, centring, bias compensation."""
 
-    weight: Tensor
-    bias: Optional[Tensor]
     bias_correction: Tensor
 
     #: The config class of the layer's rule (EVD for the grad layers, recursive for the recursive ones).
@@ -236,36 +234,37 @@ class _GradWhitenMixin(_GradStep, WhiteningLayer):
         key = prefix + "absorbed_offset"
         if self._centring_ref is not None and key not in state_dict:
             # A checkpoint of the centred layer: its BatchNorm's running mean is the centred one, i.e. d = 0.
-            state_dict = dict(state_dict)
-            state_dict[key] = torch.zeros_like(self._buffers["absorbed_offset"])
+            state_dict = {**state_dict, key: torch.zeros_like(self._buffers["absorbed_offset"])}
         key = prefix + "bias_correction"
         version = local_metadata.get("version", None)
         if self.bias is not None and key not in state_dict and (version is None or version < 2):
             # Version 1 added a layer's bias compensation to its bias parameter: nothing to compensate apart.
-            state_dict = dict(state_dict)
-            state_dict[key] = torch.zeros_like(self.bias_correction)
+            state_dict = {**state_dict, key: torch.zeros_like(self.bias_correction)}
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
         if self._centring_ref is not None:  # a checkpoint that kept c apart (earlier versions, a centred layer)
             self._fold_compensation_into_offset()
 
     @classmethod
-    def _from_plain_conv(cls, conv: nn.Module, plain: type, **kwargs: Any) -> Any:
-        if not isinstance(conv, plain):
-            raise TypeError(f"{cls.__name__}.from_conv expects an nn.{plain.__name__}, but got {type(conv).__name__}")
-        new = conv_like(conv, cls, bias=conv.bias is not None, **kwargs)
-        share_parameters(conv, new)
-        new.train(conv.training)
+    def _from_plain(cls, layer: nn.Module, plain: type, method: str, **kwargs: Any) -> Any:
+        """``from_conv`` / ``from_linear`` (``method``): a layer of this class with ``layer``'s settings and Parameter
+        objects, for an ``nn.<plain>``."""
+        if not isinstance(layer, plain):
+            raise TypeError(f"{cls.__name__}.{method} expects an nn.{plain.__name__}, but got {type(layer).__name__}")
+        new = layer_like(layer, cls, bias=layer.bias is not None, **kwargs)
+        share_parameters(layer, new)
+        new.train(layer.training)
         return new
 
-    def _to_plain_conv(self, plain: type) -> Any:
-        conv = conv_like(self, plain, bias=True)
+    def _to_plain(self, plain: type) -> Any:
+        """``to_conv`` / ``to_linear``: the plain ``plain`` layer with identical outputs; new Parameters."""
+        out = layer_like(self, plain, bias=True)
         with torch.no_grad():
-            conv.weight.copy_(self.weight)
-            conv.bias.copy_(self._layer_bias(self.weight))
-        conv.weight.requires_grad_(self.weight.requires_grad)
-        conv.train(self.training)
-        return conv
+            out.weight.copy_(self.weight)
+            out.bias.copy_(self._layer_bias(self.weight))
+        out.weight.requires_grad_(self.weight.requires_grad)
+        out.train(self.training)
+        return out
 
     def _full_weight(self) -> Tensor:
         w = self.weight.detach()
@@ -310,4 +309,4 @@ class _GradWhitenMixin(_GradStep, WhiteningLayer):
             rest = (rest + ", " if rest else "") + f"features={self.features!r}"
         if self._centring_ref is not None:
             rest = (rest + ", " if rest else "") + "centring=absorbed"
-        return super().extra_repr() + (f", {rest}" if rest else "")  # type: ignore[misc]
+        return super().extra_repr() + (f", {rest}" if rest else "")

@@ -25,7 +25,7 @@ import contextlib
 import functools
 import operator
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Dict, NamedTuple, Optional, Tuple, cast
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optional, Tuple, cast
 
 import torch
 from torch import Tensor, nn
@@ -41,6 +41,50 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..coordinator import FoldCoordinator, ForwardScope
     from .base import WhiteningLayer
     from .block import Block
+
+    class _Layer(nn.Module):
+        """What the layers' mixins (this module's and :mod:`~whitenlayers.layers.checkpoint`'s) read of the layer they
+        are part of (a :class:`~whitenlayers.WhiteningLayer`, an ``nn.Module``), declared once for the type checker."""
+
+        _block: Block
+        _cache: _StepCache
+        _fold_coordinator: Optional[FoldCoordinator]
+        _pending_fold: Any
+        _buffers: Dict[str, Any]
+        _parameters: Dict[str, Any]
+        frozen: bool
+        num_features: int
+        groups: int
+        rule: Any
+        running_mean: Tensor
+        weight: Tensor
+        bias: Optional[Tensor]
+
+        @property
+        def _block_shape(self) -> tuple: ...
+
+        @property
+        def method(self) -> str: ...
+
+        def _describe(self) -> str: ...
+
+        def _warn_once(self, kind: str, message: str) -> None: ...
+
+        def _fold_weight_of(self, weight: Optional[Tensor]) -> Optional[Tensor]: ...
+
+        def _outcome_layout(self) -> List[Tuple[str, Tuple[int, ...]]]: ...
+
+        def _reset_accumulators(self, device: Any = None) -> None: ...
+
+        def _new_block(self, device: Any) -> Block: ...
+
+        def _features_of(self, x: Tensor, weight: Tensor) -> Tensor: ...
+
+        def _begin(self, x: Tensor, keeps: bool = False, state: Optional[Dict[str, Tensor]] = None) -> Step: ...
+
+        def _end(self, step: Step, weight: Optional[Tensor]) -> None: ...
+else:
+    _Layer = object
 
 __all__ = ["Step", "recomputing"]
 
@@ -105,7 +149,8 @@ _define_snapshot_op()
 
 @contextlib.contextmanager
 def _tracing_suspended():
-    """No ``torch.jit.trace`` recording inside (what it would record is not part of the traced function)."""
+    """No ``torch.jit.trace`` recording inside (what it would record is not part of the traced function); nothing
+    to suspend outside a trace."""
     state = torch._C._get_tracing_state()
     torch._C._set_tracing_state(None)
     try:
@@ -138,28 +183,11 @@ class _StepCache:
         self.derived: Dict[Any, Any] = {}
 
 
-class _StepMixin:
+class _StepMixin(_Layer):
     """The per-step part of :class:`~whitenlayers.WhiteningLayer` (this module's docstring)."""
 
     #: The buffers a forward reads (a recomputed forward reads those of the original one).
     _FORWARD_BUFFERS: Tuple[str, ...] = ("running_mean",)
-
-    if TYPE_CHECKING:  # (provided by WhiteningLayer and nn.Module)
-        _block: Block
-        _cache: _StepCache
-        _fold_coordinator: Optional[FoldCoordinator]
-        _buffers: Dict[str, Any]
-        training: bool
-        frozen: bool
-        num_features: int
-        groups: int
-        rule: Any
-
-        def _describe(self) -> str: ...
-
-        def _warn_once(self, kind: str, message: str) -> None: ...
-
-        def _fold_weight_of(self, weight: Optional[Tensor]) -> Optional[Tensor]: ...
 
     # ------------------------------------------------------------------ a forward
     def _begin(self, x: Tensor, keeps: bool = False, state: Optional[Dict[str, Tensor]] = None) -> Step:
@@ -183,10 +211,8 @@ class _StepMixin:
         block = self._block
         if block.fold_pending:
             state = None  # (the fold writes the buffers)
-            if _jit_tracing():  # folded outside the trace (its check run, which finds nothing pending, traces again)
-                with _tracing_suspended():
-                    self._fold_now()
-            else:
+            # under torch.jit.trace: folded outside the trace (its check run, which finds nothing pending, traces again)
+            with _tracing_suspended():
                 self._fold_now()
         if state is None:
             state = self._state_in_force()
@@ -432,7 +458,7 @@ class _StepMixin:
         """Accumulators left on another device than the batch (the meta device: a new, empty block)."""
         block = self._block
         if block.s1.is_meta or block.store.is_meta:
-            self._reset_accumulators(device)  # type: ignore[attr-defined]
+            self._reset_accumulators(device)
         else:
             block.move(lambda t: t.to(device), None)
 
@@ -444,7 +470,7 @@ def _count_outside_graph(layer: _StepMixin, rows: int) -> None:
     layer._count_traced([rows])
 
 
-class _GradStep:
+class _GradStep(_Layer):
     """The forward of the grad / recursive layers (convolutions of any dimension and linear layers): this module's
     docstring. The layer class sets ``_op`` (its operation: the plain conv's ``_conv_forward``, or
     ``F.linear``), ``_BATCHED_RANK`` and ``_SPATIAL``."""
@@ -458,24 +484,6 @@ class _GradStep:
     #: Where the BatchNorm that absorbs the centring is (absorb_centring): (None, bn) or (parent, child name).
     _centring_ref: Optional[Tuple[Optional[nn.Module], Any]] = None
     features: str = "channels"
-
-    if TYPE_CHECKING:
-        weight: Tensor
-        bias: Optional[Tensor]
-        num_features: int
-        groups: int
-        training: bool
-        _buffers: Dict[str, Any]
-        _parameters: Dict[str, Any]
-        _cache: _StepCache
-
-        def _begin(self, x: Tensor, keeps: bool = False, state: Optional[Dict[str, Tensor]] = None) -> Step: ...
-
-        def _end(self, step: Step, weight: Optional[Tensor]) -> None: ...
-
-        def _describe(self) -> str: ...
-
-        def _features_of(self, x: Tensor, weight: Tensor) -> Tensor: ...
 
     def forward(self, x: Tensor) -> Tensor:
         """The plain layer's operation with the weight whose gradient is right-multiplied by ``Q_s`` and the
