@@ -850,8 +850,9 @@ def _lb_name(batch: int, arm: str, seed: int) -> str:
 
 
 def _lb_wide() -> List[int]:
-    """The batches where every LB_SEEDS run finished and a whitened arm's paired ratio to the baseline (steps to
-    the target, both reached) has a 95 % interval wider than a factor LB_WIDE (or fewer than 3 pairs)."""
+    """The batches where every LB_SEEDS run finished and a whitened arm run on every seed there has a paired ratio
+    to the baseline (steps to the target, both reached) whose 95 % interval is wider than a factor LB_WIDE (or
+    fewer than 3 pairs)."""
     from whitenlayers.experiment.report import geometric_t_interval
 
     wide = []
@@ -859,7 +860,7 @@ def _lb_wide() -> List[int]:
         got = {(arm, s): _lb_reach(_lb_name(b, arm, s), arm) for s in LB_SEEDS for arm in _lb_seed_arms(b, s)}
         if any(v is None for v in got.values()):
             continue
-        for arm in {a for a, _ in got if a in LB_WHITENED}:
+        for arm in sorted({a for a, _ in got if a in LB_WHITENED and all((a, s) in got for s in LB_SEEDS)}):
             ratios = [got[arm, s][s]["step"] / got["baseline", s][s]["step"]  # type: ignore[index]
                       for s in LB_SEEDS if (arm, s) in got and s in got[arm, s]  # type: ignore[operator]
                       and s in got["baseline", s]]  # type: ignore[operator]
