@@ -675,6 +675,249 @@ def fm_damped_table() -> str:
         "\n".join(f"    {_cmd(n)}" for n in first) + "\n"
 
 
+# Large batches (Shallue et al. 2018): steps to a target validation accuracy against the batch size, per arm, on
+# Fashion-MNIST at the FM settings (CIFAR ResNet-8, width 8, no augmentation, SGD momentum 0.9, weight decay 5e-4;
+# SOAP its own update), batch sizes 32 to 2048 (doublings). A constant learning rate (--schedule constant): with a
+# stop at the target, a rate that decays to 0 at the end of a step budget would make the budget chosen per batch
+# set the steps (a run reaches the target as its rate anneals), perfect scaling by construction. Validation split:
+# 5 % of the training images (3,000, stratified; 57,000 left to train on), evaluated about 90 times per step budget
+# with BatchNorm statistics recomputed at the current weights from 1,024 fixed training images (--precise-bn: at a
+# high constant rate the running averages lag the weights by up to ~40 accuracy points, which would make the first
+# evaluation above the target a matter of luck). A run stops at its first evaluation at or above LB_TARGET
+# (--stop-acc), or at its step budget (not reached). Learning rate per (batch, arm) on seed 0: a 3-point grid,
+# factors of 2 around a centre that grows as batch^0.75 for the SGD arms (0.2 at batch 128; the pilot's best
+# rates grew so) and batch^0.5 for SOAP (0.005 at 128), extended by one rate (at most two) beyond an edge that
+# scored best; the score is the fewest steps to the target (then the higher accuracy at that evaluation, then the
+# lower rate; a grid where no rate reached it: the best accuracy). The trials of a grid run one after the other,
+# the centre first, each with the step budget cut to the fewest steps to the target found so far (a trial that
+# has not reached it by then cannot be chosen, so the choice is the full budget's). Then seeds 1-3 at the chosen
+# rates with the full budget (seeds 4-5 added at a batch where a whitened arm's paired ratio interval spans more
+# than a factor 1.5), one run per (seed, batch, arm), paired by seed (same initial weights and data order), a
+# seed's every batch and arm before the next seed. Sized to a 2-core machine: seed 1 runs every arm; seeds 2 and 3
+# (and 4-5) only the baseline and, at each batch, the whitened arm that needed the fewest steps on the validation
+# seed (the one the goal asks about), so the other arms' rows rest on one seed.
+LB_ARMS: Dict[str, Tuple[str, Tuple[str, ...]]] = {
+    "baseline": ("baseline", ()), "grad": ("grad", ()), "grad-damped": ("grad", ("--gains", "damped")),
+    "recursive": ("recursive", ()), "kfac": ("kfac", ()), "soap": ("soap", ())}
+LB_WHITENED = ("grad", "grad-damped", "recursive")
+LB_BATCHES = (32, 64, 128, 256, 512, 1024, 2048)
+#: The target validation accuracy (percent): see docs/CONVERGENCE.md for why this value.
+LB_TARGET = 80.0
+LB_VAL_SEED = 0
+LB_SEEDS = (1, 2, 3)
+#: The seeds that run every arm; the others run the baseline and the best whitened arm (_lb_seed_arms).
+LB_ALL_ARMS_SEEDS = (1,)
+LB_MORE_SEEDS = (4, 5)
+#: A whitened arm's paired ratio interval (high / low) wider than this at a batch adds LB_MORE_SEEDS there.
+LB_WIDE = 1.5
+LB_GRID = (0, 1, -1)  # the rates: centre x 2^k, in the order they run
+LB_MAX_EXTEND = 2
+#: The step budget per batch: the steps of this many training images, plus LB_BUDGET_STEPS steps.
+LB_BUDGET_EXAMPLES = 48_000
+LB_BUDGET_STEPS = 150
+LB_DATA = ["--dataset", "fashion-mnist", "--model", "resnet8", "--width", "8"]
+LB = [*LB_DATA, "--schedule", "constant", "--diag-batches", "0", "--val-fraction", "0.05", "--precise-bn", "1024"]
+
+
+def _lb_centre(arm: str, batch: int) -> float:
+    return 0.005 * (batch / 128) ** 0.5 if arm == "soap" else 0.2 * (batch / 128) ** 0.75
+
+
+def _lb_rate(arm: str, batch: int, k: int) -> float:
+    """The grid's rate ``centre x 2^k``, to 3 significant digits."""
+    return float(f"{_lb_centre(arm, batch) * 2.0 ** k:.3g}")
+
+
+def _lb_budget(batch: int) -> int:
+    return -(-LB_BUDGET_EXAMPLES // batch) + LB_BUDGET_STEPS
+
+
+def _lb_every(batch: int) -> int:
+    """Evaluate every this many steps: about 90 evaluations per step budget."""
+    return max(1, _lb_budget(batch) // 90)
+
+
+def _lb_args(arm: str, batch: int, lr: float, seed: int, budget: Optional[int] = None) -> List[str]:
+    method, flags = LB_ARMS[arm]
+    return ["--methods", method, "--lr", f"{lr:g}", "--method-lr", f"{method}={lr:g}", "--batch-size", str(batch),
+            "--seeds", str(seed), "--max-steps", str(budget or _lb_budget(batch)), "--eval-every-steps",
+            str(_lb_every(batch)), "--stop-acc", f"{LB_TARGET:g}", *flags, *LB]
+
+
+def _lb_val_name(batch: int, arm: str, k: int) -> str:
+    return f"lb-val-b{batch}-{arm}-lr{_lb_rate(arm, batch, k):g}"
+
+
+def _lb_reach(name: str, arm: str) -> Optional[Dict[int, Dict[str, float]]]:
+    """Per seed of run ``name``: the first evaluation at or above LB_TARGET (``step``, ``examples``, nan when not
+    reached; ``at``, its accuracy), the steps run (``budget``) and the best accuracy (``best``); ``None`` before
+    the run finished."""
+    if _rows(name) is None:
+        return None
+    from whitenlayers.experiment.report import read_steps, steps_to_target
+
+    rows = read_steps(os.path.join(RUNS, name, "steps.csv"))
+    method = LB_ARMS[arm][0]
+    out = steps_to_target(rows, LB_TARGET).get(method, {})
+    for seed, rec in out.items():
+        accs = [r["test_acc"] for r in rows if r["method"] == method and r["seed"] == seed]
+        rec["best"] = max(accs) if accs and all(math.isfinite(a) for a in accs) else 0.0
+        rec["at"] = next((a for a in accs if a >= LB_TARGET), float("nan"))
+    return out
+
+
+def _lb_score(batch: int, arm: str, k: int) -> Optional[Tuple[float, float, float]]:
+    """A trial's score, lower is better: ``(steps to the target, -accuracy there, rate)``, or ``(inf, -best
+    accuracy, rate)`` when it did not reach the target; ``None`` before it finished."""
+    reach = _lb_reach(_lb_val_name(batch, arm, k), arm)
+    if reach is None or LB_VAL_SEED not in reach:
+        return None
+    rec = reach[LB_VAL_SEED]
+    lr = _lb_rate(arm, batch, k)
+    return (rec["step"], -rec["at"], lr) if math.isfinite(rec["step"]) else (math.inf, -rec["best"], lr)
+
+
+def _lb_grid(batch: int, arm: str) -> Tuple[List[int], Optional[int], Optional[int]]:
+    """At (batch, arm): the exponents ``k`` run or due so far, in their order; the chosen one (``None`` while a
+    trial is due); and the step budget of the trial due (the fewest steps to the target so far, else the full
+    budget). LB_GRID, then one beyond an edge that scored best, at most LB_MAX_EXTEND times on a side."""
+    ks: List[int] = []
+    todo = list(LB_GRID)
+    while True:
+        while todo:
+            k = todo.pop(0)
+            ks.append(k)
+            if _lb_score(batch, arm, k) is None:
+                done = [v for v in (_lb_score(batch, arm, j) for j in ks[:-1]) if v is not None]
+                reached = [v[0] for v in done if math.isfinite(v[0])]
+                return ks, None, int(min(reached)) if reached else _lb_budget(batch)
+        scores = {k: _lb_score(batch, arm, k) for k in ks}
+        best = min(ks, key=lambda k: scores[k])  # type: ignore[arg-type, return-value]
+        if best == min(ks) and min(ks) > min(LB_GRID) - LB_MAX_EXTEND:
+            todo.append(min(ks) - 1)
+        elif best == max(ks) and max(ks) < max(LB_GRID) + LB_MAX_EXTEND:
+            todo.append(max(ks) + 1)
+        else:
+            return ks, best, None
+
+
+def _lb_val() -> List[Tuple[str, List[str]]]:
+    out = []
+    for b in LB_BATCHES:
+        for arm in LB_ARMS:
+            ks, _, budget = _lb_grid(b, arm)
+            for i, k in enumerate(ks):
+                due = i == len(ks) - 1 and budget is not None  # the trial due (the others finished)
+                out.append((_lb_val_name(b, arm, k), _lb_args(arm, b, _lb_rate(arm, b, k), LB_VAL_SEED,
+                                                              budget if due else None)))
+    return out
+
+
+def _lb_chosen() -> Dict[Tuple[int, str], float]:
+    """(batch, arm) -> the chosen rate, for the grids that are complete."""
+    out = {}
+    for b in LB_BATCHES:
+        for arm in LB_ARMS:
+            k = _lb_grid(b, arm)[1]
+            if k is not None:
+                out[b, arm] = _lb_rate(arm, b, k)
+    return out
+
+
+def _lb_best_whitened(batch: int) -> Optional[str]:
+    """The whitened arm with the fewest steps to the target on the validation seed at its chosen rate (the
+    higher accuracy there, then the order of LB_WHITENED, on a tie); ``None`` while a grid is incomplete."""
+    scored = []
+    for arm in LB_WHITENED:
+        k = _lb_grid(batch, arm)[1]
+        if k is None:
+            return None
+        scored.append((_lb_score(batch, arm, k), LB_WHITENED.index(arm), arm))
+    return min(scored)[2]  # type: ignore[type-var]
+
+
+def _lb_seed_arms(batch: int, seed: int) -> List[str]:
+    """The arms seed ``seed`` runs at ``batch``: every arm for LB_ALL_ARMS_SEEDS, else the baseline and the best
+    whitened arm."""
+    if seed in LB_ALL_ARMS_SEEDS:
+        return list(LB_ARMS)
+    best = _lb_best_whitened(batch)
+    return ["baseline"] + ([best] if best else [])
+
+
+def _lb_name(batch: int, arm: str, seed: int) -> str:
+    return f"lb-b{batch}-{arm}-s{seed}"
+
+
+def _lb_wide() -> List[int]:
+    """The batches where every LB_SEEDS run finished and a whitened arm run on every seed there has a paired ratio
+    to the baseline (steps to the target, both reached) whose 95 % interval is wider than a factor LB_WIDE (or
+    fewer than 3 pairs)."""
+    from whitenlayers.experiment.report import geometric_t_interval
+
+    wide = []
+    for b in LB_BATCHES:
+        got = {(arm, s): _lb_reach(_lb_name(b, arm, s), arm) for s in LB_SEEDS for arm in _lb_seed_arms(b, s)}
+        if any(v is None for v in got.values()):
+            continue
+        for arm in sorted({a for a, _ in got if a in LB_WHITENED and all((a, s) in got for s in LB_SEEDS)}):
+            ratios = [got[arm, s][s]["step"] / got["baseline", s][s]["step"]  # type: ignore[index]
+                      for s in LB_SEEDS if (arm, s) in got and s in got[arm, s]  # type: ignore[operator]
+                      and s in got["baseline", s]]  # type: ignore[operator]
+            ratios = [r for r in ratios if math.isfinite(r)]
+            _, lo, hi = geometric_t_interval(ratios) if len(ratios) >= 2 else (0.0, math.nan, math.nan)
+            if len(ratios) < 3 or not hi <= LB_WIDE * lo:
+                wide.append(b)
+                break
+    return wide
+
+
+def _lb_test() -> List[Tuple[str, Optional[List[str]]]]:
+    chosen = _lb_chosen()
+    out: List[Tuple[str, Optional[List[str]]]] = [(f"lb-b{b}-{arm}", None) for b in LB_BATCHES for arm in LB_ARMS
+                                                  if (b, arm) not in chosen]
+    core = {b: ["baseline", _lb_best_whitened(b)] for b in LB_BATCHES}
+    for seed in LB_SEEDS:  # the baseline and the best whitened arm first (the goal's pairs), seed by seed
+        out += [(_lb_name(b, arm, seed), _lb_args(arm, b, chosen[b, arm], seed))
+                for b in LB_BATCHES for arm in _lb_seed_arms(b, seed) if arm in core[b] and (b, arm) in chosen]
+    for seed in LB_SEEDS:  # then the other arms
+        out += [(_lb_name(b, arm, seed), _lb_args(arm, b, chosen[b, arm], seed))
+                for b in LB_BATCHES for arm in _lb_seed_arms(b, seed) if arm not in core[b] and (b, arm) in chosen]
+    wide = _lb_wide()
+    for seed in LB_MORE_SEEDS:
+        out += [(_lb_name(b, arm, seed), _lb_args(arm, b, chosen[b, arm], seed))
+                for b in wide for arm in _lb_seed_arms(b, seed) if (b, arm) in chosen]
+    return out
+
+
+#: Seconds per step: one run per batch (and one for the damped gains, which take a run-wide flag): the arms
+#: interleaved every 10 steps (a training subset of 10 batches: one epoch), 30 steps, timed over steps 11-30
+#: (two whitening folds, one K-FAC inverse), at the grid's centre rates; seed 0, the test split's first 256
+#: images for the (untimed) evaluations.
+LB_TIME_ARMS = ("baseline", "grad", "recursive", "kfac", "soap")
+
+
+def _lb_time(device: Sequence[str] = ()) -> List[Tuple[str, List[str]]]:
+    out = []
+    for b in LB_BATCHES:
+        rest = ["--batch-size", str(b), "--train-subset", str(10 * b), "--test-subset", "256", "--max-steps", "30",
+                "--eval-every-steps", "10", "--schedule", "constant", "--seeds", "0", "--diag-batches", "0",
+                *LB_DATA, *device]
+        per = ",".join(f"{LB_ARMS[a][0]}={_lb_centre(a, b):.3g}" for a in LB_TIME_ARMS)
+        suffix = "-gpu" if device else ""
+        out.append((f"lb-time{suffix}-b{b}", ["--methods", ",".join(LB_ARMS[a][0] for a in LB_TIME_ARMS), "--lr",
+                                              f"{_lb_centre('grad', b):.3g}", "--method-lr", per, *rest]))
+        out.append((f"lb-time{suffix}-b{b}-damped", ["--methods", "grad", "--lr", f"{_lb_centre('grad', b):.3g}",
+                                                     "--gains", "damped", *rest]))
+    return out
+
+
+STAGES["lb-time"] = _lb_time
+STAGES["lb-time-gpu"] = lambda: _lb_time(["--device", "cuda"])  # for a machine with a GPU; not run here
+STAGES["lb-val"] = _lb_val
+STAGES["lb"] = _lb_test
+
+
 def _rows(name: str):
     path = os.path.join(RUNS, name, "metrics.csv")
     if not os.path.isfile(os.path.join(RUNS, name, "summary.md")):
@@ -699,13 +942,19 @@ def command(name: str, args: Sequence[str]) -> List[str]:
     return [sys.executable, "-m", "whitenlayers.experiment", *args, *common, "--out", os.path.join(RUNS, name)]
 
 
+def _launch(cmd: Sequence[str], log) -> int:
+    """Run one command (``python -m whitenlayers.experiment ...``) in the repository root, its output to ``log``;
+    the exit status."""
+    return subprocess.call(list(cmd), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+
+
 def _run_one(name: str, args: Sequence[str]) -> str:
     if _rows(name) is not None:
         return f"{name}: done already"
     cmd = command(name, args)
     os.makedirs(os.path.join(RUNS, name), exist_ok=True)
-    log = open(os.path.join(RUNS, name + ".log"), "w")
-    rc = subprocess.call(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    with open(os.path.join(RUNS, name + ".log"), "w") as log:
+        rc = _launch(cmd, log)
     with open(os.path.join(RUNS, name, "command.txt"), "w") as f:
         f.write(" ".join(["python"] + cmd[1:]).replace(ROOT + "/", "") + "\n")
     return f"{name}: exit {rc}"
@@ -725,27 +974,37 @@ def main(argv=None) -> int:
     if a.what == "tables":
         from convergence_tables import write_tables  # noqa: E402
         stages = a.stages or list(STAGES)
+        import convergence_large_batch as lb  # noqa: E402
+
         paired = {"fm-schedule": fm_schedule_table, "fm-async": fm_async_table,  # a table each, not one per run
-                  "fm-damped": fm_damped_table, "fm-nobn-val": fm_nobn_val_table, "fm-nobn": fm_nobn_table}
+                  "fm-damped": fm_damped_table, "fm-nobn-val": fm_nobn_val_table, "fm-nobn": fm_nobn_table,
+                  "lb-time": lb.lb_time_table, "lb-val": lb.lb_val_table, "lb": lb.lb_table}
         for name, table in paired.items():
             if name in stages:
                 os.makedirs(OUT, exist_ok=True)
                 with open(os.path.join(OUT, f"{name}.md"), "w") as f:
                     f.write(f"## {name}\n\n{table()}")
-        rest = [s for s in stages if s not in paired]
+        rest = [s for s in stages if s not in paired and s != "lb-time-gpu"]  # lb-time-gpu: not run here
         if rest:
             write_tables(rest)
         return 0
     for s in a.stages:  # stage by stage: a test stage reads the validation runs finished before it
-        todo = []
-        for name, args in STAGES[s]():
-            if args is None:
-                print(f"{name}: skipped, its validation stage has not finished")
-            else:
-                todo.append((name, args))
-        with cf.ThreadPoolExecutor(max(1, a.jobs)) as ex:
-            for msg in ex.map(lambda t: _run_one(*t), todo):
-                print(msg, flush=True)
+        tried: set = set()
+        while True:  # until the stage lists no run not tried yet (a grid extended after its results, more seeds)
+            todo = []
+            for name, args in STAGES[s]():
+                if args is None:
+                    if name not in tried:
+                        print(f"{name}: skipped, its validation stage has not finished")
+                        tried.add(name)
+                elif name not in tried:
+                    todo.append((name, args))
+            if not todo:
+                break
+            tried.update(name for name, _ in todo)
+            with cf.ThreadPoolExecutor(max(1, a.jobs)) as ex:
+                for msg in ex.map(lambda t: _run_one(*t), todo):
+                    print(msg, flush=True)
     return 0
 
 

@@ -108,3 +108,10 @@ def test_frontier_analysis_on_written_runs(tmp_path):
     out = str(tmp_path / "out")
     assert ff.main(["--runs", root, "--out", out]) == 0
     assert {"fashion.md", "fashion-frontier.png", "fashion-summary.json"} <= set(os.listdir(out))
+
+
+def test_linear_decay_ends_at_a_step_budget():
+    """``--max-steps``: the linear schedule reaches 0 one step after the budget's last step, whatever the epochs."""
+    f = [linear_factor(e, i, 10, 99, total_steps=25) for e in range(3) for i in range(10)][:25]
+    assert f[0] == 1.0 and abs(f[24] - 1 / 25) < 1e-12
+    assert all(a > b for a, b in zip(f, f[1:]))

@@ -1,4 +1,5 @@
-"""docs/convergence.py: the fm-schedule (issue 30) and fm-async (issue 47) stages build paired runs, and their tables read them."""
+"""docs/convergence.py: the paired stages (fm-schedule, fm-async, fm-damped, fm-nobn) build paired runs and
+their tables read them; the large-batch stages (lb-time, lb-val, lb) run end to end at CI size."""
 import csv
 import os
 import sys
@@ -230,3 +231,97 @@ def test_fm_nobn_table_on_written_runs(tmp_path, monkeypatch):
     assert "batch 8: bn" in text and "runs/convergence/fm-nobn-b8-s0-none" in text
     assert "| 8 | none (grad) | bn | -1.00 [-1.00, -1.00] | +1.00 [+1.00, +1.00] | 0/3 |" in text
     assert "| 8 | none (grad) | none | +2.00 [+2.00, +2.00] | +4.00 [+4.00, +4.00] | 3/3 |" in text
+
+
+def _tiny_lb(c, tmp_path, monkeypatch):
+    """docs/convergence.py's large-batch stages shrunk to CI size: synthetic data, batches 16 and 32, the baseline
+    and grad, budgets of 10-12 steps, every run in this process (no figure per run)."""
+    import contextlib
+
+    import whitenlayers.experiment as ex
+    from whitenlayers.experiment import engine
+
+    data = ["--dataset", "synthetic", "--model", "resnet8", "--width", "8"]
+    tiny = dict(LB_ARMS={"baseline": ("baseline", ()), "grad": ("grad", ())}, LB_WHITENED=("grad",),
+                LB_BATCHES=(16, 32), LB_TIME_ARMS=("baseline", "grad"), LB_TARGET=50.0, LB_SEEDS=(1, 2, 3),
+                LB_MORE_SEEDS=(), LB_MAX_EXTEND=1, LB_BUDGET_EXAMPLES=64, LB_BUDGET_STEPS=8, LB_DATA=data,
+                LB=[*data, "--schedule", "constant", "--diag-batches", "0", "--val-fraction", "0.25",
+                    "--precise-bn", "64", "--block-size", "2"], OUT=str(tmp_path / "out"))
+    for k, v in tiny.items():
+        monkeypatch.setattr(c, k, v)
+    monkeypatch.setattr(engine, "plot_metrics", lambda *a, **k: None)
+
+    def launch(cmd, log):
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            ex.main(list(cmd[3:]))  # python -m whitenlayers.experiment ARGS
+        return 0
+
+    monkeypatch.setattr(c, "_launch", launch)
+
+
+def test_the_large_batch_stage_makes_its_tables_ci_sized(tmp_path, monkeypatch):
+    """The lb-time, lb-val and lb stages end to end, CI-sized (two batch sizes, two arms, a few steps, synthetic
+    data): one command runs them, the grids extend until chosen, and the tables and the figure are made."""
+    c, root = _runs_in(tmp_path, monkeypatch)
+    _tiny_lb(c, tmp_path, monkeypatch)
+    assert c.main(["run", "lb-time", "lb-val", "lb"]) == 0
+    assert c.main(["tables", "lb-time", "lb-val", "lb"]) == 0
+    chosen = c._lb_chosen()
+    assert set(chosen) == {(b, a) for b in (16, 32) for a in ("baseline", "grad")}
+    val = open(os.path.join(c.OUT, "lb-val.md")).read()
+    assert val.count("**") >= 8 and "| 16 | baseline |" in val and "| 32 | grad |" in val  # a bold choice per grid
+    timing = open(os.path.join(c.OUT, "lb-time.md")).read()
+    assert "| 16 |" in timing and "| 32 |" in timing and "(1.00x)" in timing and "--device cuda" in timing
+    text = open(os.path.join(c.OUT, "lb.md")).read()
+    for b in (16, 32):
+        for arm in ("baseline", "grad"):
+            assert f"| {b} | {arm} | {chosen[b, arm]:g} |" in text
+    assert "### Critical batch size" in text and "| grad | " in text and "paired ratio" in text
+    assert ("At no batch measured" in text) != ("The best whitened arm needs" in text)  # the verdict, either way
+    png = open(os.path.join(c.OUT, "lb.png"), "rb").read()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    before = sorted(os.listdir(root))
+    assert c.main(["run", "lb-time", "lb-val", "lb"]) == 0 and sorted(os.listdir(root)) == before  # all done
+
+
+def test_large_batch_grid_prunes_and_extends(tmp_path, monkeypatch):
+    """lb-val at one (batch, arm): the centre first; each later trial's budget is the fewest steps to the target
+    so far; a best rate at the grid's edge adds the next rate beyond it; the choice is the fewest steps."""
+    c, root = _runs_in(tmp_path, monkeypatch)
+
+    def trial(k, accs):  # a finished trial evaluated every 20 steps
+        name = c._lb_val_name(32, "baseline", k)
+        d = os.path.join(root, name)
+        os.makedirs(d)
+        with open(os.path.join(d, "steps.csv"), "w", newline="") as fh:
+            w = csv.writer(fh)
+            w.writerow(["method", "seed", "step", "examples", "epoch", "lr", "test_loss", "test_acc", "train_time",
+                        "cpu_time", "wall_clock"])
+            for i, a in enumerate(accs, 1):
+                w.writerow(["baseline", 0, 20 * i, 640 * i, 1, 0.1, 0.5, a, i, i, 0])
+        with open(os.path.join(d, "metrics.csv"), "w") as fh:
+            fh.write("method,seed,epoch,test_acc,epoch_time,cpu_time,load1\nbaseline,0,1,50,1,1,1\n")
+        open(os.path.join(d, "summary.md"), "w").close()
+
+    def due():
+        runs = dict(c._lb_val())
+        ks, chosen, budget = c._lb_grid(32, "baseline")
+        return ks, chosen, budget, runs[c._lb_val_name(32, "baseline", ks[-1])]
+
+    opt = lambda args, k: args[args.index(k) + 1]  # noqa: E731
+    ks, chosen, budget, args = due()
+    assert ks == [0] and chosen is None and budget == c._lb_budget(32)
+    assert opt(args, "--max-steps") == str(c._lb_budget(32)) and opt(args, "--stop-acc") == f"{c.LB_TARGET:g}"
+    trial(0, [60, 70, 75, 79, 81])  # reached at step 100
+    ks, chosen, budget, args = due()
+    assert ks == [0, 1] and budget == 100 and opt(args, "--max-steps") == "100"
+    trial(1, [65, 78, 82])  # reached at step 60: the best, at the grid's top so far
+    ks, chosen, budget, args = due()
+    assert ks == [0, 1, -1] and budget == 60
+    trial(-1, [50, 60, 70])  # not reached within its 60 steps
+    ks, chosen, budget, args = due()
+    assert ks == [0, 1, -1, 2] and budget == 60 and float(opt(args, "--lr")) == c._lb_rate("baseline", 32, 2)
+    trial(2, [70, 79, 79.5])  # not reached either: rate 2^1 x centre is chosen, inside the grid
+    assert c._lb_grid(32, "baseline") == ([0, 1, -1, 2], 1, None)
+    assert c._lb_chosen()[32, "baseline"] == c._lb_rate("baseline", 32, 1)
+    assert opt(dict(c._lb_test())["lb-b32-baseline-s2"], "--max-steps") == str(c._lb_budget(32))  # full budget

@@ -184,3 +184,20 @@ def test_help_documents_options_and_torchrun():
         assert word in out.stdout
     text = " ".join(out.stdout.split())
     assert "six-panel figure" in text and "checkpoints/" in text  # plot_metrics draws a 2 x 3 grid
+
+
+def test_step_options_validate_and_enter_the_fingerprint():
+    cfg = _cfg("--quick", "--eval-every-steps", "5", "--stop-acc", "85", "--max-steps", "40", "--schedule", "linear")
+    assert (cfg.eval_every_steps, cfg.stop_acc, cfg.max_steps) == (5, 85.0, 40)
+    base = _cfg("--quick")
+    assert (base.eval_every_steps, base.stop_acc, base.max_steps) == (0, None, None)  # off unless given
+    fp = fingerprint(cfg.to_record())
+    assert fp["max_steps"] == 40 and fp["stop_acc"] == 85.0 and "epochs" not in fp  # the budget, not --epochs
+    assert "eval_every_steps" not in fp  # evaluating more often trains the same model
+    assert "max_steps" not in fingerprint(base.to_record())  # checkpoints made before the options still resume
+    for bad, match in ((["--eval-every-steps", "-1"], "eval-every-steps"), (["--max-steps", "0"], "max-steps"),
+                       (["--max-steps", "10"], "schedule linear or constant"),  # the default step schedule
+                       (["--stop-acc", "0"], "stop-acc"), (["--stop-acc", "101"], "stop-acc"),
+                       (["--precise-bn", "-1"], "precise-bn")):
+        with pytest.raises(ValueError, match=match):
+            _cfg(*bad)

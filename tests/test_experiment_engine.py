@@ -244,3 +244,101 @@ def test_compile_wraps_the_training_model(tmp_path, monkeypatch):
                     reason="torch.compile on CPU takes minutes; set WHITENLAYERS_TEST_COMPILE=1")
 def test_compile_real(tmp_path):
     _switch_run(tmp_path, "--compile", methods="grad")
+
+
+# --------------------------------------------------------------------------
+# Step-based runs: --eval-every-steps, --max-steps, --stop-acc
+# --------------------------------------------------------------------------
+_STEP_COMMON = ["--quick", "--dataset", "synthetic", "--block-size", "3", "--threads", "1", "--device", "cpu",
+                "--progress", "never"]  # 512 images / batch 64: 8 steps per epoch
+
+
+def test_step_evaluations_train_the_same_models(tmp_path):
+    """Evaluating every 3 steps changes no metric (the evaluations draw nothing and are kept out of the training
+    seconds); steps.csv holds every evaluation with its step and examples."""
+    common = _STEP_COMMON + ["--methods", "baseline,grad,recursive,kfac", "--schedule", "linear"]
+    plain, stepped = str(tmp_path / "plain"), str(tmp_path / "stepped")
+    ex.main(common + ["--out", plain])
+    ex.main(common + ["--out", stepped, "--eval-every-steps", "3"])
+    assert _no_time(_rows(os.path.join(plain, "metrics.csv"))) == _no_time(_rows(os.path.join(stepped, "metrics.csv")))
+    assert not os.path.exists(os.path.join(plain, "steps.csv"))  # without the step options: no new output
+    steps = _rows(os.path.join(stepped, "steps.csv"))
+    assert list(steps[0]) == ex.report.STEP_FIELDS
+    for m in ("baseline", "grad", "recursive", "kfac"):
+        mine = [r for r in steps if r["method"] == m]
+        assert [int(r["step"]) for r in mine] == [3, 6, 8, 9, 12, 15, 16]  # every 3 steps and each epoch's end
+        assert [int(r["examples"]) for r in mine] == [64 * int(r["step"]) for r in mine]
+        assert [int(r["epoch"]) for r in mine] == [1, 1, 1, 2, 2, 2, 2]
+        times = [float(r["train_time"]) for r in mine]
+        assert all(a <= b for a, b in zip(times, times[1:]))
+        ends = [r for r in _rows(os.path.join(stepped, "metrics.csv")) if r["method"] == m]
+        assert [r["test_acc"] for r in mine if r["step"] in ("8", "16")] == [r["test_acc"] for r in ends]
+
+
+def test_step_budget_and_target_stop_the_run(tmp_path):
+    from whitenlayers.experiment.report import read_steps, steps_to_target
+
+    budget = str(tmp_path / "budget")
+    ex.main(_STEP_COMMON + ["--methods", "baseline,grad", "--schedule", "constant", "--max-steps", "11",
+                            "--out", budget])
+    rows = _rows(os.path.join(budget, "metrics.csv"))
+    assert [(r["method"], r["epoch"]) for r in rows] == [("baseline", "1"), ("baseline", "2"), ("grad", "1"),
+                                                          ("grad", "2")]  # the second epoch cut short at step 11
+    assert {int(r["step"]) for r in read_steps(os.path.join(budget, "steps.csv"))} == {8, 11}
+
+    target = str(tmp_path / "target")
+    ex.main(_STEP_COMMON + ["--methods", "baseline,grad", "--schedule", "constant", "--epochs", "4",
+                            "--eval-every-steps", "2", "--stop-acc", "60", "--out", target])
+    steps = read_steps(os.path.join(target, "steps.csv"))
+    reached = steps_to_target(steps, 60.0)
+    for m in ("baseline", "grad"):
+        mine = [r for r in steps if r["method"] == m]
+        assert mine[-1]["test_acc"] >= 60.0 and all(r["test_acc"] < 60.0 for r in mine[:-1])  # stopped at the first
+        assert reached[m][0]["step"] == mine[-1]["step"] < 32 and reached[m][0]["examples"] == 64 * mine[-1]["step"]
+    assert "steps to 60%" in open(os.path.join(target, "summary.md")).read()
+    # a stopped run resumes as finished: nothing more is trained
+    before = _rows(os.path.join(target, "metrics.csv"))
+    ex.main(_STEP_COMMON + ["--methods", "baseline,grad", "--schedule", "constant", "--epochs", "4",
+                            "--eval-every-steps", "2", "--stop-acc", "60", "--out", target, "--resume"])
+    assert _rows(os.path.join(target, "metrics.csv")) == before
+    assert read_steps(os.path.join(target, "steps.csv")) == steps
+
+
+def test_precise_bn_evaluates_the_weights_and_changes_no_training(tmp_path):
+    """--precise-bn: BatchNorm statistics recomputed at the current weights for each evaluation only; every buffer
+    is restored afterwards (a whitening layer's absorbed centring follows the BatchNorm inside), so the training
+    and kappa/rho are those of a run without it."""
+    import whitenlayers as wl
+
+    common = _STEP_COMMON + ["--methods", "baseline,grad,recursive,kfac", "--schedule", "linear", "--eval-every-steps",
+                             "3"]
+    plain, precise = str(tmp_path / "plain"), str(tmp_path / "precise")
+    ex.main(common + ["--out", plain])
+    ex.main(common + ["--out", precise, "--precise-bn", "128"])
+    evaluated = ("test_acc", "test_loss")
+    a, b = _no_time(_rows(os.path.join(plain, "metrics.csv"))), _no_time(_rows(os.path.join(precise, "metrics.csv")))
+    assert [{k: v for k, v in r.items() if k not in evaluated} for r in a] == \
+        [{k: v for k, v in r.items() if k not in evaluated} for r in b]
+    assert [r["test_loss"] for r in a] != [r["test_loss"] for r in b]  # the evaluations did change
+
+    torch.manual_seed(0)
+    cfg = ex.RunConfig(dataset="synthetic", model="resnet8", width=8)
+    model = wl.convert_model(engine.build_model(cfg, 4, 3), method="grad", block_size=3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(4):
+        x, y = torch.randn(16, 3, 8, 8), torch.randint(0, 4, (16,))
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    calib = [torch.randn(32, 3, 8, 8) + 1.0]
+    with engine.precise_bn(model, calib, engine.Precision("none", False, torch.device("cpu"))):
+        assert not model.training
+        bn = model.bn1
+        feats = []
+        hook = bn.register_forward_hook(lambda m, i, o: feats.append(i[0]))
+        model(calib[0])
+        hook.remove()
+        torch.testing.assert_close(bn.running_mean, feats[0].mean((0, 2, 3)))  # the calibration batch's mean
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before) and model.training

@@ -249,6 +249,26 @@ class RunConfig:
     target_acc: Optional[float] = _opt(
         help="test accuracy (percent) for the 'epochs to target' column (default: 99%% of the lowest best accuracy "
              "among the methods, so every method reaches it)", cli=_FLOAT)
+    eval_every_steps: int = _opt(
+        0, "also evaluate every K optimizer steps (on the test split, or the validation split under --val-fraction), "
+           "and write every evaluation, with its step and examples, to steps.csv; 0: at the epochs' ends only. "
+           "Evaluation time is kept out of the epoch and CPU seconds", cli=_INT, show_default=True)
+    stop_acc: Optional[float] = _opt(
+        help="stop each method's training at its first evaluation (each epoch's end, and every --eval-every-steps "
+             "steps) whose accuracy (percent) reaches this value; steps.csv records the step and examples at which "
+             "it did (steps to a target). --target-acc, by contrast, only labels a column of the summary",
+        cli=_FLOAT)
+    max_steps: Optional[int] = _opt(
+        help="step budget: each method trains this many optimizer steps (as many epochs as that takes, the last "
+             "one cut short; --epochs is then not used) unless --stop-acc stops it sooner. Needs --schedule linear "
+             "(which then decays to 0 at this step) or constant",
+        cli=_INT)
+    precise_bn: int = _opt(
+        0, "before every evaluation, recompute each BatchNorm's statistics from this many fixed training images (no "
+           "augmentation, in batches of 256) at the current weights, then restore the running ones (precise BN, Wu "
+           "and Johnson 2021): the evaluated accuracy then measures the weights rather than the lag of the running "
+           "averages, which is large at a high constant rate and over a few large steps; training is unchanged. 0: "
+           "off (the running averages)", cli=_INT, show_default=True)
     time_levels: List[float] = _opt(
         help="comma-separated fixed test accuracies (percent) for the time-to-accuracy table, beside the baseline's "
              "final accuracy (default 90,95,97)", factory=lambda: [90.0, 95.0, 97.0])
@@ -407,6 +427,17 @@ class RunConfig:
                 raise ValueError(f"--{key.replace('_', '-')} must be >= {low}, but got {getattr(self, key)}")
         if self.lr <= 0:
             raise ValueError(f"--lr must be > 0, but got {self.lr}")
+        if int(self.precise_bn) < 0:
+            raise ValueError(f"--precise-bn must be >= 0 (0: off), but got {self.precise_bn}")
+        if int(self.eval_every_steps) < 0:
+            raise ValueError(f"--eval-every-steps must be >= 0 (0: off), but got {self.eval_every_steps}")
+        if self.max_steps is not None and int(self.max_steps) < 1:
+            raise ValueError(f"--max-steps must be >= 1, but got {self.max_steps}")
+        if self.max_steps is not None and self.schedule not in ("linear", "constant"):
+            raise ValueError(f"--max-steps needs --schedule linear or constant (the {self.schedule} schedule counts "
+                             f"--epochs), but got --schedule {self.schedule}")
+        if self.stop_acc is not None and not 0.0 < float(self.stop_acc) <= 100.0:
+            raise ValueError(f"--stop-acc must be a percentage in (0, 100], but got {self.stop_acc}")
         for m, v in self.method_lr.items():
             if m not in METHOD_REGISTRY or not v > 0:
                 raise ValueError(f"--method-lr {m}={v}: need a registered method and a rate > 0")
@@ -527,15 +558,17 @@ QUICK: Dict[str, Any] = dict(model="resnet8", width=8, epochs=2, batch_size=64, 
 _FINGERPRINT_KEYS = ("dataset", "test_fraction", "train_subset", "test_subset", "augment", "model", "width",
                      "batch_size", "lr", "momentum", "nesterov", "weight_decay", "schedule", "milestones", "lr_gamma",
                      "warmup_epochs", "layer_kw", "diag_batches", "sync_bn", "amp", "channels_last", "compile",
-                     "val_fraction", "norm", "optimizer", "method_lr", "agc")
+                     "val_fraction", "norm", "optimizer", "method_lr", "agc", "max_steps", "stop_acc")
 #: Keys left out of the fingerprint at these values, so runs checkpointed before the option existed still resume.
 _UNSET: Dict[str, Any] = {"amp": "none", "channels_last": False, "compile": False, "val_fraction": 0.0, "norm": "bn",
-                          "optimizer": "sgd", "method_lr": {}, "agc": 0.0, **{k: None for k in WHITEN_FIELDS}}
+                          "optimizer": "sgd", "method_lr": {}, "agc": 0.0, "max_steps": None, "stop_acc": None,
+                          **{k: None for k in WHITEN_FIELDS}}
 
 
 def fingerprint(record: Mapping[str, Any]) -> Dict[str, Any]:
     """The part of a flat configuration record (:meth:`RunConfig.to_record`) that a resumed run must share."""
-    by_epochs = record["schedule"] in ("cosine", "linear")  # the schedule depends on the number of epochs
+    # the schedule depends on the number of epochs (a linear one on --max-steps instead when that is set)
+    by_epochs = record["schedule"] in ("cosine", "linear") and record.get("max_steps") is None
     keys = list(_FINGERPRINT_KEYS) + list(WHITEN_FIELDS) + (["epochs"] if by_epochs else [])
     fp = {k: record.get(k, _UNSET.get(k)) for k in keys}
     return json.loads(json.dumps({k: v for k, v in fp.items() if not (k in _UNSET and v == _UNSET[k])}))

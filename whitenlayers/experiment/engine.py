@@ -34,6 +34,7 @@ from .context import Context
 from .data import DataBundle, ImageLoader, TensorLoader, load_dataset
 from .report import (
     format_epoch_line,
+    format_steps_to_target,
     format_summary,
     format_time_to_accuracy,
     load_note,
@@ -44,6 +45,7 @@ from .report import (
     time_to_accuracy,
     title,
     write_metrics,
+    write_steps,
 )
 
 try:  # optional: in the 'experiment' extra; without it there is no progress bar
@@ -51,7 +53,8 @@ try:  # optional: in the 'experiment' extra; without it there is no progress bar
 except ImportError:  # pragma: no cover - depends on the environment
     tqdm = None
 
-__all__ = ["build_model", "lr_at", "make_loaders", "diagnostic_batches", "measure_diagnostics",
+__all__ = ["build_model", "lr_at", "make_loaders", "diagnostic_batches", "precise_bn_batches", "precise_bn",
+           "measure_diagnostics",
            "whitening_fingerprint", "Precision", "make_optimizer", "remove_batchnorm",
            "normalizer_free", "group_norm_in_place_of_batchnorm", "make_clip", "train_epoch", "evaluate", "Run", "run"]
 
@@ -228,14 +231,17 @@ def lr_at(cfg: RunConfig, epoch: int) -> float:
     return base
 
 
-def linear_factor(epoch: int, step: int, steps: int, epochs: int, warmup_epochs: int = 0) -> float:
+def linear_factor(epoch: int, step: int, steps: int, epochs: int, warmup_epochs: int = 0,
+                  total_steps: Optional[int] = None) -> float:
     """``--schedule linear``: the factor on the base rate at ``step`` (0-based) of ``epoch`` (0-based, ``steps`` per
     epoch): after the warm-up epochs, ``1 - t`` with ``t`` the fraction of the decay's steps already taken, so the
     first step of the decay runs at the base rate and the rate would reach 0 one step after the last.
+    ``total_steps`` (``--max-steps``): the run's last step is that one instead of the last of ``epochs``.
     """
     if epoch < warmup_epochs:
         return (epoch + 1) / (warmup_epochs + 1)
-    total = max(1, (epochs - warmup_epochs) * steps)
+    end = epochs * steps if total_steps is None else total_steps
+    total = max(1, end - warmup_epochs * steps)
     return max(0.0, 1.0 - ((epoch - warmup_epochs) * steps + step) / total)
 
 
@@ -261,6 +267,55 @@ def make_loaders(cfg: RunConfig, bundle: DataBundle, seed: int, ctx: Context):
     test = ImageLoader(bundle.test, bs, shuffle=False, drop_last=False, seed=seed, rank=ctx.rank, world=ctx.world,
                        workers=workers)
     return train, test
+
+
+def precise_bn_batches(cfg: RunConfig, bundle: DataBundle, seed: int, chunk: int = 256) -> List[torch.Tensor]:
+    """``--precise-bn N``: N fixed training images (no augmentation) in batches of ``chunk``, the same on every
+    rank and at every evaluation of a seed's run; none when off."""
+    k = int(cfg.precise_bn)
+    if k == 0:
+        return []
+    g = torch.Generator().manual_seed(20_011 + seed)
+    source = bundle.train if bundle.in_memory else bundle.diag
+    perm = torch.randperm(len(source), generator=g)[: min(len(source), k)]
+    if bundle.in_memory:
+        return [source.batch(perm[i:i + chunk])[0] for i in range(0, len(perm), chunk)]
+    return [torch.stack([source[int(j)][0] for j in perm[i:i + chunk]]) for i in range(0, len(perm), chunk)]
+
+
+@contextlib.contextmanager
+def precise_bn(model: nn.Module, batches: Sequence[torch.Tensor], precision: "Precision"):
+    """Inside the block every BatchNorm of ``model`` holds the statistics of ``batches`` at the current weights
+    (the plain average over the batches: ``momentum=None``), every other module in eval mode (whitening layers
+    gather nothing; a layer whose centring its BatchNorm absorbs follows the new statistics, as in training); on
+    exit every buffer, the momenta and the modes are restored. A no-op without batches."""
+    bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+    if not batches or not bns:
+        yield
+        return
+    saved = {k: v.clone() for k, v in model.named_buffers()}
+    momenta = [(m, m.momentum) for m in bns]
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        model.eval()
+        for m in bns:
+            m.reset_running_stats()
+            m.momentum = None
+            m.train()
+        with torch.no_grad(), precision.autocast():
+            for x in batches:
+                model(precision.inputs(x))
+        model.eval()
+        yield
+    finally:
+        for m, momentum in momenta:
+            m.momentum = momentum
+        now = dict(model.named_buffers())
+        with torch.no_grad():
+            for k, v in saved.items():
+                now[k].copy_(v)
+        for m, mode in modes:
+            m.training = mode
 
 
 def diagnostic_batches(cfg: RunConfig, bundle: DataBundle, seed: int) -> List[torch.Tensor]:
@@ -382,11 +437,13 @@ class Precision:
 
 def train_epoch(model: nn.Module, opt: torch.optim.Optimizer, loader, ctx: Context, precision: Precision,
                 bar=None, pre=None, step_factor: Optional[Callable[[int], float]] = None,
-                method_lr: float = 0.0, clip: Optional[Callable[[], None]] = None) -> Tuple[float, float, int]:
+                method_lr: float = 0.0, clip: Optional[Callable[[], None]] = None,
+                after_step: Optional[Callable[[int], bool]] = None) -> Tuple[float, float, int]:
     """One pass over ``loader``; returns this rank's summed loss, correct count and sample count.
 
     ``step_factor(i)``: a per-step schedule (``--schedule linear``), the factor on each param group's ``base_lr``
-    (and on ``method_lr`` for a preconditioner) before step ``i``.
+    (and on ``method_lr`` for a preconditioner) before step ``i``. ``after_step(i)``: called after step ``i``;
+    a true result ends the pass there (a step budget, a target reached).
     """
     model.train()
     loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
@@ -412,6 +469,8 @@ def train_epoch(model: nn.Module, opt: torch.optim.Optimizer, loader, ctx: Conte
         seen += int(y.shape[0])
         if bar is not None and bar.update(1):  # True when tqdm redraws: read the loss (a device sync) only then
             bar.set_postfix_str(f"loss {float(loss_sum) / max(1, seen):.4f}")
+        if after_step is not None and after_step(i):
+            break
     return float(loss_sum), float(correct), seen
 
 
@@ -490,8 +549,18 @@ class Run:
         make_pre = METHOD_REGISTRY[method].preconditioner
         self.pre = make_pre(model, cfg.method_lr_for(method)) if make_pre is not None else None
         self.clip = make_clip(cfg, model)
+        self.train_loader, self.test_loader = make_loaders(cfg, bundle, seed, ctx)
+        if cfg.max_steps is not None:  # a step budget: the epochs it takes, the last one cut short
+            self.epochs = -(-int(cfg.max_steps) // max(1, len(self.train_loader)))
         self.rows: List[Dict[str, Any]] = []
         self.epoch = 0  # epochs completed
+        self.steps = 0  # optimizer steps taken
+        #: "target" once --stop-acc ended the run, "budget" once --max-steps did ("" while it trains on).
+        self.stopped = ""
+        #: The evaluations of steps.csv (every --eval-every-steps steps and each epoch's end), with the
+        #: step-based options only.
+        self.step_rows: List[Dict[str, Any]] = []
+        self.step_mode = bool(cfg.eval_every_steps) or cfg.stop_acc is not None or cfg.max_steps is not None
         if cfg.resume:
             self._resume()
         self.net = model  # what trains: DDP and/or compiled around the model
@@ -500,8 +569,8 @@ class Run:
             self.net = DistributedDataParallel(model, device_ids=device_ids)
         if cfg.compile:
             self.net = torch.compile(self.net)
-        self.train_loader, self.test_loader = make_loaders(cfg, bundle, seed, ctx)
         self.diag = diagnostic_batches(cfg, bundle, seed)
+        self.bn_batches = precise_bn_batches(cfg, bundle, seed)
         self.show = show_progress
 
     def _resume(self) -> None:
@@ -517,6 +586,9 @@ class Run:
             self.precision.scaler.load_state_dict(state["scaler"])
         checkpoint.set_rng_state(state["rng"])
         self.epoch = int(state["epoch"])
+        self.steps = int(state.get("steps", self.epoch * len(self.train_loader)))
+        self.stopped = str(state.get("stopped", ""))
+        self.step_rows = list(state.get("step_rows", []))
         self.rows = [r for r in state["rows"] if r["epoch"] <= self.epochs]
         what = "complete" if self.done else f"resuming after epoch {self.epoch}"
         self.ctx.log(f"{METHOD_LABELS[self.method]} seed {self.seed}: {what} (checkpoint {self.path})")
@@ -525,6 +597,8 @@ class Run:
         state = {"epoch": self.epoch, "method": self.method, "seed": self.seed, "model": self.model.state_dict(),
                  "optimizer": self.opt.state_dict(), "rng": checkpoint.rng_state(), "rows": self.rows,
                  "fingerprint": self.fingerprint}
+        if self.step_mode:
+            state.update(steps=self.steps, stopped=self.stopped, step_rows=self.step_rows)
         if self.precision.scaler is not None:
             state["scaler"] = self.precision.scaler.state_dict()
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
@@ -532,58 +606,119 @@ class Run:
 
     @property
     def done(self) -> bool:
-        return self.epoch >= self.epochs
+        return self.epoch >= self.epochs or bool(self.stopped)
 
     def train_epoch(self) -> Dict[str, Any]:
-        """Train the next epoch, evaluate, measure kappa/rho, checkpoint; returns the epoch's metrics row."""
+        """Train the next epoch, evaluate, measure kappa/rho, checkpoint; returns the epoch's metrics row.
+
+        With the step-based options the epoch may end early (``--max-steps`` spent, or ``--stop-acc`` reached at
+        an evaluation every ``--eval-every-steps`` steps), and every evaluation is kept in :attr:`step_rows`."""
         ctx, cfg, epoch = self.ctx, self.cfg, self.epoch
         factor = lr_at(cfg, epoch) / float(cfg.lr)  # the schedule, applied to every method's own base rate
-        lr = cfg.method_lr_for(self.method) * factor
+        base_lr = cfg.method_lr_for(self.method)
+        lr = base_lr * factor
         for group in self.opt.param_groups:
             group["lr"] = group["base_lr"] * factor
         if self.pre is not None:
             self.pre.lr = lr
         self.train_loader.set_epoch(epoch)
+        steps = len(self.train_loader)
         bar = None
         if self.show:
             # tqdm is None only without tqdm installed, when progress_enabled() shows no bar
-            bar = cast(Any, tqdm)(total=len(self.train_loader),
+            bar = cast(Any, tqdm)(total=steps,
                                   desc=f"{self.method:>9s} s{self.seed} ep {epoch + 1}/{self.epochs}",
                                   file=sys.stderr, leave=False, mininterval=0.1, dynamic_ncols=True)
         ctx.synchronize()
         t0, c0 = time.perf_counter(), time.process_time()
         step_factor: Optional[Callable[[int], float]] = None
         if cfg.schedule == "linear":
-            steps, epochs, warm = len(self.train_loader), int(cfg.epochs), int(cfg.warmup_epochs)
-            step_factor = functools.partial(linear_factor, epoch, steps=steps, epochs=epochs, warmup_epochs=warm)
-            lr = cfg.method_lr_for(self.method) * step_factor(0)
+            step_factor = functools.partial(linear_factor, epoch, steps=steps, epochs=int(cfg.epochs),
+                                            warmup_epochs=int(cfg.warmup_epochs), total_steps=cfg.max_steps)
+            lr = base_lr * step_factor(0)
+        before = (sum(r["epoch_time"] for r in self.rows), sum(r["cpu_time"] for r in self.rows))
+        paused = [0.0, 0.0]  # wall and CPU seconds of this epoch's evaluations between steps
+        last: List[Tuple[int, float, float]] = []  # (step, loss, accuracy) of the latest evaluation between steps
+        every, stop, budget = int(cfg.eval_every_steps), cfg.stop_acc, cfg.max_steps
+        first = self.steps  # the steps taken before this epoch
+
+        def step_eval(i: int) -> float:
+            """Evaluate after step ``i`` of the epoch, out of the training seconds; the accuracy."""
+            ctx.synchronize()
+            w, c = time.perf_counter(), time.process_time()
+            loss, acc = self._evaluate()
+            ctx.synchronize()
+            self._step_row(epoch, base_lr * (step_factor(i) if step_factor is not None else factor), loss, acc,
+                           before[0] + w - t0 - paused[0], before[1] + c - c0 - paused[1])
+            paused[0] += time.perf_counter() - w
+            paused[1] += time.process_time() - c
+            last[:] = [(self.steps, loss, acc)]
+            return acc
+
+        def after_step(i: int) -> bool:
+            self.steps += 1
+            if budget is not None and self.steps >= int(budget):
+                self.stopped = "budget"  # the final evaluation may still reach the target
+                return True
+            if every and self.steps % every == 0 and i + 1 < steps and step_eval(i) >= (stop or math.inf):
+                self.stopped = "target"
+                return True
+            return False
+
         loss_sum, correct, seen = train_epoch(self.net, self.opt, self.train_loader, ctx, self.precision, bar,
-                                              self.pre, step_factor, cfg.method_lr_for(self.method), self.clip)
+                                              self.pre, step_factor, base_lr, self.clip, after_step)
         ctx.synchronize()
-        epoch_time = time.perf_counter() - t0
-        cpu_time = time.process_time() - c0
+        epoch_time = time.perf_counter() - t0 - paused[0]
+        cpu_time = time.process_time() - c0 - paused[1]
         if bar is not None:
             bar.close()
         loss_sum, correct, seen = ctx.all_sum([loss_sum, correct, seen])
         t1 = time.perf_counter()
-        test_loss, test_acc = evaluate(self.model, self.test_loader, ctx, self.precision)
+        if last and last[0][0] == self.steps:  # stopped at an evaluation between steps: the same model
+            test_loss, test_acc = last[0][1], last[0][2]
+        else:
+            test_loss, test_acc = self._evaluate()
+            if self.step_mode:
+                last_lr = lr if step_factor is None else base_lr * step_factor(max(0, self.steps - first - 1))
+                self._step_row(epoch, last_lr, test_loss, test_acc, before[0] + epoch_time, before[1] + cpu_time)
+            if stop is not None and test_acc >= stop:
+                self.stopped = "target"
         diag_vals = measure_diagnostics(self.model, self.diag, ctx.device)
         ctx.synchronize()
-        eval_time = time.perf_counter() - t1
+        eval_time = time.perf_counter() - t1 + paused[0]
         row = dict(method=self.method, seed=self.seed, epoch=epoch + 1, lr=lr, train_loss=loss_sum / max(1.0, seen),
                    train_acc=100.0 * correct / max(1.0, seen), test_loss=test_loss, test_acc=test_acc,
                    **diag_vals, epoch_time=epoch_time, eval_time=eval_time,
-                   train_time=sum(r["epoch_time"] for r in self.rows) + epoch_time, cpu_time=cpu_time,
+                   train_time=before[0] + epoch_time, cpu_time=cpu_time,
                    load1=_load1(), wall_clock=time.time())
         self.rows.append(row)
         self.epoch = epoch + 1
         ctx.log(format_epoch_line(row, self.epochs))
+        if self.stopped:
+            examples = self.steps * int(cfg.batch_size)
+            ctx.log(f"{METHOD_LABELS[self.method]} seed {self.seed}: " + (
+                f"reached {test_acc:.2f}% >= {stop:g}% at step {self.steps} ({examples} examples)"
+                if self.stopped == "target" else f"step budget of {self.steps} steps ({examples} examples) spent"
+                + (f" without reaching {stop:g}%" if stop is not None else "")))
         if not math.isfinite(row["train_loss"]):
             ctx.log(f"warning: {self.method} seed {self.seed}: the training loss is not finite (diverged); "
                     "consider a lower --lr")
         if ctx.is_main:
             self._save()
         return row
+
+    def _evaluate(self) -> Tuple[float, float]:
+        """Test (or validation) loss and accuracy of the model now, under ``--precise-bn``'s statistics if set."""
+        with precise_bn(self.model, self.bn_batches, self.precision):
+            return evaluate(self.model, self.test_loader, self.ctx, self.precision)
+
+    def _step_row(self, epoch: int, lr: float, loss: float, acc: float, train_time: float, cpu_time: float) -> None:
+        """One evaluation of steps.csv, after :attr:`steps` steps (``train_time``, ``cpu_time``: the training's
+        seconds so far, evaluations excluded)."""
+        self.step_rows.append(dict(method=self.method, seed=self.seed, step=self.steps,
+                                   examples=self.steps * int(self.cfg.batch_size), epoch=epoch + 1, lr=lr,
+                                   test_loss=loss, test_acc=acc, train_time=train_time, cpu_time=cpu_time,
+                                   wall_clock=time.time()))
 
     def finish(self) -> None:
         """Distributed: write this rank's whitening fingerprint (ranks must agree)."""
@@ -620,8 +755,8 @@ def run(cfg: RunConfig, ctx: Context, argv: Sequence[str] = ()) -> Dict[str, Any
     ctx.log(f"whitenlayers experiment: {bundle.label} ({len(bundle.train)} train / {len(bundle.test)} test), "
             f"{model_name}, "
             f"methods {','.join(cfg.methods)}, seeds {','.join(map(str, cast(List[int], cfg.seeds)))}, "
-            f"{cfg.epochs} epochs, "
-            f"batch {cfg.batch_size} on {ctx.world} process(es), device {ctx.device}, {ctx.threads} thread(s)/process"
+            + (f"{cfg.max_steps} steps, " if cfg.max_steps is not None else f"{cfg.epochs} epochs, ")
+            + f"batch {cfg.batch_size} on {ctx.world} process(es), device {ctx.device}, {ctx.threads} thread(s)/process"
             + "".join(f", {s}" for s in switches))
     if getattr(ctx, "note", ""):
         ctx.log(f"  {ctx.note}")
@@ -629,11 +764,16 @@ def run(cfg: RunConfig, ctx: Context, argv: Sequence[str] = ()) -> Dict[str, Any
         ctx.log(f"  {note}")
     ctx.log(f"  output: {cfg.out}")
     metrics_path = os.path.join(cast(str, cfg.out), "metrics.csv")  # RunConfig.__post_init__ resolved out, seeds
+    steps_path = os.path.join(cast(str, cfg.out), "steps.csv")
+    by_steps = bool(cfg.eval_every_steps) or cfg.stop_acc is not None or cfg.max_steps is not None
     done: List[Dict[str, Any]] = []
+    done_steps: List[Dict[str, Any]] = []
 
-    def flush(current: List[Dict[str, Any]]) -> None:
+    def flush(current: List[Dict[str, Any]], current_steps: Sequence[Dict[str, Any]] = ()) -> None:
         if ctx.is_main:
             write_metrics(done + current, metrics_path)
+            if by_steps:
+                write_steps(done_steps + list(current_steps), steps_path)
 
     for seed in cast(List[int], cfg.seeds):
         if cfg.order == "interleaved":
@@ -643,19 +783,21 @@ def run(cfg: RunConfig, ctx: Context, argv: Sequence[str] = ()) -> Dict[str, Any
                 for r in runs:
                     if not r.done:
                         r.train_epoch()
-                        flush([row for q in runs for row in q.rows])
+                        flush([row for q in runs for row in q.rows], [row for q in runs for row in q.step_rows])
             for r in runs:
                 r.finish()
                 done.extend(r.rows)
+                done_steps.extend(r.step_rows)
             del runs
         else:
             for method in cfg.methods:
                 r = Run(cfg, bundle, method, seed, ctx, show)
                 while not r.done:
                     r.train_epoch()
-                    flush(r.rows)
+                    flush(r.rows, r.step_rows)
                 r.finish()
                 done.extend(r.rows)
+                done_steps.extend(r.step_rows)
                 del r
         flush([])
     result: Dict[str, Any] = {"rows": done, "metrics": metrics_path}
@@ -664,6 +806,8 @@ def run(cfg: RunConfig, ctx: Context, argv: Sequence[str] = ()) -> Dict[str, Any
         table = format_summary(summary, target)
         tta = time_to_accuracy(done, cfg.methods, cfg.time_levels)
         table += "\n\n" + format_time_to_accuracy(tta, cfg.time_levels) + "\n\n" + load_note(done, ctx.threads)
+        if cfg.stop_acc is not None:
+            table += "\n\n" + format_steps_to_target(done_steps, float(cfg.stop_acc))
         wall = time.perf_counter() - t_start
         fig_path: Optional[str] = os.path.join(cast(str, cfg.out), "figure.png")
         name = title(cfg, bundle.label)
@@ -675,7 +819,8 @@ def run(cfg: RunConfig, ctx: Context, argv: Sequence[str] = ()) -> Dict[str, Any
         with open(os.path.join(cast(str, cfg.out), "summary.md"), "w") as f:
             f.write(summary_text(name, table, target, wall))
         print("\n" + table, flush=True)
-        print(f"\ntotal wall time {wall:.1f} s; outputs in {cfg.out}: metrics.csv, config.json, summary.md"
+        print(f"\ntotal wall time {wall:.1f} s; outputs in {cfg.out}: metrics.csv, "
+              + ("steps.csv, " if by_steps else "") + "config.json, summary.md"
               + (", figure.png" if fig_path else "") + ", checkpoints/", flush=True)
         result.update(summary=summary, target=target, table=table, figure=fig_path, wall=wall)
     return result

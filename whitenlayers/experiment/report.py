@@ -26,7 +26,8 @@ from .data import DATASET_LABELS
 
 __all__ = ["CSV_FIELDS", "TIME_FIELDS", "write_metrics", "read_metrics", "summarize", "format_summary",
            "time_to_accuracy", "format_time_to_accuracy", "load_note", "MIN_SEEDS", "MAX_SPAN", "no_estimate",
-           "informative", "plot_metrics", "replot", "format_epoch_line", "prepare_out"]
+           "informative", "plot_metrics", "replot", "format_epoch_line", "prepare_out", "STEP_FIELDS", "write_steps",
+           "read_steps", "steps_to_target", "format_steps_to_target"]
 
 CSV_FIELDS = ["method", "seed", "epoch", "lr", "train_loss", "train_acc", "test_loss", "test_acc", "kappa_mean",
               "kappa_sem", "rho_mean", "rho_sem", "epoch_time", "eval_time", "train_time", "cpu_time", "load1",
@@ -35,6 +36,12 @@ CSV_FIELDS = ["method", "seed", "epoch", "lr", "train_loss", "train_acc", "test_
 #: ``cpu_time``: the process's CPU seconds in the epoch's training loop, all threads; ``load1``: the 1-minute
 #: load average after the epoch; ``wall_clock``: Unix time after the epoch).
 TIME_FIELDS = ("epoch_time", "eval_time", "train_time", "cpu_time", "load1", "wall_clock")
+#: ``steps.csv`` (with ``--eval-every-steps``, ``--stop-acc`` or ``--max-steps``): one row per evaluation, every K
+#: steps and at each epoch's end; ``step`` counts optimizer steps, ``examples`` the training images they saw
+#: (``step`` x the global batch); ``train_time`` and ``cpu_time`` are the training's seconds up to that step,
+#: evaluations excluded.
+STEP_FIELDS = ["method", "seed", "step", "examples", "epoch", "lr", "test_loss", "test_acc", "train_time", "cpu_time",
+               "wall_clock"]
 
 
 def format_epoch_line(row: Dict[str, Any], epochs: int) -> str:
@@ -57,6 +64,69 @@ def write_metrics(rows: Iterable[Dict[str, Any]], path: str) -> None:
         for r in rows:  # rows of a run resumed from an older checkpoint may lack the newer columns
             w.writerow({k: r.get(k, float("nan")) for k in CSV_FIELDS})
     os.replace(tmp, path)
+
+
+def write_steps(rows: Iterable[Dict[str, Any]], path: str) -> None:
+    """``steps.csv`` (:data:`STEP_FIELDS`), written to a temporary file and renamed."""
+    tmp = path + ".tmp"
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=STEP_FIELDS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: r.get(k, float("nan")) for k in STEP_FIELDS})
+    os.replace(tmp, path)
+
+
+def read_steps(path: str) -> List[Dict[str, Any]]:
+    """Rows of a ``steps.csv`` with numbers parsed."""
+    out: List[Dict[str, Any]] = []
+    with open(path, newline="") as f:
+        for r in csv.DictReader(f):
+            row: Dict[str, Any] = dict(r)
+            for k in ("seed", "step", "examples", "epoch"):
+                row[k] = int(r[k])
+            for k in STEP_FIELDS[5:]:
+                row[k] = float(r[k]) if r.get(k) not in (None, "") else float("nan")
+            out.append(row)
+    return out
+
+
+def steps_to_target(rows: Sequence[Dict[str, Any]], level: float) -> Dict[str, Dict[int, Dict[str, float]]]:
+    """Per method and seed of ``steps.csv`` rows: the first evaluation at or above ``level`` percent, as
+    ``{"step", "examples", "train_time", "cpu_time"}`` (nan where no evaluation reached it), and ``"budget"``, the
+    steps the run took.
+
+    Example:
+        >>> rows = [dict(method="grad", seed=0, step=s, examples=8 * s, test_acc=a, train_time=s / 10, cpu_time=s / 10)
+        ...         for s, a in ((10, 50.0), (20, 81.0), (30, 85.0))]
+        >>> steps_to_target(rows, 80.0)["grad"][0]["step"], steps_to_target(rows, 90.0)["grad"][0]["budget"]
+        (20.0, 30.0)
+    """
+    nan = float("nan")
+    out: Dict[str, Dict[int, Dict[str, float]]] = {}
+    for r in sorted(rows, key=lambda r: (r["method"], r["seed"], r["step"])):
+        rec = out.setdefault(r["method"], {}).setdefault(
+            r["seed"], dict(step=nan, examples=nan, train_time=nan, cpu_time=nan, budget=0.0))
+        rec["budget"] = max(rec["budget"], float(r["step"]))
+        if not math.isfinite(rec["step"]) and r["test_acc"] >= level:
+            rec.update(step=float(r["step"]), examples=float(r["examples"]), train_time=float(r["train_time"]),
+                       cpu_time=float(r["cpu_time"]))
+    return out
+
+
+def format_steps_to_target(rows: Sequence[Dict[str, Any]], level: float) -> str:
+    """A Markdown table: per method, the steps (and examples, training seconds) to ``level`` percent per seed,
+    and how many seeds reached it."""
+    lines = [f"| method | steps to {level:g}% per seed | examples | training s | reached |", "|---|---|---|---|---|"]
+    def cell(seeds: Dict[int, Dict[str, float]], key: str, fmt: str) -> str:
+        return ", ".join(format(v[key], fmt) if math.isfinite(v[key]) else f">{v['budget']:.0f} steps"
+                         if key == "step" else "—" for v in seeds.values())
+
+    for m, seeds in steps_to_target(rows, level).items():
+        lines.append(f"| {METHOD_LABELS.get(m, m)} | {cell(seeds, 'step', '.0f')} | {cell(seeds, 'examples', '.0f')} | "
+                     f"{cell(seeds, 'train_time', '.1f')} | {sum(math.isfinite(v['step']) for v in seeds.values())}/"
+                     f"{len(seeds)} |")
+    return "\n".join(lines)
 
 
 def read_metrics(path: str) -> List[Dict[str, Any]]:
@@ -693,7 +763,7 @@ def prepare_out(cfg: RunConfig, ctx: Context, argv: Sequence[str]) -> None:
             stale = [f for f in os.listdir(ckdir) if f.endswith(".pt")]
             for f in stale:
                 os.remove(os.path.join(ckdir, f))
-            for name in ("metrics.csv", "summary.md", "figure.png"):
+            for name in ("metrics.csv", "steps.csv", "summary.md", "figure.png"):
                 if os.path.exists(os.path.join(out, name)):
                     os.remove(os.path.join(out, name))
             if stale:
