@@ -596,7 +596,11 @@ def plot_metrics(rows: Sequence[Dict[str, Any]], path: str, title: str,
         ins.tick_params(labelsize=8)
         ins.grid(True, alpha=0.3)
         ins.set_title(f"zoom: epochs {first}-{n_ep}", fontsize=8, pad=3)  # what the bands mean: the footnote
-        ax.indicate_inset_zoom(ins, edgecolor="0.5")
+        x0, x1 = ax.get_xlim()  # the marked region inside the panel (the zoom's margins can pass its edges)
+        y0, y1 = ax.get_ylim()
+        xs, ys = ins.get_xlim(), ins.get_ylim()
+        ax.indicate_inset((max(xs[0], x0), max(ys[0], y0), min(xs[1], x1) - max(xs[0], x0),
+                           min(ys[1], y1) - max(ys[0], y0)), ins, edgecolor="0.5")
     # Second row: against training wall-clock time (the interleaved epochs' cumulative training seconds, mean over
     # seeds), where a user's decision is made; the baseline's final accuracy as a dashed line.
     base_final = None
