@@ -32,20 +32,17 @@ process's CPU time, gloo's threads included)::
 
     torchrun --nproc_per_node 2 benchmarks/host_overhead.py --clock cpu --ddp
 
-``--ablate METHOD`` attributes that method's default step to its parts: the same converted model stepped with one
-part switched off at a time (the statistics not gathered; gathered and handed over, but dropped at the forward's
-end; the absorbed offset's update; the weight-gradient transform, the shared node not made; the coordinator's shared
-node and grouped sums, each layer doing its own work; the C++ apply of the autograd Functions, ``Function.apply``
-called instead, with the coordinator and with each layer alone), interleaved with the full step and the plain one. A
-step without a part is not a configuration anyone trains (nothing is folded without the statistics); it only says
-what that part costs. What is left (row "all parts off") is the layers' forwards around their convolutions and the
-coordinator's hooks.
+``--ablate METHOD`` attributes that method's default step to its parts, switched off one at a time in the same
+converted model (the statistics not gathered; gathered and handed over, but dropped at the forward's end; the
+absorbed offset's update; the weight-gradient transform, the shared node not made; the coordinator's shared node
+and grouped sums, each layer alone; the C++ apply of the autograd Functions, ``Function.apply`` instead), stepped
+interleaved with the full step and the plain one. Such a step is not a configuration anyone trains; it only says
+what that part costs. Row "all parts off": the layers' forwards around their convolutions and the coordinator's hooks.
 """
 # ruff: noqa: B007, E501  (closures timed in the loop that makes them; long table lines)
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import inspect
 import statistics
@@ -258,28 +255,22 @@ PARTS = {
 }
 
 
-@contextlib.contextmanager
-def _function_apply():
-    """The autograd Functions called through ``Function.apply`` (which binds its arguments with ``inspect`` at every
-    call) instead of the C++ apply the library calls directly (``whitenlayers.autograd._fast_apply``)."""
-    names = {autograd_mod: ("_direct_apply", "_weight_grad_apply", "_pointwise_apply"),
-             fold_mod: ("shared_weight_grad_apply", "shared_weight_product_apply")}
-    saved = {(mod, n): getattr(mod, n) for mod, ns in names.items() for n in ns}
-    for mod, n in saved:
-        setattr(mod, n, None)
-    fold_mod.shared_weight_grad_apply = fold_mod.SharedWeightGradTransform.apply
-    fold_mod.shared_weight_product_apply = fold_mod.SharedWeightProduct.apply
-    try:
-        yield
-    finally:
-        for (mod, n), value in saved.items():
-            setattr(mod, n, value)
-
-
 def _with_function_apply(step: Callable[[], None]) -> Callable[[], None]:
+    """``step`` with the autograd Functions called through ``Function.apply`` (which binds its arguments with
+    ``inspect`` at every call) instead of the C++ apply the library calls (``whitenlayers.autograd._fast_apply``)."""
+    swaps = {(autograd_mod, n): None for n in ("_direct_apply", "_weight_grad_apply", "_pointwise_apply")}
+    swaps[fold_mod, "shared_weight_grad_apply"] = fold_mod.SharedWeightGradTransform.apply
+    swaps[fold_mod, "shared_weight_product_apply"] = fold_mod.SharedWeightProduct.apply
+
     def run() -> None:
-        with _function_apply():
+        saved = {key: getattr(*key) for key in swaps}
+        for (mod, name), value in swaps.items():
+            setattr(mod, name, value)
+        try:
             step()
+        finally:
+            for (mod, name), value in saved.items():
+                setattr(mod, name, value)
     return run
 
 

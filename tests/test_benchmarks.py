@@ -109,7 +109,7 @@ def test_host_overhead_ablation_tiny(tmp_path):
     out = tmp_path / "out.json"
     _run([str(BENCH / "host_overhead.py"), "--tiny", "--ablate", "recursive", "--json", str(out)], tmp_path)
     rows = json.loads(out.read_text())["rows"]
-    assert [r[0] for r in rows][:2] == ["plain", "full"] and len(rows) == 8
+    assert [r[0] for r in rows][:2] == ["plain", "full"] and len(rows) == 10  # plain, full and the 8 parts
     assert rows[-1][0] == "all parts off"
 
 
