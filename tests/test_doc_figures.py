@@ -160,6 +160,22 @@ def _kappa_rho(page: str) -> List[Quote]:
     ]
 
 
+LARGE_BATCH = ROOT / "docs" / "convergence" / "lb.md"
+BEST = "its paired ratio [95 % CI]"
+
+
+def _large_batch_range() -> List[Value]:
+    """The smallest and largest paired ratio of the best whitened arm to the baseline over the batches (lb.md)."""
+    ratios = sorted((_value(r[BEST]) for r in _table(LARGE_BATCH, BEST)), key=lambda v: v.value)
+    return [ratios[0], ratios[-1]]
+
+
+def _large_batch(batch: int) -> List[Value]:
+    """The best whitened arm's paired ratio at ``batch`` and its interval (lb.md)."""
+    cell = _cell(LARGE_BATCH, BEST, {"batch": str(batch)})
+    return [_value(cell, i) for i in range(3)]
+
+
 QUOTES = [
     *_kappa_rho("README.md"),
     Quote("README.md", rf"grad led the baseline by ({NUMBER}) \[({NUMBER}), ({NUMBER})\] points on a 2-core Intel Xeon "
@@ -180,6 +196,14 @@ QUOTES = [
           lambda: [_cpu_step("direct"), _memory("direct"), _gpu("direct")]),
     Quote("README.md", rf"`stats_every=5, block_size=50` bring grad to ({NUMBER})x and recursive to ({NUMBER})x",
           lambda: [_gpu("grad:every5,block50"), _gpu("recursive:every5,block50")]),
+    Quote("README.md", rf"the best whitened arm needs ({NUMBER})-({NUMBER})x the baseline's steps to a target",
+          _large_batch_range),
+    Quote("docs/training.md", rf"the best whitened arm needed ({NUMBER})-({NUMBER})x the baseline's steps",
+          _large_batch_range),
+    Quote("docs/CONVERGENCE.md", rf"needs ({NUMBER})x to ({NUMBER})x the baseline's steps to 80 % validation",
+          _large_batch_range),
+    Quote("docs/CONVERGENCE.md", rf"at batch 512 ({NUMBER})x \[({NUMBER}), ({NUMBER})\], the one interval below 1",
+          lambda: _large_batch(512)),
     *_kappa_rho("docs/default_run.md"),
     Quote("docs/default_run.md", rf"by ({NUMBER}) \[({NUMBER}), ({NUMBER})\] \(grad\) and ({NUMBER}) "
                                  rf"\[({NUMBER}), ({NUMBER})\] \(recursive\)",
