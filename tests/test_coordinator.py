@@ -347,11 +347,11 @@ def test_deferred_layers_take_their_own_weight_path(fused):
         _assert_identical(a, b)
 
 
-@pytest.mark.parametrize("method", ["grad", "recursive"])
+@pytest.mark.parametrize("method", ["grad", "recursive", "direct"])
 def test_channels_last_weights_get_their_gradients_in_their_own_strides(method):
     """DDP's buckets take a gradient as it is only when its strides are its parameter's (else a copy and a warning,
-    "Grad strides do not match bucket view strides"): the shared node's 1x1 shortcut keeps channels_last's strides,
-    as the plain model's convolutions do."""
+    "Grad strides do not match bucket view strides"): the 1x1 products keep channels_last's strides, as the plain
+    model's convolutions do."""
     model = _train(_model(method), steps=1, channels_last=True)
     weights = [(n, p) for n, p in model.named_parameters() if p.dim() == 4 and p.grad is not None]
     assert any(p.shape[-2:] == (1, 1) for _, p in weights)  # the 1x1 shortcut is exercised

@@ -505,8 +505,9 @@ def transform_weight_grad(grad: Tensor, q: Tensor) -> Tensor:
     # The common cases first, each a few Python-level calls: this runs in every layer's backward on every step.
     s, m = grad.shape[0], grad.shape[1]
     if grad.is_contiguous():
-        if grad.numel() == s * m:  # a 1x1 kernel: one (S x M) @ (M x M) product
-            return (grad.view(s, m) @ q).view(grad.shape)
+        if grad.numel() == s * m:  # a 1x1 kernel: one (S x M) @ (M x M) product, in the gradient's strides
+            out = (grad.view(s, m) @ q).view(grad.shape)  # (channels_last's differ on the size-1 dims)
+            return out if out.stride() == grad.stride() else out.as_strided(grad.shape, grad.stride())
         if grad.device.type != "cpu" or m <= _CPU_BMM_MAX_FEATURES:
             # One batched product, Q^T @ grad[s] for each output feature s (Q^T broadcast, not copied): one
             # kernel, the result in the gradient's own layout.
