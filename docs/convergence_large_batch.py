@@ -195,12 +195,6 @@ def critical_batch(steps: Dict[int, float]) -> Tuple[Optional[int], str]:
     return None, f"> {bs[-1]}" if bs else "—"
 
 
-def best_whitened(batch: int) -> Optional[str]:
-    """The whitened arm with the fewest steps to the target on the validation seed at its chosen rate (the arm
-    seeds 2 and 3 run beside the baseline)."""
-    return cv._lb_best_whitened(batch)
-
-
 def lb_table() -> str:
     data, seeds_at = measurements()
     chosen = _lb_chosen()
@@ -254,7 +248,7 @@ def lb_table() -> str:
     for b in cv.LB_BATCHES:
         if b not in seeds_at:
             continue
-        bw = best_whitened(b)
+        bw = cv._lb_best_whitened(b)
         r = [x for x in ratios.get((b, bw), []) if math.isfinite(x) and x > 0] if bw else []
         ok = False
         if len(r) >= 3:

@@ -33,7 +33,7 @@ from .fold import (
     check_strategy,
     fold_layers,
 )
-from .functional.batch import accumulate_moments, transform_weight_grad
+from .functional.batch import _kernel1_weight_grad, accumulate_moments, transform_weight_grad
 from .functional.stacked import accumulate_moments_grouped, stack_shifts, stacked_moments_accumulator
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -87,10 +87,7 @@ class SharedWeightGradTransform(torch.autograd.Function):
             shape = g.shape
             if (len(shape) == 4 and shape[2] == 1 and shape[3] == 1 and q.dim() == 2 and q.dtype == g.dtype
                     and g.is_contiguous()):
-                # a 1x1 kernel's gradient, inline (most of a ResNet's layers): transform_weight_grad's one product,
-                # in the incoming gradient's strides (channels_last's differ on the size-1 dims: DDP's bucket layout)
-                dw = torch.mm(g.view(shape[0], shape[1]), q).view(shape)
-                out.append(dw if g.stride(3) == 1 else dw.as_strided(shape, g.stride()))
+                out.append(_kernel1_weight_grad(g, q))  # most of a ResNet's layers, without the general dispatch
             else:
                 out.append(transform_weight_grad(g, q))
         return tuple(out)

@@ -505,9 +505,8 @@ def transform_weight_grad(grad: Tensor, q: Tensor) -> Tensor:
     # The common cases first, each a few Python-level calls: this runs in every layer's backward on every step.
     s, m = grad.shape[0], grad.shape[1]
     if grad.is_contiguous():
-        if grad.numel() == s * m:  # a 1x1 kernel: one (S x M) @ (M x M) product, in the gradient's strides
-            out = (grad.view(s, m) @ q).view(grad.shape)  # (channels_last's differ on the size-1 dims)
-            return out if out.stride() == grad.stride() else out.as_strided(grad.shape, grad.stride())
+        if grad.numel() == s * m:  # a 1x1 kernel
+            return _kernel1_weight_grad(grad, q)
         if grad.device.type != "cpu" or m <= _CPU_BMM_MAX_FEATURES:
             # One batched product, Q^T @ grad[s] for each output feature s (Q^T broadcast, not copied): one
             # kernel, the result in the gradient's own layout.
@@ -526,6 +525,14 @@ def transform_weight_grad(grad: Tensor, q: Tensor) -> Tensor:
     if grad.is_contiguous():
         return out.contiguous()
     return torch.empty_like(grad).copy_(out)  # the gradient's own layout (channels_last)
+
+
+def _kernel1_weight_grad(grad: Tensor, q: Tensor) -> Tensor:
+    """:func:`transform_weight_grad` of a contiguous ``(S, M, 1, ...)`` gradient (a 1x1 kernel): one ``(S x M) @
+    (M x M)`` product, returned in the gradient's strides (channels_last's differ on the size-1 dims; DDP's buckets
+    take a gradient as it is only in its parameter's strides)."""
+    out = (grad.view(grad.shape[0], grad.shape[1]) @ q).view(grad.shape)
+    return out if out.stride() == grad.stride() else out.as_strided(grad.shape, grad.stride())
 
 
 def _grouped_weight_grad(grad: Tensor, q: Tensor) -> Tensor:
