@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as Fn
 
 import whitenlayers as wl
-from whitenlayers.fold import FoldCoordinator
+from whitenlayers.coordinator import FoldCoordinator
 
 METHODS = ["grad", "recursive", "direct"]
 BLOCK = 3

@@ -14,7 +14,7 @@ from torch import nn
 import whitenlayers as wl
 from whitenlayers import models
 from whitenlayers.convert import DirectWhitenWrapper, target_layers
-from whitenlayers.fold import FoldCoordinator
+from whitenlayers.coordinator import FoldCoordinator
 
 METHODS = ["grad", "recursive", "direct"]
 

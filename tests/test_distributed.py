@@ -23,7 +23,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import whitenlayers as wl
-from whitenlayers.fold import FoldCoordinator, fold_layers
+from whitenlayers.coordinator import FoldCoordinator
+from whitenlayers.fold import fold_layers
 import whitenlayers.fold as wl_fold
 from dist_utils import CountingDist, run_distributed
 

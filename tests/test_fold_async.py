@@ -23,7 +23,7 @@ from torch._dynamo.utils import counters
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import whitenlayers as wl
-from whitenlayers.fold import FoldCoordinator
+from whitenlayers.coordinator import FoldCoordinator
 
 DT = torch.float64
 EPS = torch.finfo(DT).eps

@@ -10,7 +10,7 @@ import functools
 import operator
 import threading
 import warnings
-from typing import TYPE_CHECKING, Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -24,7 +24,6 @@ from .fold import (
     _fold_chunks,
     _fold_states,
     _global_summaries,
-    _install_pending,
     _local_summaries,
     _no_autocast,
     _taken_blocks,
@@ -45,8 +44,8 @@ __all__ = ["FoldCoordinator", "ForwardScope", "SharedWeightGradTransform", "Shar
            "joinable"]
 
 _get_ident = threading.get_ident
-_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
-_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+_exporting: Callable[[], bool] = getattr(torch.compiler, "is_exporting", lambda: False)
+_graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 # (for the C-level loops over a forward's handed batches, _add_handed_batches)
 _version = operator.attrgetter("_version")
 _shape = operator.attrgetter("shape")
@@ -205,11 +204,10 @@ class FoldCoordinator:
     _arenas: Dict[tuple, list]
 
     def __init__(self, strategy: str = "auto", fold_async: bool = False) -> None:
-        check_strategy(strategy)
         self.pending: List["WhiteningLayer"] = []
         self.handle: Optional[RemovableHandle] = None
         self.begin_handle: Optional[RemovableHandle] = None  # the pre-hook's (begin_forward)
-        self.strategy = strategy
+        self.strategy = check_strategy(strategy)
         self.fold_async = check_fold_async(fold_async, strategy)
         self.layers = []
         self.wrappers = []
@@ -362,15 +360,13 @@ class FoldCoordinator:
             if world == 1:  # the block's sums copied, summarised by the worker
                 for chunk in _fold_chunks(layers, ASYNC_CHUNK_ELEMENTS):
                     sums = _taken_blocks(chunk)
-                    _begin(chunk, [0] * len(chunk))  # non-finite blocks: counted when their fold is written
-                    _install_pending(chunk, [False] * len(chunk))
-                    jobs.append((chunk, sums, None, _fold_states(chunk), True))
+                    # (the non-finite blocks counted when their fold is written)
+                    _begin(chunk, [0] * len(chunk), [False] * len(chunk))
+                    jobs.append((chunk, sums, None, _fold_states(chunk)))
             else:  # all ranks' sums, on this thread (split in stacks by the worker): every rank folds every layer
                 summaries, nonfinite, firsts = _global_summaries(layers, None, group)
-                _begin(layers, [0] * len(layers))
-                firsts = _install_pending(layers, firsts)
-                jobs.append((layers, None, (summaries, nonfinite, firsts), _fold_states(layers),
-                             False))
+                firsts = _begin(layers, [0] * len(layers), firsts)
+                jobs.append((layers, None, (summaries, nonfinite, firsts), _fold_states(layers)))
         stream = None
         if device.type == "cuda":
             stream = self._streams.get(device)
@@ -398,10 +394,8 @@ class FoldCoordinator:
 
 def _grad_leaf(output: Any) -> Optional[Tensor]:
     """A tensor of a forward's output that a backward will reach, or ``None``."""
-    for leaf in torch.utils._pytree.tree_leaves(output):
-        if isinstance(leaf, Tensor) and leaf.requires_grad:
-            return leaf
-    return None
+    leaves = torch.utils._pytree.tree_leaves(output)
+    return next((leaf for leaf in leaves if isinstance(leaf, Tensor) and leaf.requires_grad), None)
 
 
 def joinable(model: nn.Module) -> Any:
@@ -539,12 +533,10 @@ def _add_handed_batches(entries: Sequence[tuple], arenas: Dict[tuple, list]) -> 
     keys: Iterable[tuple] = zip(map(_shape, xs), map(_stride, xs), map(_dtype, xs), map(_get_device, xs),
                                 map(_acc_dtype, layers))
     if len(set(map(id, layers))) < len(layers):  # a layer called twice: its later batches each on their own
-        seen: set = set()
-        marked: List[tuple] = []
-        for layer, key in zip(layers, keys):
-            marked.append(("alone", len(marked)) if id(layer) in seen else key)
-            seen.add(id(layer))
-        keys = marked
+        first: Dict[int, int] = {}
+        for i, layer in enumerate(layers):
+            first.setdefault(id(layer), i)
+        keys = [key if first[id(layer)] == i else ("alone", i) for i, (layer, key) in enumerate(zip(layers, keys))]
     for key, entry in zip(keys, entries):
         groups.setdefault(key, []).append(entry)
     # (No autocast context: the products are in place or take out= / out_dtype, which autocast leaves alone; the
@@ -560,8 +552,7 @@ def _add_handed_batches(entries: Sequence[tuple], arenas: Dict[tuple, list]) -> 
                     for layer, x, _, shift in part:
                         accumulate_moments(layer._block.acc, x, shift, layer._block.parts)
                     continue
-                shifted = any(e[3] is not None for e in part)
-                shifts: Optional[Tensor] = _stacked_shifts(arena, part) if shifted else None
+                shifts = _stacked_shifts(arena, part) if any(e[3] is not None for e in part) else None
                 accumulate_moments_grouped(arena[1], [e[1] for e in part], shifts, arena[3])
 
 
@@ -574,8 +565,7 @@ def _stacked_shifts(arena: list, part: Sequence[tuple]) -> Tensor:
     kept = arena[4]
     if kept is not None and kept[1] == versions and all(map(operator.is_, kept[0], shifts)):
         return kept[2]
-    acc = arena[1]
-    stacked = stack_shifts(shifts, acc.shape[-1] - 1, acc.dtype)
+    stacked = stack_shifts(shifts, arena[1].shape[-1] - 1, arena[1].dtype)
     arena[4] = (shifts, versions, stacked)
     return stacked
 
@@ -595,16 +585,14 @@ def _arena(arenas: Dict[tuple, list], key: tuple, layers: List[Any]) -> Optional
             return None
     first = layers[0]._block.acc
     acc = stacked_moments_accumulator(len(layers), first.shape[0] - 1, first.dtype, first.device)
-    views = []
     for i, layer in enumerate(layers):
         block = layer._block
         acc[i].copy_(block.acc)
         block.set_accumulator(acc[i], dense=acc._base[i] if acc._base is not None else acc[i])
-        views.append(block.acc)
+    views = [layer._block.acc for layer in layers]
     m = acc.shape[-1] - 1
-    blocks = (acc[:, :m, :m], acc[:, :m, m:])
-    arena = arenas[key] = [list(layers), acc, views, blocks, None]
-    return arena
+    arenas[key] = [list(layers), acc, views, (acc[:, :m, :m], acc[:, :m, m:]), None]
+    return arenas[key]
 
 
 def check_fold_async(fold_async: bool, strategy: str) -> bool:
@@ -623,19 +611,14 @@ def check_fold_async(fold_async: bool, strategy: str) -> bool:
 ASYNC_CHUNK_ELEMENTS = 1 << 22
 #: Set when the interpreter exits (its threads are joined): the worker starts no further part of a fold.
 _EXITING = threading.Event()
-_EXIT_REGISTERED = [False]
 
 
+@functools.cache  # once per process
 def _cancel_at_exit() -> None:
     """At interpreter exit the fold in flight is read by no one: the worker stops after the part it is computing.
-    ``threading._register_atexit`` runs before the interpreter joins the worker (an ``atexit`` handler would run
-    after that join); once per process."""
-    if _EXIT_REGISTERED[0]:
-        return
-    _EXIT_REGISTERED[0] = True
-    register = getattr(threading, "_register_atexit", None)
-    if register is not None:
-        register(_EXITING.set)
+    ``threading._register_atexit`` (Python 3.9 and later) runs before the interpreter joins the worker (an
+    ``atexit`` handler would run after that join)."""
+    threading._register_atexit(_EXITING.set)  # type: ignore[attr-defined]
 
 
 def _compute_jobs(jobs: Sequence[tuple], device: torch.device,
@@ -650,15 +633,11 @@ def _compute_jobs(jobs: Sequence[tuple], device: torch.device,
         if stream is not None:
             ctx.enter_context(torch.cuda.device(device))
             ctx.enter_context(torch.cuda.stream(stream))
-        for chunk, sums, given, states, one_stack in jobs:
+        for chunk, sums, given, states in jobs:
             if _EXITING.is_set():
                 return None, None
             summaries, nonfinite, firsts = _local_summaries(chunk, sums) if given is None else given
-            done = _compute_folds(chunk, summaries, nonfinite, firsts, one_stack=one_stack, begin=False,
+            done = _compute_folds(chunk, summaries, nonfinite, firsts, one_stack=given is None, begin=False,
                                   states=states)
             folds += [fold._replace(nonfinite=n) for fold, n in zip(done, nonfinite)]
-        if stream is None:
-            return folds, None
-        event = torch.cuda.Event()
-        event.record(stream)
-    return folds, event
+        return folds, None if stream is None else stream.record_event()

@@ -17,6 +17,7 @@ together after the model's forward. Both are plumbing: users reach them through
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import (
     TYPE_CHECKING,
@@ -61,34 +62,22 @@ def _autocast_enabled_any(device_type: str) -> bool:
     return torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
 
 
-def _autocast_takes_device_type() -> bool:
-    try:
-        torch.is_autocast_enabled("cpu")
-    except TypeError:
-        return False
-    return True
-
-
 #: Whether autocast is on for a device type (a test before entering :func:`_no_autocast` on a hot path): torch's own
 #: function, one C call, where it takes the device type (torch 2.4 and later).
-_autocast_enabled: Callable[[str], bool] = (cast(Callable[[str], bool], torch.is_autocast_enabled)
-                                            if _autocast_takes_device_type() else _autocast_enabled_any)
-
-
-def _distributed() -> bool:
-    """Whether a ``torch.distributed`` process group is initialised."""
-    return dist.is_available() and dist.is_initialized()
+_autocast_enabled: Callable[[str], bool] = _autocast_enabled_any
+with contextlib.suppress(TypeError):  # (torch < 2.4: a TypeError)
+    torch.is_autocast_enabled("cpu")
+    _autocast_enabled = cast(Callable[[str], bool], torch.is_autocast_enabled)
 
 
 def _dist_group(layers: Sequence["WhiteningLayer"]):
-    if not _distributed():
+    if not (dist.is_available() and dist.is_initialized()):
         return None, 1
     group = layers[0].process_group
     if not all(layer.process_group is group for layer in layers):
         raise ValueError("fold_layers: all layers folded together must share one process_group")
-    if dist.get_world_size(group) == 1:
-        return None, 1
-    return group, dist.get_world_size(group)
+    world = dist.get_world_size(group)
+    return (None, 1) if world == 1 else (group, world)
 
 
 #: The status of a layer's fold (:class:`FoldOutcome`).
@@ -207,8 +196,7 @@ def fold_layers(layers: Iterable["WhiteningLayer"], *, strategy: str = "auto",
                 _fold_all(chunk, *_local_summaries(chunk), one_stack=True)
         else:
             owners = _owners(layers, world, strategy)
-            summaries, nonfinite, firsts = _global_summaries(layers, owners, group)
-            _fold_all(layers, summaries, nonfinite, firsts, owners, group)
+            _fold_all(layers, *_global_summaries(layers, owners, group), owners, group)
     if _coordinator is None:  # the coordinator warns after its whole fold
         _warn_nonfinite()
 
@@ -226,20 +214,19 @@ def _fold_chunks(layers: Sequence["WhiteningLayer"],
     :data:`FOLD_CHUNK_ELEMENTS`)."""
     if max_elements is None:
         max_elements = FOLD_CHUNK_ELEMENTS
-    by_key: Dict[Any, List["WhiteningLayer"]] = {}
+    by_key: Dict[Any, List["WhiteningLayer"]] = {}  # each key's last chunk, and its summed size
+    sizes: Dict[Any, int] = {}
     order: List[List["WhiteningLayer"]] = []
-    sizes: Dict[int, int] = {}
     for layer in layers:
         key = _stack_key(layer)
         n = layer.num_features * (layer.num_features // layer.groups)
-        chunk = by_key.get(key)
-        if chunk is not None and sizes[id(chunk)] + n <= max_elements:
-            chunk.append(layer)
-            sizes[id(chunk)] += n
-            continue
-        chunk = by_key[key] = [layer]
-        sizes[id(chunk)] = n
-        order.append(chunk)
+        if key in by_key and sizes[key] + n <= max_elements:
+            by_key[key].append(layer)
+            sizes[key] += n
+        else:
+            by_key[key] = [layer]
+            sizes[key] = n
+            order.append(by_key[key])
     return order
 
 
@@ -302,16 +289,11 @@ def _global_summaries(layers: Sequence["WhiteningLayer"], owners: Optional[Seque
                                  layer._block.nonfinite().view(1)])
                       for layer, (n, shift, s1, s2) in zip(layers, sums)])
     dist.all_reduce(flat, group=group)
-    summaries, bounds, pos = [], [], 0
-    for layer in layers:
-        m = layer.num_features
-        n = flat[pos]
-        mean = flat[pos + 1 : pos + 1 + m] / torch.clamp(n, min=1.0)
-        # no scatter yet (phase 2 fills it in where the layer is folded)
-        summaries.append(BlockSummary(n, mean, None, flat[pos + 1 + m : pos + 1 + 2 * m]))  # type: ignore[arg-type]
-        bounds.append(pos + 1 + 2 * m)
-        pos += 2 + 2 * m
-    counts, firsts = _read_with_firsts(flat[torch.tensor(bounds, device=flat.device)], layers)
+    parts = torch.split(flat, [size for layer in layers for size in (1, layer.num_features, layer.num_features, 1)])
+    # no scatter yet (phase 2 fills it in where the layer is folded)
+    summaries = [BlockSummary(n[0], total / torch.clamp(n[0], min=1.0), None, power)  # type: ignore[arg-type]
+                 for n, total, power in zip(parts[0::4], parts[1::4], parts[2::4])]
+    counts, firsts = _read_with_firsts(torch.cat(parts[3::4]), layers)
     nonfinite = [int(v) for v in counts]
     scatters = [F_w.scatter_about(*sums_i, s.mean, inplace=True) for sums_i, s in zip(sums, summaries)]
     if owners is None:
@@ -344,11 +326,9 @@ def _local_summaries(layers: Sequence["WhiteningLayer"],
     layers), the flags read in one host synchronisation. ``sums``: the blocks' ``(count, shift, s1, s2)``
     (an asynchronous fold's copies, :func:`_taken_blocks`), default the
     layers' accumulators."""
-    f64 = torch.float64
     if sums is None:
         sums = [(layer._block.rows, layer._block.shift, layer._block.s1, layer._block.s2) for layer in layers]
-    dev = sums[0][2].device
-    count = torch.tensor([n for n, _, _, _ in sums], dtype=f64, device=dev)
+    count = torch.tensor([n for n, _, _, _ in sums], dtype=torch.float64, device=sums[0][2].device)
     shift = torch.stack([k if k is not None else torch.zeros_like(s1) for _, k, s1, _ in sums])
     s1 = _stack64([s[2] for s in sums])  # the block's sums, in float64 from here on
     s2 = _stack64([s[3] for s in sums])
@@ -370,49 +350,56 @@ def _stored_all(items: Sequence[Tuple["WhiteningLayer", str, Tensor]]) -> List[T
     """For each ``(layer, name, value)``: ``value`` as the layer's buffer ``name`` stores it (its device and dtype),
     a contiguous tensor of its own (never aliasing ``value``). A conversion already makes one; the rest are
     cloned together (:func:`_own_all`)."""
-    out: List[Optional[Tensor]] = []
-    pending: List[Tuple[int, Tensor]] = []
+    out: List[Tensor] = []
+    shared: List[int] = []  # those aliasing their value, or not contiguous
     for layer, name, value in items:
         old = cast(Tensor, layer._buffers[name])  # a buffer the layer holds (read without Module.__getattr__)
         new = value.detach() if value.requires_grad else value  # a fold runs under no_grad: a call saved per item
         if new.dtype != old.dtype or new.device != old.device:
             new = new.to(device=old.device, dtype=old.dtype)
         if new.data_ptr() == value.data_ptr() or not new.is_contiguous():
-            pending.append((len(out), new))
-            out.append(None)
-        else:
-            out.append(new)
-    for (i, _), t in zip(pending, _own_all([t for _, t in pending])):
+            shared.append(len(out))
+        out.append(new)
+    for i, t in zip(shared, _own_all([out[i] for i in shared])):
         out[i] = t
-    return cast(List[Tensor], out)
+    return out
 
 
-def _states(layers: Sequence["WhiteningLayer"], states: Optional[Sequence[Dict[str, Tensor]]]
-            ) -> Sequence[Dict[str, Tensor]]:
-    """The buffers a fold reads: ``states`` (an asynchronous fold's copies, :func:`_fold_states`), by default the
-    layers' own."""
-    return [layer._buffers for layer in layers] if states is None else states
-
-
-def _begin(layers: Sequence["WhiteningLayer"], nonfinite: Sequence[int]) -> None:
+@torch.no_grad()
+def _begin(layers: Sequence["WhiteningLayer"], nonfinite: Sequence[int], firsts: Sequence[bool]) -> List[bool]:
     """Every rank, before anything is written: count the non-finite blocks and clear the accumulators (one
-    multi-tensor op). No host synchronisation."""
+    multi-tensor op), then write the folds the layers hold pending (an asynchronous fold, computed or loaded from a
+    checkpoint), at the end of the block after the one they were computed from, after that block's sums were read (a
+    fold writes the next block's shift). Returns ``firsts`` as they are once those are written (a layer whose pending
+    fold counts no longer folds its first block)."""
     zero: List[Tensor] = []
     for layer, bad in zip(layers, nonfinite):
         zero += layer._begin_fold(bad)
     if zero:
         torch._foreach_zero_(zero)
+    idx = [i for i, layer in enumerate(layers) if layer._pending_fold is not None]
+    if not idx:
+        return list(firsts)
+    folds = [cast(PendingFold, layers[i]._pending_fold) for i in idx]
+    for i, fold in zip(idx, folds):
+        layers[i]._pending_fold = None
+        layers[i]._count_nonfinite(fold.nonfinite)
+    counted = _finish_folds([layers[i] for i in idx], folds)
+    firsts = list(firsts)
+    for i, c in zip(idx, counted):
+        firsts[i] = firsts[i] and not c
+    return firsts
 
 
 def _new_means(layers: Sequence["WhiteningLayer"], blocks: Sequence[BlockSummary], firsts: Sequence[bool],
-               states: Optional[Sequence[Dict[str, Tensor]]] = None) -> Tuple[Tensor, Tensor, Tensor]:
+               states: Sequence[Dict[str, Tensor]]) -> Tuple[Tensor, Tensor, Tensor]:
     """Every rank, layers of one stack key: the new means ``mu(i)`` (float64, stacked), their change
     ``mu(i) - mu(i-1)`` and whether each layer may sum its next block unshifted (a bool tensor on the device,
-    read later with other flags: no host synchronisation here). ``states``: the buffers read (default the
-    layers')."""
+    read later with other flags: no host synchronisation here). ``states``: the buffers read (the layers' own, or
+    an asynchronous fold's copies, :func:`_fold_states`)."""
     block = BlockSummary(torch.stack([b.count for b in blocks]), torch.stack([b.mean for b in blocks]),
                          None, torch.stack([b.power for b in blocks]))  # type: ignore[arg-type]  # scatter unused
-    prev = torch.stack([s["running_mean"] for s in _states(layers, states)]).to(torch.float64)
+    prev = torch.stack([s["running_mean"] for s in states]).to(torch.float64)
     mu = F_w.fold_mean(prev, block, layers[0].config.alpha, list(firsts))
     unshifted = F_w.unshifted_accurate_each(block, UNSHIFTED_MAX_MEAN2_VAR)
     return mu, mu - prev, unshifted
@@ -425,17 +412,15 @@ UNSHIFTED_MAX_MEAN2_VAR = 3.0
 
 
 def _outcomes(layers: Sequence["WhiteningLayer"], blocks: Sequence[BlockSummary], firsts: Sequence[bool],
-              nonfinite: Sequence[int], mus: Tensor, unshifted: Tensor, owned: bool = False,
-              states: Optional[Sequence[Dict[str, Tensor]]] = None) -> Tuple[List[FoldOutcome], List[bool]]:
+              nonfinite: Sequence[int], mus: Tensor, unshifted: Tensor, owned: bool,
+              states: Sequence[Dict[str, Tensor]]) -> Tuple[List[FoldOutcome], List[bool]]:
     """The outcomes of layers of one stack key (on the rank that folds them): their moments stacked, the
     transforms in one batched rule call where the rule batches, ``Q_s`` smoothed stacked; and ``unshifted``
     (:func:`_new_means`' flags of these layers) read in the same host synchronisation as the moments'
     finiteness. Changes nothing. The outcomes' buffers are views of the stacks, copied into the layers' buffers
     by :meth:`~whitenlayers.WhiteningLayer._fold_finish`; ``owned``: tensors of their own as the buffers
-    store them (one multi-tensor clone), for a broadcast to other ranks. ``states``: the buffers read (default
-    the layers')."""
+    store them (one multi-tensor clone), for a broadcast to other ranks. ``states``: the buffers read."""
     lead = layers[0]
-    states = _states(layers, states)
     config, rule = lead.config, lead.rule
     block = _stack(blocks)
     cov_prev = _stack64([s["running_cov"] for s in states])
@@ -461,42 +446,40 @@ def _outcomes(layers: Sequence["WhiteningLayer"], blocks: Sequence[BlockSummary]
     results = _transforms([layers[k] for k in todo], stacked, [states[k] for k in todo])
     stored_dtype = lead.running_cov.dtype
     covs_stored = cov.to(stored_dtype).unbind(0)
-    out = [FoldOutcome(cast(int, st)) for st in status]  # st None: a placeholder, replaced below
     done = [(k, r) for k, r in zip(todo, results) if r is not None]
-    qs: Optional[Tensor] = None
+    items: List[Tuple[int, str, Tensor]] = []
     if done and hasattr(lead, "grad_transform"):
         gram = _restack([r.gram for _, r in done]).to(rule.gram_dtype(stored_dtype))
         prev = _restack([states[k]["grad_transform"] for k, _ in done])  # (read only: smoothing makes a new tensor)
         beta = cast("Union[EVDConfig, RecursiveConfig]", config).beta  # the configs of layers with a Q_s
         qs = F_w.smooth_grad_transform(prev, gram, beta).to(lead.grad_transform.dtype)
-    items: List[Tuple[int, str, Tensor]] = []
+        items += [(k, "grad_transform", q) for q, (k, _) in zip(qs.unbind(0), done)]
     for k, result in zip(todo, results):
         items.append((k, "running_cov", covs_stored[k]))
         if result is not None:
             items.append((k, "whitening_matrix", result.transform))
             items += [(k, name, value) for name, value in result.buffers.items()]
-    if qs is not None:
-        items += [(k, "grad_transform", q) for q, (k, _) in zip(qs.unbind(0), done)]
     new: Dict[int, Dict[str, Tensor]] = {k: {} for k in todo}
     values = _stored_all([(layers[k], name, value) for k, name, value in items]) if owned else [v for _, _, v in items]
     for (k, name, _), value in zip(items, values):
         new[k][name] = value
+    out = [FoldOutcome(cast(int, st)) for st in status]  # st None: a placeholder, replaced below
     for k, result in zip(todo, results):
         out[k] = FoldOutcome(FAILED if result is None else FOLDED, result is not None and bool(result.clamped), new[k])
     return out, flags[2]
 
 
 def _transforms(layers: Sequence["WhiteningLayer"], stacked: Fold,
-                states: Optional[Sequence[Dict[str, Tensor]]] = None) -> List[Optional[RuleResult]]:
+                states: Sequence[Dict[str, Tensor]]) -> List[Optional[RuleResult]]:
     """The rule's new transform of each layer (``None``: it failed), layers of one stack key with their folds
     ``stacked``: one batched rule call when the rule batches them, else one call per layer. ``states``: the
-    buffers read (default the layers')."""
+    buffers read."""
     if not layers:
         return []
     lead = layers[0]
     # Each layer's buffers by name (its ``_buffers``, read as ``named_buffers(recurse=False)`` reads them, without
     # that generator's bookkeeping: this runs per layer per fold).
-    states = [{k: v for k, v in state.items() if v is not None} for state in _states(layers, states)]
+    states = [{k: v for k, v in state.items() if v is not None} for state in states]
     mean = lead.running_mean
     if len(layers) > 1 and batch_key_of(lead.rule, lead.num_features, mean.dtype, mean.device, lead.groups) is not None:
         pre = lead.rule.compute_batched(stacked, states, lead.running_mean.dtype)
@@ -515,10 +498,9 @@ def _transforms(layers: Sequence["WhiteningLayer"], stacked: Fold,
     for k, problem in enumerate(problems):
         if problem is not None:
             results[k] = None
-            rule = lead.rule
-            layers[k]._warn_once("rule_result", f"rule {rule.name!r} ({type(rule).__name__}) returned an invalid "
-                                                f"result: {problem}; the previous transform is kept (counted in "
-                                                "transform_failures)")
+            layers[k]._warn_once("rule_result", f"rule {lead.rule.name!r} ({type(lead.rule).__name__}) returned an "
+                                                f"invalid result: {problem}; the previous transform is kept (counted "
+                                                "in transform_failures)")
             layers[k]._warned.add("transform")  # (not the rule's failure_message as well: this says what failed)
     return results
 
@@ -536,13 +518,12 @@ def _broadcast_outcomes(layers: Sequence["WhiteningLayer"], outcomes: Sequence[O
                              device=dev)
     else:
         heads = torch.empty(len(layers), 2, device=dev)
-    tensors, names = [heads], []
+    tensors = [heads]
     for layer, outcome in zip(layers, outcomes):
         for name, shape in layer._outcome_layout():
             current = getattr(layer, name)
             tensors.append(cast(FoldOutcome, outcome).buffers.get(name, current) if mine else
                            torch.empty(shape, dtype=current.dtype, device=current.device))
-            names.append(name)
     works: list = []
     tensors = _coalesced(tensors, works, lambda t: dist.broadcast(t, group=group, group_src=src, async_op=True))
     for work in works:
@@ -551,13 +532,13 @@ def _broadcast_outcomes(layers: Sequence["WhiteningLayer"], outcomes: Sequence[O
         return list(cast("Sequence[FoldOutcome]", outcomes))
     out, pos = [], 1
     for layer, (status, clamped) in zip(layers, tensors[0].tolist()):
-        n = len(layer._outcome_layout())
-        keep = {FOLDED: n, FAILED: 1}.get(int(status), 0)  # a failed transform: running_cov only
+        layout = layer._outcome_layout()
+        keep = {FOLDED: len(layout), FAILED: 1}.get(int(status), 0)  # a failed transform: running_cov only
         # small buffers arrived in a packed buffer: copied out, so that no buffer holds on to it
         buffers = {name: t.clone() if t._base is not None else t
-                   for name, t in zip(names[pos - 1 : pos - 1 + keep], tensors[pos : pos + keep])}
+                   for (name, _), t in zip(layout[:keep], tensors[pos : pos + keep])}
         out.append(FoldOutcome(int(status), bool(clamped), buffers))
-        pos += n
+        pos += len(layout)
     return out
 
 
@@ -623,8 +604,8 @@ def _compute_folds(layers: Sequence["WhiteningLayer"], summaries: Sequence[Block
                    one_stack: bool = False, begin: bool = True,
                    states: Optional[Sequence[Dict[str, Tensor]]] = None) -> List[PendingFold]:
     """:func:`_fold_all`'s computation: each layer's :class:`PendingFold`, nothing written into the layers but
-    (``begin``) the start of their next block (:func:`_begin`, and a fold still pending from an asynchronous
-    coordinator's checkpoint written first: :func:`_install_pending`). ``states``: the layers' buffers the fold
+    (``begin``) the start of their next block (:func:`_begin`, which first writes a fold still pending from an
+    asynchronous coordinator's checkpoint). ``states``: the layers' buffers the fold
     reads (its previous mean, covariance, transform, ``Q_s``, the rule's state), default the buffers themselves;
     an asynchronous fold passes copies (:func:`_fold_states`), taken when it starts."""
     if one_stack:
@@ -638,10 +619,8 @@ def _compute_folds(layers: Sequence["WhiteningLayer"], summaries: Sequence[Block
         firsts_c = [firsts[i] for i in idx]
         chunk = [layers[i] for i in idx]
         if begin:
-            _begin(chunk, [nonfinite[i] for i in idx])
-            if any(layer._pending_fold is not None for layer in chunk):
-                firsts_c = _install_pending(chunk, firsts_c)
-        states_c = None if states is None else [states[i] for i in idx]
+            firsts_c = _begin(chunk, [nonfinite[i] for i in idx], firsts_c)
+        states_c = [layer._buffers for layer in chunk] if states is None else [states[i] for i in idx]
         mu, delta, flags_t = _new_means(chunk, [summaries[i] for i in idx], firsts_c, states_c)
         means = mu.to(layers[idx[0]].running_mean.dtype).unbind(0)  # one conversion per stack; copied in later
         mine = [j for j, i in enumerate(idx) if owners is None or owners[i] == rank]
@@ -652,7 +631,7 @@ def _compute_folds(layers: Sequence["WhiteningLayer"], summaries: Sequence[Block
                                         [firsts_c[j] for j in mine], [nonfinite[idx[j]] for j in mine],
                                         mu if len(mine) == len(idx) else mu[mine],
                                         flags_t if len(mine) == len(idx) else flags_t[mine], owners is not None,
-                                        None if states_c is None else [states_c[j] for j in mine])
+                                        [states_c[j] for j in mine])
             computed.update(zip(mine, outcomes))
         if len(mine) < len(idx):  # layers other ranks fold (owner strategy): their flags read here
             flags = flags_t.tolist()
@@ -688,26 +667,6 @@ def _finish_folds(layers: Sequence["WhiteningLayer"], folds: Sequence[PendingFol
     return counted
 
 
-@torch.no_grad()
-def _install_pending(layers: Sequence["WhiteningLayer"], firsts: Sequence[bool]) -> List[bool]:
-    """Write the folds the layers hold pending (an asynchronous fold, computed or loaded from a checkpoint), at
-    the end of the block after the one they were computed from, after that block's sums were read (a fold writes
-    the next block's shift); returns ``firsts`` as they are once they are written (a layer whose pending fold
-    counts no longer folds its first block)."""
-    idx = [i for i, layer in enumerate(layers) if layer._pending_fold is not None]
-    if not idx:
-        return list(firsts)
-    folds = [cast(PendingFold, layers[i]._pending_fold) for i in idx]
-    for i, fold in zip(idx, folds):
-        layers[i]._pending_fold = None
-        layers[i]._count_nonfinite(fold.nonfinite)
-    counted = _finish_folds([layers[i] for i in idx], folds)
-    firsts = list(firsts)
-    for i, c in zip(idx, counted):
-        firsts[i] = firsts[i] and not c
-    return firsts
-
-
 def _fold_states(layers: Sequence["WhiteningLayer"]) -> List[Dict[str, Tensor]]:
     """Copies of the buffers a fold of each layer reads (its previous mean, covariance, transform, ``Q_s``, the
     rule's state), all made in one call (:func:`_own_all`): what an asynchronous fold computes from while training
@@ -722,16 +681,15 @@ def _taken_blocks(layers: Sequence["WhiteningLayer"]) -> List[Tuple[float, Optio
     shift too: the next fold writes the next block's shift into it), all made in one call (:func:`_own_all`): for
     an asynchronous fold to summarise while the next block accumulates."""
     parts = [layer._block.parts_to_copy() for layer in layers]
-    copies = iter(_own_all([t for _, shift, sums in parts for t in ((shift,) if shift is not None else ()) + sums]))
+    copies = iter(_own_all([t for _, shift, sums in parts for t in (shift, *sums) if t is not None]))
     taken: List[Tuple[float, Optional[Tensor], Tensor, Tensor]] = []
     for count, shift, sums in parts:
         shift_copy = None if shift is None else next(copies)
+        first = next(copies)
         if len(sums) == 1:  # the augmented accumulator: s1 and s2 are its views
-            aug = next(copies)
-            taken.append((count, shift_copy, aug[:-1, -1], aug[:-1, :-1]))
+            taken.append((count, shift_copy, first[:-1, -1], first[:-1, :-1]))
         else:
-            s1 = next(copies)
-            taken.append((count, shift_copy, s1, next(copies)))
+            taken.append((count, shift_copy, first, next(copies)))
     return taken
 
 
@@ -755,12 +713,3 @@ def _warn_uncalled(layers: Sequence["WhiteningLayer"]) -> None:
             stacklevel=3,
         )
 
-
-def __getattr__(name: str) -> Any:
-    """``FoldCoordinator`` and ``check_fold_async`` live in :mod:`whitenlayers.coordinator` (imported from here
-    before)."""
-    if name in ("FoldCoordinator", "check_fold_async"):
-        from . import coordinator
-
-        return getattr(coordinator, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
