@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import operator
-import threading
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optional, Tuple, cast
 
 import torch
@@ -33,6 +32,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from .. import functional as F_w
 from ..autograd import _transforms_active, grad_transformed
+from ..coordinator import _exporting, _get_ident, _graph_task_id, _version
 from ..fold import _autocast_enabled, _no_autocast, fold_layers
 from ..functional.batch import _FUSED_ON_CPU, LOW_PRECISION, low_precision_products_known, stats_samples
 from ._checks import FUNC_WHAT_TO_DO, check_not_tracing_function, onnx_exporting
@@ -89,11 +89,7 @@ else:
 __all__ = ["Step", "recomputing"]
 
 _compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", lambda: False)
-_exporting: Callable[[], bool] = getattr(torch.compiler, "is_exporting", lambda: False)
-_graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 _jit_tracing: Callable[[], bool] = torch._C._is_tracing
-_get_ident = threading.get_ident
-_version = operator.attrgetter("_version")
 #: The innermost saved-tensor hooks (activation checkpointing, ``save_on_cpu``), or ``None``; a torch without the
 #: query answers "some" (nothing handed over).
 _saved_tensor_hooks: Callable[[], Any] = (
@@ -274,8 +270,11 @@ class _StepMixin(_Layer):
         fused = _FUSED_ON_CPU[0] or device.type != "cpu"  # (functional.fused_moments_on, inline)
         if acc is None and x.dtype not in (torch.float32, torch.float64):  # (a bf16 / fp16 batch: see the docstring)
             x = x.float()
-        if block.s1.device != device:  # accumulators left on another device (or the meta device): moved
-            self._move_block_to(device)
+        if block.s1.device != device:  # accumulators left on another device (the meta device: a new, empty block)
+            if block.s1.is_meta or block.store.is_meta:
+                self._reset_accumulators(device)
+            else:
+                block.move(lambda t: t.to(device), None)
             acc = block.acc
         if block.shift is None:
             self._start_block(x.detach())
@@ -330,12 +329,11 @@ class _StepMixin(_Layer):
             else:
                 _count_outside_graph(self, step.rows)
             return
-        scope = step.scope
         block = self._block
         n = block.batches = block.batches + 1
         block.gather_next = n % block.every == 0
         if n >= block.length:
-            self._block_ends(weight, scope)
+            self._block_ends(weight, step.scope)
 
     def _count_without_data(self) -> None:
         """A batch this rank did not run, counted as the others count theirs (a rank that has joined under
@@ -445,22 +443,11 @@ class _StepMixin(_Layer):
             old = store.clone()
             self._start_block(None, old + s1_64 / n if n > 0 else None)
             d = store - old
-            if self.groups == 1:
-                sd = torch.outer(s1_64, d)
-                block.s2.copy_(block.s2.to(torch.float64) - sd - sd.t() + n * torch.outer(d, d))
-            else:  # the diagonal blocks (G, k, k)
-                a, b = s1_64.view(block.s2.shape[0], -1, 1), d.view(block.s2.shape[0], -1, 1)
-                sd = a @ b.transpose(1, 2)
-                block.s2.copy_(block.s2.to(torch.float64) - sd - sd.transpose(1, 2) + n * (b @ b.transpose(1, 2)))
+            a, b = s1_64.view(self.groups, -1, 1), d.view(self.groups, -1, 1)  # per group (s2: its diagonal blocks)
+            sd = a @ b.transpose(1, 2)
+            s2 = block.s2.to(torch.float64).view(sd.shape) - sd - sd.transpose(1, 2) + n * (b @ b.transpose(1, 2))
+            block.s2.copy_(s2.view(block.s2.shape))
             block.s1.copy_(s1_64 - n * d)
-
-    def _move_block_to(self, device: torch.device) -> None:
-        """Accumulators left on another device than the batch (the meta device: a new, empty block)."""
-        block = self._block
-        if block.s1.is_meta or block.store.is_meta:
-            self._reset_accumulators(device)
-        else:
-            block.move(lambda t: t.to(device), None)
 
 
 @torch.compiler.disable  # a graph break: the counting and a fold run eagerly
@@ -623,8 +610,7 @@ class _GradStep(_Layer):
                 self._cache.derived["absorbed"] = (bn, factor, param.data_ptr(), d, rows, mean_k, 1.0 - factor,
                                                    -factor)
             return
-        w = weight.detach()
-        w = w if w.dtype == d.dtype else w.to(d.dtype)
+        w = weight.detach().to(d.dtype)
         with _no_autocast(d.device):  # an out-of-place product under CUDA's autocast would run in bf16 / fp16
             d.lerp_(self._offset(w, state["running_mean"], state["bias_correction"]), factor)
 
