@@ -103,8 +103,7 @@ class _LayerDeferral:
                     f"the Q_s of the forward (remove the deferral, or do not write into grad_transform)")
             grad = self.transform(grad, q)
         if self.kept:
-            for part in self.kept:
-                grad = grad + part
+            grad = sum(self.kept, grad)
             self.kept.clear()
         return grad
 
@@ -141,12 +140,10 @@ class DeferredGradTransform:
         waiting = []
         for layer, state in zip(self.layers, self._states):
             state.handle.remove()
-            waits = state.open
-            if layer._deferral is not state:  # taken over by a later deferral
-                continue
-            layer._deferral = None
-            if waits:
-                waiting.append(layer)
+            if layer._deferral is state:  # (not taken over by a later deferral)
+                layer._deferral = None
+                if state.open:
+                    waiting.append(layer)
         if waiting:
             warnings.warn(
                 f"defer_grad_transform: removed while the backward of a forward made under it has not run "
@@ -165,25 +162,12 @@ class DeferredGradTransform:
 def _sharding(model: nn.Module, layers: Sequence[Any]) -> Optional[str]:
     """What shards the layers' weights, if anything does: an FSDP1 wrapper in the model, or DTensor weights (FSDP2's
     ``fully_shard``, tensor parallelism)."""
-    for module in model.modules():
-        if type(module).__name__ == "FullyShardedDataParallel":
-            return "FullyShardedDataParallel"
+    if any(type(module).__name__ == "FullyShardedDataParallel" for module in model.modules()):
+        return "FullyShardedDataParallel"
     for layer in layers:
         if hasattr(layer.weight, "to_local"):
             return f"the weight of {layer._describe()} is a {type(layer.weight).__name__}, as fully_shard makes it"
     return None
-
-
-def _check_optimizer(optimizer: Any) -> Any:
-    """``optimizer`` if it is one: a ``torch.optim.Optimizer``, or anything that steps like one (a wrapper such as
-    Accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``, a SAM implementation): the deferral
-    does not use it, but an argument that is no optimizer at all (a learning rate, a model) is a mistake."""
-    if isinstance(optimizer, torch.optim.Optimizer) or (callable(getattr(optimizer, "step", None))
-                                                        and hasattr(optimizer, "param_groups")):
-        return optimizer
-    raise TypeError(
-        f"defer_grad_transform: expected optimizers (torch.optim.Optimizer, or a wrapper of one with `step` and "
-        f"`param_groups`) after the model, but got {type(optimizer).__name__}; no optimizer is needed")
 
 
 def defer_grad_transform(model: nn.Module, *optimizers: torch.optim.Optimizer) -> DeferredGradTransform:
@@ -249,15 +233,22 @@ def defer_grad_transform(model: nn.Module, *optimizers: torch.optim.Optimizer) -
             f"defer_grad_transform: {type(model).__name__} is sharded ({sharding}): its forward uses a gathered "
             f"copy of each weight, not the parameter, so the deferral cannot hook it; use the default transform in "
             f"the backward, which transforms each gradient before it is sharded")
-    optimizers = tuple(_check_optimizer(opt) for opt in optimizers)
+    # Each optimizer a torch.optim.Optimizer, or anything that steps like one (a wrapper such as Accelerate's
+    # AcceleratedOptimizer, Lightning's LightningOptimizer, a SAM implementation): the deferral does not use it, but
+    # an argument that is no optimizer at all (a learning rate, a model) is a mistake.
+    for optimizer in optimizers:
+        if not (isinstance(optimizer, torch.optim.Optimizer) or (callable(getattr(optimizer, "step", None))
+                                                                 and hasattr(optimizer, "param_groups"))):
+            raise TypeError(
+                f"defer_grad_transform: expected optimizers (torch.optim.Optimizer, or a wrapper of one with `step` "
+                f"and `param_groups`) after the model, but got {type(optimizer).__name__}; no optimizer is needed")
     # a frozen weight: nothing to hook; a parametrized one (weight_norm, ...): computed anew in each forward
     deferred = [layer for layer in layers if layer.weight.requires_grad and layer.weight.is_leaf]
     for layer in deferred:
         earlier = layer._deferral
-        if isinstance(earlier, _LayerDeferral):  # deferred already: this deferral takes the layer over
+        if earlier is not None:  # deferred already: this deferral takes the layer over
             earlier.handle.remove()
-        state = _LayerDeferral(layer)
-        if isinstance(earlier, _LayerDeferral) and earlier.weight is state.weight:
+        state = layer._deferral = _LayerDeferral(layer)
+        if earlier is not None and earlier.weight is state.weight:
             state.q, state.q_version, state.open, state.kept = earlier.q, earlier.q_version, earlier.open, earlier.kept
-        layer._deferral = state
     return DeferredGradTransform(deferred, optimizers)
