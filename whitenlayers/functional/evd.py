@@ -88,15 +88,16 @@ def whitening_gains(
     return torch.where(keep, g, torch.ones_like(g))
 
 
-def _zca_from_eig(lam: Tensor, vec: Tensor, eps: float, gmax: float, gains: str) -> Tuple[Tensor, Tensor]:
-    """``T = V diag(g)^(1/2) V^T`` and ``Q = V diag(g) V^T`` from decreasing eigenpairs (batched on leading dims)."""
-    return _from_gains(vec, whitening_gains(lam, eps=eps, gmax=gmax, gains=gains))
-
-
-def _from_gains(vec: Tensor, gains: Tensor) -> Tuple[Tensor, Tensor]:
-    """``T = V diag(g)^(1/2) V^T`` and ``Q = V diag(g) V^T`` (batched on leading dims)."""
-    g = gains.unsqueeze(-2)
-    vt = vec.transpose(-1, -2)
+def _zca_from_eig(lam: Tensor, vec: Tensor, eps: float, gmax: float, gains: str,
+                  grouped: bool = False) -> Tuple[Tensor, Tensor]:
+    """``T = V diag(g)^(1/2) V^T`` and ``Q = V diag(g) V^T`` from decreasing eigenpairs (batched on leading dims).
+    ``grouped``: the blocks ``(G, k)``, ``(G, k, k)`` of one layer, ``T_g`` and ``Q_g`` per block with the layer-wide
+    gains (:func:`grouped_whitening_gains`)."""
+    gains_of = grouped_whitening_gains if grouped else whitening_gains
+    g = gains_of(lam, eps=eps, gmax=gmax, gains=gains)
+    if grouped and lam.shape[-1] == 1:  # depthwise: the gains themselves
+        return g.sqrt().unsqueeze(-1), g.unsqueeze(-1)
+    g, vt = g.unsqueeze(-2), vec.transpose(-1, -2)
     return symmetrize((vec * g.sqrt()) @ vt), symmetrize((vec * g) @ vt)
 
 
@@ -229,14 +230,6 @@ def _grouped_eigh(covs: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
     return lam, vec
 
 
-def _zca_grouped(lam: Tensor, vec: Tensor, eps: float, gmax: float, gains: str) -> Tuple[Tensor, Tensor]:
-    """``T_g = V_g diag(g_g)^(1/2) V_g^T`` and ``Q_g = V_g diag(g_g) V_g^T`` per block, layer-wide gains."""
-    g = grouped_whitening_gains(lam, eps=eps, gmax=gmax, gains=gains)
-    if lam.shape[-1] == 1:
-        return g.sqrt().unsqueeze(-1), g.unsqueeze(-1)
-    return _from_gains(vec, g)
-
-
 def evd_transform_grouped(
     covs: Tensor, *, eps: float, gmax: float, gains: str = "practical"
 ) -> Optional[Tuple[Tensor, Tensor]]:
@@ -253,7 +246,7 @@ def evd_transform_grouped(
             ``gains="zca"``).
     """
     dec = _grouped_eigh(covs)
-    return None if dec is None else _finite_in(*_zca_grouped(*dec, eps, gmax, gains), covs.dtype)
+    return None if dec is None else _finite_in(*_zca_from_eig(*dec, eps, gmax, gains, grouped=True), covs.dtype)
 
 
 def evd_transform_grouped_batched(
@@ -291,7 +284,7 @@ def evd_transform_grouped_batched(
         if dec is not None:
             li, vi = dec.eigenvalues[pos : pos + g].flip(-1), dec.eigenvectors[pos : pos + g].flip(-1)
             if all_finite(li, vi):
-                res = _finite_in(*_zca_grouped(li, vi, eps, gmax, gains), covs[i].dtype)
+                res = _finite_in(*_zca_from_eig(li, vi, eps, gmax, gains, grouped=True), covs[i].dtype)
         pos += g
         out[i] = res if res is not None else evd_transform_grouped(covs[i], eps=eps, gmax=gmax, gains=gains)
     return out
