@@ -443,10 +443,9 @@ def batch_key_of(rule: TransformRule, num_features: int, state_dtype: torch.dtyp
 def rule_identity(rule: TransformRule) -> str:
     """The rule's name and config as saved in a layer's checkpoint: a JSON object, ``{"rule": <name>, <field>:
     <value>, ...}`` (fields in the config's order; a value JSON cannot hold as its ``repr``)."""
-    fields: Dict[str, Any] = {"rule": rule.name}
-    for key, value in dataclasses.asdict(rule.config).items():
-        fields[key] = value if isinstance(value, (bool, int, float, str, type(None))) else repr(value)
-    return json.dumps(fields, separators=(",", ":"))
+    fields = {key: value if isinstance(value, (bool, int, float, str, type(None))) else repr(value)
+              for key, value in dataclasses.asdict(rule.config).items()}
+    return json.dumps({"rule": rule.name, **fields}, separators=(",", ":"))
 
 
 def check_result(result: Any, shape: Tuple[int, ...], buffers: Dict[str, Tensor]
