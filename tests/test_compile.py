@@ -286,7 +286,7 @@ def test_compiled_bf16_statistics_take_the_tensor_core_split():
 
     try:
         with pytest.MonkeyPatch.context() as mp, wl.functional.fused_moments(True):
-            mp.setitem(wl.functional.batch._LOWP_PRODUCTS, "cpu", True)
+            mp.setitem(wl.functional.batch._LOWP_PRODUCTS["addmm"], "cpu", True)
             torch._dynamo.reset()
             counters.clear()
             compiled_model, eager = make(), make()

@@ -44,35 +44,26 @@ def _channels_last(x: Tensor) -> bool:
 def _feature_matmul(mat: Tensor, x: Tensor) -> Tensor:
     """``out[:, i, ...] = sum_j mat[i, j] x[:, j, ...]`` for ``x`` of shape ``(B, M, *)``.
 
-    ``mat`` may be a block-diagonal ``(G, k, k)`` stack (grouped whitening).
+    ``mat`` may be a block-diagonal ``(G, k, k)`` stack (grouped whitening): group ``g``'s features times ``mat[g]``.
     """
-    if mat.dim() == 3:
-        return _grouped_feature_matmul(mat, x)
     mat = mat.to(x.dtype)
     if x.numel() == 0:
         return torch.empty_like(x)  # keeps the memory format, which the paths below lose for an empty batch
+    if mat.dim() == 3:
+        g, k = mat.shape[0], mat.shape[-1]
+        if k == 1:  # depthwise: a scale per channel, in x's own layout
+            return x * mat.reshape((1, g) + (1,) * (x.dim() - 2))
+        if x.dim() == 4 and _channels_last(x):
+            xl = x.permute(0, 2, 3, 1)  # (B, H, W, M), contiguous
+            out = (xl.reshape(xl.shape[:3] + (g, 1, k)) @ mat.transpose(-1, -2)).reshape(xl.shape)
+            return out.permute(0, 3, 1, 2)
+        return torch.matmul(mat, x.reshape(x.shape[0], g, k, -1)).reshape(x.shape)  # (B, G, k, P)
     if x.dim() == 2:
         return x @ mat.t()
     if x.dim() == 4 and _channels_last(x):
         # (B, H, W, M) view: one matrix product, result kept channels_last.
         return (x.permute(0, 2, 3, 1) @ mat.t()).permute(0, 3, 1, 2)
     return torch.matmul(mat, x.flatten(2)).reshape(x.shape)  # flatten(2): also valid for an empty batch
-
-
-def _grouped_feature_matmul(mat: Tensor, x: Tensor) -> Tensor:
-    """:func:`_feature_matmul` with a block-diagonal ``mat`` ``(G, k, k)``: group ``g``'s features times ``mat[g]``."""
-    mat = mat.to(x.dtype)
-    g, k = mat.shape[0], mat.shape[-1]
-    if x.numel() == 0:
-        return torch.empty_like(x)
-    if k == 1:  # depthwise: a scale per channel, in x's own layout
-        return x * mat.reshape((1, g) + (1,) * (x.dim() - 2))
-    if x.dim() == 4 and _channels_last(x):
-        xl = x.permute(0, 2, 3, 1)  # (B, H, W, M), contiguous
-        out = (xl.reshape(xl.shape[:3] + (g, 1, k)) @ mat.transpose(-1, -2)).reshape(xl.shape)
-        return out.permute(0, 3, 1, 2)
-    xb = x.reshape(x.shape[0], g, k, -1)  # (B, G, k, P)
-    return torch.matmul(mat, xb).reshape(x.shape)
 
 
 def _transform_mean(transform: Tensor, mean: Tensor) -> Tensor:

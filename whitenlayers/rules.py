@@ -228,9 +228,8 @@ class EVDRule(TransformRule):
         if num_features // groups > self.BATCH_MAX_M and not F_w.fused_moments_on(device):
             return None
         c = self.config
-        if groups != 1:  # grouped layers with blocks of one size share one batched eigh
-            return ("evd-grouped", num_features // groups, self.work_dtype(state_dtype), device, c.eps, c.gmax, c.gains)
-        return ("evd", num_features, self.work_dtype(state_dtype), device, c.eps, c.gmax, c.gains)
+        kind = "evd" if groups == 1 else "evd-grouped"  # grouped layers with blocks of one size share one eigh
+        return (kind, num_features // groups, self.work_dtype(state_dtype), device, c.eps, c.gmax, c.gains)
 
     def compute_batched(self, fold: Fold, states: Sequence[Dict[str, Tensor]], state_dtype: torch.dtype) -> List[Any]:
         work = self.work_dtype(state_dtype)
@@ -444,10 +443,9 @@ def batch_key_of(rule: TransformRule, num_features: int, state_dtype: torch.dtyp
 def rule_identity(rule: TransformRule) -> str:
     """The rule's name and config as saved in a layer's checkpoint: a JSON object, ``{"rule": <name>, <field>:
     <value>, ...}`` (fields in the config's order; a value JSON cannot hold as its ``repr``)."""
-    fields: Dict[str, Any] = {"rule": rule.name}
-    for key, value in dataclasses.asdict(rule.config).items():
-        fields[key] = value if isinstance(value, (bool, int, float, str, type(None))) else repr(value)
-    return json.dumps(fields, separators=(",", ":"))
+    fields = {key: value if isinstance(value, (bool, int, float, str, type(None))) else repr(value)
+              for key, value in dataclasses.asdict(rule.config).items()}
+    return json.dumps({"rule": rule.name, **fields}, separators=(",", ":"))
 
 
 def check_result(result: Any, shape: Tuple[int, ...], buffers: Dict[str, Tensor]
@@ -461,15 +459,15 @@ def check_result(result: Any, shape: Tuple[int, ...], buffers: Dict[str, Tensor]
         return None, []
     if not isinstance(result, RuleResult):
         return f"update returned a {type(result).__name__}, not a RuleResult", []
-    tensors = {"transform": result.transform, "gram": result.gram}
     if not isinstance(result.buffers, dict):
         return f"RuleResult.buffers must be a dict, but got {type(result.buffers).__name__}", []
     unknown = [k for k in result.buffers if k not in buffers]
     if unknown:
         return (f"RuleResult.buffers holds {', '.join(map(repr, unknown))}, which are not among the rule's buffers "
                 f"({', '.join(map(repr, buffers)) or 'none'}: initial_buffers)"), []
-    for what, t in list(tensors.items()) + [(f"buffer {k!r}", v) for k, v in result.buffers.items()]:
-        want = shape if what in ("transform", "gram") else tuple(buffers[what[8:-1]].shape)
+    tensors = [("transform", result.transform, shape), ("gram", result.gram, shape)]
+    tensors += [(f"buffer {k!r}", v, tuple(buffers[k].shape)) for k, v in result.buffers.items()]
+    for what, t, want in tensors:
         if not isinstance(t, Tensor):
             return f"{what} is a {type(t).__name__}, not a tensor", []
         if tuple(t.shape) != tuple(want):
@@ -477,9 +475,8 @@ def check_result(result: Any, shape: Tuple[int, ...], buffers: Dict[str, Tensor]
         if t.dtype not in (torch.float32, torch.float64):
             return f"{what} has dtype {t.dtype}, but must be float32 or float64", []
     q = result.gram
-    k = q.shape[-1]
-    tol = 4.0 * max(k, 16) * torch.finfo(q.dtype).eps
-    finite = torch.stack([t.isfinite().all() for t in [result.transform, q, *result.buffers.values()]]).all()
+    tol = 4.0 * max(q.shape[-1], 16) * torch.finfo(q.dtype).eps
+    finite = torch.stack([t.isfinite().all() for _, t, _ in tensors]).all()
     symmetric = (q - q.mT).abs().amax() <= tol * q.abs().amax()
     return None, [finite, symmetric]
 
@@ -488,16 +485,12 @@ def check_results(results: Sequence[Any], shapes: Sequence[Tuple[int, ...]], buf
                   ) -> List[Optional[str]]:
     """:func:`check_result` of each of ``results`` (layers with matrices of ``shapes`` and rule buffers
     ``buffers``): the problem of each, or ``None``; the device checks of all read in one host synchronisation."""
-    problems: List[Optional[str]] = []
-    pending: List[Tuple[int, List[Tensor]]] = []
-    for k, (result, shape, own) in enumerate(zip(results, shapes, buffers)):
-        problem, checks = check_result(result, shape, own)
-        problems.append(problem)
-        if problem is None and checks:
-            pending.append((k, checks))
+    checked = [check_result(*args) for args in zip(results, shapes, buffers)]
+    problems = [problem for problem, _ in checked]
+    pending = [k for k, (_, checks) in enumerate(checked) if checks]  # (checks only where there is no problem)
     if pending:
-        flags = torch.stack([torch.stack(checks) for _, checks in pending]).tolist()
-        for (k, _), (finite, symmetric) in zip(pending, flags):
+        flags = torch.stack([torch.stack(checked[k][1]) for k in pending]).tolist()
+        for k, (finite, symmetric) in zip(pending, flags):
             if not finite:
                 problems[k] = "non-finite values"
             elif not symmetric:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import math
-from typing import Iterator, Optional, Tuple, Union
+from typing import Dict, Iterator, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -185,26 +185,37 @@ def fused_moments(on_cpu: bool = True) -> Iterator[None]:
 
 #: Low-precision dtypes whose products :func:`accumulate_moments` can take as they are, with float32 output.
 LOW_PRECISION = (torch.bfloat16, torch.float16)
-_LOWP_PRODUCTS: dict = {}  # device type -> whether addmm takes out_dtype there
+#: Product -> device type -> whether that product takes ``out_dtype`` there (:func:`_probe_out_dtype`).
+_LOWP_PRODUCTS: Dict[str, Dict[str, bool]] = {"addmm": {}, "bmm": {}, "baddbmm": {}}
 
 
-def _probe_out_dtype(device: torch.device) -> bool:
-    """Whether this torch multiplies bf16 operands into a float32 result on ``device`` (``torch.addmm(...,
-    out_dtype=torch.float32, out=acc)``): tried once per device type on tiny tensors (CUDA, torch 2.11 at least;
-    the CPU has no such kernel)."""
-    key = device.type
-    if key not in _LOWP_PRODUCTS:
+def _probe_out_dtype(device: torch.device, product: str = "addmm") -> bool:
+    """Whether this torch multiplies bf16 operands into a float32 result on ``device`` with ``product``, tried once
+    per device type on tiny tensors (CUDA; the CPU has no such kernel): ``"addmm"``, ``torch.addmm(...,
+    out_dtype=torch.float32, out=acc)`` runs (torch 2.11 at least); ``"bmm"``, ``torch.bmm(bf16, bf16,
+    out_dtype=torch.float32)`` gives the float32 products (torch 2.8 and later); ``"baddbmm"``, ``torch.baddbmm(acc,
+    bf16, bf16, out_dtype=torch.float32, out=acc)`` adds them into a strided float32 ``acc``."""
+    known, key = _LOWP_PRODUCTS[product], device.type
+    if key not in known:
         ok = False
         if device.type == "cuda":
-            a = torch.ones(4, 3, dtype=torch.bfloat16, device=device)
-            acc = torch.zeros(3, 3, device=device)
+            a = (torch.arange(24, device=device).view(2, 4, 3) % 5 - 2).to(torch.bfloat16)
             try:
-                torch.addmm(acc, a.t(), a, out_dtype=torch.float32, out=acc)
-                ok = True
+                want = a.mT.float() @ a.float()
+                if product == "addmm":
+                    acc = torch.zeros(3, 3, device=device)
+                    torch.addmm(acc, a[0].t(), a[0], out_dtype=torch.float32, out=acc)
+                    ok = True
+                elif product == "bmm":
+                    ok = bool(torch.equal(torch.bmm(a.mT, a, out_dtype=torch.float32), want))
+                else:
+                    acc = torch.ones(2, 3, 8, device=device)[:, :, :3]
+                    torch.baddbmm(acc, a.mT, a, out_dtype=torch.float32, out=acc)
+                    ok = bool(torch.equal(acc, want + 1))
             except (RuntimeError, TypeError, NotImplementedError):
                 pass
-        _LOWP_PRODUCTS[key] = ok
-    return _LOWP_PRODUCTS[key]
+        known[key] = ok
+    return known[key]
 
 
 def low_precision_products_known(device: torch.device) -> bool:
@@ -212,7 +223,7 @@ def low_precision_products_known(device: torch.device) -> bool:
     traced graph reads (nothing may run there; the layers try the product where they are built or moved)."""
     if device.type == "cpu":
         return _FUSED_ON_CPU[0]
-    return device.type == "cuda" and _LOWP_PRODUCTS.get(device.type, False)
+    return device.type == "cuda" and _LOWP_PRODUCTS["addmm"].get(device.type, False)
 
 
 def low_precision_products_on(device: torch.device) -> bool:

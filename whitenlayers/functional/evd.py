@@ -21,10 +21,8 @@ __all__ = ["whitening_gains", "evd_transform", "evd_transform_batched", "damped_
 def eigh_dtype(cov: Tensor) -> torch.dtype:
     """The dtype ``eigh`` works in for ``cov``: float64 on CUDA (cuSOLVER's float64 ``syevd`` took 245 ms for
     ResNet-50's 52 covariances where float32 took 318 ms, on an H100 with torch 2.11, a probe since retired;
-    and it is the more accurate), else ``cov``'s dtype when float32 / float64, else float32."""
-    if cov.is_cuda:
-        return torch.float64
-    return cov.dtype if cov.dtype in (torch.float32, torch.float64) else torch.float32
+    and it is the more accurate), else :func:`cholesky_dtype`: ``cov``'s dtype when float32 / float64, else float32."""
+    return torch.float64 if cov.is_cuda else cholesky_dtype(cov)
 
 
 def robust_eigh(cov: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
@@ -88,16 +86,22 @@ def whitening_gains(
     return torch.where(keep, g, torch.ones_like(g))
 
 
-def _zca_from_eig(lam: Tensor, vec: Tensor, eps: float, gmax: float, gains: str) -> Tuple[Tensor, Tensor]:
-    """``T = V diag(g)^(1/2) V^T`` and ``Q = V diag(g) V^T`` from decreasing eigenpairs (batched on leading dims)."""
-    return _from_gains(vec, whitening_gains(lam, eps=eps, gmax=gmax, gains=gains))
-
-
-def _from_gains(vec: Tensor, gains: Tensor) -> Tuple[Tensor, Tensor]:
-    """``T = V diag(g)^(1/2) V^T`` and ``Q = V diag(g) V^T`` (batched on leading dims)."""
-    g = gains.unsqueeze(-2)
-    vt = vec.transpose(-1, -2)
+def _zca_from_eig(lam: Tensor, vec: Tensor, eps: float, gmax: float, gains: str,
+                  grouped: bool = False) -> Tuple[Tensor, Tensor]:
+    """``T = V diag(g)^(1/2) V^T`` and ``Q = V diag(g) V^T`` from decreasing eigenpairs (batched on leading dims).
+    ``grouped``: the blocks ``(G, k)``, ``(G, k, k)`` of one layer, ``T_g`` and ``Q_g`` per block with the layer-wide
+    gains (:func:`grouped_whitening_gains`)."""
+    gains_of = grouped_whitening_gains if grouped else whitening_gains
+    g = gains_of(lam, eps=eps, gmax=gmax, gains=gains)
+    if grouped and lam.shape[-1] == 1:  # depthwise: the gains themselves
+        return g.sqrt().unsqueeze(-1), g.unsqueeze(-1)
+    g, vt = g.unsqueeze(-2), vec.transpose(-1, -2)
     return symmetrize((vec * g.sqrt()) @ vt), symmetrize((vec * g) @ vt)
+
+
+def _finite_in(t: Tensor, q: Tensor, dtype: torch.dtype) -> Optional[Tuple[Tensor, Tensor]]:
+    """``(T, Q)`` converted to ``dtype``, or ``None`` when either is not finite."""
+    return (t.to(dtype), q.to(dtype)) if all_finite(t, q) else None
 
 
 def evd_transform(
@@ -117,12 +121,7 @@ def evd_transform(
         ``(T, Q)``, both ``(M, M)``, or ``None``.
     """
     dec = robust_eigh(cov)
-    if dec is None:
-        return None
-    t, q = _zca_from_eig(*dec, eps, gmax, gains)
-    if not all_finite(t, q):
-        return None
-    return t.to(cov.dtype), q.to(cov.dtype)
+    return None if dec is None else _finite_in(*_zca_from_eig(*dec, eps, gmax, gains), cov.dtype)
 
 
 def evd_transform_batched(
@@ -150,32 +149,26 @@ def evd_transform_batched(
     Returns:
         One ``(T, Q)`` or ``None`` per matrix.
     """
-    k = covs.shape[0]
-    out: List[Optional[Tuple[Tensor, Tensor]]] = [None] * k
-    if k == 0:
-        return out
+    if covs.shape[0] == 0:
+        return []
     work = eigh_dtype(covs)
     finite_in = torch.isfinite(covs).flatten(1).all(1)  # on the device: read below with the results' check
     eye = torch.eye(covs.shape[-1], dtype=covs.dtype, device=covs.device)
     try:
         lam, vec = torch.linalg.eigh(symmetrize(torch.where(finite_in.view(-1, 1, 1), covs, eye).to(work)))
     except RuntimeError:  # torch.linalg.LinAlgError is a RuntimeError
-        lam = vec = None
-    if lam is None:
-        retry = list(range(k))  # evd_transform: None for a non-finite matrix, else working precision, float64
-    else:
-        assert vec is not None  # set with lam
-        t, q = _zca_from_eig(lam.flip(-1), vec.flip(-1), eps, gmax, gains)
-        # One host synchronisation for the inputs, the decomposition and the transforms: a finite matrix whose
-        # eigenpairs or transforms are not finite goes through evd_transform alone (working precision, float64).
-        ok_in, ok = torch.stack([finite_in, finite_each(lam, vec, t, q)]).tolist()
-        t, q = t.to(covs.dtype), q.to(covs.dtype)  # one conversion per stack; views of it below
-        retry = [j for j in range(k) if ok_in[j] and not ok[j]]
-        for j, (tj, qj) in enumerate(zip(t.unbind(0), q.unbind(0))):  # one unbind each, not an index per layer
-            if ok_in[j] and ok[j]:
-                out[j] = (tj, qj)
-    for i in retry:
-        out[i] = evd_transform(covs[i], eps=eps, gmax=gmax, gains=gains)
+        # each alone: None for a non-finite matrix, else working precision, then float64
+        return [evd_transform(c, eps=eps, gmax=gmax, gains=gains) for c in covs]
+    t, q = _zca_from_eig(lam.flip(-1), vec.flip(-1), eps, gmax, gains)
+    # One host synchronisation for the inputs, the decomposition and the transforms: a finite matrix whose
+    # eigenpairs or transforms are not finite goes through evd_transform alone (working precision, float64).
+    ok_in, ok = torch.stack([finite_in, finite_each(lam, vec, t, q)]).tolist()
+    t, q = t.to(covs.dtype), q.to(covs.dtype)  # one conversion per stack; views of it below
+    # one unbind each, not an index per layer
+    out = [tq if ok_in[j] and ok[j] else None for j, tq in enumerate(zip(t.unbind(0), q.unbind(0)))]
+    for j in range(len(out)):
+        if ok_in[j] and not ok[j]:
+            out[j] = evd_transform(covs[j], eps=eps, gmax=gmax, gains=gains)
     return out
 
 
@@ -235,14 +228,6 @@ def _grouped_eigh(covs: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
     return lam, vec
 
 
-def _zca_grouped(lam: Tensor, vec: Tensor, eps: float, gmax: float, gains: str) -> Tuple[Tensor, Tensor]:
-    """``T_g = V_g diag(g_g)^(1/2) V_g^T`` and ``Q_g = V_g diag(g_g) V_g^T`` per block, layer-wide gains."""
-    g = grouped_whitening_gains(lam, eps=eps, gmax=gmax, gains=gains)
-    if lam.shape[-1] == 1:
-        return g.sqrt().unsqueeze(-1), g.unsqueeze(-1)
-    return _from_gains(vec, g)
-
-
 def evd_transform_grouped(
     covs: Tensor, *, eps: float, gmax: float, gains: str = "practical"
 ) -> Optional[Tuple[Tensor, Tensor]]:
@@ -259,12 +244,7 @@ def evd_transform_grouped(
             ``gains="zca"``).
     """
     dec = _grouped_eigh(covs)
-    if dec is None:
-        return None
-    t, q = _zca_grouped(*dec, eps, gmax, gains)
-    if not all_finite(t, q):
-        return None
-    return t.to(covs.dtype), q.to(covs.dtype)
+    return None if dec is None else _finite_in(*_zca_from_eig(*dec, eps, gmax, gains, grouped=True), covs.dtype)
 
 
 def evd_transform_grouped_batched(
@@ -286,30 +266,23 @@ def evd_transform_grouped_batched(
     Returns:
         One ``(T, Q)`` (as blocks) or ``None`` per layer.
     """
-    out: List[Optional[Tuple[Tensor, Tensor]]] = [None] * len(covs)
-    if not covs:
-        return out
-    k = covs[0].shape[-1]
     finite = [i for i, c in enumerate(covs) if all_finite(c)]
-    if k == 1 or len(finite) < 2:
-        return [evd_transform_grouped(c, eps=eps, gmax=gmax, gains=gains) if i in finite else None
-                for i, c in enumerate(covs)]
-    work = eigh_dtype(covs[finite[0]])
-    try:
-        lam, vec = torch.linalg.eigh(symmetrize(torch.cat([covs[i].to(work) for i in finite])))
-    except RuntimeError:  # torch.linalg.LinAlgError is a RuntimeError
-        lam = vec = None
+    dec = None  # one batched eigh for two layers or more (none for depthwise blocks: no eigh at all)
+    if len(finite) > 1 and covs[0].shape[-1] > 1:
+        work = eigh_dtype(covs[finite[0]])
+        try:
+            dec = torch.linalg.eigh(symmetrize(torch.cat([covs[i].to(work) for i in finite])))
+        except RuntimeError:  # torch.linalg.LinAlgError is a RuntimeError
+            pass
+    out: List[Optional[Tuple[Tensor, Tensor]]] = [None] * len(covs)
     pos = 0
     for i in finite:
         g = covs[i].shape[0]
         res = None
-        if lam is not None:
-            assert vec is not None  # set with lam
-            li, vi = lam[pos:pos + g].flip(-1), vec[pos:pos + g].flip(-1)
+        if dec is not None:
+            li, vi = dec.eigenvalues[pos : pos + g].flip(-1), dec.eigenvectors[pos : pos + g].flip(-1)
             if all_finite(li, vi):
-                t, q = _zca_grouped(li, vi, eps, gmax, gains)
-                if all_finite(t, q):
-                    res = (t.to(covs[i].dtype), q.to(covs[i].dtype))
+                res = _finite_in(*_zca_from_eig(li, vi, eps, gmax, gains, grouped=True), covs[i].dtype)
         pos += g
         out[i] = res if res is not None else evd_transform_grouped(covs[i], eps=eps, gmax=gmax, gains=gains)
     return out

@@ -149,11 +149,8 @@ def summarize_block(count: Tensor, shift: Tensor, s1: Tensor, s2: Tensor, *, inp
     shift = shift.to(torch.float64)
     mean = shift + s1.to(torch.float64) / _per_layer(torch.clamp(n, min=1.0), s1)
     power = block_power(count, shift, s1, s2)  # (from s2's diagonal: before s2 is overwritten)
-    if not (inplace and s2.dtype == torch.float64):
-        return BlockSummary(n, mean, symmetrize(scatter_about(count, shift, s1, s2, mean)), power)
-    scatter = scatter_about(count, shift, s1, s2, mean, inplace=True)
-    out = torch.empty_like(scatter)  # symmetrize(scatter), written where no operand lives
-    return BlockSummary(n, mean, torch.add(scatter, scatter.mT, out=out).mul_(0.5), power)
+    scatter = scatter_about(count, shift, s1, s2, mean, inplace=inplace and s2.dtype == torch.float64)
+    return BlockSummary(n, mean, symmetrize(scatter), power)
 
 
 def block_power(count: Tensor, shift: Tensor, s1: Tensor, s2: Tensor) -> Tensor:

@@ -9,7 +9,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from .batch import _ACC_ROW_ALIGN, LOW_PRECISION, _ones, _rows_layout
+from .batch import _ACC_ROW_ALIGN, LOW_PRECISION, _ones, _probe_out_dtype, _rows_layout
 from .moments import BlockSummary
 
 __all__ = ["accumulate_moments_grouped", "stack_shifts", "stacked_moments_accumulator"]
@@ -74,7 +74,7 @@ def accumulate_moments_grouped(acc: Tensor, xs: Sequence[Tensor],
     if shifts is not None:  # x - k in the accumulators' dtype (a bf16 batch is promoted by the subtraction)
         k = shifts if isinstance(shifts, Tensor) else stack_shifts(shifts, m, dtype)
         a = torch.sub(a, k.unsqueeze(samples))
-    lowp = a.dtype != dtype and a.dtype in LOW_PRECISION and _probe_bmm_out_dtype(a.device)
+    lowp = a.dtype != dtype and a.dtype in LOW_PRECISION and _probe_out_dtype(a.device, "bmm")
     if a.dtype != dtype and not lowp:
         a = a.to(dtype)
     left, right = (a.mT, a) if features == 2 else (a, a.mT)
@@ -85,7 +85,7 @@ def accumulate_moments_grouped(acc: Tensor, xs: Sequence[Tensor],
     if not lowp:
         s2.baddbmm_(left, right)
         s1.baddbmm_(left, ones)
-    elif _probe_bmm_out_dtype(a.device, in_place=True):  # bf16 / fp16 products into float32 on tensor cores, in place
+    elif _probe_out_dtype(a.device, "baddbmm"):  # bf16 / fp16 products into float32 on tensor cores, in place
         torch.baddbmm(s2, left, right, out_dtype=dtype, out=s2)
         torch.baddbmm(s1, left, ones, out_dtype=dtype, out=s1)
     else:  # the products into float32, then added (out of place: outside autocast, which would cast them)
@@ -121,33 +121,6 @@ def stacked_moments_accumulator(layers: int, num_features: int, dtype: torch.dty
     """
     m1 = num_features + 1
     return torch.zeros(layers, m1, -(-m1 // _ACC_ROW_ALIGN) * _ACC_ROW_ALIGN, dtype=dtype, device=device)[:, :, :m1]
-
-
-_LOWP_BMM: dict = {}  # (device type, in place) -> whether (b)addbmm takes out_dtype there
-
-
-def _probe_bmm_out_dtype(device: torch.device, in_place: bool = False) -> bool:
-    """Whether ``torch.bmm(bf16, bf16, out_dtype=torch.float32)`` runs on ``device`` (CUDA, torch 2.8 and later;
-    the CPU has no such kernel); ``in_place``: whether ``torch.baddbmm(acc, bf16, bf16, out_dtype=torch.float32,
-    out=acc)`` adds the products into a strided float32 ``acc`` (checked against the float32 products). Tried once
-    per device type."""
-    key = (device.type, in_place)
-    if key not in _LOWP_BMM:
-        ok = False
-        if device.type == "cuda":
-            a = (torch.arange(24, device=device).view(2, 4, 3) % 5 - 2).to(torch.bfloat16)
-            try:
-                want = a.mT.float() @ a.float()
-                if in_place:
-                    acc = torch.ones(2, 3, 8, device=device)[:, :, :3]
-                    torch.baddbmm(acc, a.mT, a, out_dtype=torch.float32, out=acc)
-                    ok = bool(torch.equal(acc, want + 1))
-                else:
-                    ok = bool(torch.equal(torch.bmm(a.mT, a, out_dtype=torch.float32), want))
-            except (RuntimeError, TypeError, NotImplementedError):
-                pass
-        _LOWP_BMM[key] = ok
-    return _LOWP_BMM[key]
 
 
 # The fold's stacks of layers' tensors (private helpers of whitenlayers.fold).
