@@ -37,8 +37,8 @@ from ._common import (
     DirectWhitenWrapper,
     Predicate,
     _coordinators,
-    _is_whitening,
     _share_hooks,
+    _swap_in,
 )
 from .absorb import absorbing_batchnorms
 from .targets import _LAYER_WORDS, ConversionReport, TargetSpec, _plan, whitening_layers
@@ -405,7 +405,7 @@ def convert_model(
                                  "fold_async=False, or wrap it in a module")
             model = new_by_id[id(model)]
         else:
-            _swap_in(model, new_by_id)
+            _swap_in(model, lambda m: new_by_id.get(id(m)))
             _install_coordinator(model, fold_strategy, fold_async)
         return (model, result) if report else model
 
@@ -434,14 +434,6 @@ def _check_not_quantized(model: nn.Module) -> None:
                 "and converting would drop it. Convert the float model, train it, then quantize the plain model: "
                 "wl.to_plain_model(copy.deepcopy(model)), prepare_qat and fine-tune (or prepare and calibrate)."
             )
-
-
-def _swap_in(model: nn.Module, new_by_id: Dict[int, nn.Module]) -> None:
-    """Put each new layer in its module's place in every parent that holds it (not inside a whitening layer)."""
-    for parent in list(model.modules()):
-        for child_name, child in list(parent._modules.items()):
-            if child is not None and id(child) in new_by_id and not _is_whitening(parent):
-                setattr(parent, child_name, new_by_id[id(child)])
 
 
 @contextlib.contextmanager
