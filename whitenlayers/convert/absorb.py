@@ -1,6 +1,7 @@
 """Which BatchNorm absorbs a layer's centring: a ``torch.fx`` trace of the enclosing block."""
 from __future__ import annotations
 
+import collections
 import copy
 import itertools
 import warnings
@@ -51,8 +52,7 @@ def _absorbing_batchnorm_ok(layer: nn.Module, bn: nn.Module) -> bool:
         kinds = (nn.BatchNorm1d, nn.SyncBatchNorm)
         features = cast(nn.Linear, layer).out_features
     return (isinstance(bn, kinds) and isinstance(bn, _BatchNorm) and bn.num_features == features
-            and not bn._forward_pre_hooks and not getattr(bn, "_forward_pre_hooks_with_kwargs", None)
-            and _removes_batch_mean(bn, len(getattr(layer, "kernel_size", ()))))
+            and not bn._forward_pre_hooks and _removes_batch_mean(bn, len(getattr(layer, "kernel_size", ()))))
 
 
 #: The forwards PyTorch's BatchNorms run: they normalise with the batch mean in training mode.
@@ -122,9 +122,7 @@ def absorbing_batchnorms(
     Whether the BatchNorm is in training mode is checked at every forward by
     the layer itself, not here.
     """
-    places: Dict[int, int] = {}
-    for _, m in model.named_modules(remove_duplicate=False):
-        places[id(m)] = places.get(id(m), 0) + 1
+    places = collections.Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
     leaves = {id(m) for _, m in targets}
     graphs: Dict[str, Optional[torch.fx.Graph]] = {}
 
@@ -139,11 +137,8 @@ def absorbing_batchnorms(
         return graphs[path]
 
     found: Dict[int, Tuple[nn.Module, nn.Module]] = {}
-    claims: Dict[int, int] = {}
     for name, layer in targets:
-        if not name or places.get(id(layer), 0) != 1 or layer._forward_hooks:
-            continue
-        if getattr(layer, "_forward_hooks_with_kwargs", None) or getattr(layer, "_forward_hooks_always_called", None):
+        if not name or places[id(layer)] != 1 or layer._forward_hooks:  # (every forward hook is in _forward_hooks)
             continue
         parts = name.split(".")
         for depth in range(len(parts) - 1, -1, -1):
@@ -169,8 +164,8 @@ def absorbing_batchnorms(
                 break
             path = f"{anc}.{user.target}" if anc else str(user.target)
             bn = model.get_submodule(path)
-            if places.get(id(bn), 0) == 1 and _absorbing_batchnorm_ok(layer, bn):
+            if places[id(bn)] == 1 and _absorbing_batchnorm_ok(layer, bn):
                 found[id(layer)] = (bn, model.get_submodule(path.rpartition(".")[0]))
-                claims[id(bn)] = claims.get(id(bn), 0) + 1
             break
+    claims = collections.Counter(id(bn) for bn, _ in found.values())
     return {k: v for k, v in found.items() if claims[id(v[0])] == 1}
