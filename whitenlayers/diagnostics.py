@@ -32,6 +32,7 @@ convs too.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -173,14 +174,6 @@ class _Moments:
         return block.scatter / block.count
 
 
-def _model_device(model: nn.Module) -> Optional[torch.device]:
-    for t in model.parameters():
-        return t.device
-    for t in model.buffers():
-        return t.device
-    return None
-
-
 @torch.no_grad()
 def collect_diagnostics(
     model: nn.Module,
@@ -244,8 +237,8 @@ def collect_diagnostics(
     """
     spec = TargetSpec(targets, predicate, block_types, include_linear, include_stem, include_classifier, max_features)
     positions = _targets(model, spec)
-    if device is None:
-        device = _model_device(model)
+    if device is None:  # the device of the model's first parameter or buffer
+        device = next((t.device for t in itertools.chain(model.parameters(), model.buffers())), None)
     moments: Dict[str, _Moments] = {}
     handles = []
     try:
@@ -265,15 +258,13 @@ def collect_diagnostics(
         for h in handles:
             h.remove()
     covs: Dict[str, Optional[Tensor]] = {}
-    kinds: Dict[str, str] = {}
     for name, module, kind in positions:
         cov = moments[name].covariance()
         if cov is not None and kind == "grad":
             t = cast(WhiteningLayer, module).whitening_matrix.to(device=cov.device, dtype=torch.float64)
             cov = F_w.symmetrize(F_w.whitened_covariance(t, cov))
         covs[name] = cov
-        kinds[name] = kind
-    result = summarize(covs, kinds)
+    result = summarize(covs, {name: kind for name, _, kind in positions})
     missing = [n for n, v in result.kappa.items() if not math.isfinite(v)]
     if missing:
         warnings.warn(f"collect_diagnostics: no finite statistics for {len(missing)} layer(s), e.g. {missing[0]!r}; "
