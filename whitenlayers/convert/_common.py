@@ -48,11 +48,10 @@ def _is_whitening(m: nn.Module) -> bool:
 def _share_hooks(src: nn.Module, dst: nn.Module, names: Iterable[str], move: bool = False) -> None:
     """Give ``dst`` the very hook dictionaries of ``src`` (existing handles keep working)."""
     for attr in names:
-        if hasattr(src, attr):
-            d = getattr(src, attr)
-            setattr(dst, attr, d)
-            if move:
-                setattr(src, attr, type(d)() if isinstance(d, dict) else None)
+        d = getattr(src, attr)
+        setattr(dst, attr, d)
+        if move:
+            setattr(src, attr, type(d)() if isinstance(d, dict) else None)
 
 
 def _swap_in(model: nn.Module, new_for: Callable[[nn.Module], Optional[nn.Module]]) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import functools
 import itertools
 import warnings
 from typing import (
@@ -124,17 +125,15 @@ def absorbing_batchnorms(
     """
     places = collections.Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
     leaves = {id(m) for _, m in targets}
-    graphs: Dict[str, Optional[torch.fx.Graph]] = {}
 
+    @functools.lru_cache(maxsize=None)
     def graph_of(path: str) -> Optional[torch.fx.Graph]:
-        if path not in graphs:
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    graphs[path] = _DataflowTracer(leaves).trace(model.get_submodule(path))
-            except Exception:  # untraceable forward: nothing absorbed there
-                graphs[path] = None
-        return graphs[path]
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return _DataflowTracer(leaves).trace(model.get_submodule(path))
+        except Exception:  # untraceable forward: nothing absorbed there
+            return None
 
     found: Dict[int, Tuple[nn.Module, nn.Module]] = {}
     for name, layer in targets:

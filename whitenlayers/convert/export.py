@@ -14,7 +14,6 @@ from typing import (
 )
 
 import torch
-import torch.fx
 from torch import nn
 
 from .. import functional as F_w

@@ -50,11 +50,10 @@ if TYPE_CHECKING:  # pragma: no cover
 # --------------------------------------------------------------------------
 # Hooks and the fold coordinator
 # --------------------------------------------------------------------------
-def _install_coordinator(model: nn.Module, strategy: str = "auto",
-                         fold_async: bool = False) -> Optional[FoldCoordinator]:
+def _install_coordinator(model: nn.Module, strategy: str, fold_async: bool) -> None:
     layers = [m for _, m in whitening_layers(model)]
     if not layers:
-        return None
+        return
     existing = _coordinators(model)
     if existing:
         key, coord = existing[0]
@@ -76,7 +75,6 @@ def _install_coordinator(model: nn.Module, strategy: str = "auto",
     coord.layers = layers
     coord.wrappers = [m for m in model.modules() if isinstance(m, DirectWhitenWrapper)]
     coord.checked = False  # the first fold checks that every layer is called (FoldCoordinator)
-    return coord
 
 
 

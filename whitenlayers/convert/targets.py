@@ -19,7 +19,6 @@ from typing import (
 )
 
 import torch
-import torch.fx
 from torch import nn
 from torch.nn.utils import parametrize
 
@@ -38,24 +37,19 @@ def _block_tuple(block_types: Optional[BlockTypes]) -> Sequence[Union[str, type]
     """``block_types`` as a sequence (default :data:`DEFAULT_BLOCK_TYPES`)."""
     if block_types is None:
         return DEFAULT_BLOCK_TYPES
-    return (block_types,) if isinstance(block_types, (str, type)) else block_types
+    return (block_types,) if isinstance(block_types, (str, type)) else tuple(block_types)
 
 
 def _block_matcher(block_types: Optional[BlockTypes]) -> Callable[[nn.Module], bool]:
-    names, classes = set(), []
-    for b in _block_tuple(block_types):
-        if isinstance(b, str):
-            names.add(b)
-        elif isinstance(b, type):
-            classes.append(b)
-        else:
+    blocks = _block_tuple(block_types)
+    for b in blocks:
+        if not isinstance(b, (str, type)):
             raise TypeError(f"block_types must hold classes or class names, but got {b!r}")
-    classes_t = tuple(classes)
+    names = {b for b in blocks if isinstance(b, str)}
+    classes = tuple(b for b in blocks if isinstance(b, type))
 
     def is_block(m: nn.Module) -> bool:
-        if classes_t and isinstance(m, classes_t):
-            return True
-        return any(c.__name__ in names for c in type(m).__mro__)
+        return isinstance(m, classes) or any(c.__name__ in names for c in type(m).__mro__)
 
     return is_block
 
