@@ -206,14 +206,9 @@ def load_plain_state_dict(model: nn.Module, state_dict: Dict[str, Any], strict: 
     """
     positions = {n: m for n, m in model.named_modules() if isinstance(m, GRAD_LAYER_TYPES + (DirectWhitenWrapper,))}
     layers = whitening_layers(model)
-    whitening_state = set()
-    for name, layer in layers:
-        prefix = f"{name}." if name else ""
-        for key in cast(nn.Module, layer).state_dict().keys():
-            if key not in ("weight", "bias", "bias_correction"):
-                whitening_state.add(prefix + key)
-        if getattr(layer, "bias_correction", None) is not None:
-            whitening_state.add(prefix + "bias_correction")  # zero when the checkpoint has no bias
+    # the whitening layers' own keys (bias_correction: zero when the checkpoint has no bias)
+    whitening_state = {f"{name}.{key}" if name else key for name, layer in layers
+                       for key in cast(nn.Module, layer).state_dict() if key not in ("weight", "bias")}
     model_keys = set(model.state_dict().keys())
     translated: Dict[str, Any] = {}
     unexpected = []
