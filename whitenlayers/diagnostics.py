@@ -89,7 +89,7 @@ class Diagnostics:
         return {"kappa": self.kappa_mean, "kappa_sem": self.kappa_sem, "rho": self.rho_mean, "rho_sem": self.rho_sem}
 
 
-def _mean_sem(values: List[float]) -> Tuple[float, float]:
+def _mean_sem(values: Iterable[float]) -> Tuple[float, float]:
     vals = [v for v in values if math.isfinite(v)]
     n = len(vals)
     if n == 0:
@@ -114,27 +114,18 @@ def summarize(covariances: Dict[str, Optional[Tensor]], kinds: Optional[Dict[str
     kappa, rho = {}, {}
     for name, cov in covariances.items():
         kappa[name], rho[name] = _kappa_rho(cov)
-    km, ks = _mean_sem(list(kappa.values()))
-    rm, rs = _mean_sem(list(rho.values()))
-    return Diagnostics(kappa, rho, dict(kinds or {}), km, ks, rm, rs)
+    return Diagnostics(kappa, rho, dict(kinds or {}), *_mean_sem(kappa.values()), *_mean_sem(rho.values()))
 
 
 def _targets(model: nn.Module, spec: TargetSpec) -> List[Tuple[str, nn.Module, str]]:
     """``(name, module to hook, kind)``: every whitening position, then the plain layers convert_model would target."""
     out: List[Tuple[str, nn.Module, str]] = []
-    seen = set()
     for name, m in model.named_modules():
         if isinstance(m, DirectWhitenWrapper):
             out.append((name, m.layer, "direct"))
         elif isinstance(m, GRAD_LAYER_TYPES):
             out.append((name, m, "grad"))
-        else:
-            continue
-        seen.add(id(m))
-    for name, m in spec.select(model):
-        if id(m) not in seen:
-            out.append((name, m, "plain"))
-    return out
+    return out + [(name, m, "plain") for name, m in spec.select(model)]  # (select lists no whitening layer)
 
 
 class _Moments:

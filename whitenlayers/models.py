@@ -136,17 +136,12 @@ class CifarResNet(nn.Module):
         self.layer1, self.layer2, self.layer3 = stages
         self.avgpool = nn.AdaptiveAvgPool2d(1)
         self.fc = nn.Linear(c_in, num_classes)
-        # Kaiming (He et al. 2015) initialisation of the convolutions, as in torchvision.
+        # Kaiming (He et al. 2015) initialisation of the convolutions, as in torchvision; BatchNorms start at (1, 0).
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-            elif isinstance(m, nn.BatchNorm2d):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
-        if zero_init_residual:
-            for m in self.modules():
-                if isinstance(m, BasicBlock):
-                    nn.init.zeros_(m.bn2.weight)
+            elif zero_init_residual and isinstance(m, BasicBlock):
+                nn.init.zeros_(m.bn2.weight)
 
     def forward(self, x: Tensor) -> Tensor:
         x = F.relu(self.bn1(self.conv1(x)))

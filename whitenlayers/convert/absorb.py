@@ -60,6 +60,7 @@ def _absorbing_batchnorm_ok(layer: nn.Module, bn: nn.Module) -> bool:
 _TORCH_FORWARDS = (_BatchNorm.forward, nn.SyncBatchNorm.forward)
 
 
+@torch.no_grad()
 def _removes_batch_mean(bn: nn.Module, spatial_dims: int) -> bool:
     """Whether ``bn``'s forward may absorb a layer's centring: PyTorch's own BatchNorm forwards, or one of a
     subclass (timm's ``BatchNormAct2d``: the normalisation, then dropout / an activation) that passes a probe.
@@ -81,18 +82,16 @@ def _removes_batch_mean(bn: nn.Module, spatial_dims: int) -> bool:
         probe = probe.to(device="cpu", dtype=f64).train()
         gen = torch.Generator().manual_seed(0)
         c = cast(_BatchNorm, probe).num_features
-        with torch.no_grad():
-            for name, value in (("weight", torch.rand(c, generator=gen, dtype=f64) + 0.5),
-                                ("bias", torch.randn(c, generator=gen, dtype=f64))):
-                if getattr(probe, name, None) is not None:
-                    getattr(probe, name).copy_(value)
-            cast(_BatchNorm, probe).reset_running_stats()
+        for name, value in (("weight", torch.rand(c, generator=gen, dtype=f64) + 0.5),
+                            ("bias", torch.randn(c, generator=gen, dtype=f64))):
+            if getattr(probe, name, None) is not None:
+                getattr(probe, name).copy_(value)
+        cast(_BatchNorm, probe).reset_running_stats()
         other = copy.deepcopy(probe)
         view = (1, c) + (1,) * spatial_dims
         x = torch.randn((4, c) + (3,) * spatial_dims, generator=gen, dtype=f64)
         shift = torch.randn(c, generator=gen, dtype=f64) * 4
-        with torch.no_grad():
-            same = torch.allclose(probe(x), other(x + shift.view(view)), rtol=1e-9, atol=1e-9)
+        same = torch.allclose(probe(x), other(x + shift.view(view)), rtol=1e-9, atol=1e-9)
         rm_a, rm_b = getattr(probe, "running_mean", None), getattr(other, "running_mean", None)
         if same and rm_a is not None and rm_b is not None:
             momentum = cast(_BatchNorm, probe).momentum
@@ -148,13 +147,10 @@ def absorbing_batchnorms(
             calls = [n for n in graph.nodes if n.op == "call_module" and n.target == rel]
             if not calls:
                 continue  # called from further up, or not at all
-            if len(calls) > 1:
-                break
             node = calls[0]
-            users = list(node.users)
-            if len(users) != 1:
+            if len(calls) > 1 or len(node.users) != 1:
                 break
-            user = users[0]
+            user = next(iter(node.users))
             if user.op == "output" and user.args == (node,):
                 continue  # returned unchanged: its consumer is in the caller's forward
             if user.op != "call_module" or user.args != (node,) or user.kwargs:

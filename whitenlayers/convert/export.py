@@ -49,8 +49,7 @@ def _export_direct(wrapper: DirectWhitenWrapper) -> nn.Module:
     mu = whiten.running_mean.to(torch.float64)
     w = layer.weight
     b64 = layer.bias.to(torch.float64) if layer.bias is not None else None
-    conv = not isinstance(layer, nn.Linear)
-    if conv and not _zero_padding(layer):
+    if not isinstance(layer, nn.Linear) and not _zero_padding(layer):
         # conv(pad(T (x - mu))) != conv(pad(x)) with any constant bias at the border: keep a 1x1 whitening conv
         # (grouped like T: one k x k block per group).
         m, groups = whiten.num_features, whiten.groups
@@ -251,8 +250,7 @@ def _not_original(model: nn.Module) -> Dict[str, str]:
     out = {}
     for name, module in model.named_modules():
         if isinstance(module, DirectWhitenWrapper):
-            layer = module.layer
-            if not isinstance(layer, nn.Linear) and not _zero_padding(cast("_ConvNd", layer)):
+            if not isinstance(module.layer, nn.Linear) and not _zero_padding(cast("_ConvNd", module.layer)):
                 out[name] = ("a padded direct conv: its zero border would have to be -T mu, so it exports as "
                              "Sequential(1x1 whitening conv, conv)")
         elif isinstance(module, GRAD_LAYER_TYPES) and module.bias is None:
