@@ -39,9 +39,8 @@ class _DataflowTracer(torch.fx.Tracer):
         # Conv2dSame pads by a data-dependent rule), which would leave the whole enclosing block centred.
         if id(m) in self._leaves or _is_whitening(m) or isinstance(m, _BatchNorm):
             return True
-        if not any(id(s) in self._leaves or isinstance(s, _BatchNorm) for s in m.modules()):
-            return True
-        return super().is_leaf_module(m, module_qualified_name)
+        return (not any(id(s) in self._leaves or isinstance(s, _BatchNorm) for s in m.modules())
+                or super().is_leaf_module(m, module_qualified_name))
 
 
 def _absorbing_batchnorm_ok(layer: nn.Module, bn: nn.Module) -> bool:

@@ -377,12 +377,11 @@ def convert_model(
     """
     _check_arguments(model, method, fold_strategy, layer_kwargs)
     check_fold_async(fold_async, fold_strategy)
-    target_spec = TargetSpec(targets, predicate, block_types, include_linear, include_stem, include_classifier,
-                             max_features, example_input)
     # Reading a parametrized weight (shapes, dtypes) must not advance a parametrization's training step (spectral
     # norm's power iteration): they run in eval mode while the model is converted.
     with _parametrizations_in_eval(model):
-        plan = _plan(model, target_spec)
+        plan = _plan(model, TargetSpec(targets, predicate, block_types, include_linear, include_stem,
+                                       include_classifier, max_features, example_input))
         selected = [(name, module) for name, module, decision in plan if decision.status == "to convert"]
         patch_stem = _patch_stem(plan, method, include_stem, max_features) if stem_patches else None
         # Build every new layer first, so an error leaves the model untouched (by the id of the module it replaces;

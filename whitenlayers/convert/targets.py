@@ -184,11 +184,10 @@ class ConversionReport:
                 f"{len(self.converted)} {'to convert' if self.dry_run else 'converted'}, {len(self.skipped)} left out, "
                 f"{len(self.existing)} already whitening")
         width = max([len(d.name or "<root>") for d in self.decisions] + [4])
-        lines = [head] + [
+        return "\n".join([head] + [
             f"  {d.name or '<root>':<{width}}  {d.layer_type:<18} {d.status}{': ' + d.reason if d.reason else ''}"
             for d in self.decisions
-        ]
-        return "\n".join(lines)
+        ])
 
 
 @dataclass(frozen=True)
