@@ -22,10 +22,9 @@ def layer_like(layer: Any, cls: Optional[type] = None, *, bias: bool, **extra: A
     factory = {"device": layer.weight.device, "dtype": layer.weight.dtype}
     if hasattr(layer, "in_features"):  # a linear layer
         return (cls or nn.Linear)(layer.in_features, layer.out_features, bias=bias, **factory, **extra)
-    cls = cls if cls is not None else plain_conv_class(layer)
-    return cls(layer.in_channels, layer.out_channels, layer.kernel_size, stride=layer.stride, padding=layer.padding,
-               dilation=layer.dilation, groups=layer.groups, bias=bias, padding_mode=layer.padding_mode, **factory,
-               **extra)
+    return (cls or plain_conv_class(layer))(
+        layer.in_channels, layer.out_channels, layer.kernel_size, stride=layer.stride, padding=layer.padding,
+        dilation=layer.dilation, groups=layer.groups, bias=bias, padding_mode=layer.padding_mode, **factory, **extra)
 
 
 def share_parameters(src: nn.Module, dst: nn.Module) -> None:

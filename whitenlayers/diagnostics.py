@@ -32,6 +32,7 @@ convs too.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -88,7 +89,7 @@ class Diagnostics:
         return {"kappa": self.kappa_mean, "kappa_sem": self.kappa_sem, "rho": self.rho_mean, "rho_sem": self.rho_sem}
 
 
-def _mean_sem(values: List[float]) -> Tuple[float, float]:
+def _mean_sem(values: Iterable[float]) -> Tuple[float, float]:
     vals = [v for v in values if math.isfinite(v)]
     n = len(vals)
     if n == 0:
@@ -113,27 +114,18 @@ def summarize(covariances: Dict[str, Optional[Tensor]], kinds: Optional[Dict[str
     kappa, rho = {}, {}
     for name, cov in covariances.items():
         kappa[name], rho[name] = _kappa_rho(cov)
-    km, ks = _mean_sem(list(kappa.values()))
-    rm, rs = _mean_sem(list(rho.values()))
-    return Diagnostics(kappa, rho, dict(kinds or {}), km, ks, rm, rs)
+    return Diagnostics(kappa, rho, dict(kinds or {}), *_mean_sem(kappa.values()), *_mean_sem(rho.values()))
 
 
 def _targets(model: nn.Module, spec: TargetSpec) -> List[Tuple[str, nn.Module, str]]:
     """``(name, module to hook, kind)``: every whitening position, then the plain layers convert_model would target."""
     out: List[Tuple[str, nn.Module, str]] = []
-    seen = set()
     for name, m in model.named_modules():
         if isinstance(m, DirectWhitenWrapper):
             out.append((name, m.layer, "direct"))
         elif isinstance(m, GRAD_LAYER_TYPES):
             out.append((name, m, "grad"))
-        else:
-            continue
-        seen.add(id(m))
-    for name, m in spec.select(model):
-        if id(m) not in seen:
-            out.append((name, m, "plain"))
-    return out
+    return out + [(name, m, "plain") for name, m in spec.select(model)]  # (select lists no whitening layer)
 
 
 class _Moments:
@@ -171,14 +163,6 @@ class _Moments:
         assert self.shift is not None and self.s2 is not None  # set with s1 (__call__)
         block = F_w.summarize_block(count, self.shift, self.s1, self.s2)
         return block.scatter / block.count
-
-
-def _model_device(model: nn.Module) -> Optional[torch.device]:
-    for t in model.parameters():
-        return t.device
-    for t in model.buffers():
-        return t.device
-    return None
 
 
 @torch.no_grad()
@@ -244,8 +228,8 @@ def collect_diagnostics(
     """
     spec = TargetSpec(targets, predicate, block_types, include_linear, include_stem, include_classifier, max_features)
     positions = _targets(model, spec)
-    if device is None:
-        device = _model_device(model)
+    if device is None:  # the device of the model's first parameter or buffer
+        device = next((t.device for t in itertools.chain(model.parameters(), model.buffers())), None)
     moments: Dict[str, _Moments] = {}
     handles = []
     try:
@@ -265,15 +249,13 @@ def collect_diagnostics(
         for h in handles:
             h.remove()
     covs: Dict[str, Optional[Tensor]] = {}
-    kinds: Dict[str, str] = {}
     for name, module, kind in positions:
         cov = moments[name].covariance()
         if cov is not None and kind == "grad":
             t = cast(WhiteningLayer, module).whitening_matrix.to(device=cov.device, dtype=torch.float64)
             cov = F_w.symmetrize(F_w.whitened_covariance(t, cov))
         covs[name] = cov
-        kinds[name] = kind
-    result = summarize(covs, kinds)
+    result = summarize(covs, {name: kind for name, _, kind in positions})
     missing = [n for n, v in result.kappa.items() if not math.isfinite(v)]
     if missing:
         warnings.warn(f"collect_diagnostics: no finite statistics for {len(missing)} layer(s), e.g. {missing[0]!r}; "

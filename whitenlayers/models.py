@@ -129,26 +129,19 @@ class CifarResNet(nn.Module):
         stages = []
         c_in = width
         for i, stride in enumerate((1, 2, 2)):
-            c_out = width * 2**i
-            blocks = []
-            for j in range(blocks_per_stage):
-                blocks.append(BasicBlock(c_in, c_out, stride if j == 0 else 1))
-                c_in = c_out
-            stages.append(nn.Sequential(*blocks))
+            c_out = width * 2**i  # the first block of a stage changes the channels and the resolution
+            stages.append(nn.Sequential(BasicBlock(c_in, c_out, stride),
+                                        *(BasicBlock(c_out, c_out) for _ in range(blocks_per_stage - 1))))
+            c_in = c_out
         self.layer1, self.layer2, self.layer3 = stages
         self.avgpool = nn.AdaptiveAvgPool2d(1)
         self.fc = nn.Linear(c_in, num_classes)
-        # Kaiming (He et al. 2015) initialisation of the convolutions, as in torchvision.
+        # Kaiming (He et al. 2015) initialisation of the convolutions, as in torchvision; BatchNorms start at (1, 0).
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-            elif isinstance(m, nn.BatchNorm2d):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
-        if zero_init_residual:
-            for m in self.modules():
-                if isinstance(m, BasicBlock):
-                    nn.init.zeros_(m.bn2.weight)
+            elif zero_init_residual and isinstance(m, BasicBlock):
+                nn.init.zeros_(m.bn2.weight)
 
     def forward(self, x: Tensor) -> Tensor:
         x = F.relu(self.bn1(self.conv1(x)))

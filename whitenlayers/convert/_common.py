@@ -3,8 +3,10 @@ from __future__ import annotations
 
 from typing import (
     Callable,
+    Dict,
     Iterable,
     List,
+    Optional,
     Sequence,
     Tuple,
     Union,
@@ -46,11 +48,26 @@ def _is_whitening(m: nn.Module) -> bool:
 def _share_hooks(src: nn.Module, dst: nn.Module, names: Iterable[str], move: bool = False) -> None:
     """Give ``dst`` the very hook dictionaries of ``src`` (existing handles keep working)."""
     for attr in names:
-        if hasattr(src, attr):
-            d = getattr(src, attr)
-            setattr(dst, attr, d)
-            if move:
-                setattr(src, attr, type(d)() if isinstance(d, dict) else None)
+        d = getattr(src, attr)
+        setattr(dst, attr, d)
+        if move:
+            setattr(src, attr, type(d)() if isinstance(d, dict) else None)
+
+
+def _swap_in(model: nn.Module, new_for: Callable[[nn.Module], Optional[nn.Module]]) -> None:
+    """Put ``new_for(module)`` (asked once per module; ``None``: keep the module) in the module's place in every
+    parent that holds it (not inside a whitening layer)."""
+    new_by_id: Dict[int, Optional[nn.Module]] = {}
+    for parent in list(model.modules()):
+        if _is_whitening(parent):
+            continue
+        for child_name, child in list(parent._modules.items()):
+            if child is None:
+                continue
+            if id(child) not in new_by_id:
+                new_by_id[id(child)] = new_for(child)
+            if new_by_id[id(child)] is not None:
+                setattr(parent, child_name, new_by_id[id(child)])
 
 
 def _coordinators(module: nn.Module) -> List[Tuple[int, FoldCoordinator]]:

@@ -1,7 +1,9 @@
 """Which BatchNorm absorbs a layer's centring: a ``torch.fx`` trace of the enclosing block."""
 from __future__ import annotations
 
+import collections
 import copy
+import functools
 import itertools
 import warnings
 from typing import (
@@ -37,9 +39,8 @@ class _DataflowTracer(torch.fx.Tracer):
         # Conv2dSame pads by a data-dependent rule), which would leave the whole enclosing block centred.
         if id(m) in self._leaves or _is_whitening(m) or isinstance(m, _BatchNorm):
             return True
-        if not any(id(s) in self._leaves or isinstance(s, _BatchNorm) for s in m.modules()):
-            return True
-        return super().is_leaf_module(m, module_qualified_name)
+        return (not any(id(s) in self._leaves or isinstance(s, _BatchNorm) for s in m.modules())
+                or super().is_leaf_module(m, module_qualified_name))
 
 
 def _absorbing_batchnorm_ok(layer: nn.Module, bn: nn.Module) -> bool:
@@ -51,14 +52,14 @@ def _absorbing_batchnorm_ok(layer: nn.Module, bn: nn.Module) -> bool:
         kinds = (nn.BatchNorm1d, nn.SyncBatchNorm)
         features = cast(nn.Linear, layer).out_features
     return (isinstance(bn, kinds) and isinstance(bn, _BatchNorm) and bn.num_features == features
-            and not bn._forward_pre_hooks and not getattr(bn, "_forward_pre_hooks_with_kwargs", None)
-            and _removes_batch_mean(bn, len(getattr(layer, "kernel_size", ()))))
+            and not bn._forward_pre_hooks and _removes_batch_mean(bn, len(getattr(layer, "kernel_size", ()))))
 
 
 #: The forwards PyTorch's BatchNorms run: they normalise with the batch mean in training mode.
 _TORCH_FORWARDS = (_BatchNorm.forward, nn.SyncBatchNorm.forward)
 
 
+@torch.no_grad()
 def _removes_batch_mean(bn: nn.Module, spatial_dims: int) -> bool:
     """Whether ``bn``'s forward may absorb a layer's centring: PyTorch's own BatchNorm forwards, or one of a
     subclass (timm's ``BatchNormAct2d``: the normalisation, then dropout / an activation) that passes a probe.
@@ -80,18 +81,16 @@ def _removes_batch_mean(bn: nn.Module, spatial_dims: int) -> bool:
         probe = probe.to(device="cpu", dtype=f64).train()
         gen = torch.Generator().manual_seed(0)
         c = cast(_BatchNorm, probe).num_features
-        with torch.no_grad():
-            for name, value in (("weight", torch.rand(c, generator=gen, dtype=f64) + 0.5),
-                                ("bias", torch.randn(c, generator=gen, dtype=f64))):
-                if getattr(probe, name, None) is not None:
-                    getattr(probe, name).copy_(value)
-            cast(_BatchNorm, probe).reset_running_stats()
+        for name, value in (("weight", torch.rand(c, generator=gen, dtype=f64) + 0.5),
+                            ("bias", torch.randn(c, generator=gen, dtype=f64))):
+            if getattr(probe, name, None) is not None:
+                getattr(probe, name).copy_(value)
+        cast(_BatchNorm, probe).reset_running_stats()
         other = copy.deepcopy(probe)
         view = (1, c) + (1,) * spatial_dims
         x = torch.randn((4, c) + (3,) * spatial_dims, generator=gen, dtype=f64)
         shift = torch.randn(c, generator=gen, dtype=f64) * 4
-        with torch.no_grad():
-            same = torch.allclose(probe(x), other(x + shift.view(view)), rtol=1e-9, atol=1e-9)
+        same = torch.allclose(probe(x), other(x + shift.view(view)), rtol=1e-9, atol=1e-9)
         rm_a, rm_b = getattr(probe, "running_mean", None), getattr(other, "running_mean", None)
         if same and rm_a is not None and rm_b is not None:
             momentum = cast(_BatchNorm, probe).momentum
@@ -122,28 +121,21 @@ def absorbing_batchnorms(
     Whether the BatchNorm is in training mode is checked at every forward by
     the layer itself, not here.
     """
-    places: Dict[int, int] = {}
-    for _, m in model.named_modules(remove_duplicate=False):
-        places[id(m)] = places.get(id(m), 0) + 1
+    places = collections.Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
     leaves = {id(m) for _, m in targets}
-    graphs: Dict[str, Optional[torch.fx.Graph]] = {}
 
+    @functools.lru_cache(maxsize=None)
     def graph_of(path: str) -> Optional[torch.fx.Graph]:
-        if path not in graphs:
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    graphs[path] = _DataflowTracer(leaves).trace(model.get_submodule(path))
-            except Exception:  # untraceable forward: nothing absorbed there
-                graphs[path] = None
-        return graphs[path]
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return _DataflowTracer(leaves).trace(model.get_submodule(path))
+        except Exception:  # untraceable forward: nothing absorbed there
+            return None
 
     found: Dict[int, Tuple[nn.Module, nn.Module]] = {}
-    claims: Dict[int, int] = {}
     for name, layer in targets:
-        if not name or places.get(id(layer), 0) != 1 or layer._forward_hooks:
-            continue
-        if getattr(layer, "_forward_hooks_with_kwargs", None) or getattr(layer, "_forward_hooks_always_called", None):
+        if not name or places[id(layer)] != 1 or layer._forward_hooks:  # (every forward hook is in _forward_hooks)
             continue
         parts = name.split(".")
         for depth in range(len(parts) - 1, -1, -1):
@@ -154,13 +146,10 @@ def absorbing_batchnorms(
             calls = [n for n in graph.nodes if n.op == "call_module" and n.target == rel]
             if not calls:
                 continue  # called from further up, or not at all
-            if len(calls) > 1:
-                break
             node = calls[0]
-            users = list(node.users)
-            if len(users) != 1:
+            if len(calls) > 1 or len(node.users) != 1:
                 break
-            user = users[0]
+            user = next(iter(node.users))
             if user.op == "output" and user.args == (node,):
                 continue  # returned unchanged: its consumer is in the caller's forward
             if user.op != "call_module" or user.args != (node,) or user.kwargs:
@@ -169,8 +158,8 @@ def absorbing_batchnorms(
                 break
             path = f"{anc}.{user.target}" if anc else str(user.target)
             bn = model.get_submodule(path)
-            if places.get(id(bn), 0) == 1 and _absorbing_batchnorm_ok(layer, bn):
+            if places[id(bn)] == 1 and _absorbing_batchnorm_ok(layer, bn):
                 found[id(layer)] = (bn, model.get_submodule(path.rpartition(".")[0]))
-                claims[id(bn)] = claims.get(id(bn), 0) + 1
             break
+    claims = collections.Counter(id(bn) for bn, _ in found.values())
     return {k: v for k, v in found.items() if claims[id(v[0])] == 1}

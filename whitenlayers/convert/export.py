@@ -14,7 +14,6 @@ from typing import (
 )
 
 import torch
-import torch.fx
 from torch import nn
 
 from .. import functional as F_w
@@ -25,7 +24,7 @@ from ..layers import (
     GradWhitenLinear,
 )
 from ..layers.checkpoint import loading_plain_checkpoint
-from ._common import _CALL_HOOKS, _STATE_HOOKS, DirectWhitenWrapper, _is_whitening, _remove_coordinators, _share_hooks
+from ._common import _CALL_HOOKS, _STATE_HOOKS, DirectWhitenWrapper, _remove_coordinators, _share_hooks, _swap_in
 from .targets import whitening_layers
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -50,8 +49,7 @@ def _export_direct(wrapper: DirectWhitenWrapper) -> nn.Module:
     mu = whiten.running_mean.to(torch.float64)
     w = layer.weight
     b64 = layer.bias.to(torch.float64) if layer.bias is not None else None
-    conv = not isinstance(layer, nn.Linear)
-    if conv and not _zero_padding(layer):
+    if not isinstance(layer, nn.Linear) and not _zero_padding(layer):
         # conv(pad(T (x - mu))) != conv(pad(x)) with any constant bias at the border: keep a 1x1 whitening conv
         # (grouped like T: one k x k block per group).
         m, groups = whiten.num_features, whiten.groups
@@ -162,19 +160,7 @@ def to_plain_model(model: nn.Module) -> nn.Module:
     out = _export_one(model)
     if out is not None:
         return out
-    done: Dict[int, nn.Module] = {}
-    for parent in list(model.modules()):
-        if _is_whitening(parent):
-            continue
-        for child_name, child in list(parent._modules.items()):
-            if child is None:
-                continue
-            if id(child) not in done:
-                new = _export_one(child)
-                if new is None:
-                    continue
-                done[id(child)] = new
-            setattr(parent, child_name, done[id(child)])
+    _swap_in(model, _export_one)
     for m in model.modules():
         _remove_coordinators(m)
     return model
@@ -186,11 +172,6 @@ def to_plain_model(model: nn.Module) -> nn.Module:
 class _LoadResult(NamedTuple):
     missing_keys: List[str]
     unexpected_keys: List[str]
-
-
-def _positions(model: nn.Module) -> Dict[str, nn.Module]:
-    """Qualified name -> grad/recursive layer or DirectWhitenWrapper wrapper."""
-    return {n: m for n, m in model.named_modules() if isinstance(m, GRAD_LAYER_TYPES + (DirectWhitenWrapper,))}
 
 
 def load_plain_state_dict(model: nn.Module, state_dict: Dict[str, Any], strict: bool = True) -> _LoadResult:
@@ -222,9 +203,14 @@ def load_plain_state_dict(model: nn.Module, state_dict: Dict[str, Any], strict: 
         >>> wl.load_plain_state_dict(model, plain.state_dict())
         _LoadResult(missing_keys=[], unexpected_keys=[])
     """
-    positions = _positions(model)
+    positions = {n: m for n, m in model.named_modules() if isinstance(m, GRAD_LAYER_TYPES + (DirectWhitenWrapper,))}
+    layers = whitening_layers(model)
+    # the whitening layers' own keys (bias_correction: zero when the checkpoint has no bias)
+    whitening_state = {f"{name}.{key}" if name else key for name, layer in layers
+                       for key in cast(nn.Module, layer).state_dict() if key not in ("weight", "bias")}
+    model_keys = set(model.state_dict().keys())
     translated: Dict[str, Any] = {}
-    key_map: Dict[str, str] = {}
+    unexpected = []
     for key, value in state_dict.items():
         new_key = key
         head, _, leaf = key.rpartition(".")
@@ -233,36 +219,27 @@ def load_plain_state_dict(model: nn.Module, state_dict: Dict[str, Any], strict: 
             new_key = f"{head}.layer.{leaf}"
         elif pos is not None and leaf == "bias" and pos.bias is None:
             new_key = f"{head}.bias_correction"
-        translated[new_key] = value
-        key_map[key] = new_key
-    whitening_state = set()
-    for name, layer in whitening_layers(model):
-        prefix = f"{name}." if name else ""
-        for key in cast(nn.Module, layer).state_dict().keys():
-            if key not in ("weight", "bias", "bias_correction"):
-                whitening_state.add(prefix + key)
-        if getattr(layer, "bias_correction", None) is not None:
-            whitening_state.add(prefix + "bias_correction")  # zero when the checkpoint has no bias
+        if new_key in model_keys:
+            translated[new_key] = value
+        else:
+            unexpected.append(key)
     metadata = getattr(state_dict, "_metadata", None)
     if metadata is not None:
         translated = OrderedDict(translated)
         translated._metadata = OrderedDict(  # type: ignore[attr-defined]
             (f"{k}.layer" if isinstance(positions.get(k), DirectWhitenWrapper) else k, v) for k, v in metadata.items()
         )
-    model_keys = set(model.state_dict().keys())
     missing = sorted(k for k in model_keys - set(translated) if k not in whitening_state)
-    unexpected = sorted(k for k, new_key in key_map.items() if new_key not in model_keys)
+    unexpected.sort()
     if strict and (missing or unexpected):
         raise RuntimeError(
             "load_plain_state_dict: checkpoint does not match the model: "
             f"missing keys {missing}, unexpected keys {unexpected}"
         )
-    for _, layer in whitening_layers(model):
+    for _, layer in layers:
         # the state right after conversion (mu = 0, T = Q_s = I, no blocks, no bias compensation); also d = 0: the
         # checkpoint's BatchNorm running mean is the plain model's
         layer.reset_running_stats()
-    for key in [k for k in translated if k not in model_keys]:
-        del translated[key]
     with loading_plain_checkpoint():
         model.load_state_dict(translated, strict=False)
     return _LoadResult(missing, unexpected)
@@ -273,8 +250,7 @@ def _not_original(model: nn.Module) -> Dict[str, str]:
     out = {}
     for name, module in model.named_modules():
         if isinstance(module, DirectWhitenWrapper):
-            layer = module.layer
-            if not isinstance(layer, nn.Linear) and not _zero_padding(cast("_ConvNd", layer)):
+            if not isinstance(module.layer, nn.Linear) and not _zero_padding(cast("_ConvNd", module.layer)):
                 out[name] = ("a padded direct conv: its zero border would have to be -T mu, so it exports as "
                              "Sequential(1x1 whitening conv, conv)")
         elif isinstance(module, GRAD_LAYER_TYPES) and module.bias is None:

@@ -1,6 +1,7 @@
 """Model surgery: :func:`convert_model` replaces the target layers with whitening layers, in place."""
 from __future__ import annotations
 
+import collections
 import contextlib
 import warnings
 from typing import (
@@ -36,8 +37,8 @@ from ._common import (
     DirectWhitenWrapper,
     Predicate,
     _coordinators,
-    _is_whitening,
     _share_hooks,
+    _swap_in,
 )
 from .absorb import absorbing_batchnorms
 from .targets import _LAYER_WORDS, ConversionReport, TargetSpec, _plan, whitening_layers
@@ -49,11 +50,10 @@ if TYPE_CHECKING:  # pragma: no cover
 # --------------------------------------------------------------------------
 # Hooks and the fold coordinator
 # --------------------------------------------------------------------------
-def _install_coordinator(model: nn.Module, strategy: str = "auto",
-                         fold_async: bool = False) -> Optional[FoldCoordinator]:
+def _install_coordinator(model: nn.Module, strategy: str, fold_async: bool) -> None:
     layers = [m for _, m in whitening_layers(model)]
     if not layers:
-        return None
+        return
     existing = _coordinators(model)
     if existing:
         key, coord = existing[0]
@@ -75,7 +75,6 @@ def _install_coordinator(model: nn.Module, strategy: str = "auto",
     coord.layers = layers
     coord.wrappers = [m for m in model.modules() if isinstance(m, DirectWhitenWrapper)]
     coord.checked = False  # the first fold checks that every layer is called (FoldCoordinator)
-    return coord
 
 
 
@@ -128,23 +127,22 @@ def _check_existing(model: nn.Module, method: str, layer_kwargs: Dict[str, Any])
 
 def _make_layer(method: str, module: nn.Module, name: str, layer_kwargs: Dict[str, Any]) -> nn.Module:
     spec = get_method(method)
+    linear = isinstance(module, nn.Linear)
+    new: nn.Module
     if spec.wrapper is not None:  # direct: DirectWhiten in front of the unchanged layer
         weight = module.weight
-        linear = isinstance(module, nn.Linear)
         num = module.in_features if linear else module.in_channels
         groups = 1 if linear else module.groups
         whiten = spec.wrapper(num, device=weight.device, dtype=weight.dtype, groups=groups, **layer_kwargs)
         whiten.layer_name = f"{name}.whiten" if name else "whiten"
-        new: nn.Module = DirectWhitenWrapper(whiten, module)
-        new.train(module.training)
+        new = DirectWhitenWrapper(whiten, module)
         _share_hooks(module, new, _CALL_HOOKS, move=True)
-        return new
-    cls = cast(Any, spec.layer_class(module))
-    linear = isinstance(module, nn.Linear)
-    new = cls.from_linear(module, **layer_kwargs) if linear else cls.from_conv(module, **layer_kwargs)
-    cast(WhiteningLayer, new).layer_name = name or None
+    else:
+        cls = cast(Any, spec.layer_class(module))
+        new = cls.from_linear(module, **layer_kwargs) if linear else cls.from_conv(module, **layer_kwargs)
+        cast(WhiteningLayer, new).layer_name = name or None
+        _share_hooks(module, new, _CALL_HOOKS + _STATE_HOOKS)
     new.train(module.training)
-    _share_hooks(module, new, _CALL_HOOKS + _STATE_HOOKS)
     return new
 
 
@@ -379,12 +377,11 @@ def convert_model(
     """
     _check_arguments(model, method, fold_strategy, layer_kwargs)
     check_fold_async(fold_async, fold_strategy)
-    target_spec = TargetSpec(targets, predicate, block_types, include_linear, include_stem, include_classifier,
-                             max_features, example_input)
     # Reading a parametrized weight (shapes, dtypes) must not advance a parametrization's training step (spectral
     # norm's power iteration): they run in eval mode while the model is converted.
     with _parametrizations_in_eval(model):
-        plan = _plan(model, target_spec)
+        plan = _plan(model, TargetSpec(targets, predicate, block_types, include_linear, include_stem,
+                                       include_classifier, max_features, example_input))
         selected = [(name, module) for name, module, decision in plan if decision.status == "to convert"]
         patch_stem = _patch_stem(plan, method, include_stem, max_features) if stem_patches else None
         # Build every new layer first, so an error leaves the model untouched (by the id of the module it replaces;
@@ -403,10 +400,10 @@ def convert_model(
                                  f"(their fold coordinator writes each asynchronous fold), but the model itself is the "
                                  f"target (a bare {type(model).__name__}), which folds on its own: convert it with "
                                  "fold_async=False, or wrap it in a module")
-            new_root = new_by_id[id(model)]
-            return (new_root, result) if report else new_root
-        _swap_in(model, new_by_id)
-        _install_coordinator(model, fold_strategy, fold_async)
+            model = new_by_id[id(model)]
+        else:
+            _swap_in(model, lambda m: new_by_id.get(id(m)))
+            _install_coordinator(model, fold_strategy, fold_async)
         return (model, result) if report else model
 
 
@@ -436,16 +433,6 @@ def _check_not_quantized(model: nn.Module) -> None:
             )
 
 
-def _swap_in(model: nn.Module, new_by_id: Dict[int, nn.Module]) -> None:
-    """Put each new layer in its module's place in every parent that holds it (not inside a whitening layer)."""
-    if not new_by_id:
-        return
-    for parent in list(model.modules()):
-        for child_name, child in list(parent._modules.items()):
-            if child is not None and id(child) in new_by_id and not _is_whitening(parent):
-                setattr(parent, child_name, new_by_id[id(child)])
-
-
 @contextlib.contextmanager
 def _parametrizations_in_eval(model: nn.Module) -> Iterator[None]:
     """Every parametrization of ``model`` (``torch.nn.utils.parametrize``) in eval mode inside the block."""
@@ -462,10 +449,9 @@ def _patch_stem(plan, method: str, include_stem: bool, max_features: Optional[in
         raise ValueError("convert_model: stem_patches=True needs include_stem=True (it changes how the stem whitens)")
     if method == "direct":
         raise ValueError("convert_model: stem_patches=True needs method 'grad' or 'recursive', not 'direct'")
-    stems = [(name, m, d) for name, m, d in plan if d.role == "stem"]
-    if not stems or stems[0][2].status != "to convert":
+    name, stem, decision = next((entry for entry in plan if entry[2].role == "stem"), ("", None, None))
+    if decision is None or decision.status != "to convert":
         return None  # no stem, or one left out (the report says why)
-    name, stem, _ = stems[0]
     where = f"stem '{name or '<root>'}'"
     if type(stem) is not nn.Conv2d or stem.groups != 1 or stem.padding_mode != "zeros":
         raise ValueError(f"convert_model: stem_patches=True needs a 2-D convolution with groups=1 and zero padding as "
@@ -505,9 +491,7 @@ def _warn_left_out(report: ConversionReport, *, targets: str, predicate, model_h
         if others:
             msg += f"; not asked about: {listing(others)}"
     else:
-        counts: Dict[str, int] = {}
-        for d in decisions:
-            counts[d.reason] = counts.get(d.reason, 0) + 1
+        counts = collections.Counter(d.reason for d in decisions)
         reasons = "; ".join(f"{n} x {r}" for r, n in counts.items())
         msg = f"{len(decisions)} conv/linear layer(s) found, none converted: {reasons}"
         if targets == "blocks":

@@ -19,7 +19,6 @@ from typing import (
 )
 
 import torch
-import torch.fx
 from torch import nn
 from torch.nn.utils import parametrize
 
@@ -38,24 +37,19 @@ def _block_tuple(block_types: Optional[BlockTypes]) -> Sequence[Union[str, type]
     """``block_types`` as a sequence (default :data:`DEFAULT_BLOCK_TYPES`)."""
     if block_types is None:
         return DEFAULT_BLOCK_TYPES
-    return (block_types,) if isinstance(block_types, (str, type)) else block_types
+    return (block_types,) if isinstance(block_types, (str, type)) else tuple(block_types)
 
 
 def _block_matcher(block_types: Optional[BlockTypes]) -> Callable[[nn.Module], bool]:
-    names, classes = set(), []
-    for b in _block_tuple(block_types):
-        if isinstance(b, str):
-            names.add(b)
-        elif isinstance(b, type):
-            classes.append(b)
-        else:
+    blocks = _block_tuple(block_types)
+    for b in blocks:
+        if not isinstance(b, (str, type)):
             raise TypeError(f"block_types must hold classes or class names, but got {b!r}")
-    classes_t = tuple(classes)
+    names = {b for b in blocks if isinstance(b, str)}
+    classes = tuple(b for b in blocks if isinstance(b, type))
 
     def is_block(m: nn.Module) -> bool:
-        if classes_t and isinstance(m, classes_t):
-            return True
-        return any(c.__name__ in names for c in type(m).__mro__)
+        return isinstance(m, classes) or any(c.__name__ in names for c in type(m).__mro__)
 
     return is_block
 
@@ -95,19 +89,11 @@ def _is_layer(m: nn.Module) -> bool:
     return isinstance(m, (nn.modules.conv._ConvNd, nn.Linear))
 
 
-def _base_name(m: nn.Module) -> str:
-    for base in _PLAIN_LAYERS:
-        if isinstance(m, base):
-            return f"nn.{base.__name__}"
-    return type(m).__name__
-
-
 def _unsupported(m: nn.Module, allow_subclass: bool) -> Optional[str]:
     """Why no whitening layer can take ``m``'s place (``None``: one can)."""
     if isinstance(m, nn.modules.conv._ConvTransposeNd):
         return f"{type(m).__name__}: transposed convolutions are not supported"
-    lazy = getattr(nn.modules.lazy, "LazyModuleMixin", None)
-    if lazy is not None and isinstance(m, lazy) and m.has_uninitialized_params():
+    if isinstance(m, nn.modules.lazy.LazyModuleMixin) and m.has_uninitialized_params():
         return f"{type(m).__name__}: an uninitialised lazy module (run one forward before converting)"
     if not isinstance(m, _PLAIN_LAYERS):
         return f"{type(m).__name__}: not an {_LAYER_WORDS}"
@@ -118,7 +104,8 @@ def _unsupported(m: nn.Module, allow_subclass: bool) -> Optional[str]:
                 "torch.nn.utils.parametrizations.weight_norm / spectral_norm, which convert_model carries over")
     cls = type(m).__bases__[0] if parametrized else type(m)  # parametrize subclasses the module's class
     if cls not in _PLAIN_LAYERS and not allow_subclass:
-        return (f"{type(m).__name__}: a subclass of {_base_name(m)}, whose forward may differ (e.g. weight "
+        base = next(b for b in _PLAIN_LAYERS if isinstance(m, b))
+        return (f"{type(m).__name__}: a subclass of nn.{base.__name__}, whose forward may differ (e.g. weight "
                 "standardisation) and would be dropped; a predicate can select it")
     if not m.weight.is_floating_point():
         return f"{type(m).__name__}: weight of dtype {m.weight.dtype}, not floating point"
@@ -197,11 +184,10 @@ class ConversionReport:
                 f"{len(self.converted)} {'to convert' if self.dry_run else 'converted'}, {len(self.skipped)} left out, "
                 f"{len(self.existing)} already whitening")
         width = max([len(d.name or "<root>") for d in self.decisions] + [4])
-        lines = [head] + [
+        return "\n".join([head] + [
             f"  {d.name or '<root>':<{width}}  {d.layer_type:<18} {d.status}{': ' + d.reason if d.reason else ''}"
             for d in self.decisions
-        ]
-        return "\n".join(lines)
+        ])
 
 
 @dataclass(frozen=True)
@@ -267,20 +253,18 @@ def _plan(model: nn.Module, spec: TargetSpec) -> List[Tuple[str, nn.Module, Laye
         layers = sorted((m for m in layers if id(m) in called), key=lambda m: called[id(m)])
     stem = id(layers[0]) if layers else None
     classifier = id(layers[-1]) if layers else None
-    block_words = f"class or base class named {', '.join(map(repr, _block_names(spec.block_types)))}"
-    out = []
-    for name, m, in_block in entries:
+    block_names = [b if isinstance(b, str) else b.__name__ for b in _block_tuple(spec.block_types)]
+    block_words = f"class or base class named {', '.join(map(repr, block_names))}"
+
+    def decide(name: str, m: nn.Module, in_block: bool) -> LayerDecision:
         kind = type(m).__name__
         if _is_whitening(m):
-            out.append((name, m, LayerDecision(name, kind, "whitening", "already a whitening layer")))
-            continue
+            return LayerDecision(name, kind, "whitening", "already a whitening layer")
         if isinstance(m, nn.MultiheadAttention):
             reason = ("nn.MultiheadAttention: its input and output projections are applied inside "
                       "F.multi_head_attention_forward, not called as modules, so no whitening layer can take "
                       "their place")
-            in_scope = predicate is None and (targets == "all" or in_block)
-            out.append((name, m, LayerDecision(name, kind, "skipped", reason, in_scope)))
-            continue
+            return LayerDecision(name, kind, "skipped", reason, predicate is None and (targets == "all" or in_block))
         linear = isinstance(m, nn.Linear)
         problem = _unsupported(m, allow_subclass=predicate is not None)
         position = "stem" if id(m) == stem else "classifier" if id(m) == classifier else ""
@@ -318,24 +302,23 @@ def _plan(model: nn.Module, spec: TargetSpec) -> List[Tuple[str, nn.Module, Laye
                 selected, why = False, "nn.Linear, and include_linear=False"
             else:
                 selected = True
-        if selected and problem is None and cap is not None:
-            k = (cast(nn.Linear, m).in_features if linear
-                 else cast("_ConvNd", m).in_channels // cast("_ConvNd", m).groups)
+        if not selected:
+            return LayerDecision(name, kind, "skipped", why, False, position)
+        if problem is None and cap is not None:
+            groups = 1 if linear else cast("_ConvNd", m).groups
+            k = cast(nn.Linear, m).in_features if linear else cast("_ConvNd", m).in_channels // groups
             if k > cap:
-                # 3 float32 matrices and a float64 accumulator
-                gb = 20 * k * k * (1 if linear else cast("_ConvNd", m).groups) / 1e9
+                gb = 20 * k * k * groups / 1e9  # 3 float32 matrices and a float64 accumulator
                 problem = (f"{k} input features per group exceed max_features={cap} (a {k} x {k} whitening state of "
                            f"about {gb:.1f} GB and an O(M^3) fold; pass a larger max_features to convert it)")
-        if selected and problem is None and called is not None and id(m) not in called:
+        if problem is None and called is not None and id(m) not in called:
             problem = ("not called as a module by the model's forward of example_input (the model uses its weight "
                        "directly, e.g. torchvision's Swin attention, or the branch did not run in eval mode)")
-        if selected and problem is not None:
-            out.append((name, m, LayerDecision(name, kind, "skipped", problem, True, position)))
-        elif selected:
-            out.append((name, m, LayerDecision(name, kind, "to convert", role=position)))
-        else:
-            out.append((name, m, LayerDecision(name, kind, "skipped", why, False, position)))
-    return out
+        if problem is not None:
+            return LayerDecision(name, kind, "skipped", problem, True, position)
+        return LayerDecision(name, kind, "to convert", role=position)
+
+    return [(name, m, decide(name, m, in_block)) for name, m, in_block in entries]
 
 
 @torch.no_grad()
@@ -365,10 +348,6 @@ def _call_order(model: nn.Module, modules: Sequence[nn.Module], example_input: A
         for h in handles:
             h.remove()
     return order
-
-
-def _block_names(block_types: Optional[BlockTypes]) -> List[str]:
-    return [b if isinstance(b, str) else getattr(b, "__name__", repr(b)) for b in _block_tuple(block_types)]
 
 
 def target_layers(
