@@ -1,5 +1,5 @@
 """A whitening layer's state outside training: checkpoints (the partial block as extra state, the rule's identity,
-loading with checks for another method's, another rule's or an old version's keys), pickling and copying,
+loading with checks for another method's, another rule's or a pre-release version's keys), pickling and copying,
 scripting.
 
 The rule's identity: a buffer, ``whitening_rule``, holds :func:`~whitenlayers.rules.rule_identity` (a JSON text: the
@@ -18,7 +18,7 @@ import json
 import math
 import sys
 import warnings
-from typing import Any, Dict, Iterator, List, Optional, Set, Tuple, Union, cast
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple, cast
 
 import torch
 from torch import Tensor
@@ -81,7 +81,7 @@ def decode_identity(values: Any) -> Optional[str]:
         return None
 
 
-#: Layout tag of the packed extra state (:meth:`WhiteningLayer.get_extra_state`); version 1 was a dict.
+#: Layout tag of the packed extra state (:meth:`WhiteningLayer.get_extra_state`).
 _EXTRA_LAYOUT = 2
 #: The layout of a layer with a pending fold (an asynchronous fold in flight): layout 2's, then the fold.
 _EXTRA_LAYOUT_PENDING = 3
@@ -175,7 +175,7 @@ class _CheckpointMixin(_Layer):
     """Checkpoints, pickling and scripting of :class:`~whitenlayers.WhiteningLayer` (this module's docstring)."""
 
     # 2: the partial block is one tensor in ``_extra_state``; grad layers with a bias keep their bias compensation
-    # in ``bias_correction`` (version 1 added it to the bias parameter).
+    # in ``bias_correction``. Checkpoints of an older version (pre-release) are refused.
     _version = 2
 
     def __getstate__(self) -> Dict[str, Any]:
@@ -243,18 +243,14 @@ class _CheckpointMixin(_Layer):
             parts += [torch.tensor([_NO_FOLD, 0, 0, 0, 0], **f64), torch.zeros(size, **f64)]
         return torch.cat([t.to(device=head.device, dtype=torch.float64) for t in parts])
 
-    def set_extra_state(self, state: Union[Tensor, Dict[str, Any]]) -> None:
+    def set_extra_state(self, state: Tensor) -> None:
         """Restore the partial block and the counters (``load_state_dict`` calls this).
 
         Args:
-            state: what :meth:`get_extra_state` returned (a float64 tensor), or the dict of a version-1
-                checkpoint.
+            state: what :meth:`get_extra_state` returned (a float64 tensor).
         """
         self._wait_for_fold()  # a fold in flight is dropped: the checkpoint's state replaces it
-        if isinstance(state, dict):  # version 1 checkpoints
-            state = self._unpack_dict_extra_state(state)
-        else:
-            state = self._unpack_extra_state(state)
+        state = self._unpack_extra_state(state)
         dev = self.running_mean.device
         block = self._block = self._new_block(dev)
         block.batches = int(state["acc_batches"])
@@ -325,18 +321,6 @@ class _CheckpointMixin(_Layer):
                            values[0].to(self.running_mean.dtype), values[1], bool(head["unshifted"]),
                            int(head["nonfinite"]))
 
-    def _unpack_dict_extra_state(self, state: Dict[str, Any]) -> Dict[str, Any]:
-        if tuple(state["acc_s2"].shape) != self._block_shape:
-            raise RuntimeError(
-                f"{self._describe()}: checkpoint block statistics have shape {tuple(state['acc_s2'].shape)} "
-                f"({_shape_words(tuple(state['acc_s2'].shape))}), but this layer needs {self._block_shape} "
-                f"({_shape_words(self._block_shape)})"
-            )
-        state = dict(state)
-        state["nonfinite_blocks"] = state.get("nonfinite_batches", 0)  # version 1 counted batches
-        state["acc_count"] = float(state["acc_count"])
-        return state
-
     def _checkpoint_method(self, state_dict: Dict[str, Any], prefix: str) -> Tuple[Optional[str], str]:
         """What the checkpoint holds in this layer's place, and where: ``"grad"``, ``"recursive"``, ``"direct"``,
         ``"plain"`` (an unconverted layer) or ``None`` (nothing there). A direct layer sits at ``<name>.whiten.``,
@@ -378,12 +362,13 @@ class _CheckpointMixin(_Layer):
         """The checks of a checkpoint of this layer, then ``nn.Module``'s load."""
         self._wait_for_fold()  # a fold in flight reads the buffers this writes (set_extra_state then replaces it)
         self._check_checkpoint_method(state_dict, prefix, error_msgs)
-        version = local_metadata.get("version", None)
-        key = prefix + "_extra_state"
-        if (version is None or version < 1) and key not in state_dict:
-            # Checkpoints without the partial block: start a fresh block.
-            self._reset_accumulators()
-            state_dict = {**state_dict, key: self.get_extra_state()}
+        version = local_metadata.get("version")
+        # An older version's layer of this method (a plain layer or a direct wrapper in its place has nn.Module's 1)
+        if (version is not None and version < self._version
+                and self._checkpoint_method(state_dict, prefix)[0] == self.method):
+            error_msgs.append(f"{self._describe()}: this checkpoint was written by a pre-release whitenlayers "
+                              f"(version {version}); it cannot be loaded")
+            return
         m = self.num_features
         mkey = prefix + "running_mean"
         if mkey in state_dict and state_dict[mkey].shape != (m,):
@@ -447,7 +432,7 @@ class _CheckpointMixin(_Layer):
                                ) -> Dict[str, Any]:
         """The checkpoint ``state_dict`` as this layer loads it: the identity checked against the layer's rule (an
         error naming both for another rule, see the module docstring) and replaced by the layer's own, or added
-        where the checkpoint has none but holds this layer's other keys (a plain or an older checkpoint)."""
+        where the checkpoint has none but holds this layer's other keys (a plain checkpoint)."""
         key = prefix + IDENTITY_BUFFER
         self._refresh_rule_identity()
         own = rule_identity(self.rule)

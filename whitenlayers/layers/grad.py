@@ -1,6 +1,6 @@
 """What the grad / recursive layers share besides their forward (:mod:`~whitenlayers.layers.step`): construction,
-the centring absorbed by a following BatchNorm, the bias compensation at a fold, the round trip to the plain layer,
-old checkpoints. Part of :mod:`whitenlayers.layers`."""
+the centring absorbed by a following BatchNorm, the bias compensation at a fold, the round trip to the plain layer.
+Part of :mod:`whitenlayers.layers`."""
 from __future__ import annotations
 
 import dataclasses
@@ -235,14 +235,9 @@ class _GradWhitenMixin(_GradStep, WhiteningLayer):
         if self._centring_ref is not None and key not in state_dict:
             # A checkpoint of the centred layer: its BatchNorm's running mean is the centred one, i.e. d = 0.
             state_dict = {**state_dict, key: torch.zeros_like(self._buffers["absorbed_offset"])}
-        key = prefix + "bias_correction"
-        version = local_metadata.get("version", None)
-        if self.bias is not None and key not in state_dict and (version is None or version < 2):
-            # Version 1 added a layer's bias compensation to its bias parameter: nothing to compensate apart.
-            state_dict = {**state_dict, key: torch.zeros_like(self.bias_correction)}
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
-        if self._centring_ref is not None:  # a checkpoint that kept c apart (earlier versions, a centred layer)
+        if self._centring_ref is not None:  # a checkpoint that kept c apart (a centred layer)
             self._fold_compensation_into_offset()
 
     @classmethod
