@@ -32,10 +32,8 @@ def _with_whitening_signature(config_class: Type[WhiteningConfig], exclude: tupl
     def decorate(init):
         sig = inspect.signature(init)
         params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-        for f in dataclasses.fields(config_class):
-            if f.name not in exclude:
-                params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
-                                                annotation=f.type))
+        params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+                   for f in dataclasses.fields(config_class) if f.name not in exclude]
         init.__signature__ = sig.replace(parameters=params)
         return init
 
@@ -261,10 +259,6 @@ class _GradWhitenMixin(_GradStep, WhiteningLayer):
         out.train(self.training)
         return out
 
-    def _full_weight(self) -> Tensor:
-        w = self.weight.detach()
-        return w.full_tensor() if hasattr(w, "full_tensor") else w  # a DTensor (FSDP2) outside the forward
-
     @torch.no_grad()
     def _on_mean_change(self, delta: Tensor) -> None:
         # ERRATA 8 (docs/PAPER.md): c(i) = c(i-) + sum W (mu(i) - mu(i-1)) keeps z unchanged. Written in place: a
@@ -272,17 +266,16 @@ class _GradWhitenMixin(_GradStep, WhiteningLayer):
         block = self._block
         w, block.fold_weight = block.fold_weight, None  # the weight of the forward that ended the block
         if w is None:
-            w = self._weight_matrix(self._full_weight()).to(torch.float64)
+            w = self.weight.detach()
+            w = w.full_tensor() if hasattr(w, "full_tensor") else w  # a DTensor (FSDP2) outside the forward
+            w = self._weight_matrix(w).to(torch.float64)
         comp = F_w.weight_mean_product(w, delta)
         absorbed = self._buffers.get("absorbed_offset")
         if absorbed is not None:  # c lives in d for an absorbed layer (c - d is what the function uses)
             absorbed.sub_(comp)  # float64 comp: computed in float64, rounded once into d's dtype (one op, no copy)
             return
         c = self.bias_correction
-        if c.is_inference():
-            self._set_fold_buffer("bias_correction", c + comp.to(c.dtype))
-        else:  # in place, as every fold write (stats/block.py, _set_fold_buffer)
-            c.add_(comp.to(c.dtype))
+        self._set_fold_buffer("bias_correction", c + comp.to(c.dtype))  # in place, as every fold write
 
     @torch.no_grad()
     def _fold_compensation_into_offset(self) -> None:
