@@ -278,24 +278,25 @@ def test_safetensors_round_trip_resumes_bit_for_bit(tmp_path):
     assert_same(other.state_dict(), model.state_dict())
 
 
-def test_version_1_checkpoint_with_dict_extra_state_and_bias_in_the_parameter_loads():
-    """Version 1: the partial block as a dict, and a layer's bias compensation inside its bias parameter."""
+def test_version_1_checkpoint_with_dict_extra_state_and_bias_in_the_parameter_is_refused():
+    """Version 1 (pre-release: the partial block as a dict, a layer's bias compensation inside its bias parameter):
+    an error naming the layer and the version; the layer is left as it was."""
     torch.manual_seed(0)
     layer = wl.GradWhitenConv2d(3, 4, 3, padding=1, block_size=3)
     for _ in range(4):
         layer(torch.randn(5, 3, 6, 6) + 2)
     sd = layer.state_dict()
-    packed = layer._unpack_extra_state(sd["_extra_state"])
     old = {k: v for k, v in sd.items() if k not in ("_extra_state", "bias_correction")}
     old["bias"] = layer.bias.detach() + layer.bias_correction  # where version 1 kept the compensation
-    old["_extra_state"] = dict(packed, version=1)
+    old["_extra_state"] = {"version": 1, "acc_batches": 1}
     old = type(sd)(old)
     old._metadata = {"": {"version": 1}}
     new = wl.GradWhitenConv2d(3, 4, 3, padding=1, block_size=3)
-    new.load_state_dict(old)
-    assert torch.equal(new.bias_correction, torch.zeros(4)) and new.batches_in_block == layer.batches_in_block == 1
-    x = torch.randn(2, 3, 6, 6)
-    torch.testing.assert_close(new.eval()(x), layer.eval()(x))
+    bias = new.bias.detach().clone()
+    with pytest.raises(RuntimeError, match=r"GradWhitenConv2d \(num_features=3\): this checkpoint was written by a "
+                                           r"pre-release whitenlayers \(version 1\); it cannot be loaded"):
+        new.load_state_dict(old)
+    assert torch.equal(new.bias.detach(), bias) and int(new.num_blocks) == 0
 
 
 def test_torch_ema_and_swa_average_the_whitening_state_like_batchnorm():

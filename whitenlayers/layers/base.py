@@ -45,9 +45,6 @@ from .step import _StepCache, _StepMixin
 
 __all__ = ["WhiteningLayer"]
 
-#: ``Module``'s global buffer registration hooks (torch 2.0+), which a buffer written past ``setattr`` would skip.
-_buffer_registration_hooks: Dict[int, Any] = getattr(torch.nn.modules.module, "_global_buffer_registration_hooks",
-                                                     {})
 #: Renamed attributes: old name -> new name (the old one warns, for one release).
 _RENAMED = {"eig_failures": "transform_failures"}
 
@@ -110,7 +107,7 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
         state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         for name, value in self._fresh_buffers(device, state_dtype, grad_transform).items():
             self.register_buffer(name, value)
-        self._register_rule_identity()  # the rule's name and config, for checkpoints (layers/checkpoint.py)
+        self._refresh_rule_identity()  # the rule's name and config, for checkpoints (layers/checkpoint.py)
         self._cache = _StepCache()
         self._fresh_block_and_counters()
         if self.running_mean.device.type == "cuda" and not torch.compiler.is_compiling():
@@ -429,10 +426,8 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
             else:
                 writes[0].append(old)
                 writes[1].append(value)
-        elif _buffer_registration_hooks:  # Module.__setattr__ ends in _buffers; hooks must see the write
+        else:  # through Module.__setattr__, which buffer registration hooks see
             setattr(self, name, _stored_all([(self, name, value)])[0])
-        else:
-            self._buffers[name] = _stored_all([(self, name, value)])[0]
 
     def _on_mean_change(self, delta: Tensor) -> None:
         """Hook for layers that must keep their function when the mean in force changes by ``delta`` (float64)."""

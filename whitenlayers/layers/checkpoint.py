@@ -1,5 +1,5 @@
 """A whitening layer's state outside training: checkpoints (the partial block as extra state, the rule's identity,
-loading with checks for another method's, another rule's or an old version's keys), pickling and copying,
+loading with checks for another method's, another rule's or a pre-release version's keys), pickling and copying,
 scripting.
 
 The rule's identity: a buffer, ``whitening_rule``, holds :func:`~whitenlayers.rules.rule_identity` (a JSON text: the
@@ -18,7 +18,7 @@ import json
 import math
 import sys
 import warnings
-from typing import Any, Dict, Iterator, List, Optional, Set, Tuple, Union, cast
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple, cast
 
 import torch
 from torch import Tensor
@@ -66,22 +66,15 @@ def decode_identity(values: Any) -> Optional[str]:
     a 1-D tensor of bytes followed by zeros, not UTF-8)."""
     if not isinstance(values, Tensor) or values.dim() != 1:
         return None
-    try:
+    try:  # ValueError: NaN, a byte outside 0..255 (bytes), not UTF-8; OverflowError: Inf
         data = [int(v) for v in values.detach().to("cpu", torch.float64).tolist()]
-    except (ValueError, OverflowError):  # NaN, Inf
-        return None
-    if any(v < 0 or v > 255 for v in data):
-        return None
-    end = data.index(0) if 0 in data else len(data)
-    if any(data[end:]):
-        return None
-    try:
-        return bytes(data[:end]).decode("utf-8")
-    except UnicodeDecodeError:
+        end = data.index(0) if 0 in data else len(data)
+        return None if any(data[end:]) else bytes(data[:end]).decode("utf-8")
+    except (ValueError, OverflowError):
         return None
 
 
-#: Layout tag of the packed extra state (:meth:`WhiteningLayer.get_extra_state`); version 1 was a dict.
+#: Layout tag of the packed extra state (:meth:`WhiteningLayer.get_extra_state`).
 _EXTRA_LAYOUT = 2
 #: The layout of a layer with a pending fold (an asynchronous fold in flight): layout 2's, then the fold.
 _EXTRA_LAYOUT_PENDING = 3
@@ -123,14 +116,6 @@ def _load_frame() -> Any:
     return frame
 
 
-def _strict_load() -> bool:
-    """The ``strict`` of the ``Module.load_state_dict`` call under way (PyTorch passes ``strict=True`` to every
-    ``_load_from_state_dict`` and applies ``strict`` to the missing / unexpected keys afterwards); ``False`` where
-    no such call is found (a loader of its own: warn, never fail a load PyTorch would accept)."""
-    frame = _load_frame()
-    return frame is not None and bool(frame.f_locals.get("strict", True))
-
-
 #: The errors the layers reported for a checkpoint of another method or rule (a strict load), which
 #: :func:`cause_first` puts first.
 _CAUSES: Set[str] = set()
@@ -138,12 +123,17 @@ _CAUSES: Set[str] = set()
 
 def _report_cause(msg: str, error_msgs: List[str], lenient: str) -> None:
     """A checkpoint of another method or rule: the error ``msg`` (a strict load, :func:`cause_first` puts it first),
-    or, with ``strict=False``, a warning: ``msg`` and what the lenient load does (``lenient``)."""
-    if _strict_load():
+    or, with ``strict=False``, a warning: ``msg`` and what the lenient load does (``lenient``).
+
+    ``strict`` is that of the ``Module.load_state_dict`` call under way (PyTorch passes ``strict=True`` to every
+    ``_load_from_state_dict`` and applies ``strict`` to the missing / unexpected keys afterwards); ``False`` where
+    no such call is found (a loader of its own: warn, never fail a load PyTorch would accept)."""
+    frame = _load_frame()
+    if frame is not None and bool(frame.f_locals.get("strict", True)):
         _CAUSES.add(msg)
         error_msgs.append(msg)
     else:
-        warnings.warn(msg + lenient, UserWarning, stacklevel=5)
+        warnings.warn(msg + lenient, UserWarning, stacklevel=4)
 
 
 def cause_first(module: Any, incompatible_keys: Any) -> None:
@@ -175,7 +165,7 @@ class _CheckpointMixin(_Layer):
     """Checkpoints, pickling and scripting of :class:`~whitenlayers.WhiteningLayer` (this module's docstring)."""
 
     # 2: the partial block is one tensor in ``_extra_state``; grad layers with a bias keep their bias compensation
-    # in ``bias_correction`` (version 1 added it to the bias parameter).
+    # in ``bias_correction``. Checkpoints of an older version (pre-release) are refused.
     _version = 2
 
     def __getstate__(self) -> Dict[str, Any]:
@@ -218,7 +208,7 @@ class _CheckpointMixin(_Layer):
         coordinator = self.__dict__.get("_fold_coordinator")
         if coordinator is not None:
             coordinator.flush_stats()
-        self._wait_for_fold()
+            coordinator.wait()  # a fold in flight: its result is the pending fold packed below
         pending = cast(Optional[PendingFold], self._pending_fold)
         block = self._block
         f64: Dict[str, Any] = {"dtype": torch.float64, "device": self.running_mean.device}
@@ -226,8 +216,8 @@ class _CheckpointMixin(_Layer):
         layout = _EXTRA_LAYOUT_SLOT if slot else _EXTRA_LAYOUT if pending is None else _EXTRA_LAYOUT_PENDING
         head = torch.tensor([layout, block.batches, block.shift is not None]
                             + [getattr(self, name) for name in _COUNTERS] + [block.rows, block.unshifted], **f64)
-        shift = block.shift if block.shift is not None else torch.zeros_like(block.s1, dtype=torch.float64)
-        parts = [head, shift, block.s1, block.s2.reshape(-1)]
+        _, shift, s1, s2 = block.sums()
+        parts = [head, shift, s1, s2.reshape(-1)]
         if pending is not None:
             outcome = cast(FoldOutcome, pending.outcome)
             layout_shapes = self._outcome_layout()
@@ -243,41 +233,35 @@ class _CheckpointMixin(_Layer):
             parts += [torch.tensor([_NO_FOLD, 0, 0, 0, 0], **f64), torch.zeros(size, **f64)]
         return torch.cat([t.to(device=head.device, dtype=torch.float64) for t in parts])
 
-    def set_extra_state(self, state: Union[Tensor, Dict[str, Any]]) -> None:
+    def set_extra_state(self, state: Tensor) -> None:
         """Restore the partial block and the counters (``load_state_dict`` calls this).
 
         Args:
-            state: what :meth:`get_extra_state` returned (a float64 tensor), or the dict of a version-1
-                checkpoint.
+            state: what :meth:`get_extra_state` returned (a float64 tensor).
         """
         self._wait_for_fold()  # a fold in flight is dropped: the checkpoint's state replaces it
-        if isinstance(state, dict):  # version 1 checkpoints
-            state = self._unpack_dict_extra_state(state)
-        else:
-            state = self._unpack_extra_state(state)
-        dev = self.running_mean.device
-        block = self._block = self._new_block(dev)
-        block.batches = int(state["acc_batches"])
+        head, shift, s1, s2, pending = self._unpack_extra_state(state)
+        block = self._block = self._new_block(self.running_mean.device)
+        block.batches = int(head["acc_batches"])
         block.gather_next = block.batches % block.every == 0
-        block.rows = float(state["acc_count"])
-        block.unshifted = bool(state.get("stats_unshifted", False))
-        if state["acc_shift"] is not None:  # the block's shift, in the tensor a compiled forward reads
-            block.store.copy_(state["acc_shift"].to(dev, torch.float64))
+        block.rows = head["acc_count"]
+        block.unshifted = bool(head["stats_unshifted"])
+        if head["has_shift"]:  # the block's shift, in the tensor a compiled forward reads
+            block.store.copy_(shift)
             block.shift = block.store
-        if block.acc is not None:  # the augmented accumulator, in its own dtype (exact for sums it had written)
-            m = self.num_features
-            block.acc[:m, :m] = state["acc_s2"]
-            block.acc[:m, m] = state["acc_s1"]
-            block.acc[m, :m] = state["acc_s1"]
-            block.acc[m, m] = block.rows
-        else:
-            block.s1.copy_(state["acc_s1"])
-            block.s2.copy_(state["acc_s2"])
+        block.s1.copy_(s1)  # in the sums' own dtype (exact for sums the block had written)
+        block.s2.copy_(s2)
+        if block.acc is not None:  # the augmented accumulator's last row: s1 again and the row count
+            block.acc[-1, :-1] = s1
+            block.acc[-1, -1] = block.rows
         for name in _COUNTERS:
-            setattr(self, name, int(state.get(name, 0)))
-        self._pending_fold = state.get("pending")
+            setattr(self, name, int(head[name]))
+        self._pending_fold = pending
 
-    def _unpack_extra_state(self, packed: Tensor) -> Dict[str, Any]:
+    def _unpack_extra_state(self, packed: Tensor) -> Tuple[Dict[str, float], Tensor, Tensor, Tensor,
+                                                          Optional[PendingFold]]:
+        """The head (``_EXTRA_HEAD`` by name), the block's shift, first and second sums (the block shape) and the
+        pending fold of a packed extra state, checked against this layer."""
         m, block = self.num_features, self._block_shape
         numel = len(_EXTRA_HEAD) + 2 * m + math.prod(block)
         if not isinstance(packed, Tensor) or packed.dim() != 1 or not packed.is_floating_point():
@@ -296,20 +280,15 @@ class _CheckpointMixin(_Layer):
                 f"{numel}: block statistics of shape {block} ({_shape_words(block)}) for {m} features")
         head = dict(zip(_EXTRA_HEAD, packed[: len(_EXTRA_HEAD)].tolist()))
         shift, s1, s2 = torch.split(packed[len(_EXTRA_HEAD):], [m, m, math.prod(block)])
-        out: Dict[str, Any] = {name: head[name] for name in _COUNTERS}
-        out.update(acc_batches=head["acc_batches"], acc_count=head["acc_count"],
-                   stats_unshifted=head["stats_unshifted"], acc_shift=shift if head["has_shift"] else None,
-                   acc_s1=s1, acc_s2=s2.view(block), pending=pending)
-        return out
+        return head, shift, s1, s2.view(block), pending
 
     def _unpack_pending(self, packed: Tensor, padded: bool = False) -> Optional[PendingFold]:
         """The pending fold of a layout-3 extra state (what follows the block), on this layer's device; ``padded``:
         layout 4's slot (every buffer of the outcome layout there; ``None`` for an empty slot)."""
         m, layout = self.num_features, self._outcome_layout()
         n_head = len(_PENDING_HEAD)
-        head = dict(zip(_PENDING_HEAD, packed[:n_head].tolist())) if packed.numel() >= n_head else {}
-        kept = int(head.get("kept", -1))
-        status = int(head.get("status", -2))
+        head = packed[:n_head].tolist() if packed.numel() >= n_head else [-2, 0, 0, 0, -1]  # (too short: an error)
+        status, clamped, unshifted, nonfinite, kept = (int(value) for value in head)  # _PENDING_HEAD
         sizes = [m, m, m] + [math.prod(shape) for _, shape in layout[: len(layout) if padded else max(kept, 0)]]
         if padded and status == _NO_FOLD and kept == 0 and packed.numel() == n_head + sum(sizes):
             return None
@@ -321,21 +300,8 @@ class _CheckpointMixin(_Layer):
         dev = self.running_mean.device
         values = [t.to(dev).clone() for t in torch.split(packed[n_head:], sizes)]
         buffers = {name: t.view(shape) for (name, shape), t in zip(layout[:kept], values[3:])}
-        return PendingFold(FoldOutcome(status, bool(head["clamped"]), buffers),
-                           values[0].to(self.running_mean.dtype), values[1], bool(head["unshifted"]),
-                           int(head["nonfinite"]))
-
-    def _unpack_dict_extra_state(self, state: Dict[str, Any]) -> Dict[str, Any]:
-        if tuple(state["acc_s2"].shape) != self._block_shape:
-            raise RuntimeError(
-                f"{self._describe()}: checkpoint block statistics have shape {tuple(state['acc_s2'].shape)} "
-                f"({_shape_words(tuple(state['acc_s2'].shape))}), but this layer needs {self._block_shape} "
-                f"({_shape_words(self._block_shape)})"
-            )
-        state = dict(state)
-        state["nonfinite_blocks"] = state.get("nonfinite_batches", 0)  # version 1 counted batches
-        state["acc_count"] = float(state["acc_count"])
-        return state
+        return PendingFold(FoldOutcome(status, bool(clamped), buffers), values[0].to(self.running_mean.dtype),
+                           values[1], bool(unshifted), nonfinite)
 
     def _checkpoint_method(self, state_dict: Dict[str, Any], prefix: str) -> Tuple[Optional[str], str]:
         """What the checkpoint holds in this layer's place, and where: ``"grad"``, ``"recursive"``, ``"direct"``,
@@ -360,11 +326,10 @@ class _CheckpointMixin(_Layer):
         (a strict load), or a warning (``strict=False``, where PyTorch would drop the other method's keys
         silently)."""
         (theirs, where), mine = self._checkpoint_method(state_dict, prefix), self.method
-        if theirs is None or theirs == mine or (theirs == "plain" and _loading_plain[0]):
+        # (a plain layer's keys at a direct wrapper's place: the wrapped layer's own check, missing keys)
+        if theirs in (None, mine) or (theirs == "plain" and (_loading_plain[0] or mine == "direct")):
             return
         if theirs == "plain":
-            if mine == "direct":
-                return  # a plain layer's keys at the wrapper's place: the wrapped layer's own check (missing keys)
             msg = (f"{self._describe()}: the checkpoint holds a plain (unconverted) layer at '{where}', but this "
                    f"model's layer there is a '{mine}' whitening layer; load it with "
                    "wl.load_plain_state_dict(model, state_dict)")
@@ -374,63 +339,32 @@ class _CheckpointMixin(_Layer):
         _report_cause(msg, error_msgs, " (strict=False: the whitening state of the other method is not loaded; only "
                                        "keys with the same names are)")
 
-    def _load_checked(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-        """The checks of a checkpoint of this layer, then ``nn.Module``'s load."""
-        self._wait_for_fold()  # a fold in flight reads the buffers this writes (set_extra_state then replaces it)
-        self._check_checkpoint_method(state_dict, prefix, error_msgs)
-        version = local_metadata.get("version", None)
-        key = prefix + "_extra_state"
-        if (version is None or version < 1) and key not in state_dict:
-            # Checkpoints without the partial block: start a fresh block.
-            self._reset_accumulators()
-            state_dict = {**state_dict, key: self.get_extra_state()}
-        m = self.num_features
-        mkey = prefix + "running_mean"
-        if mkey in state_dict and state_dict[mkey].shape != (m,):
-            error_msgs.append(
-                f"{self._describe()}: checkpoint has {state_dict[mkey].shape[0]} features in "
-                f"'{mkey}', but this layer has {m}"
-            )
-            return
-        ckey = prefix + "running_cov"
-        if ckey in state_dict and tuple(state_dict[ckey].shape) != self._block_shape:
-            shape = tuple(state_dict[ckey].shape)
-            error_msgs.append(
-                f"{self._describe()}: checkpoint '{ckey}' has shape {shape} ({_shape_words(shape)}), "
-                f"but this layer needs {self._block_shape} ({_shape_words(self._block_shape)})"
-            )
-            return
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
-
-
     # ------------------------------------------------------------ the rule's identity
-    def _register_rule_identity(self) -> None:
-        """Register the identity buffer (once, when the layer is built), in the statistics' dtype and device."""
+    def _identity_value(self, device: Any = None) -> Tensor:
+        """The rule's identity as the buffer holds it: in its dtype, on its device (or ``device``), as wide as it is
+        or as the identity needs; in the statistics' dtype and on their device before the buffer exists."""
         text = rule_identity(self.rule)
-        mean = self.running_mean
-        self.register_buffer(IDENTITY_BUFFER, encode_identity(text, dtype=mean.dtype, device=mean.device))
-        self.__dict__["_identity_of"] = (self.rule, text)
+        buf = self._buffers.get(IDENTITY_BUFFER)
+        like = self.running_mean if buf is None else buf
+        width = _width(text) if buf is None else max(buf.numel(), _width(text))
+        return encode_identity(text, width, dtype=like.dtype, device=like.device if device is None else device)
 
     def _refresh_rule_identity(self, force: bool = False) -> None:
-        """Write the rule's identity into the buffer when the rule changed since it was written (a new config), or
-        always (``force``: after a load or ``to_empty``, which leave other values there)."""
-        written = self.__dict__.get("_identity_of")
-        if not force and written is not None and written[0] is self.rule:
+        """Write the rule's identity into the buffer (registered when the layer is built) when the rule changed since
+        it was written (a new config), or always (``force``: after a load or ``to_empty``, which leave other values
+        there)."""
+        if not force and self.__dict__.get("_identity_of") is self.rule:
             return
         buf = self._buffers.get(IDENTITY_BUFFER)
-        if buf is None:  # a layer pickled before the identity existed
-            self._register_rule_identity()
-            return
-        text = rule_identity(self.rule)
-        width = max(buf.numel(), _width(text))
-        value = encode_identity(text, width, dtype=buf.dtype, device=buf.device)
-        with torch.no_grad():
-            if value.shape == buf.shape:
+        value = self._identity_value()
+        if buf is None:  # the layer being built (or one pickled before the identity existed)
+            self.register_buffer(IDENTITY_BUFFER, value)
+        elif value.shape == buf.shape:
+            with torch.no_grad():
                 buf.copy_(value)
-            else:
-                self._buffers[IDENTITY_BUFFER] = value
-        self.__dict__["_identity_of"] = (self.rule, text)
+        else:
+            self._buffers[IDENTITY_BUFFER] = value
+        self.__dict__["_identity_of"] = self.rule
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         self._refresh_rule_identity()
@@ -438,8 +372,30 @@ class _CheckpointMixin(_Layer):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
+        """The checks of a checkpoint of this layer (its rule, method, version and sizes), then ``nn.Module``'s load."""
         state_dict = self._checked_rule_identity(state_dict, prefix, error_msgs)
-        self._load_checked(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        self._wait_for_fold()  # a fold in flight reads the buffers this writes (set_extra_state then replaces it)
+        self._check_checkpoint_method(state_dict, prefix, error_msgs)
+        version = local_metadata.get("version")
+        m, block = self.num_features, self._block_shape
+        mkey, ckey = prefix + "running_mean", prefix + "running_cov"
+        error = None
+        # An older version's layer of this method (a plain layer or a direct wrapper in its place has nn.Module's 1)
+        if (version is not None and version < self._version
+                and self._checkpoint_method(state_dict, prefix)[0] == self.method):
+            error = (f"this checkpoint was written by a pre-release whitenlayers (version {version}); it cannot be "
+                     "loaded")
+        elif mkey in state_dict and state_dict[mkey].shape != (m,):
+            error = f"checkpoint has {state_dict[mkey].shape[0]} features in '{mkey}', but this layer has {m}"
+        elif ckey in state_dict and tuple(state_dict[ckey].shape) != block:
+            shape = tuple(state_dict[ckey].shape)
+            error = (f"checkpoint '{ckey}' has shape {shape} ({_shape_words(shape)}), but this layer needs {block} "
+                     f"({_shape_words(block)})")
+        if error is not None:  # (nothing of this layer loaded)
+            error_msgs.append(f"{self._describe()}: {error}")
+            return
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
         self._cache.clear()
         self.__dict__["_identity_of"] = None  # the buffer holds what was loaded: written again at the next save
 
@@ -447,22 +403,19 @@ class _CheckpointMixin(_Layer):
                                ) -> Dict[str, Any]:
         """The checkpoint ``state_dict`` as this layer loads it: the identity checked against the layer's rule (an
         error naming both for another rule, see the module docstring) and replaced by the layer's own, or added
-        where the checkpoint has none but holds this layer's other keys (a plain or an older checkpoint)."""
+        where the checkpoint has none but holds this layer's other keys (a plain checkpoint)."""
         key = prefix + IDENTITY_BUFFER
         self._refresh_rule_identity()
-        own = rule_identity(self.rule)
-        buf = self._buffers[IDENTITY_BUFFER]
-        like = state_dict.get(key, state_dict.get(prefix + "running_mean"))  # (the checkpoint's device: a model
-        device = like.device if isinstance(like, Tensor) and not like.is_meta else buf.device  # built on meta)
-        mine = encode_identity(own, max(buf.numel(), _width(own)), dtype=buf.dtype, device=device)
+        # ``mine`` on the checkpoint's device where it is a real one (a model built on meta loads real tensors)
+        like = state_dict.get(key, state_dict.get(prefix + "running_mean"))
+        mine = self._identity_value(like.device if isinstance(like, Tensor) and not like.is_meta else None)
         if key not in state_dict:
             if not any(k.startswith(prefix) for k in state_dict):
                 return state_dict  # nothing of this layer: reported missing, as the other keys
             return {**state_dict, key: mine}
-        text = decode_identity(state_dict[key])
         where = prefix[:-1] or "<root>"
         try:
-            theirs = json.loads(text) if text is not None else None
+            theirs = json.loads(decode_identity(state_dict[key]) or "")  # (not an identity: "", a ValueError)
         except ValueError:
             theirs = None
         if not isinstance(theirs, dict) or not isinstance(theirs.get("rule"), str):
@@ -470,7 +423,7 @@ class _CheckpointMixin(_Layer):
                               f"JSON object naming the rule), but got a tensor of shape "
                               f"{tuple(getattr(state_dict[key], 'shape', ()))}")
             return state_dict
-        ours = json.loads(own)
+        ours = json.loads(rule_identity(self.rule))
         kept = {**state_dict, key: mine}
         method = self._checkpoint_method(state_dict, prefix)[0]
         if method not in (None, "plain", self.method) and type(self.rule) in _BUILT_IN:
@@ -481,16 +434,14 @@ class _CheckpointMixin(_Layer):
                    f"rule={theirs['rule']!r} (convert_model(..., rule=...)) before loading it")
             _report_cause(msg, error_msgs, " (strict=False: loaded into this layer's rule anyway)")
             return kept
-        differ = [f"{name}={theirs.get(name)!r} (this layer: {value!r})" for name, value in ours.items()
-                  if name != "rule" and theirs.get(name) != value]
-        if differ:
-            what = ", ".join(differ)
-            if (ours["rule"], what) not in _warned_differences:
-                _warned_differences.add((ours["rule"], what))
-                warnings.warn(f"{self._describe()}: the checkpoint at '{where}' was saved with the rule "
-                              f"{ours['rule']!r} and {what}; the layer keeps its own hyper-parameters (assign "
-                              "layer.config to change them). Said once for every layer with this difference",
-                              UserWarning, stacklevel=4)
+        what = ", ".join(f"{name}={theirs.get(name)!r} (this layer: {value!r})" for name, value in ours.items()
+                         if name != "rule" and theirs.get(name) != value)
+        if what and (ours["rule"], what) not in _warned_differences:
+            _warned_differences.add((ours["rule"], what))
+            warnings.warn(f"{self._describe()}: the checkpoint at '{where}' was saved with the rule "
+                          f"{ours['rule']!r} and {what}; the layer keeps its own hyper-parameters (assign "
+                          "layer.config to change them). Said once for every layer with this difference",
+                          UserWarning, stacklevel=4)
         return kept
 
 

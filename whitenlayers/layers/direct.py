@@ -112,23 +112,8 @@ class DirectWhiten(WhiteningLayer, nn.Module):
                              "or gains='damped' with method='grad', but got gains='damped'")
 
     def extra_repr(self) -> str:
-        rest = self._whitening_repr()
-        if self.groups != 1:
-            rest = f"groups={self.groups}" + (f", {rest}" if rest else "")
-        return f"{self.num_features}" + (f", {rest}" if rest else "")
-
-    def _derived(self, key: Any, make: Any) -> Any:
-        """``make()``, kept in the step cache under ``key`` while the buffers in force stay (once per block); made
-        anew in a compiled graph or a ``torch.jit`` trace, and never kept from an inference-mode forward."""
-        cache = self._cache
-        if _compiling() or torch._C._is_tracing() or cache.state is None:
-            return make()
-        value = cache.derived.get(key)
-        if value is None:
-            value = make()
-            if not torch.is_inference_mode_enabled():
-                cache.derived[key] = value
-        return value
+        groups = f"groups={self.groups}" if self.groups != 1 else ""
+        return ", ".join(part for part in (f"{self.num_features}", groups, self._whitening_repr()) if part)
 
     def forward(self, x: Tensor) -> Tensor:
         """``T (x - mu)`` along dim 1; in training mode the batch also joins the block statistics.
@@ -145,9 +130,18 @@ class DirectWhiten(WhiteningLayer, nn.Module):
         if torch.is_grad_enabled() and x.requires_grad:
             check_not_tracing_function(self, "the whitening's backward")
         if x.dim() in POINTWISE_DIMS and (x.device.type != "cpu" or _FUSED_ON_CPU[0]):
-            # CUDA: one 1x1 convolution each way, T, -T mu and T^T made once per block. A CPU keeps the matrix
-            # products below: there the convolution was slower (ResNet-20 step 1.33x against 1.26x).
-            w, b, wt = self._derived(("pointwise", x.dtype), lambda: self._pointwise_weights(t, mean, x.dtype))
+            # CUDA: one 1x1 convolution each way, T, -T mu and T^T made once per block (kept in the step cache while
+            # the buffers in force stay; made anew in a compiled graph or a torch.jit trace, never kept from an
+            # inference-mode forward). A CPU keeps the matrix products below: there the convolution was slower
+            # (ResNet-20 step 1.33x against 1.26x).
+            cache, key = self._cache, ("pointwise", x.dtype)
+            keep = not _compiling() and not torch._C._is_tracing() and cache.state is not None
+            weights = cache.derived.get(key) if keep else None
+            if weights is None:
+                weights = self._pointwise_weights(t, mean, x.dtype)
+                if keep and not torch.is_inference_mode_enabled():
+                    cache.derived[key] = weights
+            w, b, wt = weights
             out = pointwise_whiten(x, w, b, wt, self.groups)
         else:
             if torch.is_grad_enabled() and x.requires_grad and t is self._buffers["whitening_matrix"]:

@@ -1,6 +1,6 @@
 """What the grad / recursive layers share besides their forward (:mod:`~whitenlayers.layers.step`): construction,
-the centring absorbed by a following BatchNorm, the bias compensation at a fold, the round trip to the plain layer,
-old checkpoints. Part of :mod:`whitenlayers.layers`."""
+the centring absorbed by a following BatchNorm, the bias compensation at a fold, the round trip to the plain layer.
+Part of :mod:`whitenlayers.layers`."""
 from __future__ import annotations
 
 import dataclasses
@@ -32,10 +32,8 @@ def _with_whitening_signature(config_class: Type[WhiteningConfig], exclude: tupl
     def decorate(init):
         sig = inspect.signature(init)
         params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-        for f in dataclasses.fields(config_class):
-            if f.name not in exclude:
-                params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
-                                                annotation=f.type))
+        params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+                   for f in dataclasses.fields(config_class) if f.name not in exclude]
         init.__signature__ = sig.replace(parameters=params)
         return init
 
@@ -235,14 +233,9 @@ class _GradWhitenMixin(_GradStep, WhiteningLayer):
         if self._centring_ref is not None and key not in state_dict:
             # A checkpoint of the centred layer: its BatchNorm's running mean is the centred one, i.e. d = 0.
             state_dict = {**state_dict, key: torch.zeros_like(self._buffers["absorbed_offset"])}
-        key = prefix + "bias_correction"
-        version = local_metadata.get("version", None)
-        if self.bias is not None and key not in state_dict and (version is None or version < 2):
-            # Version 1 added a layer's bias compensation to its bias parameter: nothing to compensate apart.
-            state_dict = {**state_dict, key: torch.zeros_like(self.bias_correction)}
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
-        if self._centring_ref is not None:  # a checkpoint that kept c apart (earlier versions, a centred layer)
+        if self._centring_ref is not None:  # a checkpoint that kept c apart (a centred layer)
             self._fold_compensation_into_offset()
 
     @classmethod
@@ -266,10 +259,6 @@ class _GradWhitenMixin(_GradStep, WhiteningLayer):
         out.train(self.training)
         return out
 
-    def _full_weight(self) -> Tensor:
-        w = self.weight.detach()
-        return w.full_tensor() if hasattr(w, "full_tensor") else w  # a DTensor (FSDP2) outside the forward
-
     @torch.no_grad()
     def _on_mean_change(self, delta: Tensor) -> None:
         # ERRATA 8 (docs/PAPER.md): c(i) = c(i-) + sum W (mu(i) - mu(i-1)) keeps z unchanged. Written in place: a
@@ -277,17 +266,16 @@ class _GradWhitenMixin(_GradStep, WhiteningLayer):
         block = self._block
         w, block.fold_weight = block.fold_weight, None  # the weight of the forward that ended the block
         if w is None:
-            w = self._weight_matrix(self._full_weight()).to(torch.float64)
+            w = self.weight.detach()
+            w = w.full_tensor() if hasattr(w, "full_tensor") else w  # a DTensor (FSDP2) outside the forward
+            w = self._weight_matrix(w).to(torch.float64)
         comp = F_w.weight_mean_product(w, delta)
         absorbed = self._buffers.get("absorbed_offset")
         if absorbed is not None:  # c lives in d for an absorbed layer (c - d is what the function uses)
             absorbed.sub_(comp)  # float64 comp: computed in float64, rounded once into d's dtype (one op, no copy)
             return
         c = self.bias_correction
-        if c.is_inference():
-            self._set_fold_buffer("bias_correction", c + comp.to(c.dtype))
-        else:  # in place, as every fold write (stats/block.py, _set_fold_buffer)
-            c.add_(comp.to(c.dtype))
+        self._set_fold_buffer("bias_correction", c + comp.to(c.dtype))  # in place, as every fold write
 
     @torch.no_grad()
     def _fold_compensation_into_offset(self) -> None:
