@@ -1,0 +1,59 @@
+"""The package stays small: its code outside the experiment runner (``whitenlayers/experiment/``), counted as the
+lines that are not blank, comments or docstrings, is at most :data:`MAX_CODE_LINES`. docs/development.md says how
+the count is made and what to do when a change needs more."""
+from __future__ import annotations
+
+import ast
+import io
+import tokenize
+from pathlib import Path
+
+import pytest
+
+import whitenlayers as wl
+
+PACKAGE = Path(wl.__file__).parent
+#: The bound on the package's code lines outside ``whitenlayers/experiment/``.
+MAX_CODE_LINES = 5500
+
+
+def code_lines(source: str) -> int:
+    """The lines of ``source`` that hold code: not blank, not only a comment, not part of a docstring (a string
+    that is the first statement of a module, class or function). Other strings count (they are values)."""
+    docstrings = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            value = first.value if isinstance(first, ast.Expr) else None
+            if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                docstrings.update(range(first.lineno, (first.end_lineno or first.lineno) + 1))
+    skipped = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER)
+    lines = set()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type not in skipped:
+            lines.update(n for n in range(token.start[0], token.end[0] + 1) if n not in docstrings)
+    return len(lines)
+
+
+def package_code_lines() -> dict:
+    """``{path: code lines}`` of the package's modules outside ``whitenlayers/experiment/``."""
+    return {str(p.relative_to(PACKAGE)): code_lines(p.read_text()) for p in sorted(PACKAGE.rglob("*.py"))
+            if "experiment" not in p.relative_to(PACKAGE).parts}
+
+
+@pytest.mark.parametrize("source, expected", [
+    ('"""doc\nstring"""\nx = 1  # a comment\n\n# only a comment\n', 1),
+    ('def f():\n    """doc."""\n    return (1,\n            2)\n', 3),
+    ('x = """not a\ndocstring"""\n', 2),
+    ('class A:\n    """doc"""\n    y: int = 0\n', 2),
+])
+def test_the_count_leaves_out_blanks_comments_and_docstrings(source, expected):
+    assert code_lines(source) == expected
+
+
+def test_the_package_is_at_most_its_bound():
+    counts = package_code_lines()
+    total = sum(counts.values())
+    largest = ", ".join(f"{path} {n}" for path, n in sorted(counts.items(), key=lambda kv: -kv[1])[:5])
+    assert total <= MAX_CODE_LINES, (f"the package holds {total} code lines outside experiment/, over the bound of "
+                                     f"{MAX_CODE_LINES} (largest: {largest}); see docs/development.md, \"Size\"")
