@@ -248,17 +248,16 @@ class EVDRule(TransformRule):
 
     def update(self, fold: Fold, state: Dict[str, Tensor], precomputed: Any = NOT_COMPUTED) -> Optional[RuleResult]:
         c = self.config
-        res = precomputed
-        if res is NOT_COMPUTED:
+        if precomputed is NOT_COMPUTED:
             work = self.work_dtype(state["whitening_matrix"].dtype)
             if c.gains == "damped":
-                res = F_w.damped_transform(fold.cov, eps=c.eps, gmax=c.gmax, dtype=work)
+                precomputed = F_w.damped_transform(fold.cov, eps=c.eps, gmax=c.gmax, dtype=work)
             else:
                 evd = F_w.evd_transform_grouped if fold.cov.dim() == 3 else F_w.evd_transform
-                res = evd(fold.cov.to(work), eps=c.eps, gmax=c.gmax, gains=c.gains)
-        if res is None:
+                precomputed = evd(fold.cov.to(work), eps=c.eps, gmax=c.gmax, gains=c.gains)
+        if precomputed is None:
             return None
-        t, q = res
+        t, q = precomputed
         # Q_s is smoothed in float64 (gram_dtype; its buffer keeps the layer's statistics dtype).
         return RuleResult(t, q, {})
 
