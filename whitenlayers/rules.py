@@ -241,10 +241,8 @@ class EVDRule(TransformRule):
             return F_w.evd_transform_grouped_batched(list(covs), eps=c.eps, gmax=c.gmax, gains=c.gains)
         per_call = max(1, self.EIGH_BATCH_ELEMENTS // (covs.shape[-1] ** 2)) if covs.shape[-1] > self.BATCH_MAX_M \
             else covs.shape[0]
-        out: List[Any] = []
-        for start in range(0, covs.shape[0], per_call):
-            out += F_w.evd_transform_batched(covs[start : start + per_call], eps=c.eps, gmax=c.gmax, gains=c.gains)
-        return out
+        parts = covs.split(per_call)  # one batched eigh per part
+        return [res for part in parts for res in F_w.evd_transform_batched(part, eps=c.eps, gmax=c.gmax, gains=c.gains)]
 
     def update(self, fold: Fold, state: Dict[str, Tensor], precomputed: Any = NOT_COMPUTED) -> Optional[RuleResult]:
         c = self.config
