@@ -203,9 +203,8 @@ class _PointwiseWhitenFunc(PointwiseWhitenFunction):
 
     @staticmethod
     def jvp(ctx: Any, x_t: Optional[Tensor], *_: Any) -> Optional[Tensor]:
-        if x_t is None:
-            return None
-        return _pointwise(x_t, ctx.weight.to(x_t.dtype), None, ctx.groups)  # linear in x (T, -T mu constant)
+        # linear in x (T, -T mu constant)
+        return None if x_t is None else _pointwise(x_t, ctx.weight.to(x_t.dtype), None, ctx.groups)
 
 
 _direct_apply = _fast_apply(DirectWhitenFunction)

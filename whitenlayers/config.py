@@ -135,11 +135,9 @@ def _document(cls: Type["WhiteningConfig"]) -> Type["WhiteningConfig"]:
     """Append to ``cls.__doc__`` an ``Args`` section with one :func:`field_doc` entry per field (in field
     order), so each text is written once, in the field's metadata, and shown by ``help()`` and the API
     reference alike."""
-    lines = ["", "Args:"]
-    for f in dataclasses.fields(cls):
-        lines.append(textwrap.fill(field_doc(f), width=108, initial_indent=f"    {f.name}: ",
-                                   subsequent_indent=" " * 8, break_long_words=False, break_on_hyphens=False))
-    cls.__doc__ = inspect.cleandoc(cls.__doc__ or "") + "\n" + "\n".join(lines) + "\n"
+    entries = [textwrap.fill(field_doc(f), width=108, initial_indent=f"    {f.name}: ", subsequent_indent=" " * 8,
+                             break_long_words=False, break_on_hyphens=False) for f in dataclasses.fields(cls)]
+    cls.__doc__ = inspect.cleandoc(cls.__doc__ or "") + "\n" + "\n".join(["", "Args:"] + entries) + "\n"
     return cls
 
 

@@ -241,24 +241,21 @@ class EVDRule(TransformRule):
             return F_w.evd_transform_grouped_batched(list(covs), eps=c.eps, gmax=c.gmax, gains=c.gains)
         per_call = max(1, self.EIGH_BATCH_ELEMENTS // (covs.shape[-1] ** 2)) if covs.shape[-1] > self.BATCH_MAX_M \
             else covs.shape[0]
-        out: List[Any] = []
-        for start in range(0, covs.shape[0], per_call):
-            out += F_w.evd_transform_batched(covs[start : start + per_call], eps=c.eps, gmax=c.gmax, gains=c.gains)
-        return out
+        parts = covs.split(per_call)  # one batched eigh per part
+        return [res for part in parts for res in F_w.evd_transform_batched(part, eps=c.eps, gmax=c.gmax, gains=c.gains)]
 
     def update(self, fold: Fold, state: Dict[str, Tensor], precomputed: Any = NOT_COMPUTED) -> Optional[RuleResult]:
         c = self.config
-        res = precomputed
-        if res is NOT_COMPUTED:
+        if precomputed is NOT_COMPUTED:
             work = self.work_dtype(state["whitening_matrix"].dtype)
             if c.gains == "damped":
-                res = F_w.damped_transform(fold.cov, eps=c.eps, gmax=c.gmax, dtype=work)
+                precomputed = F_w.damped_transform(fold.cov, eps=c.eps, gmax=c.gmax, dtype=work)
             else:
                 evd = F_w.evd_transform_grouped if fold.cov.dim() == 3 else F_w.evd_transform
-                res = evd(fold.cov.to(work), eps=c.eps, gmax=c.gmax, gains=c.gains)
-        if res is None:
+                precomputed = evd(fold.cov.to(work), eps=c.eps, gmax=c.gmax, gains=c.gains)
+        if precomputed is None:
             return None
-        t, q = res
+        t, q = precomputed
         # Q_s is smoothed in float64 (gram_dtype; its buffer keeps the layer's statistics dtype).
         return RuleResult(t, q, {})
 

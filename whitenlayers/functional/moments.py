@@ -57,10 +57,8 @@ def all_finite(*tensors: Tensor) -> bool:
     Args:
         *tensors: any floating tensors.
     """
-    total = None
-    for t in tensors:
-        total = t.sum() if total is None else total + t.sum()
-    if total is None or bool(total * 0 == 0):  # x * 0 is NaN exactly for NaN and +-Inf
+    sums = [t.sum() for t in tensors]
+    if not sums or bool(sum(sums[1:], sums[0]) * 0 == 0):  # x * 0 is NaN exactly for NaN and +-Inf
         return True
     return all(bool(torch.isfinite(t).all()) for t in tensors)
 
@@ -73,10 +71,9 @@ def finite_each(*stacks: Tensor) -> Tensor:
     Args:
         *stacks: tensors sharing a leading layer dimension ``L``.
     """
-    total = stacks[0].sum(tuple(range(1, stacks[0].dim()))) if stacks[0].dim() > 1 else stacks[0]
-    for t in stacks[1:]:  # (a sum over the trailing dimensions: no copy of a non-contiguous stack, as flatten makes)
-        total = total + (t.sum(tuple(range(1, t.dim()))) if t.dim() > 1 else t)
-    return total * 0 == 0  # x * 0 is NaN exactly for NaN and +-Inf
+    # a sum over the trailing dimensions: no copy of a non-contiguous stack, as flatten makes
+    sums = [t.sum(tuple(range(1, t.dim()))) if t.dim() > 1 else t for t in stacks]
+    return sum(sums[1:], sums[0]) * 0 == 0  # x * 0 is NaN exactly for NaN and +-Inf
 
 
 

@@ -114,9 +114,8 @@ class Block:
             self.fold_weight = moved(self.fold_weight)
 
     def __getstate__(self) -> Dict[str, Any]:
-        state = {name: getattr(self, name) for name in self.__slots__ if hasattr(self, name)}
-        for transient in ("dense", "parts", "shift_x", "s1", "s2") if self.acc is not None else ("shift_x",):
-            state.pop(transient, None)
+        transient = ("dense", "parts", "shift_x", "s1", "s2") if self.acc is not None else ("shift_x",)
+        state = {name: getattr(self, name) for name in self.__slots__ if name not in transient and hasattr(self, name)}
         acc = self.acc
         if acc is not None and acc._base is not None and acc._base.dim() == 3:  # a slice of a stacked accumulator
             state["acc"] = F_w.moments_accumulator(acc.shape[0] - 1, acc.dtype, acc.device).copy_(acc)
