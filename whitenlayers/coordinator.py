@@ -103,11 +103,8 @@ class SharedWeightProduct(torch.autograd.Function):
                 ) -> Tuple[Tensor, ...]:
         ctx.ts_transposed = ts_transposed  # each T^T (``T.mT``, kept in the layer's step cache across forwards)
         ctx.set_materialize_grads(False)
-        products = []
         with torch.autocast(device_type=weights[0].device.type, enabled=False):  # (one device: _shared_products)
-            for w, t in zip(weights, ts):
-                products.append(transform_weight_grad(w, t))
-        return tuple(products)
+            return tuple(map(transform_weight_grad, weights, ts))
 
     @staticmethod
     def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
@@ -480,7 +477,7 @@ def _shared_products(wrappers: Sequence[Any]) -> Dict[Any, tuple]:
     """:meth:`FoldCoordinator.begin_forward`'s shared product node: for the fused ``direct`` wrappers in training
     mode whose weight is a Parameter that needs a gradient (on the device of the first), ``(W T, weight, T, state)``
     keyed by their ``DirectWhiten`` (:attr:`ForwardScope.products`), ``T`` and ``state`` the buffers in force."""
-    chosen, weights, ts, tts = [], [], [], []
+    whitens, states, weights, ts, tts = [], [], [], [], []
     device = None
     for wrapper in wrappers:
         whiten = wrapper.whiten
@@ -495,17 +492,15 @@ def _shared_products(wrappers: Sequence[Any]) -> Dict[Any, tuple]:
         tt = derived.get("t_transposed")
         if tt is None or tt._base is not t:  # T^T as a view made once per block (a view op is a dispatch)
             tt = derived["t_transposed"] = t.mT
-        chosen.append((whiten, state))
+        whitens.append(whiten)
+        states.append(state)
         weights.append(w)
         ts.append(t)
         tts.append(tt)
-    if not chosen:
+    if not whitens:
         return {}
     products = shared_weight_product_apply(tuple(ts), tuple(tts), *weights)
-    out = {}
-    for (whiten, state), wt, w, t in zip(chosen, products, weights, ts):
-        out[whiten] = (wt, w, t, state)
-    return out
+    return dict(zip(whitens, zip(products, weights, ts, states)))
 
 
 #: The largest stack of handed batches made at once (bytes): a group of layers with more is added in parts.

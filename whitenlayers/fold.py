@@ -373,13 +373,12 @@ def _begin(layers: Sequence["WhiteningLayer"], nonfinite: Sequence[int], firsts:
     fold writes the next block's shift). Returns ``firsts`` as they are once those are written (a layer whose pending
     fold counts no longer folds its first block)."""
     zero: List[Tensor] = []
-    for layer, bad in zip(layers, nonfinite):
-        zero += layer._begin_fold(bad)
+    for layer, bad in zip(layers, nonfinite):  # (the block's sums were read before)
+        layer._count_nonfinite(bad)
+        zero += layer._block.restart()
     if zero:
         torch._foreach_zero_(zero)
     idx = [i for i, layer in enumerate(layers) if layer._pending_fold is not None]
-    if not idx:
-        return list(firsts)
     folds = [cast(PendingFold, layers[i]._pending_fold) for i in idx]
     for i, fold in zip(idx, folds):
         layers[i]._pending_fold = None

@@ -355,14 +355,8 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
 
     # -------------------------------------------------------------------- fold
     # :mod:`whitenlayers.fold` computes a fold for stacks of layers (moments, transforms, Q_s) from the layers'
-    # blocks and buffers; the layer's part: _begin_fold (every rank: counters, an empty block) and _fold_finish
-    # (every rank: writes the outcome, counters, bias compensation).
-    def _begin_fold(self, nonfinite: int) -> List[Tensor]:
-        """Count the ranks whose block had non-finite sums (``nonfinite``) and start an empty block; returns the
-        accumulators to zero. Read the block's sums before."""
-        self._count_nonfinite(nonfinite)
-        return self._block.restart()
-
+    # blocks and buffers; the layer's part: _count_nonfinite (every rank, with an empty block: fold._begin) and
+    # _fold_finish (every rank: writes the outcome, counters, bias compensation).
     def _count_nonfinite(self, nonfinite: int) -> None:
         """Count the ranks whose block had non-finite sums (an asynchronous fold counts them when it is written)."""
         if nonfinite:

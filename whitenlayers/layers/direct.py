@@ -5,7 +5,7 @@ its input where that is the same. Part of :mod:`whitenlayers.layers`."""
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, Optional, Tuple, cast
+from typing import Any, Dict, Optional, cast
 
 import torch
 from torch import Tensor, nn
@@ -137,8 +137,11 @@ class DirectWhiten(WhiteningLayer, nn.Module):
             cache, key = self._cache, ("pointwise", x.dtype)
             keep = not _compiling() and not torch._C._is_tracing() and cache.state is not None
             weights = cache.derived.get(key) if keep else None
-            if weights is None:
-                weights = self._pointwise_weights(t, mean, x.dtype)
+            if weights is None:  # T as a 1x1 convolution's (M, M/G) weight, the bias -T mu, T^T's weight
+                with torch.no_grad():
+                    weights = (t.reshape(self.num_features, -1).to(x.dtype).contiguous(),
+                               _transform_mean(t, mean).neg_().to(x.dtype),
+                               t.transpose(-1, -2).reshape(self.num_features, -1).to(x.dtype).contiguous())
                 if keep and not torch.is_inference_mode_enabled():
                     cache.derived[key] = weights
             w, b, wt = weights
@@ -150,15 +153,6 @@ class DirectWhiten(WhiteningLayer, nn.Module):
         if step.counts:
             self._end(step, None)
         return out
-
-    def _pointwise_weights(self, t: Tensor, mean: Tensor, dtype: torch.dtype) -> Tuple[Tensor, Tensor, Tensor]:
-        """``T`` as a 1x1 convolution's ``(M, M/G)`` weight, the bias ``-T mu`` and ``T^T``'s weight, in ``dtype``."""
-        m = self.num_features
-        with torch.no_grad():
-            w = t.reshape(m, -1).to(dtype).contiguous()
-            wt = t.transpose(-1, -2).reshape(m, -1).to(dtype).contiguous()
-            b = _transform_mean(t, mean).neg_().to(dtype)
-        return w, b, wt
 
 
 class DirectWhitenWrapper(nn.Module):

@@ -292,9 +292,6 @@ class _GradWhitenMixin(_GradStep, WhiteningLayer):
             self.bias_correction = torch.zeros_like(c)
 
     def extra_repr(self) -> str:
-        rest = self._whitening_repr()
-        if self.features != "channels":
-            rest = (rest + ", " if rest else "") + f"features={self.features!r}"
-        if self._centring_ref is not None:
-            rest = (rest + ", " if rest else "") + "centring=absorbed"
-        return super().extra_repr() + (f", {rest}" if rest else "")
+        features = f"features={self.features!r}" if self.features != "channels" else ""
+        centring = "centring=absorbed" if self._centring_ref is not None else ""
+        return ", ".join(part for part in (super().extra_repr(), self._whitening_repr(), features, centring) if part)
