@@ -379,6 +379,8 @@ def _begin(layers: Sequence["WhiteningLayer"], nonfinite: Sequence[int], firsts:
     if zero:
         torch._foreach_zero_(zero)
     idx = [i for i, layer in enumerate(layers) if layer._pending_fold is not None]
+    if not idx:  # (the common case: nothing pending)
+        return list(firsts)
     folds = [cast(PendingFold, layers[i]._pending_fold) for i in idx]
     for i, fold in zip(idx, folds):
         layers[i]._pending_fold = None
