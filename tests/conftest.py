@@ -31,7 +31,7 @@ if os.environ.get("WHITENLAYERS_TEST_FUSED") == "1":
     # of the GPU's code paths for sessions without a GPU, not a CI configuration.
     from whitenlayers.functional import batch as _batch
 
-    _batch._FUSED_ON_CPU[0] = True
+    _batch._fused_on_cpu = True
 
 
 @pytest.fixture(scope="module")

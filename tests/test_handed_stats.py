@@ -104,7 +104,7 @@ def test_handed_batches_train_as_each_layer_adding_its_own(method, views):
     a = _train(_model(method), _batches(7), views=views)
     b = _train(_model(method), _batches(7), hand_over=False, views=views)
     arenas = _coordinator(a)._arenas
-    assert arenas and max(len(v[0]) for v in arenas.values()) >= 3  # grouped, not one by one
+    assert arenas and max(len(v.layers) for v in arenas.values()) >= 3  # grouped, not one by one
     assert not _coordinator(b)._arenas
     assert_states_close(a.state_dict(), b.state_dict(), rtol=1e-10, atol=1e-12)
 
@@ -135,10 +135,10 @@ def test_stacked_accumulators_are_kept_across_blocks(method):
     a = _train(model(), _batches(4))
     unshifted = [layer._block.unshifted for _, layer in wl.whitening_layers(a)]
     assert unshifted == [True, False, True, False]  # the case this test is about
-    kept = {key: arena[1] for key, arena in _coordinator(a)._arenas.items()}  # (held: no id reused)
+    kept = {key: arena.acc for key, arena in _coordinator(a)._arenas.items()}  # (held: no id reused)
     _train(a, _batches(6, seed=2))
     arenas = _coordinator(a)._arenas
-    assert kept and arenas.keys() == kept.keys() and all(arenas[key][1] is acc for key, acc in kept.items())
+    assert kept and arenas.keys() == kept.keys() and all(arenas[key].acc is acc for key, acc in kept.items())
     b = _train(_train(model(), _batches(4), hand_over=False), _batches(6, seed=2), hand_over=False)
     assert_states_close(a.state_dict(), b.state_dict(), rtol=1e-10, atol=1e-12)
 

@@ -6,6 +6,7 @@ sub-module, or compiled on its own) does the same work itself. The fold is :mod:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import operator
 import threading
@@ -32,7 +33,7 @@ from .fold import (
     check_strategy,
     fold_layers,
 )
-from .functional.batch import _kernel1_weight_grad, accumulate_moments, transform_weight_grad
+from .functional.batch import _kernel1_weight_grad, transform_weight_grad
 from .functional.stacked import accumulate_moments_grouped, stack_shifts, stacked_moments_accumulator
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -54,7 +55,7 @@ _dtype = operator.attrgetter("dtype")
 _get_device = operator.methodcaller("get_device")
 _acc_of = operator.attrgetter("_block.acc")
 _acc_dtype = operator.attrgetter("_block.acc.dtype")
-_fourth = operator.itemgetter(3)
+_shift_of = operator.attrgetter("shift")
 _not_none = functools.partial(operator.is_not, None)
 
 #: Under ``torch.distributed`` the grad / recursive weights go through a shared node in runs of this many layers
@@ -120,21 +121,59 @@ shared_weight_grad_apply: Any = _fast_apply(SharedWeightGradTransform) or Shared
 shared_weight_product_apply: Any = _fast_apply(SharedWeightProduct) or SharedWeightProduct.apply
 
 
+class SharedWeight(NamedTuple):
+    """A grad / recursive layer's weight in a shared ``SharedWeightGradTransform`` node (:func:`_shared_weights`):
+    the layer takes ``view`` when ``weight`` is its forward's, registering that forward's ``Q_s`` as
+    ``qs[slot]``."""
+
+    view: Tensor
+    weight: Tensor
+    qs: List[Optional[Tensor]]
+    slot: int
+
+
+class SharedProduct(NamedTuple):
+    """A fused ``direct`` wrapper's ``W T`` (``product``) in a shared ``SharedWeightProduct`` node
+    (:func:`_shared_products`), made from ``weight`` and ``t`` with the buffers in force (``state``, which its
+    forward reads)."""
+
+    product: Tensor
+    weight: Tensor
+    t: Tensor
+    state: Dict[str, Tensor]
+
+
+class HandedBatch(NamedTuple):
+    """A batch a layer handed to its forward's scope (:meth:`~whitenlayers.layers.step._StepMixin._add_batch`), added
+    at the forward's end: the batch ``x`` as the layer read it (its ``version`` then: a write since is an error),
+    and the ``shift`` it is summed about (``None``: about 0)."""
+
+    layer: Any
+    x: Tensor
+    version: int
+    shift: Optional[Tensor]
+
+
+class TracedCall(NamedTuple):
+    """A layer's call inside a compiled root forward (:attr:`FoldCoordinator.traced_calls`): the ``rows`` it added,
+    counted after the graph."""
+
+    layer: Any
+    rows: int
+
+
 class ForwardScope(NamedTuple):
     """What a fold coordinator offers its layers during one eager forward of its model (one per thread,
     ``coordinator.scopes``). A layer whose block ends while a scope is open asks the coordinator to fold it at the
     forward's end."""
 
-    #: Each grad / recursive layer's ``(view, weight, qs, i)``: its weight's view in one shared
-    #: ``SharedWeightGradTransform`` node, which the layer takes when the weight is its forward's, registering
-    #: that forward's ``Q_s`` as ``qs[i]``.
-    weights: Dict[Any, tuple]
-    #: Each fused ``direct`` wrapper's ``DirectWhiten``'s ``(W T, weight, T, state)``: its product in one shared
-    #: ``SharedWeightProduct`` node, made with the buffers in force (``state``, which its forward reads).
-    products: Dict[Any, tuple]
-    #: The batches the layers hand over, ``(layer, batch, its version, shift)``, added together at the forward's end;
-    #: ``None`` where the forward keeps no batch for later (no backward recorded, a ``torch.jit`` trace).
-    batches: Optional[List[tuple]]
+    #: Each grad / recursive layer's :class:`SharedWeight`: its weight's view in one shared node.
+    weights: Dict[Any, SharedWeight]
+    #: Each fused ``direct`` wrapper's ``DirectWhiten``'s :class:`SharedProduct`: its ``W T`` in one shared node.
+    products: Dict[Any, SharedProduct]
+    #: The batches the layers hand over (:class:`HandedBatch`), added together at the forward's end; ``None`` where
+    #: the forward keeps no batch for later (no backward recorded, a ``torch.jit`` trace).
+    batches: Optional[List[HandedBatch]]
     #: A forward inside DDP's in a ``Join`` context: its fold comes after its backward.
     join: bool = False
     #: Nothing gathered or counted, for a training-mode forward of one rank (the module inside DDP called alone).
@@ -184,21 +223,20 @@ class FoldCoordinator:
     fold_async: bool = False
     #: The open scopes of eager forwards, per thread (``DataParallel`` runs replicas in threads); never pickled.
     scopes: Dict[int, ForwardScope] = {}
-    #: Set by the pre-hook inside a compiled root forward; its layers' calls ``(layer, rows)`` in
+    #: Set by the pre-hook inside a compiled root forward; its layers' calls (:class:`TracedCall`) in
     #: ``traced_calls``, counted by the hook after the graph.
     traced_open: bool = False
-    traced_calls: List[Tuple[Any, int]] = []
+    traced_calls: List[TracedCall] = []
     #: The model has run inside ``DistributedDataParallel``'s forward (:meth:`begin_forward`).
     under_ddp: bool = False
     warned_local: bool = False
-    #: The fold in flight: ``(layers, future, device, jobs)``, the future's result the layers' :class:`PendingFold`
-    #: (and a CUDA event, or ``None``); ``jobs`` its inputs, held until this thread's stream has waited for the fold.
-    _in_flight: Optional[Tuple[List["WhiteningLayer"], Any, torch.device, Any]] = None
+    #: The fold in flight (:class:`_InFlight`), or ``None``.
+    _in_flight: Optional["_InFlight"] = None
     _executor: Any = None
     _streams: Dict[torch.device, Any]
     #: The stacked accumulators of the groups of layers whose batches are added together (``_arena``); never
     #: pickled (the layers' accumulators are pickled apart, and stacked again at the next forward).
-    _arenas: Dict[tuple, list]
+    _arenas: Dict[tuple, "_Arena"]
 
     def __init__(self, strategy: str = "auto", fold_async: bool = False) -> None:
         self.pending: List["WhiteningLayer"] = []
@@ -316,11 +354,11 @@ class FoldCoordinator:
         if self.traced_open:
             self.traced_open = False
             calls: Dict[Any, List[int]] = {}
-            for layer, rows in self.traced_calls:
-                calls.setdefault(layer, []).append(rows)
+            for call in self.traced_calls:
+                calls.setdefault(call.layer, []).append(call.rows)
             self.traced_calls = []
             for layer, rows in calls.items():
-                layer._count_traced(rows, True)
+                layer._count_traced(rows, coordinated=True)
         if self.pending and not _exporting():  # (torch.export traces the forward: a fold is no part of it)
             leaf = _grad_leaf(output) if scope is not None and scope.join else None
             if leaf is not None:  # under Join: after the backward, so that DDP's all-reduces come first (joinable)
@@ -338,7 +376,7 @@ class FoldCoordinator:
         """On a rank that has joined (:func:`~whitenlayers.joinable`), once for every forward the others still run:
         each training layer counts a batch without data, and the layers whose block ends fold with the others."""
         for layer in self.layers:
-            if layer.training and not layer.frozen:
+            if layer.gathers_now():
                 layer._count_without_data()
         if self.pending:
             self.flush()
@@ -353,17 +391,17 @@ class FoldCoordinator:
         device = layers[0].running_mean.device
         with _no_autocast(device), torch.no_grad():
             group, world = _dist_group(layers)
-            jobs: List[tuple] = []
+            jobs: List[_FoldJob] = []
             if world == 1:  # the block's sums copied, summarised by the worker
                 for chunk in _fold_chunks(layers, ASYNC_CHUNK_ELEMENTS):
                     sums = _taken_blocks(chunk)
                     # (the non-finite blocks counted when their fold is written)
                     _begin(chunk, [0] * len(chunk), [False] * len(chunk))
-                    jobs.append((chunk, sums, None, _fold_states(chunk)))
+                    jobs.append(_FoldJob(chunk, sums, None, _fold_states(chunk)))
             else:  # all ranks' sums, on this thread (split in stacks by the worker): every rank folds every layer
                 summaries, nonfinite, firsts = _global_summaries(layers, None, group)
                 firsts = _begin(layers, [0] * len(layers), firsts)
-                jobs.append((layers, None, (summaries, nonfinite, firsts), _fold_states(layers)))
+                jobs.append(_FoldJob(layers, None, (summaries, nonfinite, firsts), _fold_states(layers)))
         stream = None
         if device.type == "cuda":
             stream = self._streams.get(device)
@@ -375,8 +413,8 @@ class FoldCoordinator:
 
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="whitenlayers-fold")
             _cancel_at_exit()
-        self._in_flight = ([layer for job in jobs for layer in job[0]],
-                           self._executor.submit(_compute_jobs, jobs, device, stream), device, jobs)
+        self._in_flight = _InFlight([layer for job in jobs for layer in job.layers],
+                                    self._executor.submit(_compute_jobs, jobs, device, stream), device, jobs)
 
     def __getstate__(self) -> Dict[str, Any]:
         self.wait()
@@ -445,10 +483,10 @@ def joinable(model: nn.Module) -> Any:
     return _Whitening()
 
 
-def _shared_weights(layers: Sequence[Any], distributed: bool) -> Dict[Any, tuple]:
+def _shared_weights(layers: Sequence[Any], distributed: bool) -> Dict[Any, SharedWeight]:
     """:meth:`FoldCoordinator.begin_forward`'s shared weight-gradient node: for the grad / recursive layers whose
     weight is a plain Parameter that needs a gradient (channel features, not parametrized, not deferred; of its full
-    shape under ``torch.distributed``: a weight sharded by FSDP is left to the layer), ``(view, weight, qs, i)``
+    shape under ``torch.distributed``: a weight sharded by FSDP is left to the layer), a :class:`SharedWeight`
     (:attr:`ForwardScope.weights`). One node for all of them in one process; under ``torch.distributed`` one per run
     of ``DISTRIBUTED_RUN`` (DDP all-reduces a layer's gradient while the backward runs; one node would hold them
     all until its end). Nothing for fewer than two layers."""
@@ -469,13 +507,13 @@ def _shared_weights(layers: Sequence[Any], distributed: bool) -> Dict[Any, tuple
         qs: List[Optional[Tensor]] = [None] * len(weights[start:start + run])
         views = shared_weight_grad_apply(qs, *weights[start:start + run])
         for i, (layer, view) in enumerate(zip(chosen[start:start + run], views)):
-            out[layer] = (view, weights[start + i], qs, i)
+            out[layer] = SharedWeight(view, weights[start + i], qs, i)
     return out
 
 
-def _shared_products(wrappers: Sequence[Any]) -> Dict[Any, tuple]:
+def _shared_products(wrappers: Sequence[Any]) -> Dict[Any, SharedProduct]:
     """:meth:`FoldCoordinator.begin_forward`'s shared product node: for the fused ``direct`` wrappers in training
-    mode whose weight is a Parameter that needs a gradient (on the device of the first), ``(W T, weight, T, state)``
+    mode whose weight is a Parameter that needs a gradient (on the device of the first), a :class:`SharedProduct`
     keyed by their ``DirectWhiten`` (:attr:`ForwardScope.products`), ``T`` and ``state`` the buffers in force."""
     whitens, states, weights, ts, tts = [], [], [], [], []
     device = None
@@ -500,30 +538,76 @@ def _shared_products(wrappers: Sequence[Any]) -> Dict[Any, tuple]:
     if not whitens:
         return {}
     products = shared_weight_product_apply(tuple(ts), tuple(tts), *weights)
-    return dict(zip(whitens, zip(products, weights, ts, states)))
+    return dict(zip(whitens, map(SharedProduct, products, weights, ts, states)))
 
 
 #: The largest stack of handed batches made at once (bytes): a group of layers with more is added in parts.
 GROUP_BYTES = 256 << 20
 
 
-def _add_handed_batches(entries: Sequence[tuple], arenas: Dict[tuple, list]) -> None:
-    """Add the batches of a forward's layers to their accumulators, grouped by input shape, dtype and layout
-    (:func:`~whitenlayers.functional.accumulate_moments_grouped`; in a group where some are summed about a shift,
-    those summed about 0 take a zero shift: one group, the same sums up to rounding). The
-    accumulators of a group's layers are slices of one stacked tensor (``arenas``, kept by the coordinator across
-    steps, made again when a layer's accumulator was replaced: a reset, a move, a load); a layer whose batch is not
-    the first it handed over this forward (called twice) adds on its own. No gradient, no autocast (a batched
-    product would run in bf16 there)."""
-    groups: Dict[tuple, List[tuple]] = {}
+class _StackedShifts(NamedTuple):
+    """A group's shifts stacked ``(L, M)`` (:func:`_stacked_shifts`), kept while they are the same tensors
+    (``shifts``) at the same ``versions`` (of those that are tensors)."""
+
+    shifts: Tuple[Optional[Tensor], ...]
+    versions: Tuple[int, ...]
+    stacked: Tensor
+
+
+@dataclasses.dataclass
+class _Arena:
+    """A group's stacked accumulator (:func:`_arena`): ``acc`` ``(L, M + 1, M + 1)``, whose slices ``views`` are
+    ``layers``' accumulators, its ``s2`` and ``s1`` blocks (``blocks``, sliced once), and the group's stacked
+    shifts (``shifts``, or ``None`` before the first shifted batch)."""
+
+    __slots__ = ("layers", "acc", "views", "blocks", "shifts")
+    layers: List[Any]
+    acc: Tensor
+    views: List[Tensor]
+    blocks: Tuple[Tensor, Tensor]
+    shifts: Optional[_StackedShifts]
+
+
+class _FoldJob(NamedTuple):
+    """One part of an asynchronous fold (:func:`_compute_jobs`): its ``layers``; their copied block sums
+    (``sums``, summarised by the worker) or the summaries made on the training thread (``given``: ``(summaries,
+    nonfinite, firsts)``, under ``torch.distributed``); copies of the buffers the fold reads (``states``)."""
+
+    layers: List["WhiteningLayer"]
+    sums: Any
+    given: Any
+    states: Any
+
+
+class _InFlight(NamedTuple):
+    """The fold in flight (:attr:`FoldCoordinator._in_flight`): its ``layers``, the worker's ``future`` (its result
+    the layers' :class:`PendingFold` and a CUDA event, or ``None``), the ``device``, and its ``jobs``' inputs, held
+    until this thread's stream has waited for the fold."""
+
+    layers: List["WhiteningLayer"]
+    future: Any
+    device: torch.device
+    jobs: List[_FoldJob]
+
+
+def _add_handed_batches(entries: Sequence[HandedBatch], arenas: Dict[tuple, _Arena]) -> None:
+    """Add the batches of a forward's layers to their blocks: each layer's with :meth:`Block.add
+    <whitenlayers.layers.block.Block.add>`, or, where layers share input shape, dtype and layout, several at once
+    (:func:`~whitenlayers.functional.accumulate_moments_grouped`: the same sums in batched products, a few
+    operations for the group; in a group where some are summed about a shift, those summed about 0 take a zero
+    shift: the same sums up to rounding). The accumulators of a group's layers are slices of one stacked tensor
+    (``arenas``, kept by the coordinator across steps, made again when a layer's accumulator was replaced: a reset,
+    a move, a load); a layer whose batch is not the first it handed over this forward (called twice) adds on its
+    own. No gradient, no autocast (a batched product would run in bf16 there)."""
+    groups: Dict[tuple, List[HandedBatch]] = {}
     layers, xs, versions, _ = zip(*entries)
     if not all(map(operator.eq, map(_version, xs), versions)):
-        for layer, x, version, _ in entries:
-            if x._version != version:
+        for entry in entries:
+            if entry.x._version != entry.version:
                 raise RuntimeError(
-                    f"{layer._describe()}: its input was modified in place during the model's forward, after the "
-                    f"layer read it, and before its statistics were added at the forward's end (the backward would "
-                    f"fail on it too); do not write into a whitening layer's input")
+                    f"{entry.layer._describe()}: its input was modified in place during the model's forward, after "
+                    f"the layer read it, and before its statistics were added at the forward's end (the backward "
+                    f"would fail on it too); do not write into a whitening layer's input")
     # (C-level loops over the entries: this runs once per forward for all of a model's layers)
     keys: Iterable[tuple] = zip(map(_shape, xs), map(_stride, xs), map(_dtype, xs), map(_get_device, xs),
                                 map(_acc_dtype, layers))
@@ -538,45 +622,44 @@ def _add_handed_batches(entries: Sequence[tuple], arenas: Dict[tuple, list]) -> 
     # one out-of-place product, accumulate_moments_grouped's fallback, turns it off itself.)
     with torch.no_grad():
         for key, members in groups.items():
-            x0 = members[0][1]
+            x0 = members[0].x
             size = max(1, GROUP_BYTES // max(1, x0.numel() * x0.element_size()))
             for start in range(0, len(members), size):
                 part = members[start:start + size]
-                arena = _arena(arenas, key + (start,), [e[0] for e in part]) if len(part) > 1 else None
+                arena = _arena(arenas, key + (start,), [e.layer for e in part]) if len(part) > 1 else None
                 if arena is None:  # one batch, or some of a kept group's layers (a block's first batch): each alone
-                    for layer, x, _, shift in part:
-                        accumulate_moments(layer._block.acc, x, shift, layer._block.parts)
+                    for entry in part:
+                        entry.layer._block.add(entry.x, entry.shift)
                     continue
-                shifts = _stacked_shifts(arena, part) if any(e[3] is not None for e in part) else None
-                accumulate_moments_grouped(arena[1], [e[1] for e in part], shifts, arena[3])
+                shifts = _stacked_shifts(arena, part) if any(e.shift is not None for e in part) else None
+                accumulate_moments_grouped(arena.acc, [e.x for e in part], shifts, arena.blocks)
 
 
-def _stacked_shifts(arena: list, part: Sequence[tuple]) -> Tensor:
+def _stacked_shifts(arena: _Arena, part: Sequence[HandedBatch]) -> Tensor:
     """The shifts of a group's batches stacked ``(L, M)`` in its accumulators' dtype (zeros for a batch summed
     about 0, :func:`~whitenlayers.functional.stack_shifts`): kept in ``arena`` while they are the same tensors,
     unwritten (within a block), so stacked once per block."""
-    shifts = tuple(map(_fourth, part))
+    shifts = tuple(map(_shift_of, part))
     versions = tuple(map(_version, filter(_not_none, shifts)))  # (of the shifts that are tensors)
-    kept = arena[4]
-    if kept is not None and kept[1] == versions and all(map(operator.is_, kept[0], shifts)):
-        return kept[2]
-    stacked = stack_shifts(shifts, arena[1].shape[-1] - 1, arena[1].dtype)
-    arena[4] = (shifts, versions, stacked)
+    kept = arena.shifts
+    if kept is not None and kept.versions == versions and all(map(operator.is_, kept.shifts, shifts)):
+        return kept.stacked
+    stacked = stack_shifts(shifts, arena.acc.shape[-1] - 1, arena.acc.dtype)
+    arena.shifts = _StackedShifts(shifts, versions, stacked)
     return stacked
 
 
-def _arena(arenas: Dict[tuple, list], key: tuple, layers: List[Any]) -> Optional[list]:
-    """``[layers, acc, views, blocks, shifts]``: the stacked accumulator ``acc`` whose slices (``views``) are
-    ``layers``' accumulators, its ``s2`` and ``s1`` blocks, and the group's stacked shifts
-    (:func:`_stacked_shifts`): the one kept under ``key`` while every layer's accumulator is still its slice, else
-    a new one holding their sums so far (the layers' accumulators become its slices). ``None`` where ``layers``
-    are some of the kept one's, still its slices (the layers whose batches a block's first forward hands over:
-    those summed about 0; a new stack for them would be replaced by the whole group's at the next forward)."""
+def _arena(arenas: Dict[tuple, _Arena], key: tuple, layers: List[Any]) -> Optional[_Arena]:
+    """The group's :class:`_Arena`: the one kept under ``key`` while every layer's accumulator is still its slice,
+    else a new one holding their sums so far (the layers' accumulators become its slices). ``None`` where
+    ``layers`` are some of the kept one's, still its slices (the layers whose batches a block's first forward hands
+    over: those summed about 0; a new stack for them would be replaced by the whole group's at the next
+    forward)."""
     kept = arenas.get(key)
-    if kept is not None and all(map(operator.is_, map(_acc_of, kept[0]), kept[2])):
-        if len(kept[0]) == len(layers) and all(map(operator.is_, kept[0], layers)):
+    if kept is not None and all(map(operator.is_, map(_acc_of, kept.layers), kept.views)):
+        if len(kept.layers) == len(layers) and all(map(operator.is_, kept.layers, layers)):
             return kept
-        if len(layers) < len(kept[0]) and {id(layer) for layer in layers} <= {id(layer) for layer in kept[0]}:
+        if len(layers) < len(kept.layers) and {id(layer) for layer in layers} <= {id(layer) for layer in kept.layers}:
             return None
     first = layers[0]._block.acc
     acc = stacked_moments_accumulator(len(layers), first.shape[0] - 1, first.dtype, first.device)
@@ -586,8 +669,8 @@ def _arena(arenas: Dict[tuple, list], key: tuple, layers: List[Any]) -> Optional
         block.set_accumulator(acc[i], dense=acc._base[i] if acc._base is not None else acc[i])
     views = [layer._block.acc for layer in layers]
     m = acc.shape[-1] - 1
-    arenas[key] = [list(layers), acc, views, (acc[:, :m, :m], acc[:, :m, m:]), None]
-    return arenas[key]
+    arena = arenas[key] = _Arena(list(layers), acc, views, (acc[:, :m, :m], acc[:, :m, m:]), None)
+    return arena
 
 
 def check_fold_async(fold_async: bool, strategy: str) -> bool:
@@ -616,7 +699,7 @@ def _cancel_at_exit() -> None:
     threading._register_atexit(_EXITING.set)  # type: ignore[attr-defined]
 
 
-def _compute_jobs(jobs: Sequence[tuple], device: torch.device,
+def _compute_jobs(jobs: Sequence[_FoldJob], device: torch.device,
                   stream: Any) -> Tuple[Optional[List[PendingFold]], Any]:
     """The worker thread's part of an asynchronous fold: for each job (layers of one stack, or all layers under
     ``torch.distributed``), the summaries of their copied sums (or the summaries made on the training thread) and

@@ -703,7 +703,7 @@ def _named(layers: Sequence["WhiteningLayer"], most: int) -> str:
 def _warn_uncalled(layers: Sequence["WhiteningLayer"]) -> None:
     """Warn about training-mode layers that have seen no input although a block of the model has ended."""
     uncalled = [layer for layer in layers
-                if layer.training and not layer.frozen and not layer._block.fold_pending and layer.batches_in_block == 0
+                if layer.gathers_now() and not layer._block.fold_pending and layer.batches_in_block == 0
                 and int(layer.num_blocks) == 0]
     if uncalled:
         warnings.warn(

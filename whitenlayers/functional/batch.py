@@ -162,12 +162,12 @@ def _ones_shape(x: Tensor, rows: Optional[Tensor]) -> Tuple[int, ...]:
 #: Where the layers take their fewest-kernel paths (:func:`accumulate_moments`' concatenation and one product;
 #: ``DirectWhiten`` as a 1x1 convolution each way): every device but the CPU, unless :func:`fused_moments` says
 #: otherwise.
-_FUSED_ON_CPU = [False]
+_fused_on_cpu = False
 
 
 def fused_moments_on(device: torch.device) -> bool:
     """Whether ``device`` takes the fewest-kernel paths (:func:`fused_moments`): not the CPU, by default."""
-    return device.type != "cpu" or _FUSED_ON_CPU[0]
+    return device.type != "cpu" or _fused_on_cpu
 
 
 @contextlib.contextmanager
@@ -176,11 +176,12 @@ def fused_moments(on_cpu: bool = True) -> Iterator[None]:
     :func:`accumulate_moments`, ``DirectWhiten``'s 1x1 convolutions, and at a fold one batched ``eigh`` for
     EVD layers of any width (``EVDRule.batch_key``). What ``benchmarks/hot_path.py`` counts as the GPU's
     operations, and what the tests check on a CPU."""
-    before, _FUSED_ON_CPU[0] = _FUSED_ON_CPU[0], on_cpu
+    global _fused_on_cpu
+    before, _fused_on_cpu = _fused_on_cpu, on_cpu
     try:
         yield
     finally:
-        _FUSED_ON_CPU[0] = before
+        _fused_on_cpu = before
 
 
 #: Low-precision dtypes whose products :func:`accumulate_moments` can take as they are, with float32 output.
@@ -222,7 +223,7 @@ def low_precision_products_known(device: torch.device) -> bool:
     """:func:`low_precision_products_on` without trying the product: ``False`` where it was not tried yet. What a
     traced graph reads (nothing may run there; the layers try the product where they are built or moved)."""
     if device.type == "cpu":
-        return _FUSED_ON_CPU[0]
+        return _fused_on_cpu
     return device.type == "cuda" and _LOWP_PRODUCTS["addmm"].get(device.type, False)
 
 
@@ -232,7 +233,7 @@ def low_precision_products_on(device: torch.device) -> bool:
     ``addmm`` takes ``out_dtype`` (2.8 and later). On the CPU only within :func:`fused_moments`, which takes the
     CUDA paths: the batch then stays bf16 up to the product, converted there (the CPU has no such product)."""
     if device.type == "cpu":
-        return _FUSED_ON_CPU[0]
+        return _fused_on_cpu
     return device.type == "cuda" and _probe_out_dtype(device)
 
 
@@ -362,7 +363,7 @@ def accumulate_moments(acc: Tensor, x: Tensor, shift: Optional[Tensor],
     in the subtraction itself (``x - shift`` is not a bf16 number; one pass over the batch, no copy first).
     """
     low = x.dtype in LOW_PRECISION
-    fused = x.device.type != "cpu" or _FUSED_ON_CPU[0]  # (fused_moments_on, inline: one call per layer and step)
+    fused = x.device.type != "cpu" or _fused_on_cpu  # (fused_moments_on, inline: one call per layer and step)
     if shift is not None and low and shift.dtype == acc.dtype:
         xs = x - shift  # promoted to the accumulators' dtype by the subtraction (exactly: one pass, no copy first)
     else:
@@ -381,6 +382,11 @@ def accumulate_moments(acc: Tensor, x: Tensor, shift: Optional[Tensor],
         # (the ones row and the count corner are left as they are).
         if rows is not None:
             s1, s2 = rows.sum(0), rows.t() @ rows
+        elif torch.compiler.is_compiling() and xs.is_contiguous():
+            # Traced: the rows (M, B P) made in the subtraction's pass, one product (inductor generates a batched
+            # product summed over the batch as a reduction per width)
+            rows = xs.transpose(0, 1).reshape(m, -1)
+            s1, s2 = rows.sum(1), rows @ rows.t()
         else:
             b = xs.flatten(2)  # (B, M, H*W): a view for contiguous NC... inputs; also valid for an empty batch
             s1, s2 = b.sum((0, 2)), torch.bmm(b, b.transpose(1, 2)).sum(0)

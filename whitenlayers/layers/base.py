@@ -456,7 +456,7 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
         if x.dim() < 2 or x.shape[1] != self.num_features:
             raise ValueError(f"{self._describe()}: accumulate expects features on dim 1 ({self.num_features}), but "
                              f"got shape {tuple(x.shape)}")
-        if self.frozen:
+        if not self.gathers_now(explicit=True):
             return
         if self._block.fold_pending:
             self._fold_now()

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from .. import functional as F_w
-from ..functional.batch import _as_moments_accumulator
+from ..functional.batch import LOW_PRECISION, _as_moments_accumulator, low_precision_products_known
 
 __all__ = ["Block"]
 
@@ -78,6 +78,32 @@ class Block:
         self.s2 = acc[:-1, :-1]
         self.s1 = acc[:-1, -1]
         self.parts = (self.s2, acc[:-1, -1:])  # the blocks the hot path's two products write into, sliced once
+
+    def add(self, x: Tensor, shift: Optional[Tensor]) -> None:
+        """Add the batch ``x``'s sums about ``shift`` (``x - shift``, broadcasting; ``None``: about 0) to the block:
+        the one formula of every path that adds a batch, a layer's eager forward and its compiled one, and the
+        batches a model's coordinator adds at its forward's end (on CUDA's path several layers' at once:
+        :func:`~whitenlayers.functional.accumulate_moments_grouped`, the same sums in batched products). ``x``
+        detached, outside autocast; the caller counts its rows.
+
+        ``groups == 1``: into the augmented accumulator (:func:`~whitenlayers.functional.accumulate_moments`; inside
+        a compiled graph a bf16 / fp16 batch on the fewest-kernel path is multiplied in two bf16 halves on tensor
+        cores, :func:`~whitenlayers.functional.accumulate_moments_split`). Grouped layers: ``s1`` and the diagonal
+        blocks of ``s2`` (:func:`~whitenlayers.functional.batch_sums`, in float32 at least)."""
+        acc = self.acc
+        if acc is None:
+            if x.dtype not in (torch.float32, torch.float64):
+                x = x.float()
+            s1, s2 = F_w.batch_sums(x, shift, self.s2.shape[0])
+            self.s1.add_(s1)
+            self.s2.add_(s2)
+        elif not torch.compiler.is_compiling():
+            F_w.accumulate_moments(acc, x, shift, self.parts)
+        elif (shift is not None and acc.dtype == torch.float32 and x.dtype in LOW_PRECISION
+              and F_w.fused_moments_on(x.device) and low_precision_products_known(x.device)):
+            F_w.accumulate_moments_split(acc, x, shift)  # (low_precision_products_known: tried before the trace)
+        else:
+            F_w.accumulate_moments(acc, x, shift)
 
     def sums(self) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
         """``(count, shift, s1, s2)``: the block's shifted sums (float64)."""

@@ -14,7 +14,7 @@ from .. import functional as F_w
 from ..autograd import POINTWISE_DIMS, _transform_mean, direct_whiten, pointwise_whiten
 from ..config import EVDConfig
 from ..fold import _autocast_enabled, _no_autocast
-from ..functional.batch import _FUSED_ON_CPU
+from ..functional import batch as _batch
 from ..privacy import note_direct
 from ..rules import EVDRule, rule_and_config
 from ._checks import check_input, check_not_tracing_function
@@ -129,7 +129,7 @@ class DirectWhiten(WhiteningLayer, nn.Module):
         t, mean = step.state["whitening_matrix"], step.state["running_mean"]
         if torch.is_grad_enabled() and x.requires_grad:
             check_not_tracing_function(self, "the whitening's backward")
-        if x.dim() in POINTWISE_DIMS and (x.device.type != "cpu" or _FUSED_ON_CPU[0]):
+        if x.dim() in POINTWISE_DIMS and (x.device.type != "cpu" or _batch._fused_on_cpu):
             # CUDA: one 1x1 convolution each way, T, -T mu and T^T made once per block (kept in the step cache while
             # the buffers in force stay; made anew in a compiled graph or a torch.jit trace, never kept from an
             # inference-mode forward). A CPU keeps the matrix products below: there the convolution was slower
@@ -230,14 +230,14 @@ class DirectWhitenWrapper(nn.Module):
         shared = scope.products.pop(whiten, None) if scope is not None and scope.products else None
         if shared is not None and _saved_tensor_hooks() is not None:  # (checkpointing: a recomputed forward saves
             shared = None  # what its original saved, and it recomputes without the shared product)
-        step = whiten._begin(feats, x.requires_grad, None if shared is None else shared[3])
+        step = whiten._begin(feats, x.requires_grad, None if shared is None else shared.state)
         t, mean = step.state["whitening_matrix"], step.state["running_mean"]
         if torch.is_grad_enabled() and x.requires_grad and not _compiling() and torch._C._is_tracing():
             check_not_tracing_function(whiten, "the whitening's backward")  # as DirectWhiten's own forward
         params = layer._parameters
         w = params["weight"]
-        if shared is not None and shared[1] is w and shared[2] is t:
-            wt = shared[0]  # its product in the model's shared node (the coordinator's)
+        if shared is not None and shared.weight is w and shared.t is t:
+            wt = shared.product  # its product in the model's shared node (the coordinator's)
         elif _autocast_enabled(w.device.type):  # W T in the weight's dtype (autocast would multiply in bf16 / fp16)
             with _no_autocast(w.device):
                 wt = F_w.transform_weight_grad(w, t)

@@ -17,7 +17,7 @@ from ..config import EVDConfig, WhiteningConfig
 from ..rules import rule_and_config
 from ._checks import check_input
 from .base import WhiteningLayer
-from .step import _GradStep
+from .step import CentringRef, _GradStep
 
 __all__ = ["_GradWhitenMixin"]
 
@@ -220,7 +220,7 @@ class _GradWhitenMixin(_GradStep, WhiteningLayer):
                 torch.zeros(self.weight.shape[0], device=self.weight.device, dtype=self.running_mean.dtype),
             )
             # (a plain attribute: neither the BatchNorm nor the parent is a submodule of the layer)
-            self._centring_ref = (None, batchnorm) if parent is None else (parent, name)
+            self._centring_ref = CentringRef(None, batchnorm) if parent is None else CentringRef(parent, name)
             self._fold_compensation_into_offset()
 
     def _skipped_offset(self, weight: Tensor) -> Tensor:

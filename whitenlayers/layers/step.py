@@ -1,14 +1,19 @@
-"""A whitening layer's forward: one path for every call, training or not, through the model's root or not, eager or
-compiled.
+"""A whitening layer's forward, training or not, through the model's root or not, eager or compiled: an eager
+forward (:meth:`~_StepMixin._begin`) and a compiled one (:meth:`~_StepMixin._begin_traced`), which decide alike
+whether the layer gathers (:meth:`~_StepMixin.gathers_now`) and add a batch's sums by one formula
+(:meth:`~whitenlayers.layers.block.Block.add`); a compiled forward sums about the block's shift tensor and counts
+its batches outside the graph, so its rounding differs from the eager forward's.
 
 A forward starts with :meth:`~_StepMixin._begin`, which decides what it does as a :class:`Step`: the buffers in
 force (copies, renewed when a buffer changed), whether it is a training batch (counted, at its end, by
 :meth:`~_StepMixin._end`), and the scope of the model's forward it is part of, if any (what the model's fold
-coordinator, :mod:`whitenlayers.coordinator`, offers: its weight's view in one shared gradient-transform node, a
-list to hand its batch to, a fold at the forward's end). A training batch that gathers statistics is added to the
-block (:meth:`~_StepMixin._add_batch`); at the block's end the layer folds: at the end of the model's forward when
-its coordinator's scope is open, else at once. So a layer is correct on its own, whichever module the call enters
-by; the coordinator only does together what the layers would do alone.
+coordinator, :mod:`whitenlayers.coordinator`, offers: its weight's view in a shared gradient-transform node (one
+for the model's layers in one process, runs of ``DISTRIBUTED_RUN`` under ``torch.distributed``, none for fewer
+than two layers), a list to hand its batch to, a fold at the forward's end). A training batch is added to the
+block (:meth:`~_StepMixin._add_batch`) when its block gathers at this batch (``Block.gather_next``: the first of
+every ``stats_every`` batches); at the block's end the layer folds: at the end of the model's forward when its
+coordinator's scope is open, else at once. So a layer is correct on its own, whichever module the call enters by;
+the coordinator only does together what the layers would do alone.
 
 Inside a compiled graph a layer reads no Python number that changes from step to step (dynamo would guard on it
 and recompile): the graph holds the tensor work (its buffers copied, the batch's sums added about the block's
@@ -16,8 +21,11 @@ shift tensor), and the batch is counted outside it, by the coordinator after the
 what was compiled (one graph), else by the layer itself through a graph break.
 
 :class:`_GradStep` is the forward of the grad / recursive layers (convolutions and linear layers): the weight
-whose gradient is right-multiplied by ``Q_s``, and the centring (``b + c - sum_k W_k mu``, or absorbed by a
-following BatchNorm). Part of :mod:`whitenlayers.layers`.
+whose gradient is right-multiplied by ``Q_s``, and the centring (``b + c - sum_k W_k mu``; for a bias-free
+convolution in training, added in place to the convolution's output; or absorbed by a following BatchNorm, whose
+running mean the layer's offset follows: one ``addmv_`` on operands kept in the step cache, made anew on a block's
+first step and every step for a cumulative-average BatchNorm, :meth:`~_GradStep._track_absorbed_offset`). Part of
+:mod:`whitenlayers.layers`.
 """
 from __future__ import annotations
 
@@ -32,9 +40,10 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from .. import functional as F_w
 from ..autograd import _transforms_active, grad_transformed
-from ..coordinator import _exporting, _get_ident, _graph_task_id, _version
+from ..coordinator import HandedBatch, TracedCall, _exporting, _get_ident, _graph_task_id, _version
 from ..fold import _autocast_enabled, _no_autocast, fold_layers
-from ..functional.batch import _FUSED_ON_CPU, LOW_PRECISION, low_precision_products_known, stats_samples
+from ..functional import batch as _batch
+from ..functional.batch import stats_samples
 from ._checks import FUNC_WHAT_TO_DO, check_not_tracing_function, onnx_exporting
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -86,7 +95,7 @@ if TYPE_CHECKING:  # pragma: no cover
 else:
     _Layer = object
 
-__all__ = ["Step", "recomputing"]
+__all__ = ["CentringRef", "Step", "recomputing"]
 
 _compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", lambda: False)
 _jit_tracing: Callable[[], bool] = torch._C._is_tracing
@@ -120,6 +129,29 @@ class Step(NamedTuple):
     traced: bool = False
     #: The rows a compiled forward added (counted outside the graph at its end).
     rows: int = 0
+    #: The block's end folded by the coordinator at the end of the model's forward although no scope is open (a
+    #: compiled root's forward, a joined rank's batch without data); with a scope it is folded there too.
+    coordinated: bool = False
+
+
+class _AbsorbedUpdate(NamedTuple):
+    """What the absorbed offset's one ``addmv_`` needs (``d <- (1 - f) d + f (-W mu)``,
+    :meth:`_GradStep._track_absorbed_offset`), kept in the step cache (``derived["absorbed"]``) while the
+    BatchNorm, its momentum and the weight stay."""
+
+    bn: _BatchNorm
+    #: The BatchNorm's momentum ``f`` when it was kept.
+    momentum: float
+    #: The weight's ``data_ptr()`` when it was kept.
+    weight_ptr: int
+    #: ``d``: the ``absorbed_offset`` buffer, written in place.
+    offset: Tensor
+    #: The weight's rows and the mean per kernel tap (:func:`_weight_rows`, :meth:`_GradStep._mean_per_tap`).
+    rows: Tensor
+    mean_k: Tensor
+    #: The ``addmv_``'s factors, ``1 - f`` and ``-f``.
+    beta: float
+    alpha: float
 
 
 def _define_snapshot_op() -> None:
@@ -212,7 +244,7 @@ class _StepMixin(_Layer):
                 self._fold_now()
         if state is None:
             state = self._state_in_force()
-        if not self.training or self.frozen or torch.is_inference_mode_enabled() or (scope is not None and scope.local):
+        if not self.gathers_now(scope):
             return Step(state, False, scope)
         if _transforms_active():
             raise RuntimeError(
@@ -223,6 +255,20 @@ class _StepMixin(_Layer):
         if block.gather_next:
             self._add_batch(x, scope, keeps)
         return Step(state, True, scope)
+
+    def gathers_now(self, scope: Optional["ForwardScope"] = None, explicit: bool = False) -> bool:
+        """Whether the layer gathers statistics now, counts its batches and folds at its blocks' ends: the one place
+        that decides it, read by the eager and the compiled forward (:meth:`_begin`, :meth:`_begin_traced`),
+        :meth:`~whitenlayers.WhiteningLayer.accumulate`, a joined rank's batches without data
+        (:func:`~whitenlayers.joinable`) and the fold's check for layers never called. Never while
+        :attr:`frozen`; for a forward (``explicit=False``) only in training mode, outside ``torch.inference_mode`` (a
+        fold there would store inference tensors as state), and not in a training-mode forward of one rank under DDP
+        (``scope.local``, :meth:`~whitenlayers.coordinator.FoldCoordinator.begin_forward`). ``explicit``: a call of
+        ``accumulate``, which adds its batch whatever the mode."""
+        if self.frozen:
+            return False
+        return explicit or (self.training and not torch.is_inference_mode_enabled()
+                            and (scope is None or not scope.local))
 
     def _state_in_force(self) -> Dict[str, Tensor]:
         """The buffers a forward reads (:attr:`_FORWARD_BUFFERS`) as copies, taken again only when a buffer changed
@@ -239,7 +285,7 @@ class _StepMixin(_Layer):
                 and all(map(operator.eq, map(_version, held), cache.versions))):
             return cache.state  # type: ignore[return-value]
         held = tuple(map(buffers.__getitem__, names))
-        if held[0].is_meta:
+        if any(buf.is_meta for buf in held):
             raise RuntimeError(
                 f"{self._describe()}: its state is on the meta device (the model was built there and not loaded or "
                 "initialised): load a checkpoint with model.load_state_dict(state_dict, assign=True), or call "
@@ -260,39 +306,31 @@ class _StepMixin(_Layer):
 
         Inside a model's forward on the fewest-kernel path (CUDA's), while the forward records a backward that
         keeps ``x`` anyway (``keeps``), the batch is handed to the scope instead, and the coordinator adds the batches
-        of all the forward's layers at its end, a few operations for all of them. A bf16 / fp16 batch reaches the
-        product as it is where the device multiplies it into float32; otherwise it is converted to float32 first."""
+        of all the forward's layers at its end, a few operations for all of them. Either way the sums are
+        :meth:`~whitenlayers.layers.block.Block.add`'s, the one formula of every path."""
         block = self._block
         if block.fraction < 1.0 and x.shape[0] > 1:
-            x = x[: stats_samples(x.shape[0], x[0].numel() // self.num_features, self.num_features, block.fraction)]
-        acc = block.acc
+            x = x[: stats_samples(x.shape[0], x.shape[1:].numel() // self.num_features, self.num_features,
+                                  block.fraction)]
         device = x.device
-        fused = _FUSED_ON_CPU[0] or device.type != "cpu"  # (functional.fused_moments_on, inline)
-        if acc is None and x.dtype not in (torch.float32, torch.float64):  # (a bf16 / fp16 batch: see the docstring)
-            x = x.float()
         if block.s1.device != device:  # accumulators left on another device (the meta device: a new, empty block)
             if block.s1.is_meta or block.store.is_meta:
                 self._reset_accumulators(device)
             else:
                 block.move(lambda t: t.to(device), None)
-            acc = block.acc
         if block.shift is None:
             self._start_block(x.detach())
         elif not block.unshifted and (block.shift_x is None or block.shift_x.dim() != x.dim()):
             # a block resumed from a checkpoint, or a batch of another rank than the block's first
             block.shift_x = block.shift.to(_work_dtype(x)).view((1, -1) + (1,) * (x.dim() - 2))
-        if (keeps and scope is not None and scope.batches is not None and acc is not None and fused
-                and torch.is_grad_enabled() and _saved_tensor_hooks() is None):
-            scope.batches.append((self, x, x._version, block.shift_x))  # the backward keeps x: nothing held longer
-        elif acc is not None:
+        if (keeps and scope is not None and scope.batches is not None and block.acc is not None
+                and (device.type != "cpu" or _batch._fused_on_cpu) and torch.is_grad_enabled()
+                and _saved_tensor_hooks() is None):  # (the fewest-kernel path: functional.fused_moments_on, inline)
+            scope.batches.append(HandedBatch(self, x, x._version, block.shift_x))  # the backward keeps x anyway
+        else:
             autocast = _autocast_enabled(device.type)  # products under autocast would run in fp16 / bf16
             with _no_autocast(device) if autocast else contextlib.nullcontext():
-                F_w.accumulate_moments(acc, x.detach(), block.shift_x, block.parts)
-        else:  # a grouped layer: float64 s1 and the diagonal blocks of s2
-            with _no_autocast(x.device):
-                s1, s2 = F_w.batch_sums(x.detach(), block.shift_x, self.groups)
-            block.s1.add_(s1)
-            block.s2.add_(s2)
+                block.add(x.detach(), block.shift_x)
         block.rows += x.numel() // self.num_features
 
     def _start_block(self, x: Optional[Tensor] = None, first: Optional[Tensor] = None) -> None:
@@ -325,7 +363,7 @@ class _StepMixin(_Layer):
         if step.traced:
             coordinator = self._fold_coordinator
             if coordinator is not None and coordinator.traced_open:
-                coordinator.traced_calls.append((self, step.rows))
+                coordinator.traced_calls.append(TracedCall(self, step.rows))
             else:
                 _count_outside_graph(self, step.rows)
             return
@@ -333,20 +371,20 @@ class _StepMixin(_Layer):
         n = block.batches = block.batches + 1
         block.gather_next = n % block.every == 0
         if n >= block.length:
-            self._block_ends(weight, step.scope)
+            self._block_ends(weight, step.coordinated or step.scope is not None)
 
     def _count_without_data(self) -> None:
         """A batch this rank did not run, counted as the others count theirs (a rank that has joined under
         :func:`~whitenlayers.coordinator.joinable`); a block's end is folded by the coordinator, with the others."""
-        self._end(Step({}, True, True), None)  # type: ignore[arg-type]
+        self._end(Step({}, True, None, coordinated=True), None)
 
-    def _block_ends(self, weight: Optional[Tensor], scope: Any) -> None:
-        """The block's last batch was counted: fold at the end of the model's forward (``scope``: its coordinator
-        folds all its layers together there), else now."""
+    def _block_ends(self, weight: Optional[Tensor], coordinated: bool) -> None:
+        """The block's last batch was counted: fold at the end of the model's forward (``coordinated``: its
+        coordinator folds all its layers together there), else now."""
         block = self._block
         block.fold_pending = True
         block.fold_weight = self._fold_weight_of(weight)
-        if scope:
+        if coordinated:
             cast("FoldCoordinator", self._fold_coordinator).request(cast("WhiteningLayer", self))
         else:
             self._fold_now()
@@ -371,47 +409,27 @@ class _StepMixin(_Layer):
         else:
             snapshot = torch.ops.whitenlayers.snapshot
             state = {name: snapshot(buffers[name]) for name in names}
-        if not self.training or self.frozen:
-            return Step(state, False, None, True)
-        return Step(state, True, None, True, self._add_batch_traced(x) if self._block.gather_next else 0)
+        if not self.gathers_now():
+            return Step(state, False, None, traced=True)
+        return Step(state, True, None, traced=True, rows=self._add_batch_traced(x) if self._block.gather_next else 0)
 
     def _add_batch_traced(self, x: Tensor) -> int:
         """:meth:`_add_batch` in a compiled graph, always about the block's shift tensor (no per-layer flag to guard
         on): a block whose shift is not chosen yet is summed about the tensor's values as they are, and moved to the
-        shift after the forward (:meth:`_count_traced`). Returns the rows added."""
+        shift after the forward (:meth:`_count_traced`); the sums are :meth:`~whitenlayers.layers.block.Block.add`'s.
+        Returns the rows added."""
         block = self._block
-        acc = block.acc
-        # A bf16 / fp16 batch, where the device multiplies it into float32 (tried before the trace): its differences
-        # from the shift split in two low-precision numbers, multiplied on tensor cores.
-        lowp = (acc is not None and acc.dtype == torch.float32 and x.dtype in LOW_PRECISION
-                and F_w.fused_moments_on(x.device) and low_precision_products_known(x.device))
         x = x.detach()
-        if x.dtype not in (torch.float32, torch.float64) and not lowp:
-            x = x.float()
         if block.fraction < 1.0 and x.shape[0] > 1:
-            x = x[: stats_samples(x.shape[0], x[0].numel() // self.num_features, self.num_features, block.fraction)]
+            x = x[: stats_samples(x.shape[0], x.shape[1:].numel() // self.num_features, self.num_features,
+                                  block.fraction)]
         with _no_autocast(x.device):
-            shift_x = block.store.to(_work_dtype(x)).view((1, -1) + (1,) * (x.dim() - 2))
-            if lowp:
-                F_w.accumulate_moments_split(cast(Tensor, acc), x, shift_x)
-            elif acc is not None and x.dim() > 2 and x.is_contiguous() and not F_w.fused_moments_on(x.device):
-                # A contiguous (B, M, *spatial) batch on the CPU: its rows (M, B P) made in the subtraction's pass,
-                # one product (a batched product summed over the batch is a reduction inductor generates per width)
-                m = x.shape[1]
-                rows = (x - shift_x).transpose(0, 1).reshape(m, -1)
-                acc[:m, :m].add_(rows @ rows.t())
-                acc[:m, m].add_(rows.sum(1))
-            elif acc is not None:
-                F_w.accumulate_moments(acc, x, shift_x)
-            else:
-                s1, s2 = F_w.batch_sums(x, shift_x, self.groups)
-                block.s1.add_(s1)
-                block.s2.add_(s2)
+            block.add(x, block.store.to(_work_dtype(x)).view((1, -1) + (1,) * (x.dim() - 2)))
         return x.numel() // self.num_features
 
-    def _count_traced(self, calls: Any, scope: Any = None) -> None:
+    def _count_traced(self, calls: Any, coordinated: bool = False) -> None:
         """Outside the graph, after a compiled forward that called this layer (``calls``: the rows of each call):
-        what :meth:`_add_batch` and :meth:`_end` count in eager mode, a batch per call; ``scope``: the root's
+        what :meth:`_add_batch` and :meth:`_end` count in eager mode, a batch per call; ``coordinated``: the root's
         forward folds at its end. The first calls of a block whose shift was not chosen have their sums moved to
         the shift they choose (float64). A block that ends before the forward's last call takes the later calls too
         (a warning, once)."""
@@ -420,7 +438,7 @@ class _StepMixin(_Layer):
             self._recentre_block(sum(calls))
         for i, rows in enumerate(calls):
             block.rows += rows
-            self._end(Step({}, True, scope), None)
+            self._end(Step({}, True, None, coordinated=coordinated), None)
             if block.fold_pending and i < len(calls) - 1:
                 self._warn_once("traced_calls", (
                     f"called {len(calls)} times in one compiled forward, and a block ended after call {i + 1}: the "
@@ -468,8 +486,8 @@ class _GradStep(_Layer):
     _SPATIAL: int = 0
     #: A :func:`~whitenlayers.defer_grad_transform` deferral of the weight-gradient transform, or ``None``.
     _deferral: Any = None
-    #: Where the BatchNorm that absorbs the centring is (absorb_centring): (None, bn) or (parent, child name).
-    _centring_ref: Optional[Tuple[Optional[nn.Module], Any]] = None
+    #: Where the BatchNorm that absorbs the centring is (absorb_centring), or ``None``.
+    _centring_ref: Optional["CentringRef"] = None
     features: str = "channels"
 
     def forward(self, x: Tensor) -> Tensor:
@@ -491,26 +509,26 @@ class _GradStep(_Layer):
         state, scope = step.state, step.scope
         if torch.is_grad_enabled() and (w.requires_grad or _transforms_active()):
             shared = scope.weights.pop(self, None) if scope is not None and scope.weights else None
-            if shared is not None and shared[1] is w:  # its view in the model's shared node (the coordinator's)
-                shared[2][shared[3]] = state["grad_transform"]  # the Q_s the node's backward uses for it
-                w = shared[0]
+            if shared is not None and shared.weight is w:  # its view in the model's shared node (the coordinator's)
+                shared.qs[shared.slot] = state["grad_transform"]  # the Q_s the node's backward uses for it
+                w = shared.view
             else:
                 w = self._transformed_weight(w, state)
         bn = None
         ref = self._centring_ref
         if ref is not None:  # centring absorbed: by the BatchNorm there, while it normalises with batch statistics
-            bn = ref[1] if ref[0] is None else ref[0]._modules.get(ref[1])
+            bn = ref.child if ref.parent is None else ref.parent._modules.get(ref.child)
             if not (isinstance(bn, _BatchNorm)
                     and (bn.training or (bn.running_mean is None and bn.running_var is None))):
                 bn = None
         if bn is not None:
             if bn.training and bn.track_running_stats and bn._buffers.get("running_mean") is not None:
-                kept: Any = None if step.traced else self._cache.derived.get("absorbed")
+                kept: Optional[_AbsorbedUpdate] = None if step.traced else self._cache.derived.get("absorbed")
                 param = params.get("weight")
-                if (kept is not None and kept[0] is bn and kept[1] == bn.momentum and param is not None
-                        and kept[2] == param.data_ptr() and kept[3] is self._buffers.get("absorbed_offset")
-                        and not _transforms_active()):
-                    kept[3].addmv_(kept[4], kept[5], beta=kept[6], alpha=kept[7])  # type: ignore[union-attr]  # d <- (1 - f) d + f (-W mu)
+                if (kept is not None and kept.bn is bn and kept.momentum == bn.momentum and param is not None
+                        and kept.weight_ptr == param.data_ptr() and kept.offset is self._buffers.get("absorbed_offset")
+                        and not _transforms_active()):  # d <- (1 - f) d + f (-W mu)
+                    kept.offset.addmv_(kept.rows, kept.mean_k, beta=kept.beta, alpha=kept.alpha)
                 else:
                     self._track_absorbed_offset(w, bn, state)
             out = self._op(x, w, params["bias"] if "bias" in params else self.bias)
@@ -607,12 +625,21 @@ class _GradStep(_Layer):
             mean_k = self._mean_per_tap(mean, rows.shape[1] // mean.shape[0], rows.dtype, taps_last)
             d.addmv_(rows, mean_k, beta=1.0 - factor, alpha=-factor)
             if plain and not torch.is_inference_mode_enabled():
-                self._cache.derived["absorbed"] = (bn, factor, param.data_ptr(), d, rows, mean_k, 1.0 - factor,
-                                                   -factor)
+                self._cache.derived["absorbed"] = _AbsorbedUpdate(bn, factor, param.data_ptr(), d, rows, mean_k,
+                                                                  1.0 - factor, -factor)
             return
         w = weight.detach().to(d.dtype)
         with _no_autocast(d.device):  # an out-of-place product under CUDA's autocast would run in bf16 / fp16
             d.lerp_(self._offset(w, state["running_mean"], state["bias_correction"]), factor)
+
+
+class CentringRef(NamedTuple):
+    """Where the BatchNorm that absorbs a layer's centring is (:meth:`~whitenlayers.GradWhitenConv2d.absorb_centring`):
+    the BatchNorm itself (``parent`` ``None``, ``child`` the module), or whatever module is ``parent``'s child named
+    ``child`` now."""
+
+    parent: Optional[nn.Module]
+    child: Any
 
 
 def _weight_rows(weight: Tensor) -> Tuple[Tensor, bool]:
