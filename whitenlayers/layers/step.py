@@ -262,12 +262,13 @@ class _StepMixin(_Layer):
         :meth:`~whitenlayers.WhiteningLayer.accumulate`, a joined rank's batches without data
         (:func:`~whitenlayers.joinable`) and the fold's check for layers never called. Never while
         :attr:`frozen`; for a forward (``explicit=False``) only in training mode, outside ``torch.inference_mode`` (a
-        fold there would store inference tensors as state), and not in a training-mode forward of one rank under DDP
-        (``scope.local``, :meth:`~whitenlayers.coordinator.FoldCoordinator.begin_forward`). ``explicit``: a call of
-        ``accumulate``, which adds its batch whatever the mode."""
+        fold there would store inference tensors as state; a compiled graph cannot ask, dynamo breaks the graph on
+        it), and not in a training-mode forward of one rank under DDP (``scope.local``,
+        :meth:`~whitenlayers.coordinator.FoldCoordinator.begin_forward`). ``explicit``: a call of ``accumulate``,
+        which adds its batch whatever the mode."""
         if self.frozen:
             return False
-        return explicit or (self.training and not torch.is_inference_mode_enabled()
+        return explicit or (self.training and (_compiling() or not torch.is_inference_mode_enabled())
                             and (scope is None or not scope.local))
 
     def _state_in_force(self) -> Dict[str, Tensor]:
