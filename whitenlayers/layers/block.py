@@ -79,12 +79,12 @@ class Block:
         self.s1 = acc[:-1, -1]
         self.parts = (self.s2, acc[:-1, -1:])  # the blocks the hot path's two products write into, sliced once
 
-    def add(self, x: Tensor, shift: Optional[Tensor]) -> None:
+    def add(self, x: Tensor, shift: Optional[Tensor], traced: bool = False) -> None:
         """Add the batch ``x``'s sums about ``shift`` (``x - shift``, broadcasting; ``None``: about 0) to the block:
         the one formula of every path that adds a batch, a layer's eager forward and its compiled one, and the
         batches a model's coordinator adds at its forward's end (on CUDA's path several layers' at once:
         :func:`~whitenlayers.functional.accumulate_moments_grouped`, the same sums in batched products). ``x``
-        detached, outside autocast; the caller counts its rows.
+        detached, outside autocast; the caller counts its rows; ``traced``: inside a compiled graph.
 
         ``groups == 1``: into the augmented accumulator (:func:`~whitenlayers.functional.accumulate_moments`; inside
         a compiled graph a bf16 / fp16 batch on the fewest-kernel path is multiplied in two bf16 halves on tensor
@@ -97,7 +97,7 @@ class Block:
             s1, s2 = F_w.batch_sums(x, shift, self.s2.shape[0])
             self.s1.add_(s1)
             self.s2.add_(s2)
-        elif not torch.compiler.is_compiling():
+        elif not traced:
             F_w.accumulate_moments(acc, x, shift, self.parts)
         elif (shift is not None and acc.dtype == torch.float32 and x.dtype in LOW_PRECISION
               and F_w.fused_moments_on(x.device) and low_precision_products_known(x.device)):

@@ -256,19 +256,19 @@ class _StepMixin(_Layer):
             self._add_batch(x, scope, keeps)
         return Step(state, True, scope)
 
-    def gathers_now(self, scope: Optional["ForwardScope"] = None, explicit: bool = False) -> bool:
+    def gathers_now(self, scope: Optional["ForwardScope"] = None, explicit: bool = False, traced: bool = False) -> bool:
         """Whether the layer gathers statistics now, counts its batches and folds at its blocks' ends: the one place
         that decides it, read by the eager and the compiled forward (:meth:`_begin`, :meth:`_begin_traced`),
         :meth:`~whitenlayers.WhiteningLayer.accumulate`, a joined rank's batches without data
         (:func:`~whitenlayers.joinable`) and the fold's check for layers never called. Never while
         :attr:`frozen`; for a forward (``explicit=False``) only in training mode, outside ``torch.inference_mode`` (a
-        fold there would store inference tensors as state; a compiled graph cannot ask, dynamo breaks the graph on
-        it), and not in a training-mode forward of one rank under DDP (``scope.local``,
+        fold there would store inference tensors as state; ``traced``: inside a compiled graph, which cannot ask:
+        dynamo breaks the graph on it), and not in a training-mode forward of one rank under DDP (``scope.local``,
         :meth:`~whitenlayers.coordinator.FoldCoordinator.begin_forward`). ``explicit``: a call of ``accumulate``,
         which adds its batch whatever the mode."""
         if self.frozen:
             return False
-        return explicit or (self.training and (_compiling() or not torch.is_inference_mode_enabled())
+        return explicit or (self.training and (traced or not torch.is_inference_mode_enabled())
                             and (scope is None or not scope.local))
 
     def _state_in_force(self) -> Dict[str, Tensor]:
@@ -410,7 +410,7 @@ class _StepMixin(_Layer):
         else:
             snapshot = torch.ops.whitenlayers.snapshot
             state = {name: snapshot(buffers[name]) for name in names}
-        if not self.gathers_now():
+        if not self.gathers_now(traced=True):
             return Step(state, False, None, traced=True)
         return Step(state, True, None, traced=True, rows=self._add_batch_traced(x) if self._block.gather_next else 0)
 
@@ -425,7 +425,7 @@ class _StepMixin(_Layer):
             x = x[: stats_samples(x.shape[0], x.shape[1:].numel() // self.num_features, self.num_features,
                                   block.fraction)]
         with _no_autocast(x.device):
-            block.add(x, block.store.to(_work_dtype(x)).view((1, -1) + (1,) * (x.dim() - 2)))
+            block.add(x, block.store.to(_work_dtype(x)).view((1, -1) + (1,) * (x.dim() - 2)), traced=True)
         return x.numel() // self.num_features
 
     def _count_traced(self, calls: Any, coordinated: bool = False) -> None:
