@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, NamedTupl
 import torch
 from torch import Tensor, nn
 
+from ._torch_compat import no_autocast
 from .autograd import _fast_apply, _transforms_active
 from .fold import (
     PendingFold,
@@ -25,7 +26,6 @@ from .fold import (
     _fold_states,
     _global_summaries,
     _local_summaries,
-    _no_autocast,
     _taken_blocks,
     _warn_nonfinite,
     _warn_uncalled,
@@ -351,7 +351,7 @@ class FoldCoordinator:
         if not layers:
             return
         device = layers[0].running_mean.device
-        with _no_autocast(device), torch.no_grad():
+        with no_autocast(device), torch.no_grad():
             group, world = _dist_group(layers)
             jobs: List[tuple] = []
             if world == 1:  # the block's sums copied, summarised by the worker
@@ -624,7 +624,7 @@ def _compute_jobs(jobs: Sequence[tuple], device: torch.device,
     ``stream`` (CUDA) with an event recorded after it. Reads nothing the training thread writes while it runs
     (``num_blocks`` is written when a fold is, after waiting for this one)."""
     folds: List[PendingFold] = []
-    with torch.no_grad(), _no_autocast(device), contextlib.ExitStack() as ctx:
+    with torch.no_grad(), no_autocast(device), contextlib.ExitStack() as ctx:
         if stream is not None:
             ctx.enter_context(torch.cuda.device(device))
             ctx.enter_context(torch.cuda.stream(stream))

@@ -17,12 +17,10 @@ together after the model's forward. Both are plumbing: users reach them through
 """
 from __future__ import annotations
 
-import contextlib
 import warnings
 from typing import (
     TYPE_CHECKING,
     Any,
-    Callable,
     Dict,
     Hashable,
     Iterable,
@@ -40,6 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import functional as F_w
+from ._torch_compat import no_autocast
 from .functional import BlockSummary
 from .functional.stacked import _own_all, _restack, _stack, _stack64, _unstack
 from .rules import _BUILT_IN, NOT_COMPUTED, Fold, RuleResult, batch_key_of, check_results
@@ -50,24 +49,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from .layers import WhiteningLayer
 
 __all__ = ["fold_layers", "assign_owners", "STRATEGIES"]
-
-
-def _no_autocast(device: torch.device):
-    """Statistics and transforms are computed in their own dtype, never in autocast's lower precision."""
-    return torch.autocast(device_type=device.type, enabled=False)
-
-
-def _autocast_enabled_any(device_type: str) -> bool:
-    """:data:`_autocast_enabled` for a torch < 2.4, whose ``torch.is_autocast_enabled`` takes no device type."""
-    return torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
-
-
-#: Whether autocast is on for a device type (a test before entering :func:`_no_autocast` on a hot path): torch's own
-#: function, one C call, where it takes the device type (torch 2.4 and later).
-_autocast_enabled: Callable[[str], bool] = _autocast_enabled_any
-with contextlib.suppress(TypeError):  # (torch < 2.4: a TypeError)
-    torch.is_autocast_enabled("cpu")
-    _autocast_enabled = cast(Callable[[str], bool], torch.is_autocast_enabled)
 
 
 def _dist_group(layers: Sequence["WhiteningLayer"]):
@@ -186,7 +167,7 @@ def fold_layers(layers: Iterable["WhiteningLayer"], *, strategy: str = "auto",
     layers = list(layers)
     if not layers:
         return
-    with _no_autocast(layers[0].running_mean.device):
+    with no_autocast(layers[0].running_mean.device):
         group, world = _dist_group(layers)
         if world == 1:
             # One process: fold one batch of layers at a time, so that the float64 temporaries of a fold (block
