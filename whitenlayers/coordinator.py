@@ -27,10 +27,10 @@ from .fold import (
     _global_summaries,
     _local_summaries,
     _taken_blocks,
-    _warn_nonfinite,
     _warn_uncalled,
     check_strategy,
     fold_layers,
+    warn_nonfinite,
 )
 from .functional.batch import _kernel1_weight_grad, accumulate_moments, transform_weight_grad
 from .functional.stacked import accumulate_moments_grouped, stack_shifts, stacked_moments_accumulator
@@ -270,14 +270,14 @@ class FoldCoordinator:
             _warn_uncalled(self.layers)
         pending, self.pending = self.pending, []
         order = {id(layer): i for i, layer in enumerate(self.layers)}
-        layers = sorted((p for p in pending if p._block.fold_pending), key=lambda p: order.get(id(p), len(order)))
+        layers = sorted((p for p in pending if p.fold_block.fold_pending), key=lambda p: order.get(id(p), len(order)))
         try:
             if self.fold_async:
                 self._fold_async(layers)
             else:
                 fold_layers(layers, strategy=self.strategy, _coordinator=self)
         finally:
-            _warn_nonfinite()
+            warn_nonfinite()
 
     def wait(self) -> None:
         """Wait for the fold in flight (if any) and hand its results to its layers (their pending folds, written
@@ -295,7 +295,7 @@ class FoldCoordinator:
             torch.cuda.current_stream(device).wait_event(event)
         del jobs  # its tensors' memory may be reused now, after that wait
         for layer, fold in zip(layers, folds):
-            layer._pending_fold = fold
+            layer.hold_pending_fold(fold)
 
     def flush_stats(self) -> None:
         """Add the batches handed over so far in this thread's forward to their layers' accumulators (before any

@@ -26,17 +26,7 @@ from torch import Tensor
 
 from .. import functional as F_w
 from ..config import WhiteningConfig
-from ..fold import (
-    FAILED,
-    SKIP_MESSAGES,
-    FoldOutcome,
-    PendingFold,
-    _fold_all,
-    _note_nonfinite,
-    _read_with_firsts,
-    _stored_all,
-    _warn_nonfinite,
-)
+from ..fold import FAILED, SKIP_MESSAGES, FoldOutcome, PendingFold, fold_summary, note_nonfinite, stored_like
 from ..functional import BlockSummary
 from ..rules import RecursiveRule, TransformRule, rule_for
 from .block import Block
@@ -354,23 +344,53 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
         return None
 
     # -------------------------------------------------------------------- fold
-    # :mod:`whitenlayers.fold` computes a fold for stacks of layers (moments, transforms, Q_s) from the layers'
-    # blocks and buffers; the layer's part: _count_nonfinite (every rank, with an empty block: fold._begin) and
-    # _fold_finish (every rank: writes the outcome, counters, bias compensation).
+    # The fold's interface: what :mod:`whitenlayers.fold` and the coordinator's fold read of a layer (besides its
+    # public attributes: rule, config, num_features, groups, the buffers, process_group) and the only methods
+    # through which they change it. A fold computes each layer's outcome (``fold.FoldOutcome``, in a
+    # ``fold.PendingFold``) from :attr:`fold_block` and :meth:`fold_buffers`; the layer applies it
+    # (:meth:`apply_fold`).
+    @property
+    def fold_block(self) -> Block:
+        """The partial block a fold reads: its sums, its non-finite batches, whether it ended (read only)."""
+        return self._block
+
+    def fold_buffers(self) -> Dict[str, Tensor]:
+        """The layer's buffers by name, as a fold reads them (the module's own dict, not a copy: read only)."""
+        return self._buffers  # (a whitening layer's buffers are never None)
+
+    def begin_next_block(self, nonfinite: int) -> List[Tensor]:
+        """A fold has read the block: count the ranks whose block had non-finite sums (``nonfinite``) and start an
+        empty block. Returns the tensors the caller zeroes (a fold zeroes those of many layers in one op)."""
+        self._count_nonfinite(nonfinite)
+        return self._block.restart()
+
+    def take_pending_fold(self) -> Optional[PendingFold]:
+        """The fold held pending (computed one block late by an asynchronous coordinator, or loaded from a
+        checkpoint taken while it was in flight), no longer held; ``None``: none. The caller applies it."""
+        fold, self._pending_fold = self._pending_fold, None
+        return fold
+
+    def hold_pending_fold(self, fold: PendingFold) -> None:
+        """Hold ``fold`` (an asynchronous fold's, computed) until this layer's next block end, where the fold
+        takes it (:meth:`take_pending_fold`) and applies it."""
+        self._pending_fold = fold
+
     def _count_nonfinite(self, nonfinite: int) -> None:
-        """Count the ranks whose block had non-finite sums (an asynchronous fold counts them when it is written)."""
+        """Count the ranks whose block had non-finite sums; the layer is named in the fold's one warning."""
         if nonfinite:
             self.nonfinite_blocks += nonfinite
-            _note_nonfinite(self)  # one warning for the fold's layers (fold._warn_nonfinite)
+            if "nonfinite" not in self._warned:  # (said once per layer)
+                self._warned.add("nonfinite")
+                note_nonfinite(self)
 
-    def _outcome_layout(self) -> List[Tuple[str, Tuple[int, ...]]]:
+    def outcome_layout(self) -> List[Tuple[str, Tuple[int, ...]]]:
         """``(name, shape)`` of the buffers a fold's outcome may hold, in a fixed order."""
         buffers = self._buffers
         names = ["running_cov", "whitening_matrix"] + (["grad_transform"] if "grad_transform" in buffers else [])
-        names += self._rule_buffer_names()
+        names += self.rule_buffer_names()
         return [(name, tuple(buffers[name].shape)) for name in names]
 
-    def _rule_buffer_names(self) -> List[str]:
+    def rule_buffer_names(self) -> List[str]:
         """The names of the rule's own buffers, kept with the rule they came from (building them on the meta device
         costs about 0.35 ms a layer, at every asynchronous fold)."""
         kept = self._cache.derived.get("rule_buffers")
@@ -380,14 +400,16 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
         return list(kept[1])
 
     @torch.no_grad()
-    def _fold_finish(self, outcome: FoldOutcome, mean: Tensor, delta: Tensor, unshifted: bool,
-                     writes: Tuple[List[Tensor], List[Tensor]]) -> bool:
-        """Write a fold's ``outcome`` (a skipped fold, a failed transform: the previous one is kept, and counted),
-        the new mean ``mean``, the bias compensation for the mean's change ``delta`` (float64) and whether the next
-        block sums unshifted. ``outcome.buffers`` and ``mean`` may be views of the fold's stacks, in another dtype:
-        the in-place copies into the buffers are appended to ``writes`` (``(buffers, values)``), which the caller
-        makes for many layers in one multi-tensor op before anything reads the buffers. Returns whether the block
-        counts (the caller adds it to ``num_blocks``); ``False`` for a skipped fold."""
+    def apply_fold(self, fold: PendingFold, outcome: FoldOutcome, writes: Tuple[List[Tensor], List[Tensor]]) -> bool:
+        """Apply a fold computed for this layer: count ``fold.nonfinite``; write ``outcome`` (``fold.outcome``, or the
+        one broadcast from the rank that computed it; a skipped fold, a failed transform: the previous one is kept,
+        and counted), the new mean ``fold.mean``, the bias compensation for its change ``fold.delta`` (float64) and
+        whether the next block sums unshifted. ``outcome.buffers`` and ``fold.mean`` may be views of the fold's
+        stacks, in another dtype: the in-place copies into the buffers are appended to ``writes`` (``(buffers,
+        values)``), which the caller makes for many layers in one multi-tensor op before anything reads the
+        buffers. Returns whether the block counts (the caller adds it to ``num_blocks``); ``False`` for a skipped
+        fold."""
+        self._count_nonfinite(fold.nonfinite)
         if outcome.status in SKIP_MESSAGES:
             self.skipped_folds += 1
             if SKIP_MESSAGES[outcome.status]:
@@ -395,12 +417,18 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
             return False
         if outcome.status == FAILED:
             self.transform_failures += 1
-            self._warn_once("transform", self.rule.failure_message)
+            if outcome.problem is None:
+                self._warn_once("transform", self.rule.failure_message)
+            else:  # the rule's result refused: said once, and not the rule's failure message as well
+                self._warn_once("rule_result", f"rule {self.rule.name!r} ({type(self.rule).__name__}) returned an "
+                                               f"invalid result: {outcome.problem}; the previous transform is kept "
+                                               "(counted in transform_failures)")
+                self._warned.add("transform")
         for name, value in outcome.buffers.items():
             self._set_fold_buffer(name, value, writes)
-        self._on_mean_change(delta)
-        self._set_fold_buffer("running_mean", mean, writes)
-        self._block.unshifted = unshifted
+        self._on_mean_change(fold.delta)
+        self._set_fold_buffer("running_mean", fold.mean, writes)
+        self._block.unshifted = fold.unshifted
         if outcome.clamped:
             self.clamped_steps += 1
         return True
@@ -421,7 +449,7 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
                 writes[0].append(old)
                 writes[1].append(value)
         else:  # through Module.__setattr__, which buffer registration hooks see
-            setattr(self, name, _stored_all([(self, name, value)])[0])
+            setattr(self, name, stored_like([(old, value)])[0])
 
     def _on_mean_change(self, delta: Tensor) -> None:
         """Hook for layers that must keep their function when the mean in force changes by ``delta`` (float64)."""
@@ -440,10 +468,7 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
         if block is None:
             self._fold_now()
             return
-        layers = [self]
-        nonfinite, firsts = _read_with_firsts(self._block.nonfinite().view(1), layers)  # one host synchronisation
-        _fold_all(layers, [block], [int(nonfinite[0])], firsts)
-        _warn_nonfinite()
+        fold_summary(self, block)
 
     def accumulate(self, x: Tensor) -> None:
         """Add ``x`` (features on dim 1: ``(N, M)`` or ``(N, M, *positions)``) to the current block's statistics,
