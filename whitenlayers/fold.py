@@ -80,6 +80,16 @@ class FoldOutcome(NamedTuple):
     problem: Optional[str] = None  # FAILED: why the rule's result was refused (None: the rule's own failure)
 
 
+class BlockSums(NamedTuple):
+    """A block's shifted sums as a fold reads them: ``rows`` samples (times positions), the ``shift`` they are
+    about (``None``: 0), ``s1 = sum (x - shift)`` and ``s2 = sum (x - shift)(x - shift)^T``."""
+
+    rows: float
+    shift: Optional[Tensor]
+    s1: Tensor
+    s2: Tensor
+
+
 #: Fold strategies under torch.distributed (see :func:`fold_layers`).
 STRATEGIES = ("auto", "replicated", "owner")
 
@@ -302,24 +312,26 @@ def _global_summaries(layers: Sequence["WhiteningLayer"], owners: Optional[Seque
         for work in works:
             work.wait()
     for i in mine:
-        summaries[i] = summaries[i]._replace(scatter=F_w.symmetrize(scatters[i].view(sums[i][3].shape)))
+        _, _, _, s2 = sums[i]
+        summaries[i] = summaries[i]._replace(scatter=F_w.symmetrize(scatters[i].view(s2.shape)))
     return summaries, nonfinite, firsts
 
 
 def _local_summaries(layers: Sequence["WhiteningLayer"],
-                     sums: Optional[Sequence[Tuple[float, Optional[Tensor], Tensor, Tensor]]] = None
+                     sums: Optional[Sequence[BlockSums]] = None
                      ) -> Tuple[List[BlockSummary], List[int], List[bool]]:
     """This process's block of each layer (layers of one :func:`_stack_key`), whether its sums are non-finite and
     whether it is the layer's first block: the summaries computed stacked (one set of operations for all the
-    layers), the flags read in one host synchronisation. ``sums``: the blocks' ``(count, shift, s1, s2)``
+    layers), the flags read in one host synchronisation. ``sums``: the blocks' sums
     (an asynchronous fold's copies, :func:`_taken_blocks`), default the
     layers' accumulators."""
     if sums is None:
-        sums = [(block.rows, block.shift, block.s1, block.s2) for block in (layer.fold_block for layer in layers)]
-    count = torch.tensor([n for n, _, _, _ in sums], dtype=torch.float64, device=sums[0][2].device)
-    shift = torch.stack([k if k is not None else torch.zeros_like(s1) for _, k, s1, _ in sums])
-    s1 = _stack64([s[2] for s in sums])  # the block's sums, in float64 from here on
-    s2 = _stack64([s[3] for s in sums])
+        sums = [BlockSums(block.rows, block.shift, block.s1, block.s2)
+                for block in (layer.fold_block for layer in layers)]
+    count = torch.tensor([s.rows for s in sums], dtype=torch.float64, device=sums[0].s1.device)
+    shift = torch.stack([s.shift if s.shift is not None else torch.zeros_like(s.s1) for s in sums])
+    s1 = _stack64([s.s1 for s in sums])  # the block's sums, in float64 from here on
+    s2 = _stack64([s.s2 for s in sums])
     finite = F_w.finite_each(s1, s2)  # (before summarize_block overwrites s2)
     block = F_w.summarize_block(count, shift, s1, s2, inplace=True)
     finite, firsts = _read_with_firsts(finite, layers)
@@ -557,6 +569,14 @@ def _coalesced(tensors: Sequence[Tensor], works: list, collective) -> List[Tenso
     return out
 
 
+class FoldWrites(NamedTuple):
+    """The in-place copies of a fold's outcomes into the layers' buffers, gathered
+    (:meth:`~whitenlayers.WhiteningLayer.apply_fold`) and made in one multi-tensor copy (:func:`_finish_folds`)."""
+
+    buffers: List[Tensor]
+    values: List[Tensor]
+
+
 class PendingFold(NamedTuple):
     """A layer's fold computed but not written yet (:func:`_compute_folds`), what
     :meth:`~whitenlayers.WhiteningLayer.apply_fold` writes: the outcome (``None``: computed on another rank,
@@ -636,7 +656,7 @@ def _finish_folds(layers: Sequence["WhiteningLayer"], folds: Sequence[PendingFol
     layers other ranks folded received first (owner strategy: one broadcast per rank), and count the folds that
     count in ``num_blocks`` (one multi-tensor add). Returns whether each layer's fold counted."""
     counted = [False] * len(layers)
-    writes: Tuple[List[Tensor], List[Tensor]] = ([], [])
+    writes = FoldWrites([], [])
     for src in ([None] if owners is None else range(dist.get_world_size(group))):
         idx = [i for i in range(len(layers)) if src is None or cast("Sequence[int]", owners)[i] == src]
         if not idx:
@@ -648,8 +668,8 @@ def _finish_folds(layers: Sequence["WhiteningLayer"], folds: Sequence[PendingFol
             # every outcome computed here (replicated) or received from src
             fold = folds[i]
             counted[i] = layers[i].apply_fold(fold, cast(FoldOutcome, outcome), writes)
-    if writes[0]:  # every layer's buffers written in place by one multi-tensor copy (converting dtype and device)
-        torch._foreach_copy_(writes[0], writes[1])
+    if writes.buffers:  # every layer's buffers written in place by one multi-tensor copy (converting dtype, device)
+        torch._foreach_copy_(writes.buffers, writes.values)
     blocks = [layer.num_blocks for layer, c in zip(layers, counted) if c]
     if blocks:
         torch._foreach_add_(blocks, 1)
@@ -665,20 +685,20 @@ def _fold_states(layers: Sequence["WhiteningLayer"]) -> List[Dict[str, Tensor]]:
     return [{name: next(copies) for name in group} for group in names]
 
 
-def _taken_blocks(layers: Sequence["WhiteningLayer"]) -> List[Tuple[float, Optional[Tensor], Tensor, Tensor]]:
-    """Copies of the layers' block sums, ``(count, shift, s1, s2)`` as :func:`_local_summaries` reads them (the
-    shift too: the next fold writes the next block's shift into it), all made in one call (:func:`_own_all`): for
-    an asynchronous fold to summarise while the next block accumulates."""
+def _taken_blocks(layers: Sequence["WhiteningLayer"]) -> List[BlockSums]:
+    """Copies of the layers' block sums as :func:`_local_summaries` reads them (the shift too: the next fold writes
+    the next block's shift into it), all made in one call (:func:`_own_all`): for an asynchronous fold to summarise
+    while the next block accumulates."""
     parts = [layer.fold_block.parts_to_copy() for layer in layers]
     copies = iter(_own_all([t for _, shift, sums in parts for t in (shift, *sums) if t is not None]))
-    taken: List[Tuple[float, Optional[Tensor], Tensor, Tensor]] = []
+    taken: List[BlockSums] = []
     for count, shift, sums in parts:
         shift_copy = None if shift is None else next(copies)
         first = next(copies)
         if len(sums) == 1:  # the augmented accumulator: s1 and s2 are its views
-            taken.append((count, shift_copy, first[:-1, -1], first[:-1, :-1]))
+            taken.append(BlockSums(count, shift_copy, first[:-1, -1], first[:-1, :-1]))
         else:
-            taken.append((count, shift_copy, first, next(copies)))
+            taken.append(BlockSums(count, shift_copy, first, next(copies)))
     return taken
 
 

@@ -27,7 +27,16 @@ from torch import Tensor
 
 from .. import functional as F_w
 from ..config import EVDConfig, RecursiveConfig, WhiteningConfig
-from ..fold import FAILED, SKIP_MESSAGES, FoldOutcome, PendingFold, fold_summary, note_nonfinite, stored_like
+from ..fold import (
+    FAILED,
+    SKIP_MESSAGES,
+    FoldOutcome,
+    FoldWrites,
+    PendingFold,
+    fold_summary,
+    note_nonfinite,
+    stored_like,
+)
 from ..functional import BlockSummary
 from ..rules import RecursiveRule, TransformRule, rule_for
 from .block import Block
@@ -452,15 +461,14 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
         return list(kept[1])
 
     @torch.no_grad()
-    def apply_fold(self, fold: PendingFold, outcome: FoldOutcome, writes: Tuple[List[Tensor], List[Tensor]]) -> bool:
+    def apply_fold(self, fold: PendingFold, outcome: FoldOutcome, writes: FoldWrites) -> bool:
         """Apply a fold computed for this layer: count ``fold.nonfinite``; write ``outcome`` (``fold.outcome``, or the
         one broadcast from the rank that computed it; a skipped fold, a failed transform: the previous one is kept,
         and counted), the new mean ``fold.mean``, the bias compensation for its change ``fold.delta`` (float64) and
         whether the next block sums unshifted. ``outcome.buffers`` and ``fold.mean`` may be views of the fold's
-        stacks, in another dtype: the in-place copies into the buffers are appended to ``writes`` (``(buffers,
-        values)``), which the caller makes for many layers in one multi-tensor op before anything reads the
-        buffers. Returns whether the block counts (the caller adds it to ``num_blocks``); ``False`` for a skipped
-        fold."""
+        stacks, in another dtype: the in-place copies into the buffers are appended to ``writes``, which the
+        caller makes for many layers in one multi-tensor op before anything reads the buffers. Returns whether the
+        block counts (the caller adds it to ``num_blocks``); ``False`` for a skipped fold."""
         self._count_nonfinite(fold.nonfinite)
         if outcome.status in SKIP_MESSAGES:
             self.skipped_folds += 1
@@ -486,7 +494,7 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
         return True
 
     def _set_fold_buffer(self, name: str, value: Tensor,
-                         writes: Optional[Tuple[List[Tensor], List[Tensor]]] = None) -> None:
+                         writes: Optional[FoldWrites] = None) -> None:
         """Write a fold's new ``value`` into buffer ``name`` in place (``copy_``), so the buffer keeps its tensor and
         storage across folds: whatever holds a reference to it sees the fold (``torch.func.functional_call``, a
         captured CUDA graph, an EMA helper holding ``named_buffers()``). A forward never hands a buffer itself to
@@ -498,8 +506,8 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
             if writes is None:
                 old.copy_(value)  # converts to the buffer's dtype and device
             else:
-                writes[0].append(old)
-                writes[1].append(value)
+                writes.buffers.append(old)
+                writes.values.append(value)
         else:  # through Module.__setattr__, which buffer registration hooks see
             setattr(self, name, stored_like([(old, value)])[0])
 
