@@ -154,7 +154,8 @@ class WhiteningConfig:
         DEFAULT_BLOCK_SIZE, "training batches per statistics block", "L",
         doc="The statistics of ``block_size`` training forwards (optimizer steps with ``accumulation_steps``) "
             "form a block; after the block's last forward it is folded in: new ``mu``, ``Phi_x``, ``T`` and "
-            "``Q_s``, used from the next forward on.",
+            "``Q_s``, used from the next forward on (with ``convert_model(..., fold_async=True)`` one block "
+            "later: block ``i``'s fold is in force from block ``i + 2`` on).",
         when="The paper does not give ``L`` (ERRATA 4); 10 makes a fold cost about 0.35 % of a ResNet-20 "
              "training step on a CPU (``benchmarks/RESULTS.md``, \"Fold cost\"). Lower it (1-5) "
              "for short runs, so that the transform follows the fast-changing early features and many blocks "

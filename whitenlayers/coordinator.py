@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, NamedTupl
 import torch
 from torch import Tensor, nn
 
+from ._torch_compat import no_autocast
 from .autograd import _fast_apply, _transforms_active
 from .fold import (
     PendingFold,
@@ -26,12 +27,11 @@ from .fold import (
     _fold_states,
     _global_summaries,
     _local_summaries,
-    _no_autocast,
     _taken_blocks,
-    _warn_nonfinite,
     _warn_uncalled,
     check_strategy,
     fold_layers,
+    warn_nonfinite,
 )
 from .functional.batch import _kernel1_weight_grad, transform_weight_grad
 from .functional.stacked import accumulate_moments_grouped, stack_shifts, stacked_moments_accumulator
@@ -308,14 +308,14 @@ class FoldCoordinator:
             _warn_uncalled(self.layers)
         pending, self.pending = self.pending, []
         order = {id(layer): i for i, layer in enumerate(self.layers)}
-        layers = sorted((p for p in pending if p._block.fold_pending), key=lambda p: order.get(id(p), len(order)))
+        layers = sorted((p for p in pending if p.fold_block.fold_pending), key=lambda p: order.get(id(p), len(order)))
         try:
             if self.fold_async:
                 self._fold_async(layers)
             else:
                 fold_layers(layers, strategy=self.strategy, _coordinator=self)
         finally:
-            _warn_nonfinite()
+            warn_nonfinite()
 
     def wait(self) -> None:
         """Wait for the fold in flight (if any) and hand its results to its layers (their pending folds, written
@@ -333,7 +333,7 @@ class FoldCoordinator:
             torch.cuda.current_stream(device).wait_event(event)
         del jobs  # its tensors' memory may be reused now, after that wait
         for layer, fold in zip(layers, folds):
-            layer._pending_fold = fold
+            layer.hold_pending_fold(fold)
 
     def flush_stats(self) -> None:
         """Add the batches handed over so far in this thread's forward to their layers' accumulators (before any
@@ -389,7 +389,7 @@ class FoldCoordinator:
         if not layers:
             return
         device = layers[0].running_mean.device
-        with _no_autocast(device), torch.no_grad():
+        with no_autocast(device), torch.no_grad():
             group, world = _dist_group(layers)
             jobs: List[_FoldJob] = []
             if world == 1:  # the block's sums copied, summarised by the worker
@@ -707,7 +707,7 @@ def _compute_jobs(jobs: Sequence[_FoldJob], device: torch.device,
     ``stream`` (CUDA) with an event recorded after it. Reads nothing the training thread writes while it runs
     (``num_blocks`` is written when a fold is, after waiting for this one)."""
     folds: List[PendingFold] = []
-    with torch.no_grad(), _no_autocast(device), contextlib.ExitStack() as ctx:
+    with torch.no_grad(), no_autocast(device), contextlib.ExitStack() as ctx:
         if stream is not None:
             ctx.enter_context(torch.cuda.device(device))
             ctx.enter_context(torch.cuda.stream(stream))

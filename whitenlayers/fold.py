@@ -17,12 +17,10 @@ together after the model's forward. Both are plumbing: users reach them through
 """
 from __future__ import annotations
 
-import contextlib
 import warnings
 from typing import (
     TYPE_CHECKING,
     Any,
-    Callable,
     Dict,
     Hashable,
     Iterable,
@@ -40,6 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import functional as F_w
+from ._torch_compat import no_autocast
 from .functional import BlockSummary
 from .functional.stacked import _own_all, _restack, _stack, _stack64, _unstack
 from .rules import _BUILT_IN, NOT_COMPUTED, Fold, RuleResult, batch_key_of, check_results
@@ -50,24 +49,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from .layers import WhiteningLayer
 
 __all__ = ["fold_layers", "assign_owners", "STRATEGIES"]
-
-
-def _no_autocast(device: torch.device):
-    """Statistics and transforms are computed in their own dtype, never in autocast's lower precision."""
-    return torch.autocast(device_type=device.type, enabled=False)
-
-
-def _autocast_enabled_any(device_type: str) -> bool:
-    """:data:`_autocast_enabled` for a torch < 2.4, whose ``torch.is_autocast_enabled`` takes no device type."""
-    return torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
-
-
-#: Whether autocast is on for a device type (a test before entering :func:`_no_autocast` on a hot path): torch's own
-#: function, one C call, where it takes the device type (torch 2.4 and later).
-_autocast_enabled: Callable[[str], bool] = _autocast_enabled_any
-with contextlib.suppress(TypeError):  # (torch < 2.4: a TypeError)
-    torch.is_autocast_enabled("cpu")
-    _autocast_enabled = cast(Callable[[str], bool], torch.is_autocast_enabled)
 
 
 def _dist_group(layers: Sequence["WhiteningLayer"]):
@@ -96,6 +77,17 @@ class FoldOutcome(NamedTuple):
     status: int  # FOLDED, FAILED (the transform failed: the previous one is kept) or a skip (nothing written)
     clamped: bool = False
     buffers: Dict[str, Tensor] = {}  # new buffer values as stored (the layer's dtypes): running_cov, T, Q_s, ...
+    problem: Optional[str] = None  # FAILED: why the rule's result was refused (None: the rule's own failure)
+
+
+class BlockSums(NamedTuple):
+    """A block's shifted sums as a fold reads them: ``rows`` samples (times positions), the ``shift`` they are
+    about (``None``: 0), ``s1 = sum (x - shift)`` and ``s2 = sum (x - shift)(x - shift)^T``."""
+
+    rows: float
+    shift: Optional[Tensor]
+    s1: Tensor
+    s2: Tensor
 
 
 #: Fold strategies under torch.distributed (see :func:`fold_layers`).
@@ -125,16 +117,14 @@ OWNER_MIN_COST = 1e6
 _nonfinite_layers: List["WhiteningLayer"] = []
 
 
-def _note_nonfinite(layer: "WhiteningLayer") -> None:
-    """A layer dropped a non-finite block: named in the fold's one warning (:func:`_warn_nonfinite`), once per
-    layer."""
-    if "nonfinite" not in layer._warned:
-        layer._warned.add("nonfinite")
-        _nonfinite_layers.append(layer)
+def note_nonfinite(layer: "WhiteningLayer") -> None:
+    """A layer dropped a non-finite block: named in the fold's one warning (:func:`warn_nonfinite`; the layer
+    notes itself once)."""
+    _nonfinite_layers.append(layer)
 
 
-def _warn_nonfinite() -> None:
-    """One warning for the layers :func:`_note_nonfinite` noted: a non-finite batch reaches every layer after it."""
+def warn_nonfinite() -> None:
+    """One warning for the layers :func:`note_nonfinite` noted: a non-finite batch reaches every layer after it."""
     if not _nonfinite_layers:
         return
     layers = list(_nonfinite_layers)
@@ -186,7 +176,7 @@ def fold_layers(layers: Iterable["WhiteningLayer"], *, strategy: str = "auto",
     layers = list(layers)
     if not layers:
         return
-    with _no_autocast(layers[0].running_mean.device):
+    with no_autocast(layers[0].running_mean.device):
         group, world = _dist_group(layers)
         if world == 1:
             # One process: fold one batch of layers at a time, so that the float64 temporaries of a fold (block
@@ -198,7 +188,15 @@ def fold_layers(layers: Iterable["WhiteningLayer"], *, strategy: str = "auto",
             owners = _owners(layers, world, strategy)
             _fold_all(layers, *_global_summaries(layers, owners, group), owners, group)
     if _coordinator is None:  # the coordinator warns after its whole fold
-        _warn_nonfinite()
+        warn_nonfinite()
+
+
+def fold_summary(layer: "WhiteningLayer", block: BlockSummary) -> None:
+    """Fold ``block`` (a summary, e.g. :meth:`~whitenlayers.WhiteningLayer.block_statistics`) into ``layer`` as its
+    block, summed across no ranks (``WhiteningLayer.fold(block)``); the layer starts an empty block."""
+    nonfinite, firsts = _read_with_firsts(layer.fold_block.nonfinite().view(1), [layer])  # one host synchronisation
+    _fold_all([layer], [block], [int(nonfinite[0])], firsts)
+    warn_nonfinite()
 
 
 #: At most this many matrix entries (``groups * M^2`` summed over the layers) are folded together in one process.
@@ -234,7 +232,7 @@ def _stack_key(layer: "WhiteningLayer") -> Hashable:
     """Layers with equal keys fold as one stack: same block shape, dtype, device, buffers and config (so the same
     rule batch key, ``alpha`` and ``beta``)."""
     mean = layer.running_mean
-    return (layer._block_shape, mean.dtype, mean.device, type(layer.rule), layer.config,
+    return (F_w.block_shape(layer.num_features, layer.groups), mean.dtype, mean.device, type(layer.rule), layer.config,
             hasattr(layer, "grad_transform"))
 
 
@@ -284,9 +282,9 @@ def _global_summaries(layers: Sequence["WhiteningLayer"], owners: Optional[Seque
     scatter alone, small ones packed; here the ``scatter`` of the layers other ranks own is ``None``), or one
     ``all_reduce`` of all layers (replicated).
     """
-    sums = [layer._block.sums() for layer in layers]
+    sums = [layer.fold_block.sums() for layer in layers]
     flat = torch.cat([torch.cat([n.view(1), n * shift + s1, F_w.block_power(n, shift, s1, s2),
-                                 layer._block.nonfinite().view(1)])
+                                 layer.fold_block.nonfinite().view(1)])
                       for layer, (n, shift, s1, s2) in zip(layers, sums)])
     dist.all_reduce(flat, group=group)
     parts = torch.split(flat, [size for layer in layers for size in (1, layer.num_features, layer.num_features, 1)])
@@ -314,24 +312,26 @@ def _global_summaries(layers: Sequence["WhiteningLayer"], owners: Optional[Seque
         for work in works:
             work.wait()
     for i in mine:
-        summaries[i] = summaries[i]._replace(scatter=F_w.symmetrize(scatters[i].view(sums[i][3].shape)))
+        _, _, _, s2 = sums[i]
+        summaries[i] = summaries[i]._replace(scatter=F_w.symmetrize(scatters[i].view(s2.shape)))
     return summaries, nonfinite, firsts
 
 
 def _local_summaries(layers: Sequence["WhiteningLayer"],
-                     sums: Optional[Sequence[Tuple[float, Optional[Tensor], Tensor, Tensor]]] = None
+                     sums: Optional[Sequence[BlockSums]] = None
                      ) -> Tuple[List[BlockSummary], List[int], List[bool]]:
     """This process's block of each layer (layers of one :func:`_stack_key`), whether its sums are non-finite and
     whether it is the layer's first block: the summaries computed stacked (one set of operations for all the
-    layers), the flags read in one host synchronisation. ``sums``: the blocks' ``(count, shift, s1, s2)``
+    layers), the flags read in one host synchronisation. ``sums``: the blocks' sums
     (an asynchronous fold's copies, :func:`_taken_blocks`), default the
     layers' accumulators."""
     if sums is None:
-        sums = [(layer._block.rows, layer._block.shift, layer._block.s1, layer._block.s2) for layer in layers]
-    count = torch.tensor([n for n, _, _, _ in sums], dtype=torch.float64, device=sums[0][2].device)
-    shift = torch.stack([k if k is not None else torch.zeros_like(s1) for _, k, s1, _ in sums])
-    s1 = _stack64([s[2] for s in sums])  # the block's sums, in float64 from here on
-    s2 = _stack64([s[3] for s in sums])
+        sums = [BlockSums(block.rows, block.shift, block.s1, block.s2)
+                for block in (layer.fold_block for layer in layers)]
+    count = torch.tensor([s.rows for s in sums], dtype=torch.float64, device=sums[0].s1.device)
+    shift = torch.stack([s.shift if s.shift is not None else torch.zeros_like(s.s1) for s in sums])
+    s1 = _stack64([s.s1 for s in sums])  # the block's sums, in float64 from here on
+    s2 = _stack64([s.s2 for s in sums])
     finite = F_w.finite_each(s1, s2)  # (before summarize_block overwrites s2)
     block = F_w.summarize_block(count, shift, s1, s2, inplace=True)
     finite, firsts = _read_with_firsts(finite, layers)
@@ -346,14 +346,13 @@ def _read_with_firsts(flags: Tensor, layers: Sequence["WhiteningLayer"]) -> Tupl
     return values, [n == 0 for n in counted]
 
 
-def _stored_all(items: Sequence[Tuple["WhiteningLayer", str, Tensor]]) -> List[Tensor]:
-    """For each ``(layer, name, value)``: ``value`` as the layer's buffer ``name`` stores it (its device and dtype),
-    a contiguous tensor of its own (never aliasing ``value``). A conversion already makes one; the rest are
-    cloned together (:func:`_own_all`)."""
+def stored_like(items: Sequence[Tuple[Tensor, Tensor]]) -> List[Tensor]:
+    """For each ``(buffer, value)``: ``value`` as ``buffer`` stores it (its device and dtype), a contiguous tensor
+    of its own (never aliasing ``value``). A conversion already makes one; the rest are cloned together
+    (:func:`_own_all`)."""
     out: List[Tensor] = []
     shared: List[int] = []  # those aliasing their value, or not contiguous
-    for layer, name, value in items:
-        old = cast(Tensor, layer._buffers[name])  # a buffer the layer holds (read without Module.__getattr__)
+    for old, value in items:
         new = value.detach() if value.requires_grad else value  # a fold runs under no_grad: a call saved per item
         if new.dtype != old.dtype or new.device != old.device:
             new = new.to(device=old.device, dtype=old.dtype)
@@ -374,18 +373,14 @@ def _begin(layers: Sequence["WhiteningLayer"], nonfinite: Sequence[int], firsts:
     fold counts no longer folds its first block)."""
     zero: List[Tensor] = []
     for layer, bad in zip(layers, nonfinite):  # (the block's sums were read before)
-        layer._count_nonfinite(bad)
-        zero += layer._block.restart()
+        zero += layer.begin_next_block(bad)
     if zero:
         torch._foreach_zero_(zero)
-    idx = [i for i, layer in enumerate(layers) if layer._pending_fold is not None]
+    pending = [layer.take_pending_fold() for layer in layers]
+    idx = [i for i, fold in enumerate(pending) if fold is not None]
     if not idx:  # (the common case: nothing pending)
         return list(firsts)
-    folds = [cast(PendingFold, layers[i]._pending_fold) for i in idx]
-    for i, fold in zip(idx, folds):
-        layers[i]._pending_fold = None
-        layers[i]._count_nonfinite(fold.nonfinite)
-    counted = _finish_folds([layers[i] for i in idx], folds)
+    counted = _finish_folds([layers[i] for i in idx], [cast(PendingFold, pending[i]) for i in idx])
     firsts = list(firsts)
     for i, c in zip(idx, counted):
         firsts[i] = firsts[i] and not c
@@ -412,6 +407,14 @@ def _new_means(layers: Sequence["WhiteningLayer"], blocks: Sequence[BlockSummary
 UNSHIFTED_MAX_MEAN2_VAR = 3.0
 
 
+class _StackFlags(NamedTuple):
+    """A stack's flags per layer, read to the host in one synchronisation (:func:`_outcomes`)."""
+
+    finite: List[bool]  # the new moments are finite
+    nonempty: List[bool]  # the block had samples
+    unshifted: List[bool]  # the next block may sum unshifted (:func:`_new_means`)
+
+
 def _outcomes(layers: Sequence["WhiteningLayer"], blocks: Sequence[BlockSummary], firsts: Sequence[bool],
               nonfinite: Sequence[int], mus: Tensor, unshifted: Tensor, owned: bool,
               states: Sequence[Dict[str, Tensor]]) -> Tuple[List[FoldOutcome], List[bool]]:
@@ -419,7 +422,7 @@ def _outcomes(layers: Sequence["WhiteningLayer"], blocks: Sequence[BlockSummary]
     transforms in one batched rule call where the rule batches, ``Q_s`` smoothed stacked; and ``unshifted``
     (:func:`_new_means`' flags of these layers) read in the same host synchronisation as the moments'
     finiteness. Changes nothing. The outcomes' buffers are views of the stacks, copied into the layers' buffers
-    by :meth:`~whitenlayers.WhiteningLayer._fold_finish`; ``owned``: tensors of their own as the buffers
+    by :meth:`~whitenlayers.WhiteningLayer.apply_fold`; ``owned``: tensors of their own as the buffers
     store them (one multi-tensor clone), for a broadcast to other ranks. ``states``: the buffers read."""
     lead = layers[0]
     config, rule = lead.config, lead.rule
@@ -428,14 +431,14 @@ def _outcomes(layers: Sequence["WhiteningLayer"], blocks: Sequence[BlockSummary]
     block_cov = F_w.block_covariance(block, mus)
     cov = F_w.recursive_average(cov_prev, block_cov, config.alpha, list(firsts), inplace=True)
     finite = F_w.finite_each(mus, cov)
-    flags = torch.stack([finite, block.count > 0, unshifted.to(finite.device)]).tolist()
+    flags = _StackFlags(*torch.stack([finite, block.count > 0, unshifted.to(finite.device)]).tolist())
     status: List[Optional[int]] = []
     for k, bad in enumerate(nonfinite):
         if bad:
             status.append(SKIPPED_NONFINITE)  # a batch with non-finite values, on this rank or another: dropped
-        elif not flags[1][k]:
+        elif not flags.nonempty[k]:
             status.append(SKIPPED_EMPTY)
-        elif not flags[0][k]:
+        elif not flags.finite[k]:
             status.append(SKIPPED_MOMENTS)
         else:
             status.append(None)
@@ -444,7 +447,7 @@ def _outcomes(layers: Sequence["WhiteningLayer"], blocks: Sequence[BlockSummary]
     if len(todo) < len(layers):
         stacked = Fold(BlockSummary(*(t[todo] for t in block)), mus[todo], cov[todo], block_cov[todo],
                        [firsts[k] for k in todo])
-    results = _transforms([layers[k] for k in todo], stacked, [states[k] for k in todo])
+    results, problems = _transforms([layers[k] for k in todo], stacked, [states[k] for k in todo])
     stored_dtype = lead.running_cov.dtype
     covs_stored = cov.to(stored_dtype).unbind(0)
     done = [(k, r) for k, r in zip(todo, results) if r is not None]
@@ -461,22 +464,24 @@ def _outcomes(layers: Sequence["WhiteningLayer"], blocks: Sequence[BlockSummary]
             items.append((k, "whitening_matrix", result.transform))
             items += [(k, name, value) for name, value in result.buffers.items()]
     new: Dict[int, Dict[str, Tensor]] = {k: {} for k in todo}
-    values = _stored_all([(layers[k], name, value) for k, name, value in items]) if owned else [v for _, _, v in items]
+    values = (stored_like([(layers[k].fold_buffers()[name], value) for k, name, value in items]) if owned
+              else [v for _, _, v in items])
     for (k, name, _), value in zip(items, values):
         new[k][name] = value
     out = [FoldOutcome(cast(int, st)) for st in status]  # st None: a placeholder, replaced below
-    for k, result in zip(todo, results):
-        out[k] = FoldOutcome(FAILED if result is None else FOLDED, result is not None and bool(result.clamped), new[k])
-    return out, flags[2]
+    for k, result, problem in zip(todo, results, problems):
+        out[k] = FoldOutcome(FAILED if result is None else FOLDED, result is not None and bool(result.clamped), new[k],
+                             problem)
+    return out, flags.unshifted
 
 
-def _transforms(layers: Sequence["WhiteningLayer"], stacked: Fold,
-                states: Sequence[Dict[str, Tensor]]) -> List[Optional[RuleResult]]:
-    """The rule's new transform of each layer (``None``: it failed), layers of one stack key with their folds
-    ``stacked``: one batched rule call when the rule batches them, else one call per layer. ``states``: the
-    buffers read."""
+def _transforms(layers: Sequence["WhiteningLayer"], stacked: Fold, states: Sequence[Dict[str, Tensor]]
+                ) -> Tuple[List[Optional[RuleResult]], List[Optional[str]]]:
+    """The rule's new transform of each layer (``None``: it failed) and, for a result refused, the problem found
+    (else ``None``), layers of one stack key with their folds ``stacked``: one batched rule call when the rule
+    batches them, else one call per layer. ``states``: the buffers read."""
     if not layers:
-        return []
+        return [], []
     lead = layers[0]
     # Each layer's buffers by name (its ``_buffers``, read as ``named_buffers(recurse=False)`` reads them, without
     # that generator's bookkeeping: this runs per layer per fold).
@@ -491,19 +496,15 @@ def _transforms(layers: Sequence["WhiteningLayer"], stacked: Fold,
                  stacked.block_cov.unbind(0), cast(List[bool], stacked.first))]
     results = [lead.rule.update(fold, state, p) for fold, state, p in zip(folds, states, pre)]
     if type(lead.rule) in _BUILT_IN:  # they check their own results (finite; shapes by construction)
-        return results
+        return results, [None] * len(results)
     # Another rule's results are checked (shapes, dtypes, finite, Q symmetric): a bad one keeps the previous transform
-    # (counted in transform_failures) and its layer warns once, naming the rule and the problem.
-    problems = check_results(results, [tuple(layer._block_shape) for layer in layers],
-                             [{n: layer._buffers[n] for n in layer._rule_buffer_names()} for layer in layers])
+    # (counted in transform_failures) and its layer warns once, naming the rule and the problem (apply_fold).
+    problems = check_results(results, [F_w.block_shape(layer.num_features, layer.groups) for layer in layers],
+                             [{n: layer.fold_buffers()[n] for n in layer.rule_buffer_names()} for layer in layers])
     for k, problem in enumerate(problems):
         if problem is not None:
             results[k] = None
-            layers[k]._warn_once("rule_result", f"rule {lead.rule.name!r} ({type(lead.rule).__name__}) returned an "
-                                                f"invalid result: {problem}; the previous transform is kept (counted "
-                                                "in transform_failures)")
-            layers[k]._warned.add("transform")  # (not the rule's failure_message as well: this says what failed)
-    return results
+    return results, problems
 
 
 def _broadcast_outcomes(layers: Sequence["WhiteningLayer"], outcomes: Sequence[Optional[FoldOutcome]],
@@ -521,7 +522,7 @@ def _broadcast_outcomes(layers: Sequence["WhiteningLayer"], outcomes: Sequence[O
         heads = torch.empty(len(layers), 2, device=dev)
     tensors = [heads]
     for layer, outcome in zip(layers, outcomes):
-        for name, shape in layer._outcome_layout():
+        for name, shape in layer.outcome_layout():
             current = getattr(layer, name)
             tensors.append(cast(FoldOutcome, outcome).buffers.get(name, current) if mine else
                            torch.empty(shape, dtype=current.dtype, device=current.device))
@@ -533,7 +534,7 @@ def _broadcast_outcomes(layers: Sequence["WhiteningLayer"], outcomes: Sequence[O
         return list(cast("Sequence[FoldOutcome]", outcomes))
     out, pos = [], 1
     for layer, (status, clamped) in zip(layers, tensors[0].tolist()):
-        layout = layer._outcome_layout()
+        layout = layer.outcome_layout()
         keep = {FOLDED: len(layout), FAILED: 1}.get(int(status), 0)  # a failed transform: running_cov only
         # small buffers arrived in a packed buffer: copied out, so that no buffer holds on to it
         buffers = {name: t.clone() if t._base is not None else t
@@ -568,9 +569,17 @@ def _coalesced(tensors: Sequence[Tensor], works: list, collective) -> List[Tenso
     return out
 
 
+class FoldWrites(NamedTuple):
+    """The in-place copies of a fold's outcomes into the layers' buffers, gathered
+    (:meth:`~whitenlayers.WhiteningLayer.apply_fold`) and made in one multi-tensor copy (:func:`_finish_folds`)."""
+
+    buffers: List[Tensor]
+    values: List[Tensor]
+
+
 class PendingFold(NamedTuple):
     """A layer's fold computed but not written yet (:func:`_compute_folds`), what
-    :meth:`~whitenlayers.WhiteningLayer._fold_finish` writes: the outcome (``None``: computed on another rank,
+    :meth:`~whitenlayers.WhiteningLayer.apply_fold` writes: the outcome (``None``: computed on another rank,
     broadcast before it is written), the new mean as the buffer stores it, its change (float64) and whether the
     next block sums unshifted."""
 
@@ -621,7 +630,7 @@ def _compute_folds(layers: Sequence["WhiteningLayer"], summaries: Sequence[Block
         chunk = [layers[i] for i in idx]
         if begin:
             firsts_c = _begin(chunk, [nonfinite[i] for i in idx], firsts_c)
-        states_c = [layer._buffers for layer in chunk] if states is None else [states[i] for i in idx]
+        states_c = [layer.fold_buffers() for layer in chunk] if states is None else [states[i] for i in idx]
         mu, delta, flags_t = _new_means(chunk, [summaries[i] for i in idx], firsts_c, states_c)
         means = mu.to(layers[idx[0]].running_mean.dtype).unbind(0)  # one conversion per stack; copied in later
         mine = [j for j, i in enumerate(idx) if owners is None or owners[i] == rank]
@@ -643,11 +652,11 @@ def _compute_folds(layers: Sequence["WhiteningLayer"], summaries: Sequence[Block
 
 def _finish_folds(layers: Sequence["WhiteningLayer"], folds: Sequence[PendingFold],
                   owners: Optional[Sequence[int]] = None, group=None) -> List[bool]:
-    """Write each layer's fold (:meth:`~whitenlayers.WhiteningLayer._fold_finish`), the outcomes of the
+    """Write each layer's fold (:meth:`~whitenlayers.WhiteningLayer.apply_fold`), the outcomes of the
     layers other ranks folded received first (owner strategy: one broadcast per rank), and count the folds that
     count in ``num_blocks`` (one multi-tensor add). Returns whether each layer's fold counted."""
     counted = [False] * len(layers)
-    writes: Tuple[List[Tensor], List[Tensor]] = ([], [])
+    writes = FoldWrites([], [])
     for src in ([None] if owners is None else range(dist.get_world_size(group))):
         idx = [i for i in range(len(layers)) if src is None or cast("Sequence[int]", owners)[i] == src]
         if not idx:
@@ -658,10 +667,9 @@ def _finish_folds(layers: Sequence["WhiteningLayer"], folds: Sequence[PendingFol
         for i, outcome in zip(idx, outs):
             # every outcome computed here (replicated) or received from src
             fold = folds[i]
-            counted[i] = layers[i]._fold_finish(cast(FoldOutcome, outcome), fold.mean, fold.delta, fold.unshifted,
-                                                writes)
-    if writes[0]:  # every layer's buffers written in place by one multi-tensor copy (converting dtype and device)
-        torch._foreach_copy_(writes[0], writes[1])
+            counted[i] = layers[i].apply_fold(fold, cast(FoldOutcome, outcome), writes)
+    if writes.buffers:  # every layer's buffers written in place by one multi-tensor copy (converting dtype, device)
+        torch._foreach_copy_(writes.buffers, writes.values)
     blocks = [layer.num_blocks for layer, c in zip(layers, counted) if c]
     if blocks:
         torch._foreach_add_(blocks, 1)
@@ -672,25 +680,25 @@ def _fold_states(layers: Sequence["WhiteningLayer"]) -> List[Dict[str, Tensor]]:
     """Copies of the buffers a fold of each layer reads (its previous mean, covariance, transform, ``Q_s``, the
     rule's state), all made in one call (:func:`_own_all`): what an asynchronous fold computes from while training
     goes on."""
-    names = [["running_mean"] + [name for name, _ in layer._outcome_layout()] for layer in layers]
-    copies = iter(_own_all([layer._buffers[name] for layer, group in zip(layers, names) for name in group]))
+    names = [["running_mean"] + [name for name, _ in layer.outcome_layout()] for layer in layers]
+    copies = iter(_own_all([layer.fold_buffers()[name] for layer, group in zip(layers, names) for name in group]))
     return [{name: next(copies) for name in group} for group in names]
 
 
-def _taken_blocks(layers: Sequence["WhiteningLayer"]) -> List[Tuple[float, Optional[Tensor], Tensor, Tensor]]:
-    """Copies of the layers' block sums, ``(count, shift, s1, s2)`` as :func:`_local_summaries` reads them (the
-    shift too: the next fold writes the next block's shift into it), all made in one call (:func:`_own_all`): for
-    an asynchronous fold to summarise while the next block accumulates."""
-    parts = [layer._block.parts_to_copy() for layer in layers]
+def _taken_blocks(layers: Sequence["WhiteningLayer"]) -> List[BlockSums]:
+    """Copies of the layers' block sums as :func:`_local_summaries` reads them (the shift too: the next fold writes
+    the next block's shift into it), all made in one call (:func:`_own_all`): for an asynchronous fold to summarise
+    while the next block accumulates."""
+    parts = [layer.fold_block.parts_to_copy() for layer in layers]
     copies = iter(_own_all([t for _, shift, sums in parts for t in (shift, *sums) if t is not None]))
-    taken: List[Tuple[float, Optional[Tensor], Tensor, Tensor]] = []
+    taken: List[BlockSums] = []
     for count, shift, sums in parts:
         shift_copy = None if shift is None else next(copies)
         first = next(copies)
         if len(sums) == 1:  # the augmented accumulator: s1 and s2 are its views
-            taken.append((count, shift_copy, first[:-1, -1], first[:-1, :-1]))
+            taken.append(BlockSums(count, shift_copy, first[:-1, -1], first[:-1, :-1]))
         else:
-            taken.append((count, shift_copy, first, next(copies)))
+            taken.append(BlockSums(count, shift_copy, first, next(copies)))
     return taken
 
 
@@ -703,7 +711,7 @@ def _named(layers: Sequence["WhiteningLayer"], most: int) -> str:
 def _warn_uncalled(layers: Sequence["WhiteningLayer"]) -> None:
     """Warn about training-mode layers that have seen no input although a block of the model has ended."""
     uncalled = [layer for layer in layers
-                if layer.gathers_now() and not layer._block.fold_pending and layer.batches_in_block == 0
+                if layer.gathers_now() and not layer.fold_block.fold_pending and layer.batches_in_block == 0
                 and int(layer.num_blocks) == 0]
     if uncalled:
         warnings.warn(

@@ -7,7 +7,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from ..fold import _autocast_enabled
+from .._torch_compat import autocast_enabled
 
 _compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", lambda: False)
 
@@ -62,7 +62,7 @@ def check_input(layer: Any, x: Any, weight: Optional[Tensor], *, dim: int, ndims
                 "before the layer (torch.ao.quantization.DeQuantStub) and quantize after it (QuantStub)"
             )
         raise TypeError(f"{layer._describe()}: expected a floating-point input, but got dtype={x.dtype}")
-    if isinstance(weight, Tensor) and x.dtype != weight.dtype and not _autocast_enabled(x.device.type):
+    if isinstance(weight, Tensor) and x.dtype != weight.dtype and not autocast_enabled(x.device.type):
         raise TypeError(
             f"{layer._describe()}: expected an input of dtype {weight.dtype} (the dtype of the layer's weight), "
             f"but got dtype={x.dtype}"

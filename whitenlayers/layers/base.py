@@ -3,8 +3,9 @@
 A whitening layer registers the contract buffers (``running_mean``, ``running_cov``, ``whitening_matrix``,
 ``grad_transform``, ``num_blocks``) and its rule's own, adds each training batch to its block
 (:mod:`~whitenlayers.layers.step`, :class:`~whitenlayers.layers.block.Block`), and folds a block every
-``block_size`` training forwards: :mod:`whitenlayers.fold` computes the new moments and hands them to the layer's
-transform rule (:mod:`whitenlayers.rules`), and the layer writes the outcome (:meth:`WhiteningLayer._fold_finish`).
+``block_size * accumulation_steps`` training forwards: :mod:`whitenlayers.fold` computes the new moments and hands
+them to the layer's transform rule (:mod:`whitenlayers.rules`), and the layer applies the outcome
+(:meth:`WhiteningLayer.apply_fold`; the fold's interface is the class's "fold" section).
 Hyper-parameters live in a frozen config (:mod:`whitenlayers.config`); checkpoints are
 :mod:`~whitenlayers.layers.checkpoint`'s.
 
@@ -25,17 +26,16 @@ import torch
 from torch import Tensor
 
 from .. import functional as F_w
-from ..config import WhiteningConfig
+from ..config import EVDConfig, RecursiveConfig, WhiteningConfig
 from ..fold import (
     FAILED,
     SKIP_MESSAGES,
     FoldOutcome,
+    FoldWrites,
     PendingFold,
-    _fold_all,
-    _note_nonfinite,
-    _read_with_firsts,
-    _stored_all,
-    _warn_nonfinite,
+    fold_summary,
+    note_nonfinite,
+    stored_like,
 )
 from ..functional import BlockSummary
 from ..rules import RecursiveRule, TransformRule, rule_for
@@ -45,10 +45,6 @@ from .step import _StepCache, _StepMixin
 
 __all__ = ["WhiteningLayer"]
 
-#: Renamed attributes: old name -> new name (the old one warns, for one release).
-_RENAMED = {"eig_failures": "transform_failures"}
-
-
 def _fields(config: WhiteningConfig) -> FrozenSet[str]:
     return _FIELDS.get(type(config)) or _FIELDS.setdefault(type(config), frozenset(config.field_names()))
 
@@ -56,11 +52,62 @@ def _fields(config: WhiteningConfig) -> FrozenSet[str]:
 _FIELDS: Dict[type, FrozenSet[str]] = {}
 
 
-def _renamed(layer: Any, name: str) -> str:
-    """The new name of the renamed attribute ``name`` (a ``FutureWarning``)."""
-    warnings.warn(f"{type(layer).__name__}.{name} is renamed {_RENAMED[name]}; the old name will be removed in the "
-                  "next release", FutureWarning, stacklevel=3)
-    return _RENAMED[name]
+def _field_property(name: str) -> property:
+    """The config field ``name`` as a property of the layers (:class:`WhiteningLayer`'s docstring): read from the
+    layer's config; assigned, a new config with that field replaced (validated), as assigning :attr:`config`. A
+    layer whose config has no such field has no such attribute."""
+
+    def get(layer: "WhiteningLayer") -> Any:
+        rule = layer.__dict__.get("rule")
+        if rule is None or name not in _fields(rule.config):
+            raise AttributeError(name)  # (then nn.Module's lookup: a parameter, buffer or submodule of that name)
+        return getattr(rule.config, name)
+
+    def set_(layer: "WhiteningLayer", value: Any) -> None:
+        rule = layer.__dict__.get("rule")
+        if rule is None or name not in _fields(rule.config):
+            raise AttributeError(f"{type(layer).__name__}: its config has no field {name!r} (its fields: "
+                                 f"{', '.join(_fields(rule.config)) if rule is not None else 'none yet'})")
+        layer.config = rule.config.replace(**{name: value})
+
+    return property(get, set_, doc=f"The config's ``{name}`` (``layer.config.{name}``); assigning it replaces the "
+                                   "config, validated.")
+
+
+def _add_field_properties(config_class: type) -> None:
+    """Give :class:`WhiteningLayer` a property for each field of ``config_class`` it lacks (once per class; a rule
+    of one's own's config at its first layer). A field whose name the layer already has (an attribute of
+    ``nn.Module`` or of the layer) is read through ``layer.config`` only."""
+    if config_class in _WITH_PROPERTIES:
+        return
+    _WITH_PROPERTIES.add(config_class)
+    for name in cast(Type[WhiteningConfig], config_class).field_names():
+        if not hasattr(WhiteningLayer, name):
+            setattr(WhiteningLayer, name, _field_property(name))
+            _FIELD_PROPERTIES.add(name)
+
+
+_WITH_PROPERTIES: set = set()
+#: The names of the field properties (a layer lists those of its own config's fields in ``dir``).
+_FIELD_PROPERTIES: set = set()
+
+
+def _renamed(old: str, new: str) -> property:
+    """A renamed attribute's old name ``old``, for one release: reads and writes ``new``, with a ``FutureWarning``."""
+
+    def warn(layer: Any) -> None:
+        warnings.warn(f"{type(layer).__name__}.{old} is renamed {new}; the old name will be removed in the next "
+                      "release", FutureWarning, stacklevel=3)
+
+    def get(layer: Any) -> Any:
+        warn(layer)
+        return getattr(layer, new)
+
+    def set_(layer: Any, value: Any) -> None:
+        warn(layer)
+        setattr(layer, new, value)
+
+    return property(get, set_, doc=f"Renamed :attr:`{new}` (a ``FutureWarning``).")
 
 
 class WhiteningLayer(_StepMixin, _CheckpointMixin):
@@ -70,16 +117,31 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
     ``_begin`` and, for a training batch, ends with ``_end`` (``whitenlayers.layers.step``); they may override
     ``_on_mean_change`` (bias compensation).
 
-    Public state besides the buffers: :attr:`config` (the frozen hyper-parameters; assigning a new config of the
-    same class takes effect at the next fold), its fields as attributes (``layer.alpha``, ...; a rule of one's
-    own adds its config's; assigning one replaces the config, validated), ``rule``, :attr:`method`,
+    Public state besides the buffers: :attr:`config` (the frozen hyper-parameters), ``rule``, :attr:`method`,
     :attr:`batches_in_block`, :attr:`frozen`, ``process_group``, the counters ``transform_failures``,
     ``skipped_folds``, ``nonfinite_blocks`` and ``clamped_steps``.
+
+    The config's fields are properties of the layer, generated once from the config dataclass's fields (a rule
+    of one's own adds its config's at its first layer): ``layer.alpha`` reads ``layer.config.alpha``, and
+    ``layer.alpha = 0.8`` is ``layer.config = layer.config.replace(alpha=0.8)``: a new config, validated (a
+    ``ValueError`` naming the field), whose effect is that of assigning :attr:`config`: the rule is rebuilt with
+    it at once and the block takes its sampling fields (``stats_every``, ``stats_fraction``); the moments and
+    transform use it from the next fold on, and ``block_size`` counts the current block with the new value. A
+    layer whose config has no such field (``gamma`` on an EVD layer) has no such attribute. The fold reads
+    ``layer.config`` only.
     """
 
     num_features: int
     groups: int
     rule: TransformRule
+    # The contract buffers (registered by _init_whitening; grad_transform: grad / recursive layers only) and the
+    # grad layers' deferral (layers/step.py), declared for the type checker.
+    running_mean: Tensor
+    running_cov: Tensor
+    whitening_matrix: Tensor
+    grad_transform: Tensor
+    num_blocks: Tensor
+    _deferral: Any
     #: The model's fold coordinator (set by ``convert_model``), or ``None``: the layer folds at its own blocks' ends.
     _fold_coordinator: Any = None
     #: A fold computed but not written yet (an asynchronous coordinator's, or one loaded from a checkpoint taken while
@@ -101,6 +163,7 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
         self.num_features = num_features
         self.groups = groups
         self.rule = rule_for(config) if rule is None else rule(config)
+        _add_field_properties(type(self.rule.config))
         self.process_group = process_group
         self.layer_name: Optional[str] = None
         self.frozen = False
@@ -145,6 +208,7 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
     def config(self, value: WhiteningConfig) -> None:
         self._check_config(value)
         self.rule = type(self.rule)(value)  # type-checked by the rule
+        _add_field_properties(type(value))
         block = self.__dict__.get("_block")
         if block is not None:
             block.configure(value)
@@ -153,27 +217,12 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
         """Hook: ``ValueError`` for a config this layer class cannot use with its rule (``rule``: the rule class, by
         default the layer's; ``DirectWhiten``: the EVD rule's damped gains)."""
 
-    def __getattr__(self, name: str) -> Any:
-        """The config's fields as attributes (``layer.alpha``), then ``nn.Module``'s (parameters, buffers,
-        submodules), then the renamed attributes' old names (a ``FutureWarning``)."""
-        rule = self.__dict__.get("rule")
-        if rule is not None and name in (_FIELDS.get(type(rule.config)) or _fields(rule.config)):
-            return getattr(rule.config, name)
-        if name in _RENAMED:
-            return getattr(self, _renamed(self, name))
-        return super().__getattr__(name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        rule = self.__dict__.get("rule")
-        if rule is not None and name in _fields(rule.config):  # a field: a new config, validated
-            self.config = rule.config.replace(**{name: value})
-        elif name in _RENAMED:
-            setattr(self, _renamed(self, name), value)
-        else:
-            super().__setattr__(name, value)
+    eig_failures = _renamed("eig_failures", "transform_failures")
 
     def __dir__(self) -> List[str]:
-        return sorted(set(super().__dir__()) | _fields(self.rule.config))
+        """``nn.Module``'s, with the field properties of this layer's config only (and no renamed old names)."""
+        own = _fields(self.rule.config)
+        return sorted(n for n in super().__dir__() if (n not in _FIELD_PROPERTIES or n in own) and n != "eig_failures")
 
     @property
     def method(self) -> str:
@@ -242,8 +291,10 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
         """Stop (or, with ``False``, resume) updating the statistics; returns the layer.
 
         A frozen layer keeps applying the transform in force (centring, ``T`` or ``Q_s``) but its training forwards
-        accumulate nothing and fold nothing, like a network whose whitening was fitted once and then fixed. A
-        partial block is kept and continues when the layer is unfrozen.
+        accumulate nothing and end no block, like a network whose whitening was fitted once and then fixed. A
+        partial block is kept and continues when the layer is unfrozen. A block that had already ended is still
+        folded (its fold pending: at the model's forward's end, or the layer's next forward); with ``fold_async``
+        the fold it starts is held pending, applied at the layer's next block end (once unfrozen) or :meth:`fold`.
 
         Args:
             frozen: ``True`` (default) to stop updating, ``False`` to resume. :func:`~whitenlayers.frozen` freezes
@@ -354,23 +405,53 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
         return None
 
     # -------------------------------------------------------------------- fold
-    # :mod:`whitenlayers.fold` computes a fold for stacks of layers (moments, transforms, Q_s) from the layers'
-    # blocks and buffers; the layer's part: _count_nonfinite (every rank, with an empty block: fold._begin) and
-    # _fold_finish (every rank: writes the outcome, counters, bias compensation).
+    # The fold's interface: what :mod:`whitenlayers.fold` and the coordinator's fold read of a layer (besides its
+    # public attributes: rule, config, num_features, groups, the buffers, process_group) and the only methods
+    # through which they change it. A fold computes each layer's outcome (``fold.FoldOutcome``, in a
+    # ``fold.PendingFold``) from :attr:`fold_block` and :meth:`fold_buffers`; the layer applies it
+    # (:meth:`apply_fold`).
+    @property
+    def fold_block(self) -> Block:
+        """The partial block a fold reads: its sums, its non-finite batches, whether it ended (read only)."""
+        return self._block
+
+    def fold_buffers(self) -> Dict[str, Tensor]:
+        """The layer's buffers by name, as a fold reads them (the module's own dict, not a copy: read only)."""
+        return self._buffers  # (a whitening layer's buffers are never None)
+
+    def begin_next_block(self, nonfinite: int) -> List[Tensor]:
+        """A fold has read the block: count the ranks whose block had non-finite sums (``nonfinite``) and start an
+        empty block. Returns the tensors the caller zeroes (a fold zeroes those of many layers in one op)."""
+        self._count_nonfinite(nonfinite)
+        return self._block.restart()
+
+    def take_pending_fold(self) -> Optional[PendingFold]:
+        """The fold held pending (computed one block late by an asynchronous coordinator, or loaded from a
+        checkpoint taken while it was in flight), no longer held; ``None``: none. The caller applies it."""
+        fold, self._pending_fold = self._pending_fold, None
+        return fold
+
+    def hold_pending_fold(self, fold: PendingFold) -> None:
+        """Hold ``fold`` (an asynchronous fold's, computed) until this layer's next block end, where the fold
+        takes it (:meth:`take_pending_fold`) and applies it."""
+        self._pending_fold = fold
+
     def _count_nonfinite(self, nonfinite: int) -> None:
-        """Count the ranks whose block had non-finite sums (an asynchronous fold counts them when it is written)."""
+        """Count the ranks whose block had non-finite sums; the layer is named in the fold's one warning."""
         if nonfinite:
             self.nonfinite_blocks += nonfinite
-            _note_nonfinite(self)  # one warning for the fold's layers (fold._warn_nonfinite)
+            if "nonfinite" not in self._warned:  # (said once per layer)
+                self._warned.add("nonfinite")
+                note_nonfinite(self)
 
-    def _outcome_layout(self) -> List[Tuple[str, Tuple[int, ...]]]:
+    def outcome_layout(self) -> List[Tuple[str, Tuple[int, ...]]]:
         """``(name, shape)`` of the buffers a fold's outcome may hold, in a fixed order."""
         buffers = self._buffers
         names = ["running_cov", "whitening_matrix"] + (["grad_transform"] if "grad_transform" in buffers else [])
-        names += self._rule_buffer_names()
+        names += self.rule_buffer_names()
         return [(name, tuple(buffers[name].shape)) for name in names]
 
-    def _rule_buffer_names(self) -> List[str]:
+    def rule_buffer_names(self) -> List[str]:
         """The names of the rule's own buffers, kept with the rule they came from (building them on the meta device
         costs about 0.35 ms a layer, at every asynchronous fold)."""
         kept = self._cache.derived.get("rule_buffers")
@@ -380,14 +461,15 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
         return list(kept[1])
 
     @torch.no_grad()
-    def _fold_finish(self, outcome: FoldOutcome, mean: Tensor, delta: Tensor, unshifted: bool,
-                     writes: Tuple[List[Tensor], List[Tensor]]) -> bool:
-        """Write a fold's ``outcome`` (a skipped fold, a failed transform: the previous one is kept, and counted),
-        the new mean ``mean``, the bias compensation for the mean's change ``delta`` (float64) and whether the next
-        block sums unshifted. ``outcome.buffers`` and ``mean`` may be views of the fold's stacks, in another dtype:
-        the in-place copies into the buffers are appended to ``writes`` (``(buffers, values)``), which the caller
-        makes for many layers in one multi-tensor op before anything reads the buffers. Returns whether the block
-        counts (the caller adds it to ``num_blocks``); ``False`` for a skipped fold."""
+    def apply_fold(self, fold: PendingFold, outcome: FoldOutcome, writes: FoldWrites) -> bool:
+        """Apply a fold computed for this layer: count ``fold.nonfinite``; write ``outcome`` (``fold.outcome``, or the
+        one broadcast from the rank that computed it; a skipped fold, a failed transform: the previous one is kept,
+        and counted), the new mean ``fold.mean``, the bias compensation for its change ``fold.delta`` (float64) and
+        whether the next block sums unshifted. ``outcome.buffers`` and ``fold.mean`` may be views of the fold's
+        stacks, in another dtype: the in-place copies into the buffers are appended to ``writes``, which the
+        caller makes for many layers in one multi-tensor op before anything reads the buffers. Returns whether the
+        block counts (the caller adds it to ``num_blocks``); ``False`` for a skipped fold."""
+        self._count_nonfinite(fold.nonfinite)
         if outcome.status in SKIP_MESSAGES:
             self.skipped_folds += 1
             if SKIP_MESSAGES[outcome.status]:
@@ -395,18 +477,24 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
             return False
         if outcome.status == FAILED:
             self.transform_failures += 1
-            self._warn_once("transform", self.rule.failure_message)
+            if outcome.problem is None:
+                self._warn_once("transform", self.rule.failure_message)
+            else:  # the rule's result refused: said once, and not the rule's failure message as well
+                self._warn_once("rule_result", f"rule {self.rule.name!r} ({type(self.rule).__name__}) returned an "
+                                               f"invalid result: {outcome.problem}; the previous transform is kept "
+                                               "(counted in transform_failures)")
+                self._warned.add("transform")
         for name, value in outcome.buffers.items():
             self._set_fold_buffer(name, value, writes)
-        self._on_mean_change(delta)
-        self._set_fold_buffer("running_mean", mean, writes)
-        self._block.unshifted = unshifted
+        self._on_mean_change(fold.delta)
+        self._set_fold_buffer("running_mean", fold.mean, writes)
+        self._block.unshifted = fold.unshifted
         if outcome.clamped:
             self.clamped_steps += 1
         return True
 
     def _set_fold_buffer(self, name: str, value: Tensor,
-                         writes: Optional[Tuple[List[Tensor], List[Tensor]]] = None) -> None:
+                         writes: Optional[FoldWrites] = None) -> None:
         """Write a fold's new ``value`` into buffer ``name`` in place (``copy_``), so the buffer keeps its tensor and
         storage across folds: whatever holds a reference to it sees the fold (``torch.func.functional_call``, a
         captured CUDA graph, an EMA helper holding ``named_buffers()``). A forward never hands a buffer itself to
@@ -418,10 +506,10 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
             if writes is None:
                 old.copy_(value)  # converts to the buffer's dtype and device
             else:
-                writes[0].append(old)
-                writes[1].append(value)
+                writes.buffers.append(old)
+                writes.values.append(value)
         else:  # through Module.__setattr__, which buffer registration hooks see
-            setattr(self, name, _stored_all([(self, name, value)])[0])
+            setattr(self, name, stored_like([(old, value)])[0])
 
     def _on_mean_change(self, delta: Tensor) -> None:
         """Hook for layers that must keep their function when the mean in force changes by ``delta`` (float64)."""
@@ -440,10 +528,7 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
         if block is None:
             self._fold_now()
             return
-        layers = [self]
-        nonfinite, firsts = _read_with_firsts(self._block.nonfinite().view(1), layers)  # one host synchronisation
-        _fold_all(layers, [block], [int(nonfinite[0])], firsts)
-        _warn_nonfinite()
+        fold_summary(self, block)
 
     def accumulate(self, x: Tensor) -> None:
         """Add ``x`` (features on dim 1: ``(N, M)`` or ``(N, M, *positions)``) to the current block's statistics,
@@ -480,3 +565,7 @@ def _moved(fold: PendingFold, device: torch.device) -> PendingFold:
     outcome = cast(FoldOutcome, fold.outcome)
     return fold._replace(outcome=outcome._replace(buffers={k: v.to(device) for k, v in outcome.buffers.items()}),
                          mean=fold.mean.to(device), delta=fold.delta.to(device))
+
+
+for _config_class in (EVDConfig, RecursiveConfig):  # the built-in rules' fields (a rule of one's own: its first layer)
+    _add_field_properties(_config_class)

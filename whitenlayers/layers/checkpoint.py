@@ -87,7 +87,7 @@ _EXTRA_LAYOUT_SLOT = 4
 _NO_FOLD = -1
 _LAYOUTS = (_EXTRA_LAYOUT, _EXTRA_LAYOUT_PENDING, _EXTRA_LAYOUT_SLOT)
 #: The scalar head of a pending fold, in order; then its new mean, mean change and next shift (``M`` each) and the
-#: buffers its outcome holds (:meth:`~whitenlayers.stats.WhiteningLayer._outcome_layout`, the first ``kept``).
+#: buffers its outcome holds (:meth:`~whitenlayers.stats.WhiteningLayer.outcome_layout`, the first ``kept``).
 _PENDING_HEAD = ("status", "clamped", "unshifted", "nonfinite", "kept")
 #: The scalar head of the packed extra state, in order; then ``shift (M)``, ``s1 (M)``, ``s2`` (block shape).
 _EXTRA_HEAD = ("layout", "acc_batches", "has_shift", "transform_failures", "skipped_folds", "nonfinite_blocks",
@@ -220,7 +220,7 @@ class _CheckpointMixin(_Layer):
         parts = [head, shift, s1, s2.reshape(-1)]
         if pending is not None:
             outcome = cast(FoldOutcome, pending.outcome)
-            layout_shapes = self._outcome_layout()
+            layout_shapes = self.outcome_layout()
             kept = [name for name, _ in layout_shapes if name in outcome.buffers]
             parts += [torch.tensor([outcome.status, outcome.clamped, pending.unshifted, pending.nonfinite, len(kept)],
                                    **f64),
@@ -229,7 +229,7 @@ class _CheckpointMixin(_Layer):
             if slot:  # the buffers the outcome does not hold (a failed fold keeps the transform): zeros
                 parts += [torch.zeros(math.prod(shape), **f64) for _, shape in layout_shapes[len(kept):]]
         elif slot:
-            size = 3 * self.num_features + sum(math.prod(shape) for _, shape in self._outcome_layout())
+            size = 3 * self.num_features + sum(math.prod(shape) for _, shape in self.outcome_layout())
             parts += [torch.tensor([_NO_FOLD, 0, 0, 0, 0], **f64), torch.zeros(size, **f64)]
         return torch.cat([t.to(device=head.device, dtype=torch.float64) for t in parts])
 
@@ -285,7 +285,7 @@ class _CheckpointMixin(_Layer):
     def _unpack_pending(self, packed: Tensor, padded: bool = False) -> Optional[PendingFold]:
         """The pending fold of a layout-3 extra state (what follows the block), on this layer's device; ``padded``:
         layout 4's slot (every buffer of the outcome layout there; ``None`` for an empty slot)."""
-        m, layout = self.num_features, self._outcome_layout()
+        m, layout = self.num_features, self.outcome_layout()
         n_head = len(_PENDING_HEAD)
         head = packed[:n_head].tolist() if packed.numel() >= n_head else [-2, 0, 0, 0, -1]  # (too short: an error)
         status, clamped, unshifted, nonfinite, kept = (int(value) for value in head)  # _PENDING_HEAD

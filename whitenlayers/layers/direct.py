@@ -11,9 +11,9 @@ import torch
 from torch import Tensor, nn
 
 from .. import functional as F_w
+from .._torch_compat import autocast_enabled, no_autocast
 from ..autograd import POINTWISE_DIMS, _transform_mean, direct_whiten, pointwise_whiten
 from ..config import EVDConfig
-from ..fold import _autocast_enabled, _no_autocast
 from ..functional import batch as _batch
 from ..privacy import note_direct
 from ..rules import EVDRule, rule_and_config
@@ -238,8 +238,8 @@ class DirectWhitenWrapper(nn.Module):
         w = params["weight"]
         if shared is not None and shared.weight is w and shared.t is t:
             wt = shared.product  # its product in the model's shared node (the coordinator's)
-        elif _autocast_enabled(w.device.type):  # W T in the weight's dtype (autocast would multiply in bf16 / fp16)
-            with _no_autocast(w.device):
+        elif autocast_enabled(w.device.type):  # W T in the weight's dtype (autocast would multiply in bf16 / fp16)
+            with no_autocast(w.device):
                 wt = F_w.transform_weight_grad(w, t)
         else:
             wt = F_w.transform_weight_grad(w, t)

@@ -39,9 +39,10 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .. import functional as F_w
+from .._torch_compat import autocast_enabled, no_autocast
 from ..autograd import _transforms_active, grad_transformed
 from ..coordinator import HandedBatch, TracedCall, _exporting, _get_ident, _graph_task_id, _version
-from ..fold import _autocast_enabled, _no_autocast, fold_layers
+from ..fold import fold_layers
 from ..functional import batch as _batch
 from ..functional.batch import stats_samples
 from ._checks import FUNC_WHAT_TO_DO, check_not_tracing_function, onnx_exporting
@@ -81,7 +82,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
         def _fold_weight_of(self, weight: Optional[Tensor]) -> Optional[Tensor]: ...
 
-        def _outcome_layout(self) -> List[Tuple[str, Tuple[int, ...]]]: ...
+        def outcome_layout(self) -> List[Tuple[str, Tuple[int, ...]]]: ...
 
         def _reset_accumulators(self, device: Any = None) -> None: ...
 
@@ -329,8 +330,8 @@ class _StepMixin(_Layer):
                 and _saved_tensor_hooks() is None):  # (the fewest-kernel path: functional.fused_moments_on, inline)
             scope.batches.append(HandedBatch(self, x, x._version, block.shift_x))  # the backward keeps x anyway
         else:
-            autocast = _autocast_enabled(device.type)  # products under autocast would run in fp16 / bf16
-            with _no_autocast(device) if autocast else contextlib.nullcontext():
+            autocast = autocast_enabled(device.type)  # products under autocast would run in fp16 / bf16
+            with no_autocast(device) if autocast else contextlib.nullcontext():
                 block.add(x.detach(), block.shift_x)
         block.rows += x.numel() // self.num_features
 
@@ -424,7 +425,7 @@ class _StepMixin(_Layer):
         if block.fraction < 1.0 and x.shape[0] > 1:
             x = x[: stats_samples(x.shape[0], x.shape[1:].numel() // self.num_features, self.num_features,
                                   block.fraction)]
-        with _no_autocast(x.device):
+        with no_autocast(x.device):
             block.add(x, block.store.to(_work_dtype(x)).view((1, -1) + (1,) * (x.dim() - 2)), traced=True)
         return x.numel() // self.num_features
 
@@ -456,7 +457,7 @@ class _StepMixin(_Layer):
         d s1^T + n d d^T``, ``s1 - n d``; the product's rounding stays that of the values it was taken about)."""
         block = self._block
         store = block.store
-        with torch.no_grad(), _no_autocast(store.device):
+        with torch.no_grad(), no_autocast(store.device):
             n = float(rows)
             s1_64 = block.s1.to(torch.float64)
             old = store.clone()
@@ -504,7 +505,7 @@ class _GradStep(_Layer):
         w = params["weight"] if "weight" in params else self.weight  # read once: computed once per forward
         feats = x
         if not (isinstance(x, Tensor) and x.dim() == self._BATCHED_RANK and self.features == "channels"
-                and x.shape[1] == self.num_features and (x.dtype == w.dtype or _autocast_enabled(x.device.type))):
+                and x.shape[1] == self.num_features and (x.dtype == w.dtype or autocast_enabled(x.device.type))):
             feats = self._features_of(x, w)  # every other input: checked (a clear error), its features on dim 1
         step = self._begin(feats, w.requires_grad)
         state, scope = step.state, step.scope
@@ -630,7 +631,7 @@ class _GradStep(_Layer):
                                                                   1.0 - factor, -factor)
             return
         w = weight.detach().to(d.dtype)
-        with _no_autocast(d.device):  # an out-of-place product under CUDA's autocast would run in bf16 / fp16
+        with no_autocast(d.device):  # an out-of-place product under CUDA's autocast would run in bf16 / fp16
             d.lerp_(self._offset(w, state["running_mean"], state["bias_correction"]), factor)
 
 
