@@ -396,7 +396,7 @@ class _CheckpointMixin(_Layer):
             return
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
-        self._cache.clear()
+        self._state_changed()
         self.__dict__["_identity_of"] = None  # the buffer holds what was loaded: written again at the next save
 
     def _checked_rule_identity(self, state_dict: Dict[str, Any], prefix: str, error_msgs: List[str]
