@@ -7,9 +7,14 @@ rule's name and its config's fields) as one byte per element, zero-padded to a w
 (at least :data:`IDENTITY_WIDTH`): a tensor whose shape a fresh layer of the same construction has, so that loaders
 that shape the state from a fresh model (``torch.distributed.checkpoint``) load it, and that averaging the model's
 buffers (EMA, SWA) or casting them to a low precision (bytes are exact in bf16) leaves it intact. It is written from
-the layer's rule whenever a state dict is taken. Loading a checkpoint whose identity names another rule is an error
-naming both (a warning with ``strict=False``); the same rule with other hyper-parameters loads, keeps the layer's
-config, and warns once per difference. Part of :mod:`whitenlayers.layers`.
+the layer's rule whenever a state dict is taken. Loading a checkpoint whose identity names another rule warns naming
+both, and the identity is an unexpected key (a strict load fails on it); the same rule with other hyper-parameters
+loads, keeps the layer's config, and warns once per difference. A checkpoint of another method warns alike, its
+keys missing and unexpected (:func:`_report_cause`: PyTorch tells a layer no caller's ``strict``).
+
+The extra state (the partial block, the counters, a pending fold) is one float64 tensor whose values are named by
+tables of :class:`Entry` (name, shape, dtype): :func:`_block_table` and :func:`_pending_table`, which
+:func:`_write` and :func:`_read` follow both ways. Part of :mod:`whitenlayers.layers`.
 """
 from __future__ import annotations
 
