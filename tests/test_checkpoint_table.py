@@ -78,8 +78,8 @@ def test_a_baseline_checkpoint_resumes_as_the_run_it_was_saved_from(saved, name)
         assert torch.equal(a, b), key
 
 
-def test_the_table_reads_back_what_it_writes():
-    table = ckpt._block_table(3, (1, 3, 3)) + ckpt._pending_table(3, [("running_cov", (3, 3))])
+@pytest.mark.parametrize("table", [ckpt._block_table(3, (1, 3, 3)), ckpt._pending_table(3, [("running_cov", (3, 3))])])
+def test_the_table_reads_back_what_it_writes(table):
     values = {entry.name: (torch.randn(entry.shape, dtype=torch.float64) if entry.shape else
                            {torch.bool: True, torch.int64: 7, torch.float64: 2.5}[entry.dtype]) for entry in table}
     packed = ckpt._write(table, values, "cpu")

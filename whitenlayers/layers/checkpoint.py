@@ -19,6 +19,7 @@ tables of :class:`Entry` (name, shape, dtype): :func:`_block_table` and :func:`_
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import warnings
@@ -130,32 +131,28 @@ def _numel(table: Sequence[Entry]) -> int:
 
 
 def _write(table: Sequence[Entry], values: Dict[str, Any], device: Any) -> Tensor:
-    """``values`` (by name) as one float64 tensor on ``device``, in the order of ``table``."""
-    parts: List[Tensor] = []
-    scalars: List[float] = []  # (a run of scalars: one tensor)
-    for entry in table:
-        if not entry.shape:
-            scalars.append(float(values[entry.name]))
-            continue
-        if scalars:
-            parts.append(torch.tensor(scalars, dtype=torch.float64, device=device))
-            scalars = []
-        parts.append(values[entry.name].to(device=device, dtype=torch.float64).reshape(-1))
-    if scalars:
-        parts.append(torch.tensor(scalars, dtype=torch.float64, device=device))
-    return torch.cat(parts)
+    """``values`` (by name) as one float64 tensor on ``device``, in the order of ``table`` (its scalars first: one
+    tensor for them)."""
+    scalars = list(itertools.takewhile(_is_scalar, table))
+    head = torch.tensor([float(values[entry.name]) for entry in scalars], dtype=torch.float64, device=device)
+    return torch.cat([head] + [values[entry.name].to(device=device, dtype=torch.float64).reshape(-1)
+                               for entry in table[len(scalars):]])
 
 
 def _read(table: Sequence[Entry], packed: Tensor) -> Dict[str, Any]:
-    """The values of ``table`` in ``packed`` (exactly :func:`_numel` long) by name: scalars as Python numbers of
-    their dtype (read to the host together), tensors as views shaped by their entry."""
-    parts = torch.split(packed, [math.prod(entry.shape) for entry in table])
-    scalars = [entry for entry in table if not entry.shape]
-    numbers = torch.cat([part for entry, part in zip(table, parts) if not entry.shape]).tolist() if scalars else []
+    """The values of ``table`` in ``packed`` (exactly :func:`_numel` long) by name: the leading scalars as Python
+    numbers of their dtype (read to the host together), the tensors as views shaped by their entry."""
+    scalars = list(itertools.takewhile(_is_scalar, table))
     values: Dict[str, Any] = {entry.name: _PYTHON_TYPE[entry.dtype](number)
-                              for entry, number in zip(scalars, numbers)}
-    values.update((entry.name, part.view(entry.shape)) for entry, part in zip(table, parts) if entry.shape)
+                              for entry, number in zip(scalars, packed[: len(scalars)].tolist())}
+    rest = table[len(scalars):]
+    parts = torch.split(packed[len(scalars):], [math.prod(entry.shape) for entry in rest])
+    values.update((entry.name, part.view(entry.shape)) for entry, part in zip(rest, parts))
     return values
+
+
+def _is_scalar(entry: Entry) -> bool:
+    return not entry.shape
 
 
 _PYTHON_TYPE = {torch.int64: int, torch.bool: bool, torch.float64: float}
