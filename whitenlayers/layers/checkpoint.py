@@ -98,7 +98,9 @@ def _scalars(*names: str, dtype: torch.dtype = torch.int64) -> Tuple[Entry, ...]
 #: (zeros where the fold holds none; status :data:`_NO_FOLD` where there is no pending fold), so that its size
 #: depends only on how the layer was built (loaders that load into tensors shaped by a fresh model,
 #: ``torch.distributed.checkpoint``, need that).
-_EXTRA_LAYOUT, _EXTRA_LAYOUT_PENDING, _EXTRA_LAYOUT_SLOT = 2, 3, 4
+_EXTRA_LAYOUT = 2
+_EXTRA_LAYOUT_PENDING = 3
+_EXTRA_LAYOUT_SLOT = 4
 _LAYOUTS = (_EXTRA_LAYOUT, _EXTRA_LAYOUT_PENDING, _EXTRA_LAYOUT_SLOT)
 #: The status of an empty pending-fold slot (layout 4).
 _NO_FOLD = -1
