@@ -211,15 +211,14 @@ def _model(method):
 @pytest.mark.parametrize("saved,loaded", [("grad", "recursive"), ("recursive", "grad"), ("grad", "direct"),
                                           ("direct", "recursive")])
 def test_strict_load_across_methods_names_both(saved, loaded):
-    """The error leads with the cause and the fix, and cuts the other method's keys to a count and the first few."""
+    """The warning names the cause and the fix; the strict load fails on the other method's keys (torch tells a
+    layer no caller's ``strict``: layers/checkpoint.py ``_report_cause``)."""
     state = _model(saved).state_dict()
     model = _model(loaded)
-    with pytest.raises(RuntimeError, match=f"holds a '{saved}' whitening layer at 'layer1.0.conv1'.*is '{loaded}'.*"
-                                            f"method='{saved}'") as raised:
-        model.load_state_dict(state)
-    lines = str(raised.value).splitlines()
-    assert "holds a" in lines[1] and "more layer(s) alike" in lines[1]  # the cause first, once for all layers
-    assert lines[2].lstrip().startswith("missing keys:") and len(str(raised.value)) < 1000, str(raised.value)
+    with pytest.warns(UserWarning, match=f"holds a '{saved}' whitening layer at 'layer1.0.conv1'.*is '{loaded}'.*"
+                                         f"method='{saved}'"):
+        with pytest.raises(RuntimeError, match="(Missing|Unexpected) key\\(s\\) in state_dict"):
+            model.load_state_dict(state)
 
 
 @pytest.mark.parametrize("saved,loaded", [("grad", "recursive"), ("recursive", "grad"), ("direct", "grad")])
@@ -234,8 +233,9 @@ def test_plain_checkpoint_into_converted_model_points_to_load_plain_state_dict()
     torch.manual_seed(0)
     plain = wl.models.cifar_resnet(8, width=4)
     model = _model("grad")
-    with pytest.raises(RuntimeError, match="plain \\(unconverted\\) layer.*load_plain_state_dict"):
-        model.load_state_dict(plain.state_dict())
+    with pytest.warns(UserWarning, match="plain \\(unconverted\\) layer.*load_plain_state_dict"):
+        with pytest.raises(RuntimeError, match="Missing key\\(s\\) in state_dict"):
+            model.load_state_dict(plain.state_dict())
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the translation of load_plain_state_dict warns about nothing
         wl.load_plain_state_dict(model, plain.state_dict())

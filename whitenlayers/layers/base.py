@@ -330,7 +330,7 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
         """
         self._wait_for_fold()
         self._pending_fold = None
-        self._cache.clear()
+        self._state_changed()
         with torch.no_grad():
             if keep_function:
                 self._on_mean_change(-self.running_mean.to(torch.float64))
@@ -378,7 +378,7 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
             self._pending_fold = _moved(pending, self.running_mean.device)
         if self.running_mean.device.type == "cuda":
             F_w.low_precision_products_on(self.running_mean.device)
-        self._cache.clear()
+        self._state_changed()
         return result
 
     def whitened_covariance(self) -> Tensor:
@@ -502,6 +502,7 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
         keeps the values of its forward. A new tensor only where ``value`` cannot go into the old one (another
         shape, an inference tensor). ``writes``: the copy appended there instead of made."""
         old = cast(Tensor, self._buffers.get(name))
+        self._state_changed()
         if old.shape == value.shape and not old.is_inference():
             if writes is None:
                 old.copy_(value)  # converts to the buffer's dtype and device

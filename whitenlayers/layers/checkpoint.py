@@ -7,18 +7,23 @@ rule's name and its config's fields) as one byte per element, zero-padded to a w
 (at least :data:`IDENTITY_WIDTH`): a tensor whose shape a fresh layer of the same construction has, so that loaders
 that shape the state from a fresh model (``torch.distributed.checkpoint``) load it, and that averaging the model's
 buffers (EMA, SWA) or casting them to a low precision (bytes are exact in bf16) leaves it intact. It is written from
-the layer's rule whenever a state dict is taken. Loading a checkpoint whose identity names another rule is an error
-naming both (a warning with ``strict=False``); the same rule with other hyper-parameters loads, keeps the layer's
-config, and warns once per difference. Part of :mod:`whitenlayers.layers`.
+the layer's rule whenever a state dict is taken. Loading a checkpoint whose identity names another rule warns naming
+both, and the identity is an unexpected key (a strict load fails on it); the same rule with other hyper-parameters
+loads, keeps the layer's config, and warns once per difference. A checkpoint of another method warns alike, its
+keys missing and unexpected (:func:`_report_cause`: PyTorch tells a layer no caller's ``strict``).
+
+The extra state (the partial block, the counters, a pending fold) is one float64 tensor whose values are named by
+tables of :class:`Entry` (name, shape, dtype): :func:`_block_table` and :func:`_pending_table`, which
+:func:`_write` and :func:`_read` follow both ways. Part of :mod:`whitenlayers.layers`.
 """
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
-import sys
 import warnings
-from typing import Any, Dict, Iterator, List, Optional, Set, Tuple, cast
+from typing import Any, Dict, Iterator, List, NamedTuple, NoReturn, Optional, Sequence, Set, Tuple, cast
 
 import torch
 from torch import Tensor
@@ -74,88 +79,117 @@ def decode_identity(values: Any) -> Optional[str]:
         return None
 
 
-#: Layout tag of the packed extra state (:meth:`WhiteningLayer.get_extra_state`).
+class Entry(NamedTuple):
+    """One value of the extra state's table: its name, shape (``()``: a scalar) and the dtype it is read back as
+    (the tensor holds every value as float64: exact for the counters, flags and float64 sums)."""
+
+    name: str
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _scalars(*names: str, dtype: torch.dtype = torch.int64) -> Tuple[Entry, ...]:
+    return tuple(Entry(name, (), dtype) for name in names)
+
+
+#: The layouts of the extra state (its first value): 2, the block alone; 3, a layer with a pending fold (an
+#: asynchronous fold in flight): the block, then the fold; 4, a layer whose coordinator folds asynchronously
+#: (``fold_async``): layout 3's with the fold's part always there, every buffer of the outcome layout included
+#: (zeros where the fold holds none; status :data:`_NO_FOLD` where there is no pending fold), so that its size
+#: depends only on how the layer was built (loaders that load into tensors shaped by a fresh model,
+#: ``torch.distributed.checkpoint``, need that).
 _EXTRA_LAYOUT = 2
-#: The layout of a layer with a pending fold (an asynchronous fold in flight): layout 2's, then the fold.
 _EXTRA_LAYOUT_PENDING = 3
-#: The layout of a layer whose coordinator folds asynchronously (``fold_async``): layout 3's with the fold's part
-#: always there, every buffer of the outcome layout included (zeros where the fold holds none; status
-#: :data:`_NO_FOLD` where there is no pending fold), so that its size depends only on how the layer was built.
-#: Loaders that load into tensors shaped by a fresh model (``torch.distributed.checkpoint``) need that.
 _EXTRA_LAYOUT_SLOT = 4
+_LAYOUTS = (_EXTRA_LAYOUT, _EXTRA_LAYOUT_PENDING, _EXTRA_LAYOUT_SLOT)
 #: The status of an empty pending-fold slot (layout 4).
 _NO_FOLD = -1
-_LAYOUTS = (_EXTRA_LAYOUT, _EXTRA_LAYOUT_PENDING, _EXTRA_LAYOUT_SLOT)
-#: The scalar head of a pending fold, in order; then its new mean, mean change and next shift (``M`` each) and the
-#: buffers its outcome holds (:meth:`~whitenlayers.stats.WhiteningLayer.outcome_layout`, the first ``kept``).
-_PENDING_HEAD = ("status", "clamped", "unshifted", "nonfinite", "kept")
-#: The scalar head of the packed extra state, in order; then ``shift (M)``, ``s1 (M)``, ``s2`` (block shape).
-_EXTRA_HEAD = ("layout", "acc_batches", "has_shift", "transform_failures", "skipped_folds", "nonfinite_blocks",
-               "clamped_steps", "acc_count", "stats_unshifted")
 _COUNTERS = ("transform_failures", "skipped_folds", "nonfinite_blocks", "clamped_steps")
+#: The extra state's head, in order; then the block's shift, first sums (``M`` each) and second sums (the block
+#: shape): :func:`_block_table`.
+_EXTRA_HEAD = (_scalars("layout", "acc_batches") + _scalars("has_shift", dtype=torch.bool) + _scalars(*_COUNTERS)
+               + _scalars("acc_count", dtype=torch.float64) + _scalars("stats_unshifted", dtype=torch.bool))
+#: A pending fold's head, in order; then its new mean, mean change and next shift (``M`` each; the next shift is
+#: unused, zeros) and the buffers its outcome holds (``kept`` of :meth:`~WhiteningLayer.outcome_layout`):
+#: :func:`_pending_table`.
+_PENDING_HEAD = (_scalars("status") + _scalars("clamped", "unshifted", dtype=torch.bool)
+                 + _scalars("nonfinite", "kept"))
+
+
+def _block_table(m: int, block: Tuple[int, ...]) -> Tuple[Entry, ...]:
+    """The table of the extra state's block part, for ``m`` features and block statistics of shape ``block``."""
+    return _EXTRA_HEAD + tuple(Entry(name, shape, torch.float64) for name, shape in
+                               (("shift", (m,)), ("s1", (m,)), ("s2", block)))
+
+
+def _pending_table(m: int, buffers: Sequence[Tuple[str, Tuple[int, ...]]]) -> Tuple[Entry, ...]:
+    """The table of a pending fold, for ``m`` features and the outcome's ``buffers`` (name, shape)."""
+    vectors = [(name, (m,)) for name in ("mean", "delta", "next_shift")]
+    return _PENDING_HEAD + tuple(Entry(name, tuple(shape), torch.float64) for name, shape in (*vectors, *buffers))
+
+
+def _numel(table: Sequence[Entry]) -> int:
+    return sum(math.prod(entry.shape) for entry in table)
+
+
+def _write(table: Sequence[Entry], values: Dict[str, Any], device: Any) -> Tensor:
+    """``values`` (by name) as one float64 tensor on ``device``, in the order of ``table`` (its scalars first: one
+    tensor for them)."""
+    scalars = list(itertools.takewhile(_is_scalar, table))
+    head = torch.tensor([float(values[entry.name]) for entry in scalars], dtype=torch.float64, device=device)
+    return torch.cat([head] + [values[entry.name].to(device=device, dtype=torch.float64).reshape(-1)
+                               for entry in table[len(scalars):]])
+
+
+def _read(table: Sequence[Entry], packed: Tensor) -> Dict[str, Any]:
+    """The values of ``table`` in ``packed`` (exactly :func:`_numel` long) by name: the leading scalars as Python
+    numbers of their dtype (read to the host together), the tensors as views shaped by their entry."""
+    scalars = list(itertools.takewhile(_is_scalar, table))
+    values: Dict[str, Any] = {entry.name: _PYTHON_TYPE[entry.dtype](number)
+                              for entry, number in zip(scalars, packed[: len(scalars)].tolist())}
+    rest = table[len(scalars):]
+    parts = torch.split(packed[len(scalars):], [math.prod(entry.shape) for entry in rest])
+    values.update((entry.name, part.view(entry.shape)) for entry, part in zip(rest, parts))
+    return values
+
+
+def _is_scalar(entry: Entry) -> bool:
+    return not entry.shape
+
+
+_PYTHON_TYPE = {torch.int64: int, torch.bool: bool, torch.float64: float}
+
 #: Set while :func:`~whitenlayers.load_plain_state_dict` loads a plain checkpoint into a converted model.
-_loading_plain = [False]
+_loading_plain = False
 
 
 @contextlib.contextmanager
 def loading_plain_checkpoint() -> Iterator[None]:
     """While active, loading a plain layer's keys into a whitening layer is expected (no warning)."""
-    before, _loading_plain[0] = _loading_plain[0], True
+    global _loading_plain
+    before, _loading_plain = _loading_plain, True
     try:
         yield
     finally:
-        _loading_plain[0] = before
+        _loading_plain = before
 
 
-def _load_frame() -> Any:
-    """The frame of the ``Module.load_state_dict`` call under way, or ``None`` (a loader of its own)."""
-    frame = sys._getframe(2)
-    code = torch.nn.Module.load_state_dict.__code__
-    while frame is not None and frame.f_code is not code:
-        frame = frame.f_back
-    return frame
+def _report_cause(msg: str, lenient: str) -> None:
+    """A checkpoint of another method or rule in a layer's place: a warning, ``msg`` and what a lenient load does
+    (``lenient``).
 
-
-#: The errors the layers reported for a checkpoint of another method or rule (a strict load), which
-#: :func:`cause_first` puts first.
-_CAUSES: Set[str] = set()
-
-
-def _report_cause(msg: str, error_msgs: List[str], lenient: str) -> None:
-    """A checkpoint of another method or rule: the error ``msg`` (a strict load, :func:`cause_first` puts it first),
-    or, with ``strict=False``, a warning: ``msg`` and what the lenient load does (``lenient``).
-
-    ``strict`` is that of the ``Module.load_state_dict`` call under way (PyTorch passes ``strict=True`` to every
-    ``_load_from_state_dict`` and applies ``strict`` to the missing / unexpected keys afterwards); ``False`` where
-    no such call is found (a loader of its own: warn, never fail a load PyTorch would accept)."""
-    frame = _load_frame()
-    if frame is not None and bool(frame.f_locals.get("strict", True)):
-        _CAUSES.add(msg)
-        error_msgs.append(msg)
-    else:
-        warnings.warn(msg + lenient, UserWarning, stacklevel=4)
+    Whether the load is strict is not known here: PyTorch passes ``strict=True`` to every ``_load_from_state_dict``
+    and applies the caller's ``strict`` to the missing and unexpected keys afterwards, and tells no hook. So the
+    mismatch is told through those keys (the other method's are unexpected, this one's missing; another rule's
+    identity is unexpected): a strict load fails on them, a lenient one loads the keys that match; and the cause is
+    this warning, either way."""
+    warnings.warn(msg + " (a strict load fails on the keys that do not match; with strict=False" + lenient + ")",
+                  UserWarning, stacklevel=4)
 
 
 def cause_first(module: Any, incompatible_keys: Any) -> None:
-    """A converted model's ``load_state_dict`` post-hook: where its layers found a checkpoint of another method or
-    rule (a strict load, which fails), the error leads with that cause and its fix, and the missing and unexpected
-    keys (hundreds in a ResNet, all of them the other method's) are cut to a count and the first few."""
-    frame = _load_frame()
-    error_msgs = frame.f_locals.get("error_msgs") if frame is not None else None
-    ours = [m for m in error_msgs if m in _CAUSES] if isinstance(error_msgs, list) else []
-    _CAUSES.clear()
-    if not ours or not isinstance(error_msgs, list):
-        return
-    def few(keys: List[str]) -> str:
-        return f"{len(keys)}" + (f" ({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})" if keys else "")
-
-    lead = ours[0] + (f" ({len(ours) - 1} more layer(s) alike)" if len(ours) > 1 else "")
-    counts = (f"missing keys: {few(incompatible_keys.missing_keys)}; unexpected keys: "
-              f"{few(incompatible_keys.unexpected_keys)}")
-    rest = [m for m in error_msgs if m not in ours]
-    error_msgs[:] = [lead, counts] + rest
-    incompatible_keys.missing_keys.clear()  # (said in `counts`; the load fails either way)
-    incompatible_keys.unexpected_keys.clear()
+    """Formerly the converted model's ``load_state_dict`` post-hook that put the cause of a failed load first; the
+    layers now warn with the cause (:func:`_report_cause`). Kept so that a model pickled with the hook loads."""
 
 
 #: Buffers only a recursive layer has (they tell a recursive checkpoint from a grad one).
@@ -195,43 +229,46 @@ class _CheckpointMixin(_Layer):
     def get_extra_state(self) -> Tensor:
         """The partial block and the counters as one float64 tensor, so a mid-block checkpoint resumes bit-for-bit.
 
-        Layout: the scalars ``_EXTRA_HEAD`` (a layout tag first), then the block's shift (``M``), first sums
-        (``M``) and second sums (the block shape, flattened). A tensor, not a dict, so the state dict holds
-        tensors only (EMA helpers, safetensors and exporters iterate over it as tensors); a fresh one at each
-        call, owned by nobody. A layer with a pending fold (``fold_async``: this waits for a fold in flight) has
-        layout tag 3 and the fold after the block: ``_PENDING_HEAD``, its new mean, mean change and next
-        shift, and the buffers its outcome holds, so that a resume writes it where the run would have. A layer of
-        a model converted with ``fold_async=True`` always has layout tag 4: layout 3's with room for every buffer
-        of a fold, pending or not, so that the tensor's size depends only on how the layer was built
-        (``torch.distributed.checkpoint`` loads into the tensors of a fresh model's ``state_dict``).
+        Its values are those of the tables :func:`_block_table` (the scalars ``_EXTRA_HEAD``, a layout tag first, then
+        the block's shift, first sums and second sums) and, for a layer with a pending fold (``fold_async``: this
+        waits for a fold in flight), :func:`_pending_table` after it (layout tag 3: ``_PENDING_HEAD``, its new mean,
+        mean change and next shift, and the buffers its outcome holds), so that a resume writes the fold where the
+        run would have. A layer of a model converted with ``fold_async=True`` always has layout tag 4: layout 3's
+        with room for every buffer of a fold, pending or not, so that the tensor's size depends only on how the layer
+        was built (``torch.distributed.checkpoint`` loads into the tensors of a fresh model's ``state_dict``). A
+        tensor, not a dict, so the state dict holds tensors only (EMA helpers, safetensors and exporters iterate over
+        it as tensors); a fresh one at each call, owned by nobody.
         """
         coordinator = self.__dict__.get("_fold_coordinator")
         if coordinator is not None:
             coordinator.flush_stats()
-            coordinator.wait()  # a fold in flight: its result is the pending fold packed below
+            coordinator.wait()  # a fold in flight: its result is the pending fold written below
         pending = cast(Optional[PendingFold], self._pending_fold)
         block = self._block
-        f64: Dict[str, Any] = {"dtype": torch.float64, "device": self.running_mean.device}
+        device = self.running_mean.device
         slot = coordinator is not None and coordinator.fold_async
-        layout = _EXTRA_LAYOUT_SLOT if slot else _EXTRA_LAYOUT if pending is None else _EXTRA_LAYOUT_PENDING
-        head = torch.tensor([layout, block.batches, block.shift is not None]
-                            + [getattr(self, name) for name in _COUNTERS] + [block.rows, block.unshifted], **f64)
         _, shift, s1, s2 = block.sums()
-        parts = [head, shift, s1, s2.reshape(-1)]
-        if pending is not None:
-            outcome = cast(FoldOutcome, pending.outcome)
-            layout_shapes = self.outcome_layout()
-            kept = [name for name, _ in layout_shapes if name in outcome.buffers]
-            parts += [torch.tensor([outcome.status, outcome.clamped, pending.unshifted, pending.nonfinite, len(kept)],
-                                   **f64),
-                      pending.mean, pending.delta, torch.zeros_like(pending.delta)]  # (once the next shift: unused)
-            parts += [outcome.buffers[name].reshape(-1) for name in kept]
-            if slot:  # the buffers the outcome does not hold (a failed fold keeps the transform): zeros
-                parts += [torch.zeros(math.prod(shape), **f64) for _, shape in layout_shapes[len(kept):]]
-        elif slot:
-            size = 3 * self.num_features + sum(math.prod(shape) for _, shape in self.outcome_layout())
-            parts += [torch.tensor([_NO_FOLD, 0, 0, 0, 0], **f64), torch.zeros(size, **f64)]
-        return torch.cat([t.to(device=head.device, dtype=torch.float64) for t in parts])
+        values: Dict[str, Any] = {
+            "layout": _EXTRA_LAYOUT_SLOT if slot else _EXTRA_LAYOUT if pending is None else _EXTRA_LAYOUT_PENDING,
+            "acc_batches": block.batches, "has_shift": block.shift is not None, "acc_count": block.rows,
+            "stats_unshifted": block.unshifted, "shift": shift, "s1": s1, "s2": s2,
+            **{name: getattr(self, name) for name in _COUNTERS}}
+        parts = [_write(_block_table(self.num_features, self._block_shape), values, device)]
+        if pending is not None or slot:
+            outcome = FoldOutcome(_NO_FOLD) if pending is None else cast(FoldOutcome, pending.outcome)
+            layout = self.outcome_layout()
+            kept = [(name, shape) for name, shape in layout if name in outcome.buffers]
+            zeros = torch.zeros(self.num_features, dtype=torch.float64, device=device)
+            fold: Dict[str, Any] = {"status": outcome.status, "clamped": outcome.clamped, "kept": len(kept),
+                                    "unshifted": False, "nonfinite": 0, "mean": zeros, "delta": zeros,
+                                    "next_shift": zeros}  # (once the next block's shift: unused)
+            if pending is not None:
+                fold.update(unshifted=pending.unshifted, nonfinite=pending.nonfinite, mean=pending.mean,
+                            delta=pending.delta)
+            # layout 4: the buffers the outcome does not hold (no fold, a failed fold keeps the transform) as zeros
+            fold.update({name: torch.zeros(shape) for name, shape in layout}, **outcome.buffers)
+            parts.append(_write(_pending_table(self.num_features, layout if slot else kept), fold, device))
+        return torch.cat(parts)
 
     def set_extra_state(self, state: Tensor) -> None:
         """Restore the partial block and the counters (``load_state_dict`` calls this).
@@ -240,68 +277,72 @@ class _CheckpointMixin(_Layer):
             state: what :meth:`get_extra_state` returned (a float64 tensor).
         """
         self._wait_for_fold()  # a fold in flight is dropped: the checkpoint's state replaces it
-        head, shift, s1, s2, pending = self._unpack_extra_state(state)
+        values, pending = self._unpack_extra_state(state)
         block = self._block = self._new_block(self.running_mean.device)
-        block.batches = int(head["acc_batches"])
+        block.batches = values["acc_batches"]
         block.gather_next = block.batches % block.every == 0
-        block.rows = head["acc_count"]
-        block.unshifted = bool(head["stats_unshifted"])
-        if head["has_shift"]:  # the block's shift, in the tensor a compiled forward reads
-            block.store.copy_(shift)
+        block.rows = values["acc_count"]
+        block.unshifted = values["stats_unshifted"]
+        if values["has_shift"]:  # the block's shift, in the tensor a compiled forward reads
+            block.store.copy_(values["shift"])
             block.shift = block.store
-        block.s1.copy_(s1)  # in the sums' own dtype (exact for sums the block had written)
-        block.s2.copy_(s2)
+        block.s1.copy_(values["s1"])  # in the sums' own dtype (exact for sums the block had written)
+        block.s2.copy_(values["s2"])
         if block.acc is not None:  # the augmented accumulator's last row: s1 again and the row count
-            block.acc[-1, :-1] = s1
+            block.acc[-1, :-1] = values["s1"]
             block.acc[-1, -1] = block.rows
         for name in _COUNTERS:
-            setattr(self, name, int(head[name]))
+            setattr(self, name, values[name])
         self._pending_fold = pending
 
-    def _unpack_extra_state(self, packed: Tensor) -> Tuple[Dict[str, float], Tensor, Tensor, Tensor,
-                                                          Optional[PendingFold]]:
-        """The head (``_EXTRA_HEAD`` by name), the block's shift, first and second sums (the block shape) and the
-        pending fold of a packed extra state, checked against this layer."""
+    def _unpack_extra_state(self, packed: Tensor) -> Tuple[Dict[str, Any], Optional[PendingFold]]:
+        """The values of a packed extra state's block part by name (:func:`_block_table`) and its pending fold,
+        checked against this layer."""
         m, block = self.num_features, self._block_shape
-        numel = len(_EXTRA_HEAD) + 2 * m + math.prod(block)
+        table = _block_table(m, block)
+        numel = _numel(table)
         if not isinstance(packed, Tensor) or packed.dim() != 1 or not packed.is_floating_point():
             raise RuntimeError(f"{self._describe()}: checkpoint extra state must be a 1-D float tensor (the partial "
                                f"block), but got {type(packed).__name__} {tuple(getattr(packed, 'shape', ()))}")
-        if packed.numel() < len(_EXTRA_HEAD) or int(packed[0]) not in _LAYOUTS:
+        layout = _read(table[:1], packed[:1])["layout"] if packed.numel() else None
+        if packed.numel() < len(_EXTRA_HEAD) or layout not in _LAYOUTS:
             raise RuntimeError(f"{self._describe()}: checkpoint extra state has an unknown layout "
-                               f"(tag {float(packed[0]) if packed.numel() else None}, expected one of {_LAYOUTS})")
+                               f"(tag {float(packed[:1]) if packed.numel() else None}, expected one of {_LAYOUTS})")
         pending = None
-        if int(packed[0]) != _EXTRA_LAYOUT:
-            pending = self._unpack_pending(packed[numel:], padded=int(packed[0]) == _EXTRA_LAYOUT_SLOT)
+        if layout != _EXTRA_LAYOUT:
+            pending = self._unpack_pending(packed[numel:], padded=layout == _EXTRA_LAYOUT_SLOT)
             packed = packed[:numel]
         if packed.numel() != numel:
             raise RuntimeError(
                 f"{self._describe()}: checkpoint extra state holds {packed.numel()} values, but this layer needs "
                 f"{numel}: block statistics of shape {block} ({_shape_words(block)}) for {m} features")
-        head = dict(zip(_EXTRA_HEAD, packed[: len(_EXTRA_HEAD)].tolist()))
-        shift, s1, s2 = torch.split(packed[len(_EXTRA_HEAD):], [m, m, math.prod(block)])
-        return head, shift, s1, s2.view(block), pending
+        return _read(table, packed), pending
 
     def _unpack_pending(self, packed: Tensor, padded: bool = False) -> Optional[PendingFold]:
         """The pending fold of a layout-3 extra state (what follows the block), on this layer's device; ``padded``:
         layout 4's slot (every buffer of the outcome layout there; ``None`` for an empty slot)."""
         m, layout = self.num_features, self.outcome_layout()
         n_head = len(_PENDING_HEAD)
-        head = packed[:n_head].tolist() if packed.numel() >= n_head else [-2, 0, 0, 0, -1]  # (too short: an error)
-        status, clamped, unshifted, nonfinite, kept = (int(value) for value in head)  # _PENDING_HEAD
-        sizes = [m, m, m] + [math.prod(shape) for _, shape in layout[: len(layout) if padded else max(kept, 0)]]
-        if padded and status == _NO_FOLD and kept == 0 and packed.numel() == n_head + sum(sizes):
+        if packed.numel() < n_head:
+            self._pending_mismatch(packed, None, None)
+        head = _read(_PENDING_HEAD, packed[:n_head])
+        status, kept = head["status"], head["kept"]
+        table = _pending_table(m, layout if padded else layout[: max(kept, 0)])
+        if padded and status == _NO_FOLD and kept == 0 and packed.numel() == _numel(table):
             return None
-        expected = {FOLDED: len(layout), FAILED: 1}.get(status, 0)
-        if kept != expected or packed.numel() != n_head + sum(sizes):
-            raise RuntimeError(f"{self._describe()}: checkpoint extra state holds a pending fold of "
-                               f"{packed.numel()} values that does not match this layer (status {status}, "
-                               f"{kept} buffers for {m} features)")
+        if kept != {FOLDED: len(layout), FAILED: 1}.get(status, 0) or packed.numel() != _numel(table):
+            self._pending_mismatch(packed, status, kept)
         dev = self.running_mean.device
-        values = [t.to(dev).clone() for t in torch.split(packed[n_head:], sizes)]
-        buffers = {name: t.view(shape) for (name, shape), t in zip(layout[:kept], values[3:])}
-        return PendingFold(FoldOutcome(status, bool(clamped), buffers), values[0].to(self.running_mean.dtype),
-                           values[1], bool(unshifted), nonfinite)
+        values = {name: value.to(dev).clone() if isinstance(value, Tensor) else value
+                  for name, value in _read(table, packed).items()}
+        buffers = {name: values[name] for name, _ in layout[:kept]}
+        return PendingFold(FoldOutcome(status, head["clamped"], buffers), values["mean"].to(self.running_mean.dtype),
+                           values["delta"], head["unshifted"], head["nonfinite"])
+
+    def _pending_mismatch(self, packed: Tensor, status: Optional[int], kept: Optional[int]) -> NoReturn:
+        raise RuntimeError(f"{self._describe()}: checkpoint extra state holds a pending fold of {packed.numel()} "
+                           f"values that does not match this layer (status {status}, {kept} buffers for "
+                           f"{self.num_features} features)")
 
     def _checkpoint_method(self, state_dict: Dict[str, Any], prefix: str) -> Tuple[Optional[str], str]:
         """What the checkpoint holds in this layer's place, and where: ``"grad"``, ``"recursive"``, ``"direct"``,
@@ -321,13 +362,13 @@ class _CheckpointMixin(_Layer):
             return "plain", where
         return None, where
 
-    def _check_checkpoint_method(self, state_dict: Dict[str, Any], prefix: str, error_msgs: List[str]) -> None:
-        """A checkpoint of another method (or of the plain model) in this layer's place: an error that names both
-        (a strict load), or a warning (``strict=False``, where PyTorch would drop the other method's keys
+    def _check_checkpoint_method(self, state_dict: Dict[str, Any], prefix: str) -> None:
+        """A checkpoint of another method (or of the plain model) in this layer's place: a warning that names both
+        (:func:`_report_cause`: a strict load then fails on the other method's keys, a lenient one would drop them
         silently)."""
         (theirs, where), mine = self._checkpoint_method(state_dict, prefix), self.method
         # (a plain layer's keys at a direct wrapper's place: the wrapped layer's own check, missing keys)
-        if theirs in (None, mine) or (theirs == "plain" and (_loading_plain[0] or mine == "direct")):
+        if theirs in (None, mine) or (theirs == "plain" and (_loading_plain or mine == "direct")):
             return
         if theirs == "plain":
             msg = (f"{self._describe()}: the checkpoint holds a plain (unconverted) layer at '{where}', but this "
@@ -336,8 +377,8 @@ class _CheckpointMixin(_Layer):
         else:
             msg = (f"{self._describe()}: the checkpoint holds a '{theirs}' whitening layer at '{where}', but this "
                    f"model's layer there is '{mine}'; convert the model with method={theirs!r} before loading")
-        _report_cause(msg, error_msgs, " (strict=False: the whitening state of the other method is not loaded; only "
-                                       "keys with the same names are)")
+        _report_cause(msg, ": the whitening state of the other method is not loaded; only keys with the same names "
+                           "are")
 
     # ------------------------------------------------------------ the rule's identity
     def _identity_value(self, device: Any = None) -> Tensor:
@@ -373,9 +414,9 @@ class _CheckpointMixin(_Layer):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         """The checks of a checkpoint of this layer (its rule, method, version and sizes), then ``nn.Module``'s load."""
-        state_dict = self._checked_rule_identity(state_dict, prefix, error_msgs)
+        state_dict = self._checked_rule_identity(state_dict, prefix, unexpected_keys, error_msgs)
         self._wait_for_fold()  # a fold in flight reads the buffers this writes (set_extra_state then replaces it)
-        self._check_checkpoint_method(state_dict, prefix, error_msgs)
+        self._check_checkpoint_method(state_dict, prefix)
         version = local_metadata.get("version")
         m, block = self.num_features, self._block_shape
         mkey, ckey = prefix + "running_mean", prefix + "running_cov"
@@ -396,14 +437,15 @@ class _CheckpointMixin(_Layer):
             return
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
-        self._cache.clear()
+        self._state_changed()
         self.__dict__["_identity_of"] = None  # the buffer holds what was loaded: written again at the next save
 
-    def _checked_rule_identity(self, state_dict: Dict[str, Any], prefix: str, error_msgs: List[str]
-                               ) -> Dict[str, Any]:
-        """The checkpoint ``state_dict`` as this layer loads it: the identity checked against the layer's rule (an
-        error naming both for another rule, see the module docstring) and replaced by the layer's own, or added
-        where the checkpoint has none but holds this layer's other keys (a plain checkpoint)."""
+    def _checked_rule_identity(self, state_dict: Dict[str, Any], prefix: str, unexpected_keys: List[str],
+                               error_msgs: List[str]) -> Dict[str, Any]:
+        """The checkpoint ``state_dict`` as this layer loads it: the identity checked against the layer's rule
+        (another rule's: a warning naming both and the checkpoint's identity in ``unexpected_keys``, on which a
+        strict load fails) and replaced by the layer's own, or added where the checkpoint has none but holds this
+        layer's other keys (a plain checkpoint)."""
         key = prefix + IDENTITY_BUFFER
         self._refresh_rule_identity()
         # ``mine`` on the checkpoint's device where it is a real one (a model built on meta loads real tensors)
@@ -432,7 +474,8 @@ class _CheckpointMixin(_Layer):
             msg = (f"{self._describe()}: the checkpoint at '{where}' was saved with the rule {theirs['rule']!r}, but "
                    f"this layer's rule is {ours['rule']!r} ({type(self.rule).__name__}); build the model with "
                    f"rule={theirs['rule']!r} (convert_model(..., rule=...)) before loading it")
-            _report_cause(msg, error_msgs, " (strict=False: loaded into this layer's rule anyway)")
+            _report_cause(msg, ": loaded into this layer's rule anyway")
+            unexpected_keys.append(key)
             return kept
         what = ", ".join(f"{name}={theirs.get(name)!r} (this layer: {value!r})" for name, value in ours.items()
                          if name != "rule" and theirs.get(name) != value)
@@ -448,5 +491,6 @@ class _CheckpointMixin(_Layer):
 def _shape_words(shape: tuple) -> str:
     """What a per-group matrix shape means, for error messages."""
     if len(shape) == 3:
-        return f"groups={shape[0]} of {shape[1]} features"
+        groups, features, _ = shape
+        return f"groups={groups} of {features} features"
     return "groups=1" if len(shape) == 2 else "unknown layout"

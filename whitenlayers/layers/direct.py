@@ -184,7 +184,7 @@ class DirectWhitenWrapper(nn.Module):
                               error_msgs):
         # The whitening layer's check of a checkpoint of another method: a grad / recursive layer's keys sit here,
         # at the wrapper's place, which the DirectWhiten's own load (given only its keys) does not see.
-        self.whiten._check_checkpoint_method(state_dict, prefix + "whiten.", error_msgs)
+        self.whiten._check_checkpoint_method(state_dict, prefix + "whiten.")
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 

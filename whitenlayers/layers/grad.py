@@ -222,6 +222,7 @@ class _GradWhitenMixin(_GradStep, WhiteningLayer):
             # (a plain attribute: neither the BatchNorm nor the parent is a submodule of the layer)
             self._centring_ref = CentringRef(None, batchnorm) if parent is None else CentringRef(parent, name)
             self._fold_compensation_into_offset()
+        self._state_changed()  # (bias_correction rewritten)
 
     def _skipped_offset(self, weight: Tensor) -> Tensor:
         """``s = c - sum_k W_k mu``: the offset the absorbed layer leaves out (its bias stays in the output)."""

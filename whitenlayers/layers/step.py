@@ -86,6 +86,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
         def _reset_accumulators(self, device: Any = None) -> None: ...
 
+        def _state_changed(self) -> None: ...
+
         def _new_block(self, device: Any) -> Block: ...
 
         def _features_of(self, x: Tensor, weight: Tensor) -> Tensor: ...
@@ -194,22 +196,31 @@ def _work_dtype(x: Tensor) -> torch.dtype:
 
 
 class _StepCache:
-    """The one place for what a layer keeps between forwards: the buffers in force as copies (``held`` and their
-    ``versions``: the buffers they were taken from) and the values derived from them or from the weight
-    (``derived``: the mean per kernel tap, the weight's rows, ``DirectWhiten``'s 1x1 weights, ...). One
-    invalidation rule: a forward that finds a buffer replaced or written since takes new copies and drops every
-    derived value; a move, a reset or a load drops everything (:meth:`clear`)."""
+    """The one place for what a layer keeps between forwards: the buffers in force as copies (``state``, taken from
+    the buffers ``held`` at their ``versions``) and the values derived from them or from the weight (``derived``: the
+    mean per kernel tap, the weight's rows, ``DirectWhiten``'s 1x1 weights, ...).
+
+    Whoever writes a layer's buffers in the package (a fold's outcome applied, a load, a reset, a cast or move,
+    ``to_empty``) says so (:meth:`_StepMixin._state_changed`, which calls :meth:`renew`): the next forward takes
+    new copies and drops every derived value. That holds where no version counter moves (a fold under a
+    ``TorchDispatchMode``: ``FlopCounterMode``, selective activation checkpointing). The identity and version check
+    of :meth:`_StepMixin._state_in_force` is for writes from outside alone (DDP's buffer broadcast,
+    ``torch.func.functional_call``, a user's ``copy_``). A forward recomputed inside a backward reads ``state`` and
+    ``derived`` as its original forward left them, renewed or not (it must run the same operations: selective
+    checkpointing replays them)."""
 
     __slots__ = ("held", "versions", "state", "derived")
 
     def __init__(self) -> None:
-        self.clear()
-
-    def clear(self) -> None:
-        self.held: Optional[tuple] = None
-        self.versions: tuple = ()
         self.state: Optional[Dict[str, Tensor]] = None
         self.derived: Dict[Any, Any] = {}
+        self.renew()
+
+    def renew(self) -> None:
+        """The buffers were written: the next forward (not a recomputed one) takes new copies and drops the derived
+        values (:meth:`_StepMixin._state_in_force`)."""
+        self.held: Optional[tuple] = None
+        self.versions: tuple = ()
 
 
 class _StepMixin(_Layer):
@@ -271,12 +282,17 @@ class _StepMixin(_Layer):
             return False
         return explicit or (self.training and (traced or not torch.is_inference_mode_enabled())
                             and (scope is None or not scope.local))
+    def _state_changed(self) -> None:
+        """Called by whoever writes this layer's buffers (a fold, a load, a reset, a cast or move): the next forward
+        reads them anew (:class:`_StepCache`)."""
+        self._cache.renew()
 
     def _state_in_force(self) -> Dict[str, Tensor]:
-        """The buffers a forward reads (:attr:`_FORWARD_BUFFERS`) as copies, taken again only when a buffer changed
-        since (another tensor in its place, e.g. under ``torch.func.functional_call``, or a write into it: a fold, a
-        load, DDP's buffer broadcast): per step, one identity and one version check per buffer. A fold writes the
-        buffers in place, so a backward still to come keeps the values of its forward."""
+        """The buffers a forward reads (:attr:`_FORWARD_BUFFERS`) as copies, taken again after
+        :meth:`_state_changed` (the cache's ``held`` cleared: the one check for the package's own writes) or when a
+        buffer changed from outside (another tensor in its place, e.g. under ``torch.func.functional_call``, or a
+        write into it: DDP's buffer broadcast, a user's ``copy_``): per step, one identity and one version check per
+        buffer. A fold writes the buffers in place, so a backward still to come keeps the values of its forward."""
         buffers = self._buffers
         names = self._FORWARD_BUFFERS
         if _jit_tracing():  # the trace reads the buffers themselves: nothing cached by one run
