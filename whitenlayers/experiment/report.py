@@ -755,6 +755,8 @@ def title(cfg: RunConfig, data_label: str) -> str:
     nseeds = len(cast(List[int], cfg.seeds))
     seeds = (f"{nseeds} seeds, mean ± std" if nseeds > 1
              else f"seed {cast(List[int], cfg.seeds)[0]}, band ± s.e. over layers")
+    pooled = int(cast(int, cfg.downsample))  # resolved in __post_init__
+    data_label += f" (pooled {pooled}x{pooled})" if pooled > 1 else ""
     return (f"{data_label}, {model}: {int(cfg.epochs)} epochs, batch {cfg.batch_size}, "
             f"lr {cfg.lr:g} ({cfg.schedule})  [{seeds}]")
 
