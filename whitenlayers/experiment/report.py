@@ -748,7 +748,7 @@ def _band(ax: Any, x: np.ndarray, values: np.ndarray, color: Optional[str]) -> f
 
 def title(cfg: RunConfig, data_label: str) -> str:
     """The figure's and summary's title."""
-    kind, depth = model_spec(cast(str, cfg.model))
+    kind, depth = model_spec(cfg.model)
     model = "ResNet-50 (torchvision)" if kind == "torchvision" else f"CIFAR ResNet-{depth}"
     if kind == "cifar" and int(cast(int, cfg.width)) != 16:  # width and seeds: resolved in __post_init__
         model += f" (width {cfg.width})"
