@@ -21,8 +21,8 @@ method; the figure shows the mean and a band across seeds), 6 epochs of SGD (bat
 weight decay 5e-4, lr 0.1 divided by 10 after epochs 3 and 4: the paper's
 schedule shape), whitening block size 2 and otherwise the paper's whitening
 hyper-parameters; 133 CPU seconds (10 minutes of wall time) on a shared 2-core AMD EPYC
-with 32 MiB of L3 cache at load 13-17 (docs/default_run.md), where the 28x28 digits took
-ONE_THIRD CPU seconds. ``--quick`` is a smoke run of
+with 32 MiB of L3 cache at load 13-17 (docs/default_run.md), where the 28x28 digits
+(``--downsample 1``) took 437 CPU seconds at the same time. ``--quick`` is a smoke run of
 well under a minute.
 
 Outputs in ``--out`` (default ``runs/<dataset>-<model>``):
