@@ -939,6 +939,8 @@ def command(name: str, args: Sequence[str]) -> List[str]:
     if "--seeds" in args:  # the stage's own seeds
         i = common.index("--seeds")
         del common[i:i + 2]
+    if "--downsample" not in args:  # the study's 28x28 digits (the default run's are pooled to 14x14)
+        common += ["--downsample", "1"]
     return [sys.executable, "-m", "whitenlayers.experiment", *args, *common, "--out", os.path.join(RUNS, name)]
 
 

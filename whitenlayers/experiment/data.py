@@ -277,6 +277,25 @@ class DataBundle:
 
         return dataclasses.replace(self, train=first(self.train, train), test=first(self.test, test))
 
+    def downsampled(self, factor: int) -> "DataBundle":
+        """The bundle with every image average-pooled over ``factor`` x ``factor`` pixels (in-memory data; 8-bit
+        images keep their 8-bit levels, rounded down): the 28x28 digits become 14x14 at ``factor=2``."""
+        if factor == 1:
+            return self
+        if not isinstance(self.train, TensorData):
+            raise ValueError(f"--downsample {factor} needs in-memory data (mnist5k, digits, cifar, fashion-mnist, "
+                             f"synthetic), but got {self.name}")
+
+        def pool(t: TensorData) -> TensorData:
+            images = F.avg_pool2d(t.images.float(), factor).to(t.images.dtype).contiguous()
+            return TensorData(images, t.labels, t.mean, t.std)
+
+        h, w = self.image_size
+        size = (h // factor, w // factor)
+        note = f"images average-pooled {factor}x{factor}: {h}x{w} -> {size[0]}x{size[1]} pixels"
+        return dataclasses.replace(self, train=pool(self.train), test=pool(self.test), image_size=size,
+                                   notes=list(self.notes) + [note])
+
     def validation(self, fraction: float, seed: int = SPLIT_SEED + 1) -> "DataBundle":
         """The bundle with ``fraction`` of each training class carved out as its test split (in-memory data).
 

@@ -633,7 +633,7 @@ def run(cfg: RunConfig, ctx: Context, argv: Sequence[str] = ()) -> Dict[str, Any
                           test_fraction=float(cfg.test_fraction))
     if cfg.download and ctx.distributed and ctx.is_main:
         ctx.barrier()
-    bundle = bundle.limit(cfg.train_subset, cfg.test_subset)
+    bundle = bundle.downsampled(int(cast(int, cfg.downsample))).limit(cfg.train_subset, cfg.test_subset)
     if float(cfg.val_fraction) > 0:
         bundle = bundle.validation(float(cfg.val_fraction))
     kind, depth = model_spec(cfg.model)

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import csv
 import datetime
+import glob
 import json
 import math
 import os
 import platform
+import re
 import shlex
 import subprocess
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, cast
@@ -457,6 +459,37 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def l3_cache() -> Optional[str]:
+    """The size of the CPU's level-3 cache as Linux reports it ("32 MiB"; sysfs, else ``lscpu``); None elsewhere.
+    The model name alone does not fix the machine (a hypervisor may report "AMD EPYC" for parts of 8 to 384 MiB
+    of L3), and the cache is what shared CPUs contend for."""
+    for index in sorted(glob.glob("/sys/devices/system/cpu/cpu0/cache/index*")):
+        try:
+            with open(os.path.join(index, "level")) as fh:
+                if fh.read().strip() != "3":
+                    continue
+            with open(os.path.join(index, "size")) as fh:
+                size = fh.read().strip()  # e.g. "32768K"
+        except OSError:
+            continue
+        if size.endswith("K") and size[:-1].isdigit():
+            kib = int(size[:-1])
+            return f"{kib // 1024} MiB" if kib % 1024 == 0 else f"{kib} KiB"
+        return size
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=5).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = re.search(r"^L3 cache:\s*(\S+ \S+)", text, re.MULTILINE)
+    return found.group(1) if found else None
+
+
+def cpu_description() -> str:
+    """The CPU as a page names it: model and L3 cache, e.g. ``"AMD EPYC, 32 MiB L3"``."""
+    l3 = l3_cache()
+    return cpu_model() + (f", {l3} L3" if l3 else "")
+
+
 def load_note(rows: Sequence[Dict[str, Any]], threads: Optional[int] = None, cores: Optional[int] = None) -> str:
     """A line on the machine's load during the run; flags the run when it changed notably.
 
@@ -498,20 +531,41 @@ def load_note(rows: Sequence[Dict[str, Any]], threads: Optional[int] = None, cor
 # ==========================================================================
 def plot_metrics(rows: Sequence[Dict[str, Any]], path: str, title: str,
                  methods: Optional[Sequence[str]] = None) -> None:
+    """Draw :func:`metrics_figure` to the PNG ``path`` (1650 x 1034 pixels)."""
+    fig = metrics_figure(rows, title, methods)
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt  # metrics_figure imported it (or raised)
+
+    plt.close(fig)
+
+
+def _load_range(rows: Sequence[Dict[str, Any]]) -> str:
+    """The time panels' note: the 1-minute load average's range during the run, which stretches their seconds."""
+    loads = [r["load1"] for r in rows if math.isfinite(r.get("load1", float("nan")))]
+    if not loads:
+        return "machine load not recorded"
+    return f"1-min load {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count() or 1} cores: load stretches these seconds"
+
+
+def metrics_figure(rows: Sequence[Dict[str, Any]], title: str, methods: Optional[Sequence[str]] = None) -> Any:
     """The paper's figure: test accuracy, kappa and rho against epoch, one line per method with a spread band.
 
     The band is +-1 standard deviation across seeds; with a single seed, kappa
     and rho get +-1 standard error across layers and accuracy gets no band.
     When the first epochs' accuracy is far below the rest, an inset zooms on
-    the second half of the run. A footnote under the panels says what the
-    bands are. The second row plots accuracy and loss against the cumulative
-    training seconds, with the baseline's final accuracy as a dashed line.
+    the second half of the run (a box marks the zoomed region; no connector
+    lines, which would cross the curves). A footnote under the panels says what
+    the bands are. The second row plots accuracy and loss against the cumulative
+    training seconds, with the baseline's final accuracy as a dashed line and
+    the run's load range under the axis (load stretches those seconds), and the
+    training loss against epoch; every panel's axes hold its bands whole.
 
     Args:
         rows: the runs' metric rows (:func:`read_metrics`, or the runner's rows).
-        path: where the PNG is written (1650 x 1034 pixels).
         title: the line above the legend (the runner's: dataset, model, epochs, seeds).
         methods: the order of the lines (default: the runner's method order, then any others in ``rows``).
+
+    Returns the ``matplotlib`` figure (2 x 3 panels, 15 x 9.4 inches).
     """
     try:  # optional: in the 'experiment' extra
         import matplotlib
@@ -599,8 +653,11 @@ def plot_metrics(rows: Sequence[Dict[str, Any]], path: str, title: str,
         x0, x1 = ax.get_xlim()  # the marked region inside the panel (the zoom's margins can pass its edges)
         y0, y1 = ax.get_ylim()
         xs, ys = ins.get_xlim(), ins.get_ylim()
-        ax.indicate_inset((max(xs[0], x0), max(ys[0], y0), min(xs[1], x1) - max(xs[0], x0),
-                           min(ys[1], y1) - max(ys[0], y0)), ins, edgecolor="0.5")
+        box = ax.indicate_inset((max(xs[0], x0), max(ys[0], y0), min(xs[1], x1) - max(xs[0], x0),
+                                 min(ys[1], y1) - max(ys[0], y0)), ins, edgecolor="0.5")
+        # from the box to the zoom the connectors would cross the curves between them (matplotlib < 3.10: a tuple)
+        for line in box.connectors if hasattr(box, "connectors") else box[1]:
+            line.set_visible(False)
     # Second row: against training wall-clock time (the interleaved epochs' cumulative training seconds, mean over
     # seeds), where a user's decision is made; the baseline's final accuracy as a dashed line.
     base_final = None
@@ -608,6 +665,9 @@ def plot_metrics(rows: Sequence[Dict[str, Any]], path: str, title: str,
         base_final = float(np.mean([lst[-1]["test_acc"] for lst in groups["baseline"].values()]))
     for ax, key, ylabel, ptitle in ((grid[1][0], "test_acc", "test accuracy (%)", "Test accuracy vs training time"),
                                     (grid[1][1], "train_loss", "training loss", "Training loss vs training time")):
+        if key != "test_acc":
+            ax.set_yscale("log")  # before the bands, which keep above 0 on it
+        bottoms: List[float] = []  # each line's lowest point, its band's included
         for m in methods:
             seeds = list(groups[m].values())
             length = min(len(lst) for lst in seeds)
@@ -615,9 +675,7 @@ def plot_metrics(rows: Sequence[Dict[str, Any]], path: str, title: str,
             v = np.array([[r[key] for r in lst[:length]] for lst in seeds], dtype=float)
             ax.plot(t, v.mean(0), color=METHOD_COLORS.get(m), lw=2, marker="o" if length <= 30 else None, ms=4,
                     label=METHOD_LABELS.get(m, m))
-            if v.shape[0] > 1:
-                ax.fill_between(t, v.mean(0) - v.std(0, ddof=1), v.mean(0) + v.std(0, ddof=1),
-                                color=METHOD_COLORS.get(m), alpha=0.15, lw=0)
+            bottoms.append(_band(ax, t, v, METHOD_COLORS.get(m)))
         if key == "test_acc":
             if base_final is not None:
                 ax.axhline(base_final, color="0.3", ls="--", lw=1, label="baseline final")
@@ -625,27 +683,25 @@ def plot_metrics(rows: Sequence[Dict[str, Any]], path: str, title: str,
                 ax.annotate("baseline final accuracy", (0.01, base_final), xycoords=ax.get_yaxis_transform(),
                             xytext=(2, 2), textcoords="offset points", ha="left", va="bottom", fontsize=8,
                             color="0.3")
-            # below every plotted point, the first epoch's included (a run of one epoch: one point per line)
-            ys = [float(np.nanmin(y)) for y in (np.asarray(line.get_ydata(), float) for line in ax.get_lines())
-                  if y.size and np.isfinite(y).any()]
+            # below every plotted point and band, the first epoch's included (a run of one epoch: one point per line)
+            ys = [v for v in bottoms if math.isfinite(v)]
             lo = min(ys) if ys else float(np.nanmin([r["test_acc"] for r in rows]))
             top = max(max(r["test_acc"] for r in rows), base_final if base_final is not None else -math.inf)
             lo = max(0.0, lo - 2)
             ax.set_ylim(lo, min(100.0, top) + max(1.0, 0.08 * (top - lo)))  # room for the line's label
-        else:
-            ax.set_yscale("log")
-        ax.set_xlabel("training time (s, cumulative; interleaved epochs)")
+        ax.set_xlabel(f"training time (s, cumulative; interleaved epochs)\n{_load_range(rows)}")
         ax.set_ylabel(ylabel)
         ax.set_title(ptitle, fontsize=11)
         ax.grid(True, alpha=0.3)
     ax = grid[1][2]
+    ax.set_yscale("log")
     for m in methods:
         seeds = list(groups[m].values())
         length = min(len(lst) for lst in seeds)
         ep = np.array([r["epoch"] for r in seeds[0][:length]])
         v = np.array([[r["train_loss"] for r in lst[:length]] for lst in seeds], dtype=float)
         ax.plot(ep, v.mean(0), color=METHOD_COLORS.get(m), lw=2, marker="o" if length <= 30 else None, ms=4)
-    ax.set_yscale("log")
+        _band(ax, ep, v, METHOD_COLORS.get(m))
     ax.set_xlabel("epoch")
     ax.set_ylabel("training loss")
     ax.set_title("Training loss vs epoch", fontsize=11)
@@ -672,8 +728,22 @@ def plot_metrics(rows: Sequence[Dict[str, Any]], path: str, title: str,
         legend.set_bbox_to_anchor((0.5, panels_top + 0.004))
         heading.set_y(legend.get_window_extent(renderer).transformed(to_fig).y1 + 0.008)
         head = max(0.0, head - (0.99 - heading.get_window_extent(renderer).transformed(to_fig).y1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
+
+
+def _band(ax: Any, x: np.ndarray, values: np.ndarray, color: Optional[str]) -> float:
+    """Shade ±1 standard deviation over the seeds (rows of ``values``) around their mean, with more than one seed;
+    on a log axis the band's lower edge stays above 0 (the lowest seed where mean - std is not). Returns the
+    lowest point of the mean and band (nan without a finite value)."""
+    mean = values.mean(0)
+    low = mean
+    if values.shape[0] > 1:
+        std = values.std(0, ddof=1)
+        low = mean - std
+        if ax.get_yscale() == "log":
+            low = np.where(low > 0, low, np.nanmin(values, axis=0))
+        ax.fill_between(x, low, mean + std, color=color, alpha=0.15, lw=0)
+    return float(np.nanmin(low)) if np.isfinite(low).any() else float("nan")
 
 
 def title(cfg: RunConfig, data_label: str) -> str:
@@ -685,6 +755,8 @@ def title(cfg: RunConfig, data_label: str) -> str:
     nseeds = len(cast(List[int], cfg.seeds))
     seeds = (f"{nseeds} seeds, mean ± std" if nseeds > 1
              else f"seed {cast(List[int], cfg.seeds)[0]}, band ± s.e. over layers")
+    pooled = int(cast(int, cfg.downsample))  # resolved in __post_init__
+    data_label += f" (pooled {pooled}x{pooled})" if pooled > 1 else ""
     return (f"{data_label}, {model}: {int(cfg.epochs)} epochs, batch {cfg.batch_size}, "
             f"lr {cfg.lr:g} ({cfg.schedule})  [{seeds}]")
 
@@ -782,7 +854,8 @@ def prepare_out(cfg: RunConfig, ctx: Context, argv: Sequence[str]) -> None:
             command=" ".join(["python -m whitenlayers.experiment"] + [shlex.quote(a) for a in argv]),
             world_size=ctx.world, device=str(ctx.device), threads=ctx.threads, torch=torch.__version__,
             python=platform.python_version(), platform=platform.platform(),
-            processor=platform.processor() or platform.machine(), cpu_model=cpu_model(), cpu_count=os.cpu_count(),
+            processor=platform.processor() or platform.machine(), cpu_model=cpu_model(), cpu_l3=l3_cache(),
+            cpu=cpu_description(), cpu_count=os.cpu_count(), torch_threads=torch.get_num_threads(),
             started=datetime.datetime.now().isoformat(timespec="seconds"),
         )
         with open(cfg_path, "w") as f:
