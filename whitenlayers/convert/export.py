@@ -105,6 +105,8 @@ def _export_one(module: nn.Module) -> Optional[nn.Module]:
     if isinstance(module, DirectWhitenWrapper):
         return _export_direct(module)
     if isinstance(module, GRAD_LAYER_TYPES):
+        if module._hooks_after_absorbing():
+            module._centre_for_hooks()
         if module.centring == "absorbed" and module._absorbing_bn() is not None:
             out = _export_absorbed(module)
         elif isinstance(module, GradWhitenLinear):
@@ -298,7 +300,13 @@ def _not_original(model: nn.Module) -> Dict[str, str]:
                 out[name] = ("a padded direct conv: its zero border would have to be -T mu, so it exports as "
                              "Sequential(1x1 whitening conv, conv)")
         elif isinstance(module, GRAD_LAYER_TYPES) and module.bias is None:
-            if not (module.centring == "absorbed" and module._absorbing_bn() is not None):
+            hooks = module._hooks_after_absorbing()
+            if hooks:
+                out[name] = (f"a bias-free layer whose forward hook(s) {hooks}, registered after convert_model "
+                             "absorbed its centring, see its output: it centres its input again (as convert_model "
+                             "leaves a layer with forward hooks), which needs a bias the original lacks; register "
+                             "the hooks before convert_model")
+            elif not (module.centring == "absorbed" and module._absorbing_bn() is not None):
                 out[name] = "a bias-free layer that centres its input: the centring needs a bias the original lacks"
     return out
 
