@@ -134,3 +134,36 @@ def test_a_hook_added_after_conversion_trains_as_one_added_before(method):
     assert absorbed_layers(after) == absorbed_layers(before)
     for (name, a), b in zip(after.state_dict().items(), before.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+# --------------------------------------------------------------------------
+# Join([ddp]) without wl.joinable(ddp)
+# --------------------------------------------------------------------------
+def _join_without_joinable(rank, world):
+    """``Join([ddp])`` alone, rank 1 four batches short: what each rank meets, and at which step."""
+    from torch.distributed.algorithms.join import Join
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = wl.convert_model(models.cifar_resnet(8, width=4, num_classes=4).double(), "grad", block_size=3)
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(10 + rank)
+    step = -1
+    try:
+        with Join([ddp]):
+            for step in range(10 - 4 * rank):  # rank 0 folds at its 9th batch, after rank 1 has joined
+                x = torch.randn(4, 3, 8, 8, generator=gen, dtype=F64) + 1
+                opt.zero_grad()
+                nn.functional.cross_entropy(ddp(x), torch.randint(0, 4, (4,), generator=gen)).backward()
+                opt.step()
+    except RuntimeError as exc:
+        return step, str(exc)
+    return step, ""
+
+
+def test_join_without_the_whitening_joinable_fails_at_once_on_every_rank():
+    from dist_utils import run_distributed
+
+    for step, message in run_distributed(_join_without_joinable):
+        assert step == 0 and "Join([ddp_model, wl.joinable(ddp_model)])" in message, (step, message[:300])

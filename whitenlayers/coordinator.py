@@ -191,6 +191,8 @@ class FoldCoordinator:
     #: The model has run inside ``DistributedDataParallel``'s forward (:meth:`begin_forward`).
     under_ddp: bool = False
     warned_local: bool = False
+    #: The ``Joinable`` :func:`~whitenlayers.joinable` made for this model (a ``Join`` enables it); never pickled.
+    joined: Any = None
     #: The fold in flight: ``(layers, future, device, jobs)``, the future's result the layers' :class:`PendingFold`
     #: (and a CUDA event, or ``None``); ``jobs`` its inputs, held until this thread's stream has waited for the fold.
     _in_flight: Optional[Tuple[List["WhiteningLayer"], Any, torch.device, Any]] = None
@@ -237,6 +239,8 @@ class FoldCoordinator:
             if ddp is not None:
                 self.under_ddp = True
                 join = bool(getattr(getattr(ddp, "_join_config", None), "enable", False))
+                if join and not (self.joined is not None and self.joined._join_config.enable):
+                    self._refuse_join_without_joinable()
             elif self.under_ddp and module.training:
                 local = True
                 if not self.warned_local:
@@ -257,6 +261,17 @@ class FoldCoordinator:
                                  else {}, {} if distributed or not self.wrappers else _shared_products(self.wrappers),
                                  [], join, False)
         self.scopes[_get_ident()] = scope
+
+    def _refuse_join_without_joinable(self) -> None:
+        """A training forward inside DDP's ``Join`` without the whitening's joinable: ``RuntimeError`` on every rank at
+        its first forward there (before any fold: a rank that joined would not shadow the folds' collectives, gloo
+        aborts on the sizes, NCCL may hang)."""
+        if any(layer.training and not layer.frozen for layer in self.layers):
+            raise RuntimeError(
+                "whitenlayers: a training forward of DistributedDataParallel inside a torch.distributed Join context "
+                "without the whitening's joinable: a rank that runs out of batches would not join the whitening's "
+                "folds (gloo aborts, NCCL may hang). Pass it to the Join after the DDP model: "
+                "Join([ddp_model, wl.joinable(ddp_model)])")
 
     def request(self, layer: "WhiteningLayer") -> None:
         if not any(p is layer for p in self.pending):
@@ -442,7 +457,8 @@ def joinable(model: nn.Module) -> Any:
             group = coord.layers[0].process_group
             return torch.distributed.group.WORLD if group is None else group  # (DDP's default: the same group)
 
-    return _Whitening()
+    coord.joined = _Whitening()
+    return coord.joined
 
 
 def _shared_weights(layers: Sequence[Any], distributed: bool) -> Dict[Any, tuple]:
