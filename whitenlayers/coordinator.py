@@ -628,7 +628,9 @@ _EXITING = threading.Event()
 def _cancel_at_exit() -> None:
     """At interpreter exit the fold in flight is read by no one: the worker stops after the part it is computing.
     ``threading._register_atexit`` (Python 3.9 and later) runs before the interpreter joins the worker (an
-    ``atexit`` handler would run after that join)."""
+    ``atexit`` handler would run after that join). The worker is joined, not abandoned: a daemon thread whose torch
+    op returns during finalization (CPython 3.11: it exits while taking the GIL, inside a C++ frame) aborts the
+    process ("terminate called without an active exception"), and so does an op left on torch's inter-op pool."""
     threading._register_atexit(_EXITING.set)  # type: ignore[attr-defined]
 
 
