@@ -186,21 +186,6 @@ def _whitening_of(shape: torch.Size, weight: torch.Tensor, bias: torch.Tensor) -
     return t, -torch.linalg.solve(t, b).reshape(-1)
 
 
-def _whitening_conv(key: str, positions: Dict[str, nn.Module]) -> bool:
-    """Whether ``key`` names the 1x1 whitening conv of an exported padded direct conv (``name.0``)."""
-    owner, _, part = key.rpartition(".")
-    return part == "0" and key not in positions and isinstance(positions.get(owner), DirectWhitenWrapper)
-
-
-def _metadata_key(key: str, positions: Dict[str, nn.Module]) -> str:
-    """The converted model's module for a plain checkpoint's metadata entry: a direct wrapper's layer for the plain
-    layer (``name``) or an exported padded conv (``name.1``)."""
-    owner, _, part = key.rpartition(".")
-    if part == "1" and key not in positions and isinstance(positions.get(owner), DirectWhitenWrapper):
-        return f"{owner}.layer"
-    return f"{key}.layer" if isinstance(positions.get(key), DirectWhitenWrapper) else key
-
-
 def load_plain_state_dict(model: nn.Module, state_dict: Dict[str, Any], strict: bool = True) -> _LoadResult:
     """Load a checkpoint of the *unconverted* architecture into a converted ``model``.
 
@@ -273,7 +258,7 @@ def load_plain_state_dict(model: nn.Module, state_dict: Dict[str, Any], strict: 
     if metadata is not None:
         translated = OrderedDict(translated)
         translated._metadata = OrderedDict(  # type: ignore[attr-defined]
-            (_metadata_key(k, positions), v) for k, v in metadata.items() if not _whitening_conv(k, positions)
+            (f"{k}.layer" if isinstance(positions.get(k), DirectWhitenWrapper) else k, v) for k, v in metadata.items()
         )
     missing = sorted(k for k in model_keys - set(translated) if k not in whitening_state)
     unexpected.sort()
