@@ -230,6 +230,8 @@ class FoldCoordinator:
     #: The model has run inside ``DistributedDataParallel``'s forward (:meth:`begin_forward`).
     under_ddp: bool = False
     warned_local: bool = False
+    #: The ``Joinable`` :func:`~whitenlayers.joinable` made for this model (a ``Join`` enables it); never pickled.
+    joined: Any = None
     #: The fold in flight (:class:`_InFlight`), or ``None``.
     _in_flight: Optional["_InFlight"] = None
     _executor: Any = None
@@ -275,6 +277,8 @@ class FoldCoordinator:
             if ddp is not None:
                 self.under_ddp = True
                 join = bool(getattr(getattr(ddp, "_join_config", None), "enable", False))
+                if join and not (self.joined is not None and self.joined._join_config.enable):
+                    self._refuse_join_without_joinable()
             elif self.under_ddp and module.training:
                 local = True
                 if not self.warned_local:
@@ -295,6 +299,17 @@ class FoldCoordinator:
                                  else {}, {} if distributed or not self.wrappers else _shared_products(self.wrappers),
                                  [], join, False)
         self.scopes[_get_ident()] = scope
+
+    def _refuse_join_without_joinable(self) -> None:
+        """A training forward inside DDP's ``Join`` without the whitening's joinable: ``RuntimeError`` on every rank at
+        its first forward there (before any fold: a rank that joined would not shadow the folds' collectives, gloo
+        aborts on the sizes, NCCL may hang)."""
+        if any(layer.training and not layer.frozen for layer in self.layers):
+            raise RuntimeError(
+                "whitenlayers: a training forward of DistributedDataParallel inside a torch.distributed Join context "
+                "without the whitening's joinable: a rank that runs out of batches would not join the whitening's "
+                "folds (gloo aborts, NCCL may hang). Pass it to the Join after the DDP model: "
+                "Join([ddp_model, wl.joinable(ddp_model)])")
 
     def request(self, layer: "WhiteningLayer") -> None:
         if not any(p is layer for p in self.pending):
@@ -480,7 +495,8 @@ def joinable(model: nn.Module) -> Any:
             group = coord.layers[0].process_group
             return torch.distributed.group.WORLD if group is None else group  # (DDP's default: the same group)
 
-    return _Whitening()
+    coord.joined = _Whitening()
+    return coord.joined
 
 
 def _shared_weights(layers: Sequence[Any], distributed: bool) -> Dict[Any, SharedWeight]:
@@ -695,7 +711,9 @@ _EXITING = threading.Event()
 def _cancel_at_exit() -> None:
     """At interpreter exit the fold in flight is read by no one: the worker stops after the part it is computing.
     ``threading._register_atexit`` (Python 3.9 and later) runs before the interpreter joins the worker (an
-    ``atexit`` handler would run after that join)."""
+    ``atexit`` handler would run after that join). The worker is joined, not abandoned: a daemon thread whose torch
+    op returns during finalization (CPython 3.11: it exits while taking the GIL, inside a C++ frame) aborts the
+    process ("terminate called without an active exception"), and so does an op left on torch's inter-op pool."""
     threading._register_atexit(_EXITING.set)  # type: ignore[attr-defined]
 
 

@@ -10,6 +10,7 @@ from typing import (
     List,
     NamedTuple,
     Optional,
+    Tuple,
     cast,
 )
 
@@ -104,6 +105,8 @@ def _export_one(module: nn.Module) -> Optional[nn.Module]:
     if isinstance(module, DirectWhitenWrapper):
         return _export_direct(module)
     if isinstance(module, GRAD_LAYER_TYPES):
+        if module._hooks_after_absorbing():
+            module._centre_for_hooks()
         if module.centring == "absorbed" and module._absorbing_bn() is not None:
             out = _export_absorbed(module)
         elif isinstance(module, GradWhitenLinear):
@@ -174,6 +177,15 @@ class _LoadResult(NamedTuple):
     unexpected_keys: List[str]
 
 
+def _whitening_of(shape: torch.Size, weight: torch.Tensor, bias: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(T, mu)`` of the 1x1 whitening conv that :func:`to_plain_model` puts before a padded direct conv (weight
+    ``T``, bias ``-T mu``): ``T`` in the whitening matrix's ``shape`` (``(G, M/G, M/G)`` when grouped) and
+    ``mu = -T^-1 b``, solved in float64."""
+    t = weight.to(torch.float64).reshape(shape)
+    b = bias.to(torch.float64).reshape(t.shape[:-1] + (1,))
+    return t, -torch.linalg.solve(t, b).reshape(-1)
+
+
 def load_plain_state_dict(model: nn.Module, state_dict: Dict[str, Any], strict: bool = True) -> _LoadResult:
     """Load a checkpoint of the *unconverted* architecture into a converted ``model``.
 
@@ -184,9 +196,14 @@ def load_plain_state_dict(model: nn.Module, state_dict: Dict[str, Any], strict: 
     of a fresh conversion (``mu = 0``, ``T = Q_s = I``, no blocks, no partial
     block), and the parameters and other buffers are loaded. The converted
     model then computes exactly what the plain model with that checkpoint
-    computes. With ``strict`` a key of the checkpoint that has no place, or a
-    key of the model that the checkpoint lacks (the whitening state aside),
-    raises ``RuntimeError`` before anything is changed. Returns
+    computes. A padded direct conv exported as ``Sequential(1x1 whitening
+    conv, conv)`` (``plain_state_dict(model, strict=False)``) loads too:
+    ``name.1.*`` goes to ``name.layer.*``, and the 1x1 conv's weight ``T`` and
+    bias ``-T mu`` set that layer's ``T`` and ``mu`` (solved in float64), the
+    rest of its whitening state fresh. With ``strict`` a key of the checkpoint
+    that has no place, or a key of the model that the checkpoint lacks (the
+    whitening state aside), raises ``RuntimeError`` before anything is
+    changed. Returns
     ``(missing_keys, unexpected_keys)`` like ``load_state_dict``.
 
     Args:
@@ -211,11 +228,18 @@ def load_plain_state_dict(model: nn.Module, state_dict: Dict[str, Any], strict: 
     model_keys = set(model.state_dict().keys())
     translated: Dict[str, Any] = {}
     unexpected = []
+    whitening_convs: Dict[str, Dict[str, Any]] = {}  # a padded direct conv's 1x1 whitening conv: name -> its tensors
     for key, value in state_dict.items():
         new_key = key
         head, _, leaf = key.rpartition(".")
         pos = positions.get(head)
-        if isinstance(pos, DirectWhitenWrapper):
+        owner, _, part = head.rpartition(".")
+        if pos is None and part in ("0", "1") and isinstance(positions.get(owner), DirectWhitenWrapper):
+            if part == "0":  # Sequential(1x1 whitening conv, conv), as to_plain_model exports a padded direct conv
+                whitening_convs.setdefault(owner, {})[leaf] = value
+                continue
+            new_key = f"{owner}.layer.{leaf}"
+        elif isinstance(pos, DirectWhitenWrapper):
             new_key = f"{head}.layer.{leaf}"
         elif pos is not None and leaf == "bias" and pos.bias is None:
             new_key = f"{head}.bias_correction"
@@ -223,6 +247,13 @@ def load_plain_state_dict(model: nn.Module, state_dict: Dict[str, Any], strict: 
             translated[new_key] = value
         else:
             unexpected.append(key)
+    for owner, tensors in whitening_convs.items():
+        if set(tensors) == {"weight", "bias"}:
+            whiten = cast(DirectWhitenWrapper, positions[owner]).whiten
+            t, mu = _whitening_of(whiten.whitening_matrix.shape, tensors["weight"], tensors["bias"])
+            translated[f"{owner}.whiten.whitening_matrix"], translated[f"{owner}.whiten.running_mean"] = t, mu
+        else:
+            unexpected += [f"{owner}.0.{leaf}" for leaf in tensors]
     metadata = getattr(state_dict, "_metadata", None)
     if metadata is not None:
         translated = OrderedDict(translated)
@@ -254,7 +285,13 @@ def _not_original(model: nn.Module) -> Dict[str, str]:
                 out[name] = ("a padded direct conv: its zero border would have to be -T mu, so it exports as "
                              "Sequential(1x1 whitening conv, conv)")
         elif isinstance(module, GRAD_LAYER_TYPES) and module.bias is None:
-            if not (module.centring == "absorbed" and module._absorbing_bn() is not None):
+            hooks = module._hooks_after_absorbing()
+            if hooks:
+                out[name] = (f"a bias-free layer whose forward hook(s) {hooks}, registered after convert_model "
+                             "absorbed its centring, see its output: it centres its input again (as convert_model "
+                             "leaves a layer with forward hooks), which needs a bias the original lacks; register "
+                             "the hooks before convert_model")
+            elif not (module.centring == "absorbed" and module._absorbing_bn() is not None):
                 out[name] = "a bias-free layer that centres its input: the centring needs a bias the original lacks"
     return out
 

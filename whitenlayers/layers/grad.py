@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import warnings
 from typing import Any, Callable, Dict, Optional, Tuple, Type, cast
 
 import torch
@@ -223,6 +224,26 @@ class _GradWhitenMixin(_GradStep, WhiteningLayer):
             self._centring_ref = CentringRef(None, batchnorm) if parent is None else CentringRef(parent, name)
             self._fold_compensation_into_offset()
         self._state_changed()  # (bias_correction rewritten)
+
+    def _hooks_after_absorbing(self) -> str:
+        """The forward hooks of a layer whose centring is absorbed, by name (``""``: none). They were registered
+        after the absorption (``convert_model`` absorbs no layer with forward hooks), and see the layer's output
+        without the offset the BatchNorm absorbs."""
+        if self._centring_ref is None or not self._forward_hooks:
+            return ""
+        return ", ".join(repr(getattr(h, "__qualname__", type(h).__name__)) for h in self._forward_hooks.values())
+
+    def _centre_for_hooks(self) -> None:
+        """Forward hooks registered after the absorption: the layer centres its input again (``absorb_centring(None)``,
+        which keeps its function), as :func:`~whitenlayers.convert_model` leaves a layer with forward hooks; a
+        warning names them. Called by the forward and the export before they use the absorbed offset."""
+        warnings.warn(
+            f"{self._describe()}: forward hook(s) {self._hooks_after_absorbing()} registered after its centring was "
+            "absorbed by a BatchNorm would see its output without the centring offset (and the export would move "
+            "the offset into the BatchNorm's running mean without the hook's effect): the layer centres its input "
+            "again, as convert_model leaves a layer with forward hooks. Register the hooks before convert_model to "
+            "silence this", stacklevel=3)
+        self.absorb_centring(None)
 
     def _skipped_offset(self, weight: Tensor) -> Tensor:
         """``s = c - sum_k W_k mu``: the offset the absorbed layer leaves out (its bias stays in the output)."""

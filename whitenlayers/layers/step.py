@@ -92,6 +92,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
         def _features_of(self, x: Tensor, weight: Tensor) -> Tensor: ...
 
+        def _centre_for_hooks(self) -> None: ...
+
         def _begin(self, x: Tensor, keeps: bool = False, state: Optional[Dict[str, Tensor]] = None) -> Step: ...
 
         def _end(self, step: Step, weight: Optional[Tensor]) -> None: ...
@@ -517,6 +519,8 @@ class _GradStep(_Layer):
             x: the input as the plain layer takes it: ``(B, C, *spatial)`` or unbatched ``(C, *spatial)`` for a
                 convolution (``C = in_channels``), ``(*, in_features)`` for a linear layer; floating point.
         """
+        if self._centring_ref is not None and self._forward_hooks:  # hooks added after the absorption
+            self._centre_for_hooks()
         params = self._parameters  # (read without Module.__getattr__; a parametrized weight is a property)
         w = params["weight"] if "weight" in params else self.weight  # read once: computed once per forward
         feats = x
