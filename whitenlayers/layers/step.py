@@ -516,10 +516,13 @@ class _GradStep(_Layer):
             out = self._op(x, w, params["bias"] if "bias" in params else self.bias)
         elif (self._SPATIAL and params.get("bias", 0) is None and self.training and w.requires_grad
               and torch.is_grad_enabled()):
-            # Training a bias-free conv (the ResNet case): the centring term added to the fresh output in place, not
-            # passed as a bias (the CPU convolution's bias gradient is several times slower than autograd's one
-            # reduction for this add); the two differ by rounding only
-            out = self._op(x, w, None).add_(self._layer_bias(w, state).view((-1,) + (1,) * self._SPATIAL))
+            # Training a bias-free conv (the ResNet case): the centring term added to the fresh output, not passed
+            # as a bias (the CPU convolution's bias gradient is several times slower than autograd's one reduction
+            # for this add; the two differ by rounding only); in place unless saved-tensor hooks are active (a
+            # selective checkpoint may have cached the convolution's output)
+            out = self._op(x, w, None)
+            bias = self._layer_bias(w, state).view((-1,) + (1,) * self._SPATIAL)
+            out = out.add_(bias) if _saved_tensor_hooks() is None else out + bias
         else:  # the plain layer's own bias path: bit-identical to to_plain_model's
             out = self._op(x, w, self._layer_bias(w, state))
         if step.counts:
