@@ -16,6 +16,11 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 F64 = torch.float64
 STAGES = ("layer1", "layer2", "layer3")
+#: Compiled against eager, float64: the compiled graph sums a batch's statistics about the shift tensor, eager may
+#: not, and AOTAutograd orders some sums apart; over 7 SGD steps and 2 folds that measured up to 33 epsilons of a
+#: tensor's largest entry (grad: a whitening matrix; direct: 14, a BatchNorm bias). A statistic counted twice (a
+#: recomputation counted as a batch) is off by ~100%, ~1e13 times more.
+N_EPS_COMPILED = 128
 
 
 def _save_convolutions(ctx, op, *args, **kwargs):
@@ -87,7 +92,7 @@ def _assert_trains_alike(model, ref, n_eps):
         want = theirs[key]
         tol = n_eps * torch.finfo(F64).eps if want.is_floating_point() else 0.0
         scale = want.abs().max().item() if want.is_floating_point() and want.numel() else 0.0
-        torch.testing.assert_close(value, want, rtol=tol, atol=tol * scale, msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(value, want, rtol=tol, atol=tol * scale, msg=lambda m, key=key: f"{key}: {m}")
 
 
 # --------------------------------------------------------------------------
@@ -106,3 +111,39 @@ def test_selective_checkpointing_saving_convolutions_trains_like_no_checkpointin
     _train(model, data)
     assert all(int(layer.num_blocks) == 2 and layer.batches_in_block == 1 for _, layer in wl.whitening_layers(model))
     _assert_trains_alike(model, ref, n_eps=0)
+
+
+# --------------------------------------------------------------------------
+# torch.compile of a root whose forward checkpoints its blocks
+# --------------------------------------------------------------------------
+def _compiled_counters(model, data):
+    """Train ``model`` compiled at the root (``aot_eager``: dynamo and AOTAutograd, no code generation); dynamo's
+    graph count and graph breaks."""
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    _train(model, data, torch.compile(model, backend="aot_eager"))
+    return counters["stats"]["unique_graphs"], dict(counters["graph_break"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["grad", "direct"])
+def test_compiled_root_with_checkpointed_blocks_compiles_them_and_trains_like_eager(method):
+    """``checkpoint(block, x, use_reentrant=False)`` for each block, the root compiled: the plain model's graph count
+    and no graph break (before: the library's list of a forward's calls, mutated inside the checkpoint's
+    higher-order operator, broke the graph: 2 graphs, the blocks eager). The batches and folds counted as in eager,
+    and the folds at the blocks' ends wait for the backward, which recomputes the layers' buffer copies from the
+    buffers themselves (a fold after the forward failed it: a buffer "modified by an inplace operation")."""
+    data = _batches(7)
+    torch.manual_seed(0)
+    plain = wl.models.cifar_resnet(8, num_classes=5, width=4).double()
+    for stage in STAGES:
+        setattr(plain, stage, Checkpointed(getattr(plain, stage)))
+    plain_graphs, plain_breaks = _compiled_counters(plain, data)
+    model = _resnet(method, True)
+    graphs, breaks = _compiled_counters(model, data)
+    assert (graphs, breaks) == (plain_graphs, plain_breaks) == (1, {})
+    assert all(int(layer.num_blocks) == 2 and layer.batches_in_block == 1 for _, layer in wl.whitening_layers(model))
+    eager = _resnet(method, True)
+    _train(eager, data)
+    _assert_trains_alike(model, eager, n_eps=N_EPS_COMPILED)

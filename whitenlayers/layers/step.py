@@ -90,6 +90,10 @@ __all__ = ["Step", "recomputing"]
 
 _compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", lambda: False)
 _jit_tracing: Callable[[], bool] = torch._C._is_tracing
+#: ``fn(*args)``, a mutation dynamo allows inside a higher-order operator (a compiled activation checkpoint: the
+#: forward runs once there, a recomputation counts nothing, so the mutation is not to be replayed); plain elsewhere.
+_unchecked_side_effect: Callable[..., Any] = getattr(
+    torch._dynamo.utils, "_disable_side_effect_safety_checks_for_current_subtracer", lambda fn, *args: fn(*args))
 #: The innermost saved-tensor hooks (activation checkpointing, ``save_on_cpu``), or ``None``; a torch without the
 #: query answers "some" (nothing handed over).
 _saved_tensor_hooks: Callable[[], Any] = (
@@ -325,7 +329,7 @@ class _StepMixin(_Layer):
         if step.traced:
             coordinator = self._fold_coordinator
             if coordinator is not None and coordinator.traced_open:
-                coordinator.traced_calls.append((self, step.rows))
+                _unchecked_side_effect(coordinator.traced_calls.append, (self, step.rows))
             else:
                 _count_outside_graph(self, step.rows)
             return
