@@ -194,7 +194,9 @@ class FoldCoordinator:
     When the root is compiled, the pre-hook runs inside the graph and marks the forward (:attr:`traced_open`): the
     layers' compiled forwards list their calls in ``traced_calls`` instead of counting them (no Python number
     in the graph that changes from step to step), and the hook, outside the graph, counts them and folds. A
-    compiled sub-module has no such mark: its layers count through a graph break each.
+    compiled sub-module has no such mark: its layers count through a graph break each. A compiled forward whose
+    backward holds the layers' buffers themselves (compiled activation checkpointing recomputes the graph's copies of
+    them there) folds after that backward.
 
     ``fold_async=True``: the fold of a block runs in a worker thread (on CUDA, on a stream of its own) while the
     next block trains, and is written at the end of that next block: the transform built from block ``i`` is in
@@ -366,7 +368,8 @@ class FoldCoordinator:
         scope = self.scopes.pop(_get_ident(), None)  # (its unused weight views go with it)
         if scope is not None and scope.batches:
             _add_handed_batches(scope.batches, self._arenas)
-        if self.traced_open:
+        traced = self.traced_open
+        if traced:
             self.traced_open = False
             calls: Dict[Any, List[int]] = {}
             for call in self.traced_calls:
@@ -375,8 +378,11 @@ class FoldCoordinator:
             for layer, rows in calls.items():
                 layer._count_traced(rows, coordinated=True)
         if self.pending and not _exporting():  # (torch.export traces the forward: a fold is no part of it)
-            leaf = _grad_leaf(output) if scope is not None and scope.join else None
-            if leaf is not None:  # under Join: after the backward, so that DDP's all-reduces come first (joinable)
+            leaf = _grad_leaf(output) if (scope is not None and scope.join) or traced else None
+            if traced and not _reads_buffers(leaf, self.pending):
+                leaf = None
+            if leaf is not None:  # under Join: after the backward, so that DDP's all-reduces come first (joinable);
+                # compiled checkpointing: after the backward, which reads the buffers themselves (_reads_buffers)
                 leaf.register_hook(self._fold_after_backward)
             else:
                 self.flush()
@@ -446,6 +452,18 @@ def _grad_leaf(output: Any) -> Optional[Tensor]:
     """A tensor of a forward's output that a backward will reach, or ``None``."""
     leaves = torch.utils._pytree.tree_leaves(output)
     return next((leaf for leaf in leaves if isinstance(leaf, Tensor) and leaf.requires_grad), None)
+
+
+def _reads_buffers(leaf: Optional[Tensor], layers: Iterable["WhiteningLayer"]) -> bool:
+    """Whether the backward of a compiled forward's output ``leaf`` holds a forward buffer of ``layers`` itself, not
+    the graph's copy: compiled activation checkpointing recomputes the copies there (AOTAutograd recomputes what a
+    checkpointed region computes), so the fold waits for that backward."""
+    try:
+        saved = getattr(leaf.grad_fn, "saved_tensors", ()) if leaf is not None else ()
+    except RuntimeError:  # its tensors freed (a backward ran)
+        return False
+    buffers = {layer._buffers[name].data_ptr() for layer in layers for name in layer._FORWARD_BUFFERS}
+    return any(isinstance(t, Tensor) and t.data_ptr() in buffers for t in saved)
 
 
 def joinable(model: nn.Module) -> Any:

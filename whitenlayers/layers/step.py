@@ -104,6 +104,10 @@ __all__ = ["CentringRef", "Step", "recomputing"]
 
 _compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", lambda: False)
 _jit_tracing: Callable[[], bool] = torch._C._is_tracing
+#: ``fn(*args)``, a mutation dynamo allows inside a higher-order operator (a compiled activation checkpoint: the
+#: forward runs once there, a recomputation counts nothing, so the mutation is not to be replayed); plain elsewhere.
+_unchecked_side_effect: Callable[..., Any] = getattr(
+    torch._dynamo.utils, "_disable_side_effect_safety_checks_for_current_subtracer", lambda fn, *args: fn(*args))
 #: The innermost saved-tensor hooks (activation checkpointing, ``save_on_cpu``), or ``None``; a torch without the
 #: query answers "some" (nothing handed over).
 _saved_tensor_hooks: Callable[[], Any] = (
@@ -383,7 +387,7 @@ class _StepMixin(_Layer):
         if step.traced:
             coordinator = self._fold_coordinator
             if coordinator is not None and coordinator.traced_open:
-                coordinator.traced_calls.append(TracedCall(self, step.rows))
+                _unchecked_side_effect(coordinator.traced_calls.append, TracedCall(self, step.rows))
             else:
                 _count_outside_graph(self, step.rows)
             return
@@ -556,10 +560,13 @@ class _GradStep(_Layer):
             out = self._op(x, w, params["bias"] if "bias" in params else self.bias)
         elif (self._SPATIAL and params.get("bias", 0) is None and self.training and w.requires_grad
               and torch.is_grad_enabled()):
-            # Training a bias-free conv (the ResNet case): the centring term added to the fresh output in place, not
-            # passed as a bias (the CPU convolution's bias gradient is several times slower than autograd's one
-            # reduction for this add); the two differ by rounding only
-            out = self._op(x, w, None).add_(self._layer_bias(w, state).view((-1,) + (1,) * self._SPATIAL))
+            # Training a bias-free conv (the ResNet case): the centring term added to the fresh output, not passed
+            # as a bias (the CPU convolution's bias gradient is several times slower than autograd's one reduction
+            # for this add; the two differ by rounding only); in place unless saved-tensor hooks are active (a
+            # selective checkpoint may have cached the convolution's output)
+            out = self._op(x, w, None)
+            bias = self._layer_bias(w, state).view((-1,) + (1,) * self._SPATIAL)
+            out = out.add_(bias) if _saved_tensor_hooks() is None else out + bias
         else:  # the plain layer's own bias path: bit-identical to to_plain_model's
             out = self._op(x, w, self._layer_bias(w, state))
         if step.counts:
