@@ -7,6 +7,7 @@ draws fresh random examples for a local bug hunt::
     HYPOTHESIS_PROFILE=explore python -m pytest -q tests/test_robustness.py
 """
 import os
+import sys
 
 import pytest
 from hypothesis import settings
@@ -44,3 +45,9 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def pytest_sessionfinish(session):
+    """The forkserver of ``dist_utils.run_distributed``, if a test started one, stops with the session."""
+    if "dist_utils" in sys.modules:
+        sys.modules["dist_utils"].stop_forkserver()
