@@ -47,6 +47,22 @@ def single_thread():
     torch.set_num_threads(n)
 
 
+def pytest_configure(config):
+    """Under ``-n N`` the tests of one ``xdist_group`` run on one worker, so the module-scoped fixture they share
+    (a distributed run, the op counts) is computed once, not once on each worker that draws one of them: the
+    default distribution (``load``) becomes ``loadgroup``, which spreads every other test as ``load`` does."""
+    if getattr(config.option, "dist", "no") == "load":
+        config.option.dist = "loadgroup"
+    elif getattr(config, "workerinput", {}).get("loadgroup"):
+        # a worker: its test ids carry their group, as the controller's scheduler expects
+        config.option.loadgroup = True
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    node.workerinput["loadgroup"] = node.config.getvalue("dist") == "loadgroup"
+
+
 def pytest_sessionfinish(session):
     """The forkserver of ``dist_utils.run_distributed``, if a test started one, stops with the session."""
     if "dist_utils" in sys.modules:
