@@ -47,20 +47,26 @@ def single_thread():
     torch.set_num_threads(n)
 
 
-def pytest_configure(config):
-    """Under ``-n N`` the tests of one ``xdist_group`` run on one worker, so the module-scoped fixture they share
-    (a distributed run, the op counts) is computed once, not once on each worker that draws one of them: the
-    default distribution (``load``) becomes ``loadgroup``, which spreads every other test as ``load`` does."""
-    if getattr(config.option, "dist", "no") == "load":
-        config.option.dist = "loadgroup"
-    elif getattr(config, "workerinput", {}).get("loadgroup"):
-        # a worker: its test ids carry their group, as the controller's scheduler expects
-        config.option.loadgroup = True
+#: Modules whose module-scoped fixture is expensive (a distributed run, the op counts of every variant): under
+#: ``-n N`` each runs whole on one worker, so its fixture is computed once, not on each worker that draws one of its
+#: tests. Every other test is dealt out one at a time, as ``--dist load`` does.
+ONE_WORKER_MODULES = ("tests/test_hot_path.py", "tests/test_distributed.py")
 
 
 @pytest.hookimpl(optionalhook=True)
-def pytest_configure_node(node):
-    node.workerinput["loadgroup"] = node.config.getvalue("dist") == "loadgroup"
+def pytest_xdist_make_scheduler(config, log):
+    """The default ``--dist load``, but with each module of ``ONE_WORKER_MODULES`` one unit of work (a test's
+    ``xdist_group`` mark would do this under ``--dist loadgroup``, which the README's command does not pass)."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModulesOnOneWorker(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            module = nodeid.split("::", 1)[0]
+            return module if module in ONE_WORKER_MODULES else nodeid
+
+    return ModulesOnOneWorker(config, log)
 
 
 def pytest_sessionfinish(session):

@@ -221,10 +221,6 @@ def _reference(variant: str):
     return train(model, step_fn, opt, len(SPLITS))
 
 
-#: The tests of the one spawned run, on one worker under ``-n N`` (tests/conftest.py), so it runs once.
-SPAWNED_GROUP = pytest.mark.xdist_group("test_distributed.spawned")
-
-
 @pytest.fixture(scope="module")
 def spawned():
     return run_distributed(_worker, world_size=WORLD)
@@ -236,7 +232,6 @@ def ddp_runs(spawned):
     return {variant: ([r[variant] for r in spawned], _reference(variant)) for variant in VARIANTS}
 
 
-@SPAWNED_GROUP
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_ddp_ranks_bit_identical_after_every_fold(ddp_runs, variant):
     results, _ = ddp_runs[variant]
@@ -252,7 +247,6 @@ def test_ddp_ranks_bit_identical_after_every_fold(ddp_runs, variant):
     assert len(blocks) == 4 and set(blocks.values()) == {len(SPLITS) // BLOCK}, blocks
 
 
-@SPAWNED_GROUP
 def test_whitening_buffers_stay_bit_identical_without_ddp_buffer_broadcast(spawned):
     """DDP without its buffer broadcast at every forward, which saves re-sending every whitening layer's matrices
     (docs/performance.md): the library's own sums across ranks at each fold keep every whitening buffer (the
@@ -270,7 +264,6 @@ def test_whitening_buffers_stay_bit_identical_without_ddp_buffer_broadcast(spawn
                for k, v in last.items() if k.endswith("whitening_matrix"))
 
 
-@SPAWNED_GROUP
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_ddp_equals_single_process_on_global_batch(ddp_runs, variant):
     results, ref = ddp_runs[variant]
@@ -289,7 +282,6 @@ def test_ddp_equals_single_process_on_global_batch(ddp_runs, variant):
     assert (ref[-1]["2.grad_transform"] - torch.eye(8)).abs().max() > 0.01
 
 
-@SPAWNED_GROUP
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_fold_collectives_are_coalesced_for_the_whole_model(ddp_runs, variant):
     """Two all_reduce calls per block for all four whitening layers together, none between folds."""
@@ -331,7 +323,6 @@ def _standalone_run(rank: int, world: int) -> dict:
     return {"states": out, "total_calls": len(counter.calls), "fold_calls": fold_calls}
 
 
-@SPAWNED_GROUP
 def test_standalone_layers_agree_across_ranks_and_with_single_process(spawned):
     r0, r1 = [r["standalone"] for r in spawned]
     # reference: one process sees the whole of every batch

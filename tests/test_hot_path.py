@@ -15,8 +15,6 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 hot_path = pytest.importorskip("hot_path")
 
-pytestmark = pytest.mark.xdist_group("test_hot_path")  # one worker counts the ops once (tests/conftest.py)
-
 #: variant -> most extra non-view ATen ops per whitening layer and training step (ResNet-20, block_size 10), folds
 #: included, counting the statistics' two-op path (the one CUDA takes). Measured: 5.8, 6.2, 6.1, 5.3 since a fold
 #: writes its buffers in one multi-tensor copy (6.25, 6.98, 6.52, 5.83 before; 7.3, 8.0, 6.9, 5.7 before the
