@@ -460,7 +460,6 @@ def _detector(method: str) -> torch.nn.Module:
     return wl.convert_model(_Detector().double(), method, block_size=3, targets="all")
 
 
-@pytest.mark.slow  # 12-13 CPU s each (measured at load 16): a graph break per layer, 9 steps
 @pytest.mark.parametrize("method", ["grad", "recursive", "direct"])
 def test_a_compiled_submodule_trains_as_the_eager_root(method):
     """``torch.compile(model.backbone)`` called directly (the root's hooks never run): its layers count their batches
