@@ -7,6 +7,7 @@ draws fresh random examples for a local bug hunt::
     HYPOTHESIS_PROFILE=explore python -m pytest -q tests/test_robustness.py
 """
 import os
+import sys
 
 import pytest
 from hypothesis import settings
@@ -44,3 +45,31 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+#: Modules whose module-scoped fixture is expensive (a distributed run, the op counts of every variant): under
+#: ``-n N`` each runs whole on one worker, so its fixture is computed once, not on each worker that draws one of its
+#: tests. Every other test is dealt out one at a time, as ``--dist load`` does.
+ONE_WORKER_MODULES = ("tests/test_hot_path.py", "tests/test_distributed.py")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """The default ``--dist load``, but with each module of ``ONE_WORKER_MODULES`` one unit of work (a test's
+    ``xdist_group`` mark would do this under ``--dist loadgroup``, which the README's command does not pass)."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModulesOnOneWorker(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            module = nodeid.split("::", 1)[0]
+            return module if module in ONE_WORKER_MODULES else nodeid
+
+    return ModulesOnOneWorker(config, log)
+
+
+def pytest_sessionfinish(session):
+    """The forkserver of ``dist_utils.run_distributed``, if a test started one, stops with the session."""
+    if "dist_utils" in sys.modules:
+        sys.modules["dist_utils"].stop_forkserver()

@@ -1,6 +1,6 @@
 """Run a function on several local ``gloo`` (or ``nccl``) processes (in the style of kfac-pytorch's test helpers).
 
-``run_distributed(fn, *args, world_size=2)`` spawns ``world_size`` processes with
+``run_distributed(fn, *args, world_size=2)`` starts ``world_size`` processes with
 ``torch.multiprocessing``, initialises a ``gloo`` process group in each (a
 file-based rendezvous in a temporary directory, so there is no port to race
 for), calls ``fn(rank, world_size, *args)`` and returns the list of the values
@@ -9,8 +9,12 @@ that rank's traceback (``torch.multiprocessing.ProcessRaisedException``); a
 rank stuck in a collective fails after the process group's timeout.
 
 ``fn`` must be a module-level function (it is pickled by reference), and what
-it returns must be serialisable with ``torch.save``. Starting processes costs a
-few seconds, so a test should batch several checks into one run.
+it returns must be serialisable with ``torch.save``. The processes are forked
+from a ``forkserver`` that has imported torch and the library once (a fresh
+interpreter like ``spawn``'s, none of the test process's state, without each
+rank importing torch again: ~4 CPU s a rank); where there is no forkserver
+(Windows) they are spawned. Starting them still costs about a second, so a
+test should batch several checks into one run.
 """
 from __future__ import annotations
 
@@ -24,7 +28,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["run_distributed", "CountingDist"]
+__all__ = ["run_distributed", "stop_forkserver", "CountingDist"]
+
+# The forkserver (one per test process, started by the first run) imports these before it forks any rank.
+_PRELOAD = ["torch", "torch.distributed", "whitenlayers", "dist_utils"]
+_START_METHOD = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+if _START_METHOD == "forkserver":
+    mp.get_context("forkserver").set_forkserver_preload(_PRELOAD)
 
 
 def _worker(rank: int, world_size: int, store: str, outdir: str, fn: Callable, args: tuple, backend: str) -> None:
@@ -61,8 +71,19 @@ def run_distributed(fn: Callable, *args: Any, world_size: int = 2, backend: str 
     """
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "rendezvous")
-        mp.spawn(_worker, args=(world_size, store, tmp, fn, args, backend), nprocs=world_size, join=True)
+        mp.start_processes(_worker, args=(world_size, store, tmp, fn, args, backend), nprocs=world_size, join=True,
+                           start_method=_START_METHOD)
         return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+def stop_forkserver() -> None:
+    """Stop this process's forkserver (``tests/conftest.py`` calls it at the end of the session) and wait for it:
+    none outlives the test process, and the ranks' CPU time counts as the test process's children's (``time``,
+    ``getrusage``), as spawned ranks did. ``_stop`` is the stop CPython's own tests use; a no-op if none runs."""
+    if _START_METHOD == "forkserver":
+        import multiprocessing.forkserver
+
+        multiprocessing.forkserver._forkserver._stop()
 
 
 class CountingDist:

@@ -16,6 +16,10 @@ from torch._dynamo.utils import counters
 
 import whitenlayers as wl
 
+# Dynamo traces of whole converted models, 2-6 CPU s each (measured at load 17 under -n 2): slow, so the README's
+# command leaves them out; CI runs them with the slow tests and again with WHITENLAYERS_TEST_COMPILE=1 (.ci/run).
+pytestmark = pytest.mark.slow
+
 #: The graphs a converted model compiles to, as the plain model: one for every step, the very first included (its
 #: batches are summed about the shift tensor's values, and moved to the shift they choose outside the graph); each
 #: fold runs between two compiled forwards, in the coordinator's forward hook, outside the graphs. ``stats_every > 1``

@@ -538,6 +538,7 @@ def test_parametrized_weight_keeps_the_default_transform():
     assert deferral.layers == [b[0]]
 
 
+@pytest.mark.slow  # 6.8 CPU s (measured at load 16): torch.compile of two runs
 def test_eager_steps_then_compiled_steps_transform_once():
     """A layer inside a compiled graph takes the default transform (the Function); the weight's hook must not
     transform that gradient again with the Q_s of an earlier eager forward (a model whose first steps, or whose

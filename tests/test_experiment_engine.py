@@ -61,6 +61,7 @@ def test_quick_default_dataset(tmp_path, capsys):
     assert all(0 < float(r["kappa_mean"]) <= 1 and 0 < float(r["rho_mean"]) <= 1 for r in rows)
 
 
+@pytest.mark.slow  # whole runner runs, 5-7 CPU s (measured at load 17 under -n 2)
 def test_quick_synthetic_outputs_all_methods_two_seeds(tmp_path):
     pytest.importorskip("matplotlib")  # the figure: the 'experiment' extra
     out = str(tmp_path / "s")
@@ -98,6 +99,7 @@ def test_quick_synthetic_outputs_all_methods_two_seeds(tmp_path):
     assert "epochs to 10.0%" in open(os.path.join(out, "summary.md")).read()
 
 
+@pytest.mark.slow  # whole runner runs, 5-7 CPU s (measured at load 17 under -n 2)
 def test_resume_equals_uninterrupted(tmp_path, monkeypatch):
     # 512 images / batch 64 = 8 steps per epoch, block size 3: a statistics block spans each interruption.
     # --device cpu: bit-for-bit resume is a CPU promise (CUDA kernels may be non-deterministic); auto picks CUDA
@@ -254,6 +256,7 @@ _STEP_COMMON = ["--quick", "--dataset", "synthetic", "--block-size", "3", "--thr
                 "--progress", "never"]  # 512 images / batch 64: 8 steps per epoch
 
 
+@pytest.mark.slow  # whole runner runs, 5-7 CPU s (measured at load 17 under -n 2)
 def test_step_evaluations_train_the_same_models(tmp_path):
     """Evaluating every 3 steps changes no metric (the evaluations draw nothing and are kept out of the training
     seconds); steps.csv holds every evaluation with its step and examples."""
@@ -276,6 +279,7 @@ def test_step_evaluations_train_the_same_models(tmp_path):
         assert [r["test_acc"] for r in mine if r["step"] in ("8", "16")] == [r["test_acc"] for r in ends]
 
 
+@pytest.mark.slow  # whole runner runs, 5-7 CPU s (measured at load 17 under -n 2)
 def test_step_budget_and_target_stop_the_run(tmp_path):
     from whitenlayers.experiment.report import read_steps, steps_to_target
 
@@ -305,6 +309,7 @@ def test_step_budget_and_target_stop_the_run(tmp_path):
     assert read_steps(os.path.join(target, "steps.csv")) == steps
 
 
+@pytest.mark.slow  # whole runner runs, 5-7 CPU s (measured at load 17 under -n 2)
 def test_precise_bn_evaluates_the_weights_and_changes_no_training(tmp_path):
     """--precise-bn: BatchNorm statistics recomputed at the current weights for each evaluation only; every buffer
     is restored afterwards (a whitening layer's absorbed centring follows the BatchNorm inside), so the training

@@ -122,6 +122,7 @@ def test_opacus_validator_keeps_plain_models_and_copies():
     assert not [e for e in ModuleValidator.validate(exported, strict=False) if "un-noised statistics" in str(e)]
 
 
+@pytest.mark.slow  # 5-7 CPU s each (measured at load 16): a fresh interpreter importing torch and opacus
 @pytest.mark.parametrize("first", ["whitenlayers", "opacus"])
 def test_opacus_checks_are_registered_whatever_is_imported_first(first):
     pytest.importorskip("opacus")
@@ -138,6 +139,7 @@ def test_opacus_checks_are_registered_whatever_is_imported_first(first):
     assert found == layers and int(layers) > 0
 
 
+@pytest.mark.slow  # 5.0 CPU s (measured at load 16): a fresh interpreter importing torch and opacus
 def test_opacus_imported_after_conversion_needs_the_documented_call():
     """No import hook: a model converted before Opacus is first imported is checked once
     ``register_opacus_validators()`` is called (what the privacy docs say to do), and no ``sys.meta_path`` finder

@@ -25,9 +25,9 @@ def _batch(seed, n=8):
     return torch.randn(n, 3, 12, 12, generator=g, dtype=torch.float64) * 2 + 0.5
 
 
-def _base():
+def _base(depth=20):
     torch.manual_seed(0)
-    return models.cifar_resnet(20, width=4).to(torch.float64)
+    return models.cifar_resnet(depth, width=4).to(torch.float64)
 
 
 def _features(net, x):
@@ -106,7 +106,7 @@ def test_submodule_forwards_fold_where_the_root_would():
 
 
 def _pending_after_an_export():
-    model = wl.convert_model(_base(), "grad", block_size=3)
+    model = wl.convert_model(_base(8), "grad", block_size=3)  # a ResNet-8: each export traces 6 whitening layers, not 18
     for s in range(5):
         model(_batch(s))
     torch.export.export(model, (_batch(5),))  # the 6th forward ends a block; its end folds nothing while exporting
