@@ -109,8 +109,8 @@ def test_unknown_whitening_argument_is_a_type_error_naming_the_layer_and_valid_o
 
 def test_invalid_value_at_construction_names_the_argument():
     with pytest.raises(ValueError, match=r"^RecursiveWhitenConv2d: RecursiveConfig \(method 'recursive'\): delta "
-                                         r"\(target power of the reduced direction, relative to the mean power\) must be "
-                                         r"> 0, but got delta=-1$"):
+                                         r"\(target power of the reduced direction, relative to the mean power\) "
+                                         r"must be > 0, but got delta=-1$"):
         wl.RecursiveWhitenConv2d(3, 4, 3, delta=-1)
 
 
