@@ -32,8 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run from a checkout without installing the package
     sys.path.insert(0, str(ROOT))
 
-# torch is imported where it is used, so that bench.py (which runs every scenario in a process of its own) does not
-# pay for an import it does not use.
+# torch is imported in the functions that use it: bench.py, which runs each scenario in a process, never needs it.
 _CLOCK: Callable[[], float] = time.perf_counter
 
 
@@ -72,7 +71,6 @@ def setup(threads: int = 2, seed: int = 0, clock: str = "wall", layer_kwargs: st
     far less; meaningful with ``--threads 1``, where no thread waits on another), and the keyword arguments
     of every converted variant (``LAYER_KWARGS``)."""
     import torch
-
     global _CLOCK
     LAYER_KWARGS.clear()
     LAYER_KWARGS.update(parse_layer_kwargs(layer_kwargs))

@@ -5,7 +5,7 @@ commit, the torch version and the machine's load.
     python benchmarks/bench.py --help               # this text and the scenarios
     python benchmarks/bench.py list                 # the scenarios, one a line
     python benchmarks/bench.py step                 # one scenario, full size (prints its section)
-    python benchmarks/bench.py step --tiny          # a seconds-long smoke run (CI): no meaningful numbers
+    python benchmarks/bench.py step --tiny          # a smoke run (CI): one thread, seconds, no meaningful numbers
     python benchmarks/bench.py all --tiny           # every scenario, tiny
     python benchmarks/bench.py step --out step.md -- --depths 20 --layer-kwargs gains=damped
                                                     # options after "--" go to the scenario (its --help lists them)
@@ -41,8 +41,6 @@ class Scenario(NamedTuple):
     what: str
     #: scenario options of the full-size run (the tiny run takes --tiny --threads 1 instead)
     full: tuple = ()
-    #: a scenario run under torchrun with two processes
-    ranks: int = 1
 
 
 SCENARIOS: Dict[str, Scenario] = {
@@ -92,14 +90,11 @@ def run_scenario(name: str, tiny: bool, extra: List[str], command: str) -> Optio
     opts = (["--tiny", "--threads", "1"] if tiny else list(scenario.full)) + extra
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
-        launcher = [sys.executable]
-        if scenario.ranks > 1:
-            launcher += ["-m", "torch.distributed.run", "--nproc_per_node", str(scenario.ranks)]
         load_before = loadavg()
         t0 = time.perf_counter()
         print(f"== {command}  (load {load_before})", file=sys.stderr, flush=True)
         # Its tables come back in its JSON, printed once below; what it prints comes back only if it fails.
-        proc = subprocess.run([*launcher, str(HERE / scenario.script), *opts, "--json", str(out)], cwd=ROOT,
+        proc = subprocess.run([sys.executable, str(HERE / scenario.script), *opts, "--json", str(out)], cwd=ROOT,
                               env={**QUIET, **os.environ}, stdout=subprocess.PIPE, text=True)
         seconds = time.perf_counter() - t0
         if proc.returncode != 0 or not out.exists():

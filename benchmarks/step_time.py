@@ -68,10 +68,8 @@ def time_model(depth: int, args, variants: List[str]) -> Dict[str, object]:
         rounds, block, warmup = 2, 2, 0
     base = build_base(depth, classes, width=width, seed=args.seed)
     batches = random_batches(2, batch, size, classes, seed=args.seed)
-    vs = {}
-    for name in variants:
-        vs[name] = Variant(name, base, batches, block_size=block,
-                           stats_fraction=args.fraction if name.endswith(":sub") else 1.0)
+    fraction = {name: args.fraction if name.endswith(":sub") else 1.0 for name in variants}
+    vs = {name: Variant(name, base, batches, block_size=block, stats_fraction=fraction[name]) for name in variants}
     for name in variants:  # one untimed step each (lazy initialisation, first block's shift)
         vs[name].step()
     bench = Interleaved({k: v.step for k, v in vs.items()})
@@ -79,9 +77,7 @@ def time_model(depth: int, args, variants: List[str]) -> Dict[str, object]:
     extra = {k: v.amortised_extra() for k, v in vs.items()}
     times = {k: [t + extra[k] for t in ts] for k, ts in bench.times.items()}
     stats = ratio_stats(times, "plain")
-    mem = {}
-    for name in variants:
-        mem[name] = peak_step_memory(vs[name])
+    mem = {name: peak_step_memory(vs[name]) for name in variants}
     rows = []
     for name in variants:
         s = stats[name]
