@@ -31,12 +31,6 @@ def test_every_field_out_of_range_names_the_config_its_methods_and_what_the_fiel
         assert "\n" not in text
 
 
-def test_alpha_says_what_it_averages_for_each_rule():
-    evd = _message(lambda: EVDConfig(alpha=1.5))
-    rec = _message(lambda: RecursiveConfig(alpha=1.5))
-    assert "mean and covariance" in evd and "Phi_y" in rec
-
-
 EVD = "EVDConfig (methods 'grad' and 'direct'): "
 RECURSIVE = "RecursiveConfig (method 'recursive'): "
 

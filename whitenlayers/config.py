@@ -17,8 +17,8 @@ Example:
     >>> EVDConfig(alpha=1.0)  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     ...
-    ValueError: EVDConfig (methods 'grad' and 'direct'): alpha (averaging weight of the previous blocks' mean and
-    covariance) must be in [0, 1), but got alpha=1.0
+    ValueError: EVDConfig (methods 'grad' and 'direct'): alpha (recursive averaging of the moments between blocks)
+    must be in [0, 1), but got alpha=1.0
 """
 from __future__ import annotations
 
@@ -168,7 +168,7 @@ class WhiteningConfig:
              "fold per epoch (the runner uses 2 on its small datasets); raise it (20-50) when the folds' cost "
              "matters more than freshness (many whitened layers, small batches).")
     alpha: float = _hp(
-        0.9, "averaging weight of the previous blocks' mean and covariance", "alpha",
+        0.9, "recursive averaging of the moments between blocks", "alpha",
         doc="Weight of the running mean and covariance when a block folds in, ``mu(i) = alpha mu(i-1) + "
             "(1 - alpha) mean of block i`` (eqs. 2-3; the first block sets them alone); 0 keeps only the "
             "latest block.",
@@ -334,7 +334,7 @@ class RecursiveConfig(WhiteningConfig):
     """
 
     alpha: float = _hp(
-        0.1, "averaging weight of the previous blocks' moments, Phi_y included", "alpha",
+        0.1, "recursive averaging of the moments between blocks", "alpha",
         doc="Weight of the running moments when a block folds in (eqs. 2-3 and 37): of ``mu``, ``Phi_x``, the "
             "powers ``phi_x`` and the whitened covariance ``Phi_y``; 0 keeps only the latest block.",
         when="The paper's value for the recursive layers: ``Phi_y`` describes the features under the transform "
