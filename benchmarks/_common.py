@@ -32,10 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run from a checkout without installing the package
     sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
-
-from whitenlayers.experiment.report import git_state  # noqa: E402
-
+# torch is imported in the functions that use it: bench.py, which runs each scenario in a process, never needs it.
 _CLOCK: Callable[[], float] = time.perf_counter
 
 
@@ -73,6 +70,7 @@ def setup(threads: int = 2, seed: int = 0, clock: str = "wall", layer_kwargs: st
     ``"cpu"`` (``process_time``: this process's CPU time, which other processes on a shared machine disturb
     far less; meaningful with ``--threads 1``, where no thread waits on another), and the keyword arguments
     of every converted variant (``LAYER_KWARGS``)."""
+    import torch
     global _CLOCK
     LAYER_KWARGS.clear()
     LAYER_KWARGS.update(parse_layer_kwargs(layer_kwargs))
@@ -105,6 +103,10 @@ def loadavg() -> str:
 
 def machine_description() -> Dict[str, str]:
     """CPU model, core count, torch build, date: recorded next to every table."""
+    import torch
+
+    from whitenlayers.experiment.report import git_state
+
     lscpu = ""
     try:
         lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
@@ -201,8 +203,9 @@ def md_table(headers: Sequence[str], rows: Sequence[Sequence[object]], nd: int =
 
 
 def write_json(path: Optional[str], payload: Dict[str, object]) -> None:
+    """``payload`` as JSON at ``path`` (nothing without one), with the machine that ran it (bench.py's provenance)."""
     if path:
-        Path(path).write_text(json.dumps(payload, indent=1, default=str))
+        Path(path).write_text(json.dumps({"machine": machine_description(), **payload}, indent=1, default=str))
 
 
 def command_line() -> str:

@@ -33,6 +33,8 @@ own and added as ``time / 100`` to the mean step time; the statistics steps
 from __future__ import annotations
 
 import copy
+import statistics
+import time
 from typing import Dict, List, Optional, Tuple
 
 import _common  # noqa: F401  (importing it puts the repository on sys.path)
@@ -137,9 +139,6 @@ class Variant:
         """Seconds per step of work done every ``inv_every`` steps (not inside the timed steps)."""
         if self.pre is None or not self.pre.a:
             return 0.0
-        import statistics
-        import time
-
         ts = []
         for _ in range(repeat):
             t0 = time.perf_counter()

@@ -5,7 +5,7 @@ commit, the torch version and the machine's load.
     python benchmarks/bench.py --help               # this text and the scenarios
     python benchmarks/bench.py list                 # the scenarios, one a line
     python benchmarks/bench.py step                 # one scenario, full size (prints its section)
-    python benchmarks/bench.py step --tiny          # a seconds-long smoke run (CI): no meaningful numbers
+    python benchmarks/bench.py step --tiny          # a smoke run (CI): one thread, seconds, no meaningful numbers
     python benchmarks/bench.py all --tiny           # every scenario, tiny
     python benchmarks/bench.py step --out step.md -- --depths 20 --layer-kwargs gains=damped
                                                     # options after "--" go to the scenario (its --help lists them)
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -26,19 +27,20 @@ import time
 from pathlib import Path
 from typing import Dict, List, NamedTuple, Optional
 
-from _common import ROOT, loadavg, machine_description
+from _common import ROOT, loadavg
 
 HERE = Path(__file__).resolve().parent
+#: The scenario's environment unless set otherwise: no torch.profiler start/stop lines (kineto's USDT level, the
+#: highest) and no c10 warnings (its allocator's about blocks allocated before the profiler started).
+QUIET = {"KINETO_LOG_LEVEL": "6", "TORCH_CPP_LOG_LEVEL": "ERROR"}
 
 
 class Scenario(NamedTuple):
     script: str
     title: str
     what: str
-    #: scenario options of the full-size run (the tiny run adds --tiny to them)
+    #: scenario options of the full-size run (the tiny run takes --tiny --threads 1 instead)
     full: tuple = ()
-    #: a scenario run under torchrun with two processes
-    ranks: int = 1
 
 
 SCENARIOS: Dict[str, Scenario] = {
@@ -85,21 +87,21 @@ def provenance(command: str, info: Dict[str, str], load_after: str, seconds: flo
 def run_scenario(name: str, tiny: bool, extra: List[str], command: str) -> Optional[str]:
     """Run one scenario in its own process; its Markdown section (provenance first), or None if it failed."""
     scenario = SCENARIOS[name]
-    opts = (["--tiny"] if tiny else list(scenario.full)) + extra
+    opts = (["--tiny", "--threads", "1"] if tiny else list(scenario.full)) + extra
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
-        launcher = [sys.executable]
-        if scenario.ranks > 1:
-            launcher += ["-m", "torch.distributed.run", "--nproc_per_node", str(scenario.ranks)]
-        info = machine_description()
+        load_before = loadavg()
         t0 = time.perf_counter()
-        print(f"== {command}  (load {info['loadavg']})", file=sys.stderr, flush=True)
-        proc = subprocess.run([*launcher, str(HERE / scenario.script), *opts, "--json", str(out)], cwd=ROOT)
+        print(f"== {command}  (load {load_before})", file=sys.stderr, flush=True)
+        # Its tables come back in its JSON, printed once below; what it prints comes back only if it fails.
+        proc = subprocess.run([sys.executable, str(HERE / scenario.script), *opts, "--json", str(out)], cwd=ROOT,
+                              env={**QUIET, **os.environ}, stdout=subprocess.PIPE, text=True)
         seconds = time.perf_counter() - t0
         if proc.returncode != 0 or not out.exists():
-            print(f"{name}: failed (exit code {proc.returncode})", file=sys.stderr)
+            print(f"{proc.stdout}{name}: failed (exit code {proc.returncode})", file=sys.stderr)
             return None
-        markdown = json.loads(out.read_text())["markdown"]
+        result = json.loads(out.read_text())
+    info, markdown = {**result["machine"], "loadavg": load_before}, result["markdown"]
     head = f"## {scenario.title}" + (" (tiny: a smoke run, numbers meaningless)" if tiny else "")
     return "\n\n".join([head, provenance(command, info, loadavg(), seconds), markdown]) + "\n"
 

@@ -24,7 +24,7 @@ torchvision needed; 32x32, batch 2, 10 classes; op counts do not depend on the i
 product for inputs of at least ``functional._CPU_UNSHIFTED_MIN_ELEMENTS`` values).
 
     python benchmarks/hot_path.py                       # counts for ResNet-20 and ResNet-50, timing ResNet-20, -110
-    python benchmarks/hot_path.py --tiny --json out.json  # seconds (CI): ResNet-20 counts only
+    python benchmarks/hot_path.py --tiny --json out.json  # seconds (CI): counts of a narrow ResNet-8, blocks of 2
 """
 # ruff: noqa: E501  (closures timed in the loop that makes them; long table lines)
 from __future__ import annotations
@@ -134,12 +134,14 @@ def _folding(counter: OpCounter):
 
 
 def build(model: str, seed: int = 0) -> Tuple[torch.nn.Module, List[Tuple[torch.Tensor, torch.Tensor]]]:
+    if model == "resnet8":  # --tiny
+        return build_base(8, 10, width=4, seed=seed), random_batches(4, 8, 16, 10, seed=seed)
     if model == "resnet20":
         return build_base(20, 10, seed=seed), random_batches(4, 8, 32, 10, seed=seed)
     if model == "resnet50":
         torch.manual_seed(seed)
         return resnet50(num_classes=10), random_batches(4, 2, 32, 10, seed=seed)
-    raise ValueError(f"model must be resnet20 or resnet50, but got {model!r}")
+    raise ValueError(f"model must be resnet8, resnet20 or resnet50, but got {model!r}")
 
 
 def count_variant(model: str, name: str, blocks: int = 1, block_size: int = 10) -> Dict[str, object]:
@@ -187,12 +189,12 @@ def count_variant(model: str, name: str, blocks: int = 1, block_size: int = 10) 
                       for k in set(counter.counts["step"]) | set(counter.counts["fold"])}}
 
 
-def count_table(models: List[str], names: List[str]) -> Tuple[List[Dict[str, object]], str, str]:
+def count_table(models: List[str], names: List[str], block_size: int = 10) -> Tuple[List[Dict[str, object]], str, str]:
     rows, groups = [], []
     for model in models:
-        plain = count_variant(model, "plain")
+        plain = count_variant(model, "plain", block_size=block_size)
         for name in names:
-            r = plain if name == "plain" else count_variant(model, name)
+            r = plain if name == "plain" else count_variant(model, name, block_size=block_size)
             n = r["layers"]
             r["extra_per_layer"] = (r["ops_per_step"] - plain["ops_per_step"]) / n if n else 0.0
             r["extra_per_layer_nonfold"] = ((r["median_nonfold_step_ops"] - plain["median_nonfold_step_ops"]) / n
@@ -262,16 +264,16 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, object]:
     names = [n for n in args.variants.split(",") if n]
     if "plain" not in names:
         names.insert(0, "plain")
-    models = ["resnet20"] if args.tiny else [m for m in args.models.split(",") if m]
+    models = ["resnet8"] if args.tiny else [m for m in args.models.split(",") if m]
     depths = [] if args.tiny else [int(d) for d in args.timing_depths.split(",") if d]
     machine = machine_description()
-    rows, counts_md, groups_md = count_table(models, names)
+    rows, counts_md, groups_md = count_table(models, names, block_size=2 if args.tiny else 10)
     timings, timing_md = ({}, "") if not depths else timing_table(depths, names, args.rounds, warmup=2,
                                                                   batch=args.batch)
     md = "\n\n".join(x for x in [
         f"Command: `{command_line()}`; {machine['cpu']}; torch {machine['torch']}; commit {machine['commit']}; "
         f"load before/after {machine['loadavg']} / {loadavg()}",
-        "Non-view ATen ops per SGD training step (whole blocks of 10 steps, folds included; the statistics' "
+        f"Non-view ATen ops per SGD training step (whole blocks of {2 if args.tiny else 10} steps, folds included; the statistics' "
         f"{'CPU path' if args.cpu_path else 'two-op path, as on CUDA'}):", counts_md,
         groups_md, (f"Step time vs plain (batch {args.batch}, 32x32, interleaved, {args.rounds} rounds, "
                     f"{args.threads} threads, {args.clock} clock):\n\n{timing_md}") if timing_md else ""] if x)

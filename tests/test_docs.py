@@ -194,8 +194,9 @@ def test_the_code_check_catches_a_name_that_does_not_exist():
 
 
 def test_user_pages_stay_short():
-    """The README is a front page (<= 150 lines) and the benchmark results hold current tables only (<= 500)."""
-    assert len((ROOT / "README.md").read_text().splitlines()) <= 150
+    """The README is a front page (<= 155 lines: its opening says what the package is for, what it costs and what it
+    has shown) and the benchmark results hold current tables only (<= 500)."""
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 155
     assert len((ROOT / "benchmarks" / "RESULTS.md").read_text().splitlines()) <= 500
 
 

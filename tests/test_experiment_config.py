@@ -89,7 +89,8 @@ def test_whitening_options_and_errors():
     assert ex.layer_kwargs(cfg, "baseline") == {}
     for bad, match in ((["--alpha", "1.5"], "alpha"), (["--methods", "grad,foo"], "foo"), (["--model", "resnet21"], "6n"),
                        (["--layer-kw", "direct.beta=0.1"], "direct"), (["--stats-fraction", "0"], "stats_fraction"),
-                       (["--gains", "pca"], "gains"), (["--layer-kw", "recursive.gamma=0"], "recursive layers: gamma"),
+                       (["--gains", "pca"], "gains"), (["--layer-kw", "recursive.gamma=0"],
+                        r"recursive layers: RecursiveConfig \(method 'recursive'\): gamma \(leakage"),
                        (["--layer-kw", "grad.block_size=2.5"], "block_size"), (["--layer-kw", "baseline.alpha=0.1"],
                                                                                "method must be one of"),
                        (["--layer-kw", "grad-alpha=0.1"], "METHOD.KEY=VALUE")):

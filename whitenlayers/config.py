@@ -14,10 +14,11 @@ Example:
               beta=0.95, gmax=10.0, gains='practical')
     >>> RecursiveConfig(alpha=0.2).gamma
     0.99
-    >>> EVDConfig(alpha=1.0)
+    >>> EVDConfig(alpha=1.0)  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     ...
-    ValueError: alpha must be in [0, 1), but got alpha=1.0
+    ValueError: EVDConfig (methods 'grad' and 'direct'): alpha (recursive averaging of the moments between blocks)
+    must be in [0, 1), but got alpha=1.0
 """
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ __all__ = ["GAINS", "WhiteningConfig", "EVDConfig", "RecursiveConfig", "make_con
            "field_range", "field_doc"]
 
 DEFAULT_BLOCK_SIZE = 10
+#: The methods whose layers take each rule's config (``WhiteningConfig.method``), for the error messages.
+_METHODS = {"evd": "methods 'grad' and 'direct'", "recursive": "method 'recursive'"}
 #: The EVD config's choices of gains (``EVDConfig.gains``).
 GAINS = ("practical", "zca", "damped")
 
@@ -73,14 +76,18 @@ def validate_hyperparameters(**kw: Any) -> None:
         ValueError: gmax must be >= 1, but got gmax=0.5
     """
     for name, value in kw.items():
-        ok, what = _CHECKS[name]
-        try:
-            exempt = name in ("block_size", "accumulation_steps", "stats_every", "gains")
-            valid = bool(ok(value)) and (exempt or math.isfinite(value))
-        except TypeError:
-            valid = False
-        if not valid:
-            raise ValueError(f"{name} must be {what}, but got {name}={value!r}")
+        if not _is_valid(name, value):
+            raise ValueError(f"{name} must be {field_range(name)}, but got {name}={value!r}")
+
+
+def _is_valid(name: str, value: Any) -> bool:
+    """Whether ``value`` is in the range of the hyper-parameter ``name`` (a ``KeyError`` for another name)."""
+    ok, _ = _CHECKS[name]
+    try:
+        exempt = name in ("block_size", "accumulation_steps", "stats_every", "gains")
+        return bool(ok(value)) and (exempt or math.isfinite(value))
+    except TypeError:
+        return False
 
 
 def _hp(default: Any, help: str, symbol: Optional[str] = None, *, doc: str, when: str) -> Any:
@@ -210,8 +217,13 @@ class WhiteningConfig:
     def __post_init__(self) -> None:
         # The fields of this module's classes; a subclass of a rule of one's own checks its extra fields in its own
         # __post_init__ (calling this one).
-        validate_hyperparameters(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                                    if f.name in _CHECKS})
+        # The message names the config and its methods, and says what the field is (its help text).
+        owner = type(self).__name__ + (f" ({_METHODS[self.method]})" if self.method in _METHODS else "")
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in _CHECKS and not _is_valid(f.name, value):
+                raise ValueError(f"{owner}: {f.name} ({f.metadata['help']}) must be {field_range(f.name)}, "
+                                 f"but got {f.name}={value!r}")
 
     @classmethod
     def field_names(cls) -> Tuple[str, ...]:
@@ -381,10 +393,13 @@ def make_config(cls: Type[WhiteningConfig], owner: str, config: Optional[Whiteni
         The validated config (``config`` itself when ``kwargs`` is empty).
     """
     cls.check_names(owner, kwargs, exclude=exclude)
-    if config is None:
-        return cls(**kwargs)
-    if type(config) is not cls:
+    if config is not None and type(config) is not cls:
         raise TypeError(f"{owner} expects config to be a {cls.__name__}, but got {type(config).__name__}")
-    return config.replace(**kwargs) if kwargs else config
+    try:
+        if config is None:
+            return cls(**kwargs)
+        return config.replace(**kwargs) if kwargs else config
+    except ValueError as exc:  # a value out of its range: the message names the layer too
+        raise ValueError(f"{owner}: {exc}") from None
 
 
