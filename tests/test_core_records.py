@@ -47,3 +47,32 @@ def test_the_step_and_direct_modules_hand_over_named_records():
 def test_few_positional_subscripts_in_the_core():
     counts = record_subscripts()
     assert sum(counts.values()) <= MAX_RECORD_SUBSCRIPTS, dict(counts)
+
+
+def test_one_predicate_decides_whether_a_layer_gathers(monkeypatch):
+    """``gathers_now`` is the one place: a layer whose predicate says no gathers, counts and folds nothing, by a
+    training forward, an explicit ``accumulate`` or a joined rank's batch without data; with the predicate as it
+    is, each of them does."""
+    import warnings
+
+    import torch
+
+    def run():
+        torch.manual_seed(0)
+        model = wl.convert_model(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Conv2d(4, 4, 3)), "grad",
+                                 block_size=2, targets="all", include_stem=True, include_classifier=True)
+        layers = [layer for _, layer in wl.whitening_layers(model)]
+        model(torch.randn(2, 3, 8, 8))
+        layers[0].accumulate(torch.randn(5, 3))
+        coordinator = next(h for h in model._forward_hooks.values() if isinstance(h, wl.coordinator.FoldCoordinator))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            coordinator._shadow_forward()  # a second batch, without data: the blocks end and fold
+        return layers, caught
+
+    layers, caught = run()
+    assert [int(layer.num_blocks) for layer in layers] == [1, 1]
+    monkeypatch.setattr(wl.WhiteningLayer, "gathers_now", lambda self, *args, **kwargs: False)
+    layers, caught = run()
+    assert [(int(layer.num_blocks), layer.batches_in_block) for layer in layers] == [(0, 0), (0, 0)]
+    assert all(float(layer._block.rows) == 0 for layer in layers)
