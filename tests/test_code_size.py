@@ -13,8 +13,13 @@ import pytest
 import whitenlayers as wl
 
 PACKAGE = Path(wl.__file__).parent
-#: The bound on the package's code lines outside ``whitenlayers/experiment/``.
-MAX_CODE_LINES = 5500
+#: The bound on the package's code lines outside ``whitenlayers/experiment/``: 5,500 until issues 73-75, whose named
+#: records (the step's and the coordinator's hand-offs, the fold's outcomes and writes), fold <-> layer interface,
+#: config fields as generated properties and declarative checkpoint table (about +130 lines), round-five fixes (a
+#: hook added after conversion, the direct plain checkpoint, Join without the joinable, compiled checkpointing: about
+#: +70) and hyper-parameter messages (+15) took the package from 5,479 to 5,687 lines. Clearer, not denser: raise it
+#: knowingly, never by joining lines.
+MAX_CODE_LINES = 5700
 
 
 def code_lines(source: str) -> int:
