@@ -155,7 +155,7 @@ class HandedBatch(NamedTuple):
 
 
 class TracedCall(NamedTuple):
-    """A layer's call inside a compiled root forward (:attr:`FoldCoordinator.traced_calls`): the ``rows`` it added,
+    """A layer's call inside a compiled root forward (``FoldCoordinator.traced_calls``): the ``rows`` it added,
     counted after the graph."""
 
     layer: Any

@@ -107,7 +107,7 @@ def _renamed(old: str, new: str) -> property:
         warn(layer)
         setattr(layer, new, value)
 
-    return property(get, set_, doc=f"Renamed :attr:`{new}` (a ``FutureWarning``).")
+    return property(get, set_, doc=f"Renamed ``{new}`` (a ``FutureWarning``).")
 
 
 class WhiteningLayer(_StepMixin, _CheckpointMixin):
@@ -412,7 +412,7 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
     # (:meth:`apply_fold`).
     @property
     def fold_block(self) -> Block:
-        """The partial block a fold reads: its sums, its non-finite batches, whether it ended (read only)."""
+        """The partial block that a fold reads (its sums, its non-finite batches, whether it ended; read only)."""
         return self._block
 
     def fold_buffers(self) -> Dict[str, Tensor]:
