@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import whitenlayers.experiment as ex
-from whitenlayers.experiment import report
+from whitenlayers.experiment import figure as run_figure, report
 from whitenlayers.experiment.config import fingerprint
 from whitenlayers.experiment.data import load_dataset
 
@@ -80,7 +80,7 @@ def figure():
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
 
-    fig = report.metrics_figure(_rows(), "test", ["baseline", "grad", "recursive"])
+    fig = run_figure.metrics_figure(_rows(), "test", ["baseline", "grad", "recursive"])
     yield fig
     plt.close(fig)
 
