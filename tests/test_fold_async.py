@@ -398,9 +398,15 @@ def _ddp_worker(rank: int, world: int) -> dict:
     # the BatchNorms' running statistics are each rank's own after its last forward (DDP broadcasts rank 0's at
     # the next forward's start), and so is the partial block (the extra state): everything else, and the fold
     # in flight (block 2's, on every rank)
+    from whitenlayers.coordinator import ASYNC_CHUNK_ELEMENTS
+    from whitenlayers.fold import _fold_chunks
+
+    parts = [[id(layer) for layer in job.layers] for job in _coordinator(model)._in_flight.jobs]
+    want = [[id(layer) for layer in chunk] for chunk in _fold_chunks(_layers(model), ASYNC_CHUNK_ELEMENTS)]
     bns = tuple(name + "." for name, m in model.named_modules() if isinstance(m, nn.BatchNorm2d))
-    out = {k: v.clone() for k, v in model.state_dict().items()
-           if not k.startswith(bns) and not k.endswith("_extra_state")}
+    out = {"parts_as_one_process": torch.tensor(parts == want and len(parts) > 1)}
+    out.update({k: v.clone() for k, v in model.state_dict().items()
+           if not k.startswith(bns) and not k.endswith("_extra_state")})
     for name, layer in wl.whitening_layers(model):
         fold = layer._pending_fold
         out.update({f"{name}.pending.{k}": v for k, v in fold.outcome.buffers.items()})
@@ -409,8 +415,11 @@ def _ddp_worker(rank: int, world: int) -> dict:
 
 
 def test_ddp_ranks_bit_identical():
+    """... and the fold in flight is computed in the parts of one process (``ASYNC_CHUNK_ELEMENTS``, one stack
+    each), so that an exit stops it after the part in progress under ``torch.distributed`` too."""
     states = run_distributed(_ddp_worker, world_size=2)
     _assert_identical(states[0], states[1])
+    assert bool(states[0]["parts_as_one_process"])
     assert int(states[0][next(k for k in states[0] if k.endswith("num_blocks"))]) == 2
 
 

@@ -228,3 +228,49 @@ def test_exit_with_a_fold_in_flight_is_clean_and_a_checkpoint_before_it_keeps_th
     assert any(k.endswith("num_blocks") for k in want)
     for key, value in want.items():  # the same code path: bit-identical
         assert torch.equal(saved[key], value), key
+
+
+MID_FOLD_EXIT_SCRIPT = """
+import atexit, sys
+import torch
+from torch import nn
+import whitenlayers as wl
+from whitenlayers import coordinator
+
+calls = []
+compute = coordinator._compute_folds
+
+def held_first_part(layers, *args, **kwargs):  # an eigendecomposition still running when the process exits
+    calls.append(len(layers))
+    if len(calls) == 1:
+        assert coordinator._EXITING.wait(120), "the exit never cancelled the fold"
+    return compute(layers, *args, **kwargs)
+
+coordinator._compute_folds = held_first_part
+atexit.register(lambda: print(calls, flush=True))  # runs after the worker is joined
+torch.manual_seed(0)
+net = nn.Sequential(*[nn.Linear(i, o) for i, o in ((8, 8), (8, 16), (16, 16), (16, 32), (32, 32))])
+model = wl.convert_model(net, method="grad", targets="all", include_linear=True, include_stem=True,
+                         include_classifier=True, fold_async=True, block_size=2)
+for _ in range(2):
+    model(torch.randn(4, 8)).sum().backward()
+sys.exit(3)
+"""
+
+
+@pytest.mark.slow
+def test_an_exit_stops_a_fold_in_flight_after_the_part_in_progress(tmp_path):
+    """The interpreter's exit, with the worker inside the first part of a three-part fold (held there until the exit
+    begins, as a long eigendecomposition would be): the worker is joined after that part and starts no other; the
+    script's exit code and a clean stderr survive."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "mid_fold_exit.py"
+    script.write_text(MID_FOLD_EXIT_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(Path(wl.__file__).parents[1])}
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 3 and run.stderr == "", run.stderr[-2000:]
+    assert run.stdout.strip() == "[2]", run.stdout  # the first stack (two 8-wide layers) only, of three

@@ -39,6 +39,8 @@ from .functional.stacked import accumulate_moments_grouped, stack_shifts, stacke
 if TYPE_CHECKING:  # pragma: no cover
     from torch.utils.hooks import RemovableHandle
 
+    from .fold import BlockSums
+    from .functional.moments import BlockSummary
     from .layers import WhiteningLayer
 
 __all__ = ["FoldCoordinator", "ForwardScope", "SharedWeightGradTransform", "SharedWeightProduct", "check_fold_async",
@@ -419,10 +421,15 @@ class FoldCoordinator:
                     # (the non-finite blocks counted when their fold is written)
                     _begin(chunk, [0] * len(chunk), [False] * len(chunk))
                     jobs.append(_FoldJob(chunk, sums, None, _fold_states(chunk)))
-            else:  # all ranks' sums, on this thread (split in stacks by the worker): every rank folds every layer
+            else:  # all ranks' sums, on this thread: every rank folds every layer, in the same parts as one process
                 summaries, nonfinite, firsts = _global_summaries(layers, None, group)
                 firsts = _begin(layers, [0] * len(layers), firsts)
-                jobs.append(_FoldJob(layers, None, (summaries, nonfinite, firsts), _fold_states(layers)))
+                index = {id(layer): i for i, layer in enumerate(layers)}
+                for chunk in _fold_chunks(layers, ASYNC_CHUNK_ELEMENTS):
+                    idx = [index[id(layer)] for layer in chunk]
+                    given = _GivenSummaries([summaries[i] for i in idx], [nonfinite[i] for i in idx],
+                                            [firsts[i] for i in idx])
+                    jobs.append(_FoldJob(chunk, None, given, _fold_states(chunk)))
         stream = None
         if device.type == "cuda":
             stream = self._streams.get(device)
@@ -602,15 +609,26 @@ class _Arena:
     shifts: Optional[_StackedShifts]
 
 
+class _GivenSummaries(NamedTuple):
+    """The global block summaries of a part's layers, made on the training thread under ``torch.distributed``
+    (:func:`~whitenlayers.fold._global_summaries`): what :func:`~whitenlayers.fold._local_summaries` returns in
+    one process."""
+
+    summaries: List[BlockSummary]
+    nonfinite: List[int]
+    firsts: List[bool]
+
+
 class _FoldJob(NamedTuple):
-    """One part of an asynchronous fold (:func:`_compute_jobs`): its ``layers``; their copied block sums
-    (``sums``, summarised by the worker) or the summaries made on the training thread (``given``: ``(summaries,
-    nonfinite, firsts)``, under ``torch.distributed``); copies of the buffers the fold reads (``states``)."""
+    """One part of an asynchronous fold (:func:`_compute_jobs`): its ``layers``, one stack of at most
+    :data:`ASYNC_CHUNK_ELEMENTS` (:func:`~whitenlayers.fold._fold_chunks`); their copied block sums (``sums``,
+    summarised by the worker) or their summaries made on the training thread (``given``, under
+    ``torch.distributed``); copies of the buffers the fold reads (``states``)."""
 
     layers: List["WhiteningLayer"]
-    sums: Any
-    given: Any
-    states: Any
+    sums: Optional[List[BlockSums]]
+    given: Optional[_GivenSummaries]
+    states: List[Dict[str, Tensor]]
 
 
 class _InFlight(NamedTuple):
@@ -751,7 +769,6 @@ def _compute_jobs(jobs: Sequence[_FoldJob], device: torch.device,
             if _EXITING.is_set():
                 return None, None
             summaries, nonfinite, firsts = _local_summaries(chunk, sums) if given is None else given
-            done = _compute_folds(chunk, summaries, nonfinite, firsts, one_stack=given is None, begin=False,
-                                  states=states)
+            done = _compute_folds(chunk, summaries, nonfinite, firsts, one_stack=True, begin=False, states=states)
             folds += [fold._replace(nonfinite=n) for fold, n in zip(done, nonfinite)]
         return folds, None if stream is None else stream.record_event()
