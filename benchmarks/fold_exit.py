@@ -74,9 +74,8 @@ def run_once(args: argparse.Namespace, variant: str, out: str) -> Dict[str, floa
         command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.world}", *script]
     else:
         command = [sys.executable, *script]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1" if args.world > 1 else "")}
-    env = {k: v for k, v in env.items() if v != ""}
+    # (torch.distributed.run sets OMP_NUM_THREADS=1 for its ranks; the child sets one thread a rank as well)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run(command, capture_output=True, text=True, env=env)
     ended = time.time()
     if proc.returncode != 0:

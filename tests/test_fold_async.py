@@ -406,7 +406,7 @@ def _ddp_worker(rank: int, world: int) -> dict:
     bns = tuple(name + "." for name, m in model.named_modules() if isinstance(m, nn.BatchNorm2d))
     out = {"parts_as_one_process": torch.tensor(parts == want and len(parts) > 1)}
     out.update({k: v.clone() for k, v in model.state_dict().items()
-           if not k.startswith(bns) and not k.endswith("_extra_state")})
+                if not k.startswith(bns) and not k.endswith("_extra_state")})
     for name, layer in wl.whitening_layers(model):
         fold = layer._pending_fold
         out.update({f"{name}.pending.{k}": v for k, v in fold.outcome.buffers.items()})

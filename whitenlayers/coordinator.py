@@ -765,10 +765,11 @@ def _compute_jobs(jobs: Sequence[_FoldJob], device: torch.device,
         if stream is not None:
             ctx.enter_context(torch.cuda.device(device))
             ctx.enter_context(torch.cuda.stream(stream))
-        for chunk, sums, given, states in jobs:
+        for job in jobs:
             if _EXITING.is_set():
                 return None, None
-            summaries, nonfinite, firsts = _local_summaries(chunk, sums) if given is None else given
-            done = _compute_folds(chunk, summaries, nonfinite, firsts, one_stack=True, begin=False, states=states)
+            summaries, nonfinite, firsts = _local_summaries(job.layers, job.sums) if job.given is None else job.given
+            done = _compute_folds(job.layers, summaries, nonfinite, firsts, one_stack=True, begin=False,
+                                  states=job.states)
             folds += [fold._replace(nonfinite=n) for fold, n in zip(done, nonfinite)]
         return folds, None if stream is None else stream.record_event()
