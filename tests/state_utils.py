@@ -20,22 +20,11 @@ def coordinator_of(model):
 
 
 def layers_alone(model):
-    """``model`` whose coordinator opens empty scopes: no shared node, no handed batch, each layer does its own work
-    (the folds still come at the forward's end, stacked). The reference of what the coordinator only batches."""
-    import threading
-
-    from whitenlayers.coordinator import ForwardScope
-
+    """``model`` without its fold coordinator: each layer folds alone, at its own block's end (what the coordinator
+    does for all the layers together at the forward's end). The reference of what the coordinator only batches."""
     coordinator = coordinator_of(model)
-    keys = [k for k, h in model._forward_pre_hooks.items() if getattr(h, "__self__", None) is coordinator]
-    if not keys:  # alone already
-        return model
-    key = keys[0]
-
-    def begin(module, inputs):
-        if torch.compiler.is_compiling():
-            return coordinator.begin_forward(module, inputs)
-        coordinator.scopes.setdefault(threading.get_ident(), ForwardScope({}, {}, None))
-
-    model._forward_pre_hooks[key] = begin
+    coordinator.handle.remove()
+    coordinator.begin_handle.remove()
+    for _, layer in __import__("whitenlayers").whitening_layers(model):
+        layer.make_standalone()
     return model

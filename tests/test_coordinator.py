@@ -1,7 +1,7 @@
-"""The fold coordinator only does together what the layers would do alone: a converted model trains the same with
-its shared nodes and grouped statistics as with every layer doing its own work (``state_utils.layers_alone``): to the
-bit where the arithmetic is the same (the shared weight-gradient node, on the CPU's statistics path), to float64
-rounding where it is not (grouped sums, the shared ``W T`` products)."""
+"""The fold coordinator only folds together what the layers would fold alone: a converted model trains the same with
+its coordinator (the layers whose block ended folded at the forward's end, stacked: one batched transform per width)
+as with every layer folding at its own block's end (``state_utils.layers_alone``), to float64 rounding (a batched
+eigendecomposition against one per layer). Every step is the layers' own."""
 import copy
 import pickle
 
@@ -11,8 +11,6 @@ from state_utils import assert_states_close, coordinator_of, layers_alone
 from torch import nn
 
 import whitenlayers as wl
-import whitenlayers.coordinator as coordinator_module
-from whitenlayers.coordinator import SharedWeightProduct
 
 DT = torch.float64
 
@@ -39,11 +37,11 @@ class _Net(nn.Module):
         return n.fc(x.mean((2, 3)))
 
 
-def _model(method, shared=True, **kw):
+def _model(method, together=True, **kw):
     torch.manual_seed(0)
     net = _Net(**{k: kw.pop(k) for k in ("momentum", "track") if k in kw}).to(DT)
     model = wl.convert_model(net, method, block_size=3, targets="all", include_classifier=True, **kw)
-    return model if shared else layers_alone(model)
+    return model if together else layers_alone(model)
 
 
 def _train(model, steps=8, fused=False, channels_last=False, views=1):
@@ -69,32 +67,27 @@ def _assert_identical(a, b):
         assert torch.equal(sa[key], sb[key]), key
 
 
-@pytest.mark.parametrize("method", ["grad", "recursive"])
-@pytest.mark.parametrize("channels_last", [False, True])
-@pytest.mark.parametrize("kw", [{}, {"stats_every": 2}, {"momentum": None}, {"track": False}],
-                         ids=["defaults", "stats_every", "cumulative_bn", "bn_without_running_stats"])
-def test_the_shared_weight_node_trains_bit_identically(method, channels_last, kw):
-    """Folds included (8 steps, block 3), the CPU's statistics path: every parameter, buffer and accumulator equal
-    to the bit with the shared weight-gradient node and with a ``WeightGradTransform`` per layer; absorbed
-    centring with a BatchNorm's momentum, a cumulative average or no running statistics, and ``stats_every``."""
-    shared = _train(_model(method, **kw), channels_last=channels_last)
-    alone = _train(_model(method, False, **kw), channels_last=channels_last)
-    _assert_identical(shared, alone)
+#: A batched eigendecomposition against one per layer, float64: the folds' results differ by rounding.
+TOL = dict(rtol=1e-9, atol=1e-11)
 
 
 @pytest.mark.parametrize("method", ["grad", "recursive", "direct"])
 @pytest.mark.parametrize("channels_last", [False, True])
-def test_on_cudas_path_the_model_trains_as_its_layers_alone(method, channels_last):
-    """CUDA's statistics path (``fused_moments``): the batches handed over and added grouped, the ``direct``
-    wrappers' ``W T`` from one shared node: the same training as the layers alone, to float64 rounding."""
-    shared = _train(_model(method), fused=True, channels_last=channels_last, views=2)
-    alone = _train(_model(method, False), fused=True, channels_last=channels_last, views=2)
-    assert_states_close(shared.state_dict(), alone.state_dict(), rtol=1e-10, atol=1e-12)
+@pytest.mark.parametrize("kw", [{}, {"stats_every": 2}, {"momentum": None}, {"track": False}],
+                         ids=["defaults", "stats_every", "cumulative_bn", "bn_without_running_stats"])
+def test_the_coordinators_folds_train_as_the_layers_alone(method, channels_last, kw):
+    """Folds included (8 steps, block 3), the CPU's statistics path and CUDA's (``fused_moments``): every parameter,
+    buffer and accumulator with the coordinator equal to the layers folding alone; absorbed centring with a
+    BatchNorm's momentum, a cumulative average or no running statistics, and ``stats_every``."""
+    for fused in (False, True):
+        together = _train(_model(method, **kw), fused=fused, channels_last=channels_last, views=2)
+        alone = _train(_model(method, False, **kw), fused=fused, channels_last=channels_last, views=2)
+        assert_states_close(together.state_dict(), alone.state_dict(), **TOL)
 
 
 def test_a_layer_called_twice_and_a_forward_under_no_grad_inside_the_model():
-    """A layer called twice in one forward takes the shared node at its first call only; a part of the forward run
-    under no_grad hands nothing over; training is bit-identical to the layers alone."""
+    """A layer called twice in one forward (its block ending at the first call: folded before the second) and a part
+    of the forward run under no_grad: training as the layers alone."""
     class Odd(nn.Module):
         def __init__(self):
             super().__init__()
@@ -109,12 +102,12 @@ def test_a_layer_called_twice_and_a_forward_under_no_grad_inside_the_model():
                 y = self.frozen_part(x)
             return self.head((x + y).mean((2, 3)))
 
-    def run(shared):
+    def run(together):
         torch.manual_seed(0)
         model = wl.convert_model(Odd(), "grad", block_size=2, targets="all")
-        return _train(model if shared else layers_alone(model), steps=5)
+        return _train(model if together else layers_alone(model), steps=5)
 
-    _assert_identical(run(True), run(False))
+    assert_states_close(run(True).state_dict(), run(False).state_dict(), **TOL)
 
 
 def test_scopes_are_not_pickled_or_copied():
@@ -127,7 +120,7 @@ def test_scopes_are_not_pickled_or_copied():
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_conv1d_and_conv3d_share_and_train_bit_identically(fused):
+def test_conv1d_and_conv3d_train_as_the_layers_alone(fused):
     class ConvNd(nn.Module):
         """1-D and 3-D convs (one absorbed by its BatchNorm, one centred with a bias) in one model."""
 
@@ -144,41 +137,17 @@ def test_conv1d_and_conv3d_share_and_train_bit_identically(fused):
             b = self.c3(a.view(a.shape[0], 6, 4, 4, 4)).relu()
             return self.head(b.mean((2, 3, 4)))
 
-    def run(shared):
+    def run(together):
         torch.manual_seed(0)
         model = wl.convert_model(ConvNd().to(DT), "grad", block_size=3, targets="all", include_classifier=True)
         assert len(wl.whitening_layers(model)) == 3
-        return _train(model if shared else layers_alone(model), fused=fused)
+        return _train(model if together else layers_alone(model), fused=fused)
 
-    a, b = run(True), run(False)
-    if fused:  # grouped sums: float64 rounding
-        assert_states_close(a.state_dict(), b.state_dict(), rtol=1e-10, atol=1e-12)
-    else:
-        _assert_identical(a, b)
-
-
-def test_one_product_node_and_hooked_wrappers_alone(monkeypatch):
-    """One backward call of the shared product per forward, for every fused wrapper; a wrapper with a hook on its
-    layer is not fused (its hook sees the whitened input) and takes no product."""
-    calls = []
-    original = SharedWeightProduct.backward
-
-    def counted(ctx, *grads):
-        calls.append(sum(g is not None for g in grads))
-        return original(ctx, *grads)
-
-    monkeypatch.setattr(SharedWeightProduct, "backward", staticmethod(counted))
-    model = _model("direct")
-    wrappers = [m for m in model.modules() if isinstance(m, wl.DirectWhitenWrapper)]
-    seen = []
-    wrappers[1].layer.register_forward_hook(lambda m, i, o: seen.append(i[0]))
-    _train(model, steps=2)
-    assert calls == [len(wrappers) - 1] * 2
-    assert len(seen) == 2  # the hooked layer was called on its own, with the whitened input
+    assert_states_close(run(True).state_dict(), run(False).state_dict(), **TOL)
 
 
 def test_a_bad_input_is_refused_by_the_layer_inside_the_model():
-    """The layer's own check, naming it, whatever the coordinator prepared."""
+    """The layer's own check, naming it, inside the model's forward."""
     model = _model("grad")
     name, layer = wl.whitening_layers(model)[2]
     handle = layer.register_forward_pre_hook(lambda m, args: (args[0].float(),))  # the model is float64
@@ -189,8 +158,8 @@ def test_a_bad_input_is_refused_by_the_layer_inside_the_model():
 
 
 def test_a_forward_without_its_end_hook_leaves_no_state_on_the_layers():
-    """The coordinator's end hook removed by hand: the next forward adds what the last one left in its scope; the
-    layers hold nothing of the coordinator's, and fold at their own blocks' ends."""
+    """The coordinator's end hook removed by hand: a block that ended in a forward is folded at the layer's next
+    forward; the layers hold nothing of the coordinator's."""
     class Skips(nn.Module):
         def __init__(self):
             super().__init__()
@@ -215,10 +184,10 @@ def test_a_forward_without_its_end_hook_leaves_no_state_on_the_layers():
 def test_on_cuda_the_model_trains_as_its_layers_alone(method):
     """On CUDA (its statistics path, bf16 autocast): to float32 rounding (cuDNN's convolution backward need not be
     bit-reproducible)."""
-    def run(shared):
+    def run(together):
         torch.manual_seed(0)
         model = wl.convert_model(_Net(), method, block_size=3, targets="all", include_classifier=True).cuda()
-        model = (model if shared else layers_alone(model)).to(memory_format=torch.channels_last)
+        model = (model if together else layers_alone(model)).to(memory_format=torch.channels_last)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         gen = torch.Generator().manual_seed(1)
         for _ in range(8):
@@ -233,19 +202,15 @@ def test_on_cuda_the_model_trains_as_its_layers_alone(method):
     assert_states_close(run(True).state_dict(), run(False).state_dict(), rtol=2e-3, atol=2e-4)
 
 
-def _ddp_shared(rank, world, defer):
-    """A rank's training under DDP: with the shared nodes (runs of ``DISTRIBUTED_RUN``), with a node per layer, and
-    with the layers alone."""
+def _ddp_default_and_deferred(rank, world):
+    """A rank's training under DDP: the default weight-gradient transform (an autograd node per layer) and
+    ``defer_grad_transform`` (a hook per weight)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     out = {}
-    default = coordinator_module.DISTRIBUTED_RUN
-    for how in ("shared", "a node per layer", "alone"):
-        coordinator_module.DISTRIBUTED_RUN = 1 if how == "a node per layer" else default
+    for defer in (False, True):
         torch.manual_seed(0)
         model = wl.convert_model(_Net().to(DT), "grad", block_size=3, targets="all", include_classifier=True)
-        if how == "alone":
-            layers_alone(model)
         ddp = DDP(model)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
         deferral = wl.defer_grad_transform(ddp, opt) if defer else None
@@ -257,22 +222,32 @@ def _ddp_shared(rank, world, defer):
             opt.step()
         if deferral is not None:
             deferral.remove()
-        out[how] = {k: v.clone() for k, v in model.state_dict().items()}
-    coordinator_module.DISTRIBUTED_RUN = default
+        out[defer] = {k: v.clone() for k, v in model.state_dict().items()}
+    out["shared"] = _same_on_every_rank(model)
     return out
 
 
+def _same_on_every_rank(model):
+    """The keys of ``model``'s state that DDP keeps equal across ranks: its parameters and its whitening layers'
+    state (not their partial blocks, each rank's own; not a BatchNorm's running statistics)."""
+    layers = [name + "." for name, _ in wl.whitening_layers(model)]
+    params = {name for name, _ in model.named_parameters()}
+    return [k for k in model.state_dict() if k in params
+            or (k.startswith(tuple(layers)) and not k.endswith("_extra_state"))]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("defer", [False, True], ids=["default", "deferred"])
-def test_under_ddp_the_shared_nodes_train_bit_identically(defer):
-    """Under DDP (two gloo ranks) the weights go through shared nodes in runs of ``DISTRIBUTED_RUN`` layers (or the
-    deferral's hooks): the same training to the bit as a node per layer and as the layers alone, on each rank."""
+def test_under_ddp_the_deferred_transform_trains_bit_identically():
+    """Under DDP (two gloo ranks) the weights' gradients transformed by a hook on each weight
+    (``defer_grad_transform``): the same training to the bit as the default, on each rank; the ranks equal."""
     from dist_utils import run_distributed
 
-    for rank_result in run_distributed(_ddp_shared, defer):
-        for key in rank_result["alone"]:
-            assert torch.equal(rank_result["shared"][key], rank_result["alone"][key]), key
-            assert torch.equal(rank_result["shared"][key], rank_result["a node per layer"][key]), key
+    results = run_distributed(_ddp_default_and_deferred)
+    for rank_result in results:
+        for key in rank_result[False]:
+            assert torch.equal(rank_result[False][key], rank_result[True][key]), key
+        for key in rank_result["shared"]:
+            assert torch.equal(rank_result[False][key], results[0][False][key]), key
 
 
 class _Skipping(nn.Module):
@@ -294,57 +269,75 @@ def _ddp_skipping(rank, world):
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    out = {}
-    default = coordinator_module.DISTRIBUTED_RUN
-    for run in (default, 1):
-        coordinator_module.DISTRIBUTED_RUN = run
-        torch.manual_seed(0)
-        model = wl.convert_model(_Skipping().to(DT), "grad", targets="all", include_stem=True,
-                                 include_classifier=True, block_size=3)
-        ddp = DDP(model, find_unused_parameters=True)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-        gen = torch.Generator().manual_seed(5 + rank)
-        for step in range(8):
-            x = torch.randn(2, 3, 6, 6, generator=gen, dtype=DT)
-            opt.zero_grad()
-            F.cross_entropy(ddp(x, skip=step % 3 + 1 if step % 2 else -1), torch.zeros(2, dtype=torch.long)).backward()
-            opt.step()
-        out[run] = {k: v.clone() for k, v in model.state_dict().items()}
-    coordinator_module.DISTRIBUTED_RUN = default
-    return out
+    torch.manual_seed(0)
+    model = wl.convert_model(_Skipping().to(DT), "grad", targets="all", include_stem=True,
+                             include_classifier=True, block_size=3)
+    ddp = DDP(model, find_unused_parameters=True)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(5 + rank)
+    for step in range(8):
+        x = torch.randn(2, 3, 6, 6, generator=gen, dtype=DT)
+        opt.zero_grad()
+        F.cross_entropy(ddp(x, skip=step % 3 + 1 if step % 2 else -1), torch.zeros(2, dtype=torch.long)).backward()
+        opt.step()
+    return {k: model.state_dict()[k].clone() for k in _same_on_every_rank(model)}
 
 
 @pytest.mark.slow
-def test_shared_runs_under_ddp_with_layers_skipped():
-    """Under ``DDP(find_unused_parameters=True)``, a layer skipped by a forward still gets a view of its run's
-    shared node (made before the forward) but no gradient: DDP takes it as unused, and training is bit-identical to
-    a node per layer (two gloo ranks, 8 steps, folds included)."""
+def test_under_ddp_layers_skipped_by_some_forwards_train_in_step():
+    """Under ``DDP(find_unused_parameters=True)`` a layer skipped by a forward gets no gradient (DDP takes it as
+    unused) and counts no batch: two gloo ranks, 8 steps, folds included, end bit-identical."""
     from dist_utils import run_distributed
 
-    for rank_result in run_distributed(_ddp_skipping):
-        runs, per_layer = rank_result.values()
-        assert runs.keys() == per_layer.keys()
-        for key in runs:
-            assert torch.equal(runs[key], per_layer[key]), key
+    first, second = run_distributed(_ddp_skipping)
+    assert first.keys() == second.keys() and any(k.endswith("grad_transform") for k in first)
+    for key in first:
+        assert torch.equal(first[key], second[key]), key
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_deferred_layers_take_their_own_weight_path(fused):
-    """``defer_grad_transform`` in one process: the deferred layers take no shared node (their weight through the
-    deferral's hook): the same training as the layers alone."""
-    def run(shared):
-        model = _model("grad", shared)
+def test_deferred_layers_train_as_the_default(fused):
+    """``defer_grad_transform`` in one process: the weight's hook transforms each backward's gradient as the default
+    autograd node does: the same training, to the bit."""
+    def run(defer):
+        model = _model("grad")
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        deferral = wl.defer_grad_transform(model, opt)
+        deferral = wl.defer_grad_transform(model, opt) if defer else None
         _train(model, fused=fused)
-        deferral.remove()
+        if deferral is not None:
+            deferral.remove()
         return model
 
-    a, b = run(True), run(False)
-    if fused:
-        assert_states_close(a.state_dict(), b.state_dict(), rtol=1e-10, atol=1e-12)
-    else:
-        _assert_identical(a, b)
+    _assert_identical(run(True), run(False))
+
+
+def test_a_layer_read_inside_the_forward_sees_its_batch():
+    """``block_statistics()`` inside the model's forward (a hook on the layer) holds the forward's batch."""
+    model = _model("grad")
+    _train(model, steps=1)
+    layer = model.extra2  # (centred by itself: a hook on it sees its output as it is)
+    seen = {}
+    handle = layer.register_forward_hook(lambda mod, i, o: seen.update(stats=mod.block_statistics()))
+    model(torch.randn(4, 3, 8, 8, dtype=DT))
+    handle.remove()
+    after = layer.block_statistics()
+    torch.testing.assert_close(seen["stats"].scatter, after.scatter, rtol=0, atol=0)
+    assert float(seen["stats"].count) == float(after.count) > 0
+
+
+def test_a_forward_that_raises_still_folds_the_blocks_that_ended_in_it():
+    """The coordinator's end hook is always called: a block that ended in a forward that raised afterwards is
+    folded, and training goes on."""
+    model = _model("grad")
+    _train(model, steps=2)  # the blocks' third batch ends them
+    handle = model.net.fc.register_forward_hook(lambda mod, inputs, output: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        model(torch.randn(4, 3, 8, 8, dtype=DT))
+    handle.remove()
+    layers = [m for _, m in wl.whitening_layers(model)]
+    assert all(int(m.num_blocks) == 1 and not m.fold_block.fold_pending for m in layers[:-1])  # (not the head's)
+    assert not coordinator_of(model).scopes  # the forward's scope is closed
+    _train(model, steps=1)
 
 
 @pytest.mark.parametrize("method", ["grad", "recursive", "direct"])

@@ -1,8 +1,7 @@
 """The core hands records over by name: few subscripts of a plain name by an integer constant (``kept[3]``,
 ``shared[0]``: a positional record, or a first element) in ``whitenlayers/layers/``, ``fold.py`` and
 ``coordinator.py`` (issue 73: 89 before the records were named), and none in the step's and the direct layers'
-modules, whose hand-offs are all named (``Step``, ``SharedWeight``, ``SharedProduct``, ``HandedBatch``,
-``TracedCall``, ``CentringRef``, ``_AbsorbedUpdate``)."""
+modules, whose hand-offs are all named (``Step``, ``InForce``, ``CentringRef``)."""
 from __future__ import annotations
 
 import ast

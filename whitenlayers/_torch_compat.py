@@ -1,13 +1,40 @@
-"""What torch offers differently across the versions the package supports, used on both sides of a fold (the fold and
-coordinator, the layers' forwards): autocast's state and a way to leave it. Imports nothing of the package."""
+"""Everything the package uses of torch that is private or differs across the torch versions it supports
+(``setup.cfg``: torch 2.4 and later), in one place. Imports nothing of the package.
+
+Private names (each used only here, with its fallback; ``tests/test_torch_compat.py`` runs every fallback and checks
+that no other module of the package names a private torch attribute):
+
+* ``torch._C._are_functorch_transforms_active`` (:func:`transforms_active`): a C call per forward; its fallback asks
+  the same question through public API (an autograd Function without ``setup_context``, which torch refuses inside
+  a transform), at the cost of a Function call.
+* ``torch._C._current_graph_task_id`` (:func:`in_backward`): whether autograd is running a backward, i.e. a forward
+  is being recomputed (activation checkpointing). torch's own modules ask it so (``torch.utils.module_tracker``); a
+  torch without it is refused at import, by name, rather than miscounting recomputed forwards.
+* ``torch.autograd.Variable._execution_engine.queue_callback`` (:func:`queue_after_backward`): a callback at the end
+  of the running backward, as DistributedDataParallel queues its own; without it, :func:`queue_after_backward`
+  raises, by name.
+* ``DistributedDataParallel._active_ddp_module`` and its ``_join_config`` (:func:`ddp_forward`): the DDP module
+  whose forward is running, and whether it runs inside ``Join``; without them, no DDP forward is seen (a forward of
+  the wrapped module alone is then not told from DDP's).
+* dynamo's ``_disable_side_effect_safety_checks_for_current_subtracer`` (:func:`unchecked_side_effect`): a Python
+  list append that a compiled activation checkpoint may replay; without it, the plain call (which dynamo refuses
+  inside a checkpoint: that region then runs eagerly).
+* ``torch._foreach_copy_`` (:func:`copy_all_`): a fold's writes into every layer's buffers, a few kernels for all
+  of them (one per buffer on a GPU is a launch each); its fallback is a ``copy_`` per tensor, the same values.
+
+Nothing here imports ``torch._dynamo``: :func:`graph_break` applies ``torch.compiler.disable`` at the first call.
+"""
 from __future__ import annotations
 
-import contextlib
-from typing import Callable, cast
+import functools
+from typing import Any, Callable, List, Optional, Tuple, TypeVar, cast
 
 import torch
 
-__all__ = ["autocast_enabled", "no_autocast"]
+__all__ = ["no_autocast", "compiling", "exporting", "graph_break", "transforms_active",
+           "in_backward", "queue_after_backward", "ddp_forward", "unchecked_side_effect", "copy_all_"]
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def no_autocast(device: torch.device):
@@ -15,14 +42,132 @@ def no_autocast(device: torch.device):
     return torch.autocast(device_type=device.type, enabled=False)
 
 
-def _autocast_enabled_any(device_type: str) -> bool:
-    """:data:`autocast_enabled` for a torch < 2.4, whose ``torch.is_autocast_enabled`` takes no device type."""
-    return torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
+#: Whether dynamo is tracing the code that calls this (``torch.compile``, ``torch.export``): torch's own function.
+compiling: Callable[[], bool] = torch.compiler.is_compiling
 
 
-#: Whether autocast is on for a device type (a test before entering :func:`no_autocast` on a hot path): torch's own
-#: function, one C call, where it takes the device type (torch 2.4 and later).
-autocast_enabled: Callable[[str], bool] = _autocast_enabled_any
-with contextlib.suppress(TypeError):  # (torch < 2.4: a TypeError)
-    torch.is_autocast_enabled("cpu")
-    autocast_enabled = cast(Callable[[str], bool], torch.is_autocast_enabled)
+def exporting() -> bool:
+    """Whether ``torch.export`` is tracing the code that calls this (then nothing may be folded: the values are
+    fake). ``torch.compiler.is_exporting`` where torch has it (2.6 and later); before, dynamo's own flag, read only
+    while compiling (dynamo is then imported)."""
+    public = getattr(torch.compiler, "is_exporting", None)
+    if public is not None:
+        return public()
+    if not torch.compiler.is_compiling():
+        return False
+    import torch._dynamo as dynamo  # (already imported while compiling)
+
+    return bool(getattr(dynamo, "is_exporting", lambda: False)())
+
+
+def graph_break(fn: F) -> F:
+    """``fn`` kept out of ``torch.compile``'s graphs (``torch.compiler.disable(fn)``: a graph break where a graph
+    calls it), made at its first call or by :func:`prepare_graph_breaks`, so that importing the package does not
+    import dynamo."""
+    made: list = []
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if not made:
+            made.append(torch.compiler.disable(fn))
+        return made[0](*args, **kwargs)
+
+    call.prepare = lambda: made or made.append(torch.compiler.disable(fn))  # type: ignore[attr-defined]
+    _GRAPH_BREAKS.append(call)
+    return cast(F, call)
+
+
+_GRAPH_BREAKS: list = []
+
+
+@functools.lru_cache(maxsize=None)
+def prepare_graph_breaks() -> None:
+    """Make every :func:`graph_break` function's disabled form now, and find :func:`unchecked_side_effect`'s
+    allowance: once per process, when the first whitening layer is built (this imports dynamo; a graph then never
+    traces the making)."""
+    for call in _GRAPH_BREAKS:
+        call.prepare()
+    import torch._dynamo.utils as dynamo_utils
+
+    _SIDE_EFFECTS.append(getattr(dynamo_utils, "_disable_side_effect_safety_checks_for_current_subtracer",
+                                 lambda fn, *args: fn(*args)))
+
+
+#: :func:`unchecked_side_effect`'s allowance (:func:`prepare_graph_breaks`).
+_SIDE_EFFECTS: list = []
+
+
+class _Probe(torch.autograd.Function):
+    """A Function without ``setup_context``: ``Function.apply`` refuses it inside a torch.func transform, before
+    running anything (:func:`_transforms_active_public`)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # pragma: no cover (never differentiated)
+        return grad
+
+
+def _transforms_active_public() -> bool:
+    """:func:`transforms_active` through public API only."""
+    try:
+        _Probe.apply(torch.empty(0))
+    except RuntimeError as error:
+        if "setup_context" in str(error):
+            return True
+        raise
+    return False
+
+
+#: Whether a torch.func transform (vmap, grad, jacrev, ...) is active: one C call (the module docstring).
+transforms_active: Callable[[], bool] = getattr(torch._C, "_are_functorch_transforms_active",
+                                                _transforms_active_public)
+
+_graph_task_id: Optional[Callable[[], int]] = getattr(torch._C, "_current_graph_task_id", None)
+if _graph_task_id is None:  # pragma: no cover (every supported torch has it)
+    raise ImportError(f"whitenlayers needs torch._C._current_graph_task_id (to tell a forward recomputed by activation "
+                      f"checkpointing from a new batch), which torch {torch.__version__} lacks; install torch>=2.4")
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward on this thread: a forward called now is recomputed (activation
+    checkpointing, either kind). Not to be asked inside a compiled graph (which replays compiled checkpointing)."""
+    return cast(Callable[[], int], _graph_task_id)() != -1
+
+
+def queue_after_backward(callback: Callable[[], None]) -> None:
+    """Run ``callback`` at the end of the running backward, after the callbacks queued before it (DDP's gradient
+    all-reduce queues one)."""
+    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+    if engine is None or not hasattr(engine, "queue_callback"):  # pragma: no cover (every supported torch has it)
+        raise RuntimeError(f"whitenlayers: torch {torch.__version__} has no way to run a callback after a backward "
+                           "(Variable._execution_engine.queue_callback), which folding under Join needs")
+    engine.queue_callback(callback)
+
+
+def ddp_forward() -> Tuple[Any, bool]:
+    """The ``DistributedDataParallel`` module whose forward is running (``None``: none) and whether it runs inside a
+    ``Join`` context (uneven inputs)."""
+    ddp = getattr(torch.nn.parallel.DistributedDataParallel, "_active_ddp_module", None)
+    if ddp is None:
+        return None, False
+    return ddp, bool(getattr(getattr(ddp, "_join_config", None), "enable", False))
+
+
+def unchecked_side_effect(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` inside a compiled graph, allowed inside a higher-order operator (a compiled activation
+    checkpoint, whose forward runs once: the side effect is not to be replayed by a recomputation)."""
+    return _SIDE_EFFECTS[0](fn, *args)
+
+
+def _copy_all_public(destinations: List[torch.Tensor], sources: List[torch.Tensor]) -> None:
+    """:func:`copy_all_` through public API only: a ``copy_`` per tensor."""
+    for destination, source in zip(destinations, sources):
+        destination.copy_(source)
+
+
+#: ``destinations[i].copy_(sources[i])`` for every ``i`` (converting dtype and device), in one multi-tensor call.
+copy_all_: Callable[[List[torch.Tensor], List[torch.Tensor]], None] = getattr(torch, "_foreach_copy_",
+                                                                              _copy_all_public)

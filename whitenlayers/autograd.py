@@ -1,32 +1,33 @@
 """Custom autograd Functions of the whitening layers.
 
-They treat the whitening quantities (``T``, ``mu``, ``Q_s``) as constants: no
-gradient flows to them, and they are held by reference on ``ctx`` (the layers
-hand in a tensor that is never modified in place afterwards, so the backward
-uses exactly the transform that was in force during the forward).
+They treat the whitening quantities (``T``, ``mu``, ``Q_s``) as constants: no gradient flows to them, and they are
+held by reference on ``ctx`` (the layers hand in tensors that are never written afterwards, so the backward uses
+exactly the transform that was in force during the forward).
 
-Each has a ``forward`` without ``ctx`` and a ``setup_context``, and
-``generate_vmap_rule = True`` (their forward and backward are PyTorch operations
-only, each valid on a batched tensor), so the :mod:`torch.func` transforms
-(``vmap``, ``grad``, ``vjp``, ``jacrev``, per-sample gradients
-``vmap(grad(...))``) run through them. Under those transforms the layers use
-subclasses with a ``jvp`` rule (the forward is linear in its differentiable
-input), for ``jvp`` / ``jacfwd``: Dynamo cannot trace a Function that has one.
+Each Function is two classes with the same forward and backward:
+
+* the one a training step takes (``forward(ctx, ...)``): ``Function.apply`` calls it as it is, where a Function with
+  ``setup_context`` has its arguments bound with ``inspect`` at every call (about 20 us on a CPU, more than the rest
+  of a layer's step: ``benchmarks/RESULTS.md``);
+* its :mod:`torch.func` form (the public class: ``forward`` without ``ctx``, ``setup_context``,
+  ``generate_vmap_rule = True`` and a ``jvp`` rule, the forward being linear in its differentiable input), which the
+  transforms (``vmap``, ``grad``, ``vjp``, ``jacrev``, ``jacfwd``, per-sample gradients ``vmap(grad(...))``) need, and
+  which the functions below take inside one (:func:`~whitenlayers._torch_compat.transforms_active`).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Optional, Tuple
 
+import einops
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._torch_compat import transforms_active
 from .functional import transform_weight_grad
 
-_is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
-
 __all__ = ["DirectWhitenFunction", "WeightGradTransform", "PointwiseWhitenFunction", "direct_whiten",
-           "grad_transformed", "pointwise_whiten"]
+           "grad_transformed", "pointwise_whiten", "transformed_weight"]
 
 
 def _channels_last(x: Tensor) -> bool:
@@ -53,15 +54,15 @@ def _feature_matmul(mat: Tensor, x: Tensor) -> Tensor:
         g, k = mat.shape[0], mat.shape[-1]
         if k == 1:  # depthwise: a scale per channel, in x's own layout
             return x * mat.reshape((1, g) + (1,) * (x.dim() - 2))
-        if x.dim() == 4 and _channels_last(x):
-            xl = x.permute(0, 2, 3, 1)  # (B, H, W, M), contiguous
-            out = (xl.reshape(xl.shape[:3] + (g, 1, k)) @ mat.transpose(-1, -2)).reshape(xl.shape)
-            return out.permute(0, 3, 1, 2)
-        return torch.matmul(mat, x.reshape(x.shape[0], g, k, -1)).reshape(x.shape)  # (B, G, k, P)
+        if x.dim() == 4 and _channels_last(x):  # each position's group rows times mat[g]^T, kept channels_last
+            rows = einops.rearrange(x, "b (g k) h w -> b h w g 1 k", g=g)  # a view of the (B, H, W, M) memory
+            out = rows @ mat.transpose(-1, -2)
+            return einops.rearrange(out, "b h w g 1 k -> b (g k) h w")
+        per_group = einops.rearrange(x, "b (g k) ... -> b g k (...)", g=g)  # (B, G, k, positions)
+        return torch.matmul(mat, per_group).reshape(x.shape)
     if x.dim() == 2:
         return x @ mat.t()
-    if x.dim() == 4 and _channels_last(x):
-        # (B, H, W, M) view: one matrix product, result kept channels_last.
+    if x.dim() == 4 and _channels_last(x):  # the (B, H, W, M) rows times mat^T: one product, kept channels_last
         return (x.permute(0, 2, 3, 1) @ mat.t()).permute(0, 3, 1, 2)
     return torch.matmul(mat, x.flatten(2)).reshape(x.shape)  # flatten(2): also valid for an empty batch
 
@@ -73,45 +74,11 @@ def _transform_mean(transform: Tensor, mean: Tensor) -> Tensor:
     return transform @ mean
 
 
-class DirectWhitenFunction(torch.autograd.Function):
-    """``y = T (x - mu)`` on dim 1; backward ``dx = T^T dy``. Saves no activation."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x: Tensor, transform: Tensor, mean: Tensor) -> Tensor:
-        shape = (1, -1) + (1,) * (x.dim() - 2)
-        offset = _transform_mean(transform, mean).to(x.dtype).view(shape)
-        return _feature_matmul(transform, x).sub_(offset)  # in place: the product is a fresh tensor
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: Tuple[Tensor, Tensor, Tensor], output: Tensor) -> None:
-        ctx.transform = inputs[1]
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> Tuple[Optional[Tensor], None, None]:
-        grad_in = None
-        if ctx.needs_input_grad[0]:
-            grad_in = _feature_matmul(ctx.transform.mT, grad_out)
-        return grad_in, None, None
-
-
-class WeightGradTransform(torch.autograd.Function):
-    """Identity on the weight in the forward; right-multiplies its gradient by ``Q`` in the backward."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(weight: Tensor, q: Tensor) -> Tensor:
-        return weight.view_as(weight)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: Tuple[Tensor, Tensor], output: Tensor) -> None:
-        ctx.q = inputs[1]
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tuple[Tensor, None]:
-        return transform_weight_grad(grad, ctx.q), None
+def _direct_forward(x: Tensor, transform: Tensor, mean: Tensor) -> Tensor:
+    """``T x - T mu`` on dim 1."""
+    shape = (1, -1) + (1,) * (x.dim() - 2)
+    offset = _transform_mean(transform, mean).to(x.dtype).view(shape)
+    return _feature_matmul(transform, x).sub_(offset)  # in place: the product is a fresh tensor
 
 
 def _pointwise(x: Tensor, weight: Tensor, bias: Optional[Tensor], groups: int) -> Tensor:
@@ -133,19 +100,84 @@ def _pointwise(x: Tensor, weight: Tensor, bias: Optional[Tensor], groups: int) -
     return conv(x, weight.view(weight.shape + (1,) * nd), bias, groups=groups)
 
 
-class PointwiseWhitenFunction(torch.autograd.Function):
-    """``y = T x - T mu`` on dim 1 as one 1x1 convolution, backward ``dx = T^T dy`` as another; the layer hands in
-    ``T``, ``-T mu`` and ``T^T`` (prepared once per block). Saves no activation."""
+class _DirectWhiten(torch.autograd.Function):
+    """:class:`DirectWhitenFunction` as a training step calls it (no ``setup_context``: see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, transform: Tensor, mean: Tensor) -> Tensor:
+        ctx.transform = transform
+        return _direct_forward(x, transform, mean)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> Tuple[Optional[Tensor], None, None]:
+        grad_in = None
+        if ctx.needs_input_grad[0]:
+            grad_in = _feature_matmul(ctx.transform.mT, grad_out)
+        return grad_in, None, None
+
+
+class DirectWhitenFunction(torch.autograd.Function):
+    """``y = T (x - mu)`` on dim 1; backward ``dx = T^T dy``. Saves no activation. The :mod:`torch.func` form."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x: Tensor, weight: Tensor, bias: Tensor, weight_t: Tensor, groups: int) -> Tensor:
-        return _pointwise(x, weight.to(x.dtype), bias.to(x.dtype), groups)
+    def forward(x: Tensor, transform: Tensor, mean: Tensor) -> Tensor:
+        return _direct_forward(x, transform, mean)
 
     @staticmethod
-    def setup_context(ctx: Any, inputs: Tuple[Tensor, Tensor, Tensor, Tensor, int], output: Tensor) -> None:
-        ctx.weight_t, ctx.groups = inputs[3], inputs[4]
+    def setup_context(ctx: Any, inputs: Tuple[Tensor, Tensor, Tensor], output: Tensor) -> None:
+        ctx.transform = inputs[1]
+
+    backward = _DirectWhiten.backward
+
+    @staticmethod
+    def jvp(ctx: Any, x_t: Optional[Tensor], *_: Any) -> Optional[Tensor]:
+        return None if x_t is None else _feature_matmul(ctx.transform, x_t)  # linear in x (T, mu constant)
+
+
+class _WeightGradTransform(torch.autograd.Function):
+    """:class:`WeightGradTransform` as a training step calls it (no ``setup_context``)."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: Tensor, q: Tensor) -> Tensor:
+        ctx.q = q
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tuple[Tensor, None]:
+        return transform_weight_grad(grad, ctx.q), None
+
+
+class WeightGradTransform(torch.autograd.Function):
+    """Identity on the weight in the forward; right-multiplies its gradient by ``Q`` in the backward. The
+    :mod:`torch.func` form: its ``jvp`` is the adjoint of its backward (``t -> t Q^T``), so that forward and reverse
+    mode agree (``jacfwd == jacrev``, forward-over-reverse Hessian products)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(weight: Tensor, q: Tensor) -> Tensor:
+        return weight.view_as(weight)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Tuple[Tensor, Tensor], output: Tensor) -> None:
+        ctx.q = inputs[1]
+
+    backward = _WeightGradTransform.backward
+
+    @staticmethod
+    def jvp(ctx: Any, weight_t: Optional[Tensor], _: Any) -> Optional[Tensor]:
+        return None if weight_t is None else transform_weight_grad(weight_t, ctx.q.mT)
+
+
+class _PointwiseWhiten(torch.autograd.Function):
+    """:class:`PointwiseWhitenFunction` as a training step calls it (no ``setup_context``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor, weight_t: Tensor, groups: int) -> Tensor:
+        ctx.weight_t, ctx.groups = weight_t, groups
+        return _pointwise(x, weight.to(x.dtype), bias.to(x.dtype), groups)
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> Tuple[Optional[Tensor], None, None, None, None]:
@@ -155,51 +187,21 @@ class PointwiseWhitenFunction(torch.autograd.Function):
         return grad_in, None, None, None, None
 
 
-#: Input ranks the 1x1-convolution path of DirectWhiten takes: (B, M) and 1-D, 2-D, 3-D feature maps.
-POINTWISE_DIMS = (2, 3, 4, 5)
+class PointwiseWhitenFunction(torch.autograd.Function):
+    """``y = T x - T mu`` on dim 1 as one 1x1 convolution, backward ``dx = T^T dy`` as another; the layer hands in
+    ``T``, ``-T mu`` and ``T^T`` (prepared once per block). Saves no activation. The :mod:`torch.func` form."""
 
-# ``Function.apply`` of a Function with ``setup_context`` binds its arguments to ``forward``'s signature with
-# ``inspect`` at every call (about 17 us on a CPU, more than the rest of a layer's step); outside the torch.func
-# transforms it then ends in the C++ apply, which the functions below call directly with the same arguments (all
-# positional, no defaults to bind), after the one other thing ``Function.apply`` does there (a tensor left over from
-# a finished transform unwrapped). Under a transform, and for torch.compile (which traces ``Function.apply``):
-# ``Function.apply`` itself.
-#: Whether a torch.func transform (vmap, grad, jacrev, ...) is active: one C call.
-_transforms_active: Callable[[], bool] = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
-_unwrap_if_dead: Any = getattr(torch._C._functorch, "unwrap_if_dead", None)
-
-
-def _fast_apply(fn: Any) -> Any:
-    """The C++ apply of ``fn`` (``None``: ``Function.apply``, where this torch lacks what the shortcut needs)."""
-    if not hasattr(torch._C, "_are_functorch_transforms_active") or _unwrap_if_dead is None:
-        return None
-    return super(torch.autograd.Function, fn).apply
-
-
-class _DirectWhitenFunc(DirectWhitenFunction):
-    """:class:`DirectWhitenFunction` with a ``jvp`` rule, for the torch.func transforms."""
+    generate_vmap_rule = True
 
     @staticmethod
-    def jvp(ctx: Any, x_t: Optional[Tensor], *_: Any) -> Optional[Tensor]:
-        return None if x_t is None else _feature_matmul(ctx.transform, x_t)  # linear in x (T, mu constant)
-
-
-class _WeightGradTransformFunc(WeightGradTransform):
-    """:class:`WeightGradTransform` with a ``jvp`` rule, for the torch.func transforms: the adjoint of its backward
-    (``t -> t Q^T``), so that forward and reverse mode agree (``jacfwd == jacrev``, forward-over-reverse Hessian
-    products): the layer's derivative with respect to its weight is the transformed one in either mode."""
-
-    @staticmethod
-    def jvp(ctx: Any, weight_t: Optional[Tensor], _: Any) -> Optional[Tensor]:
-        return None if weight_t is None else transform_weight_grad(weight_t, ctx.q.mT)
-
-
-class _PointwiseWhitenFunc(PointwiseWhitenFunction):
-    """:class:`PointwiseWhitenFunction` with a ``jvp`` rule, for the torch.func transforms."""
+    def forward(x: Tensor, weight: Tensor, bias: Tensor, weight_t: Tensor, groups: int) -> Tensor:
+        return _pointwise(x, weight.to(x.dtype), bias.to(x.dtype), groups)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: Tuple[Tensor, Tensor, Tensor, Tensor, int], output: Tensor) -> None:
         ctx.weight, ctx.weight_t, ctx.groups = inputs[1], inputs[3], inputs[4]
+
+    backward = _PointwiseWhiten.backward
 
     @staticmethod
     def jvp(ctx: Any, x_t: Optional[Tensor], *_: Any) -> Optional[Tensor]:
@@ -207,34 +209,49 @@ class _PointwiseWhitenFunc(PointwiseWhitenFunction):
         return None if x_t is None else _pointwise(x_t, ctx.weight.to(x_t.dtype), None, ctx.groups)
 
 
-_direct_apply = _fast_apply(DirectWhitenFunction)
-_weight_grad_apply = _fast_apply(WeightGradTransform)
-_pointwise_apply = _fast_apply(PointwiseWhitenFunction)
+class _TransformedWeight(torch.autograd.Function):
+    """``W T`` on the input-feature axis (a fused ``DirectWhitenWrapper``'s weight, :func:`transformed_weight`);
+    backward ``dW = d(W T) T^T``, in the gradient's own strides (autograd's backward of the product gives a 1x1
+    channels_last weight contiguous ones, which DDP's buckets take only through a copy and a warning)."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: Tensor, transform: Tensor) -> Tensor:
+        ctx.transform = transform
+        return transform_weight_grad(weight, transform)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tuple[Tensor, None]:
+        return transform_weight_grad(grad, ctx.transform.mT), None
+
+
+#: Input ranks the 1x1-convolution path of DirectWhiten takes: (B, M) and 1-D, 2-D, 3-D feature maps.
+POINTWISE_DIMS = (2, 3, 4, 5)
 
 
 def direct_whiten(x: Tensor, transform: Tensor, mean: Tensor) -> Tensor:
-    """Functional form of :class:`DirectWhitenFunction` (``T``, ``mu`` constant)."""
-    if _direct_apply is None or _is_compiling():
+    """``T (x - mu)`` on dim 1 through :class:`DirectWhitenFunction` (``T``, ``mu`` constant)."""
+    if transforms_active():
         return DirectWhitenFunction.apply(x, transform, mean)
-    if _transforms_active():
-        return _DirectWhitenFunc.apply(x, transform, mean)
-    return _direct_apply(_unwrap_if_dead(x), _unwrap_if_dead(transform), _unwrap_if_dead(mean))
+    return _DirectWhiten.apply(x, transform, mean)
 
 
 def grad_transformed(weight: Tensor, q: Tensor) -> Tensor:
-    """``weight`` whose gradient will be right-multiplied by ``q`` (input-feature axis)."""
-    if _weight_grad_apply is None or _is_compiling():
+    """``weight``, whose gradient will be right-multiplied by ``q`` on the input-feature axis (WeightGradTransform)."""
+    if transforms_active():
         return WeightGradTransform.apply(weight, q)
-    if _transforms_active():
-        return _WeightGradTransformFunc.apply(weight, q)
-    return _weight_grad_apply(_unwrap_if_dead(weight), _unwrap_if_dead(q))
+    return _WeightGradTransform.apply(weight, q)
 
 
 def pointwise_whiten(x: Tensor, weight: Tensor, bias: Tensor, weight_t: Tensor, groups: int) -> Tensor:
-    """Functional form of :class:`PointwiseWhitenFunction` (``weight = T``, ``bias = -T mu``, ``weight_t = T^T``)."""
-    if _pointwise_apply is None or _is_compiling():
+    """:class:`PointwiseWhitenFunction` (``weight = T``, ``bias = -T mu``, ``weight_t = T^T``)."""
+    if transforms_active():
         return PointwiseWhitenFunction.apply(x, weight, bias, weight_t, groups)
-    if _transforms_active():
-        return _PointwiseWhitenFunc.apply(x, weight, bias, weight_t, groups)
-    return _pointwise_apply(_unwrap_if_dead(x), _unwrap_if_dead(weight), _unwrap_if_dead(bias),
-                            _unwrap_if_dead(weight_t), groups)
+    return _PointwiseWhiten.apply(x, weight, bias, weight_t, groups)
+
+
+def transformed_weight(weight: Tensor, transform: Tensor) -> Tensor:
+    """``W T`` on the input-feature axis (``T`` constant), with ``W``'s gradient in its own strides; inside a
+    torch.func transform the product's own differentiable operations."""
+    if transforms_active():
+        return transform_weight_grad(weight, transform)
+    return _TransformedWeight.apply(weight, transform)

@@ -21,6 +21,7 @@ from typing import Any, List, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
+from ._torch_compat import graph_break
 from .functional import transform_weight_grad
 from .layers import WhiteningLayer
 
@@ -69,7 +70,7 @@ class _LayerDeferral:
         view.register_hook(_KeepApart(self, q))
         return view
 
-    @torch.compiler.disable  # called while dynamo traces the layer: runs eagerly (a graph break, until a recompile)
+    @graph_break  # called while dynamo traces the layer: runs eagerly (a graph break, until a recompile)
     def leave(self) -> None:
         """End the deferral of this layer for good: its forward runs inside a compiled graph, which takes the
         default transform (the autograd Function) and runs none of the deferral's Python per step; the weight's

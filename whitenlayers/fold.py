@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import functional as F_w
-from ._torch_compat import no_autocast
+from ._torch_compat import graph_break, no_autocast
 from .functional import BlockSummary
 from .functional.stacked import _own_all, _restack, _stack, _stack64, _unstack
 from .rules import _BUILT_IN, NOT_COMPUTED, Fold, RuleResult, batch_key_of, check_results
@@ -59,6 +59,11 @@ def _dist_group(layers: Sequence["WhiteningLayer"]):
         raise ValueError("fold_layers: all layers folded together must share one process_group")
     world = dist.get_world_size(group)
     return (None, 1) if world == 1 else (group, world)
+
+
+def _global_rank(group: Any, rank: int) -> int:
+    """The global rank of ``group``'s rank ``rank`` (what ``reduce`` / ``broadcast`` take as ``dst`` / ``src``)."""
+    return rank if group is None else dist.get_global_rank(group, rank)
 
 
 #: The status of a layer's fold (:class:`FoldOutcome`).
@@ -137,7 +142,7 @@ def warn_nonfinite() -> None:
         "continue`). Said once per layer", RuntimeWarning, stacklevel=3)
 
 
-@torch.compiler.disable  # the fold (once per block, host logic, EVD) stays out of compiled graphs
+@graph_break  # the fold (once per block, host logic, EVD) stays out of compiled graphs
 def fold_layers(layers: Iterable["WhiteningLayer"], *, strategy: str = "auto",
                 _coordinator: Optional["FoldCoordinator"] = None) -> None:
     """Fold the current block of each layer, statistics summed across ranks when distributed.
@@ -305,8 +310,9 @@ def _global_summaries(layers: Sequence["WhiteningLayer"], owners: Optional[Seque
         works: list = []
         for owner in sorted(set(owners)):
             idx = [i for i in range(len(layers)) if owners[i] == owner]
+            dst = _global_rank(group, owner)
             sent = _coalesced([scatters[i] for i in idx], works,
-                              lambda t, owner=owner: dist.reduce(t, group=group, group_dst=owner, async_op=True))
+                              lambda t, dst=dst: dist.reduce(t, dst, group=group, async_op=True))
             for i, x in zip(idx, sent):
                 scatters[i] = x
         for work in works:
@@ -371,11 +377,8 @@ def _begin(layers: Sequence["WhiteningLayer"], nonfinite: Sequence[int], firsts:
     checkpoint), at the end of the block after the one they were computed from, after that block's sums were read (a
     fold writes the next block's shift). Returns ``firsts`` as they are once those are written (a layer whose pending
     fold counts no longer folds its first block)."""
-    zero: List[Tensor] = []
     for layer, bad in zip(layers, nonfinite):  # (the block's sums were read before)
-        zero += layer.begin_next_block(bad)
-    if zero:
-        torch._foreach_zero_(zero)
+        layer.begin_next_block(bad)
     pending = [layer.take_pending_fold() for layer in layers]
     idx = [i for i, fold in enumerate(pending) if fold is not None]
     if not idx:  # (the common case: nothing pending)
@@ -527,7 +530,8 @@ def _broadcast_outcomes(layers: Sequence["WhiteningLayer"], outcomes: Sequence[O
             tensors.append(cast(FoldOutcome, outcome).buffers.get(name, current) if mine else
                            torch.empty(shape, dtype=current.dtype, device=current.device))
     works: list = []
-    tensors = _coalesced(tensors, works, lambda t: dist.broadcast(t, group=group, group_src=src, async_op=True))
+    source = _global_rank(group, src)
+    tensors = _coalesced(tensors, works, lambda t: dist.broadcast(t, source, group=group, async_op=True))
     for work in works:
         work.wait()
     if mine:
@@ -567,14 +571,6 @@ def _coalesced(tensors: Sequence[Tensor], works: list, collective) -> List[Tenso
         for i, part in zip(idx, torch.split(flat, [tensors[i].numel() for i in idx])):
             out[i] = part.view(tensors[i].shape)
     return out
-
-
-class FoldWrites(NamedTuple):
-    """The in-place copies of a fold's outcomes into the layers' buffers, gathered
-    (:meth:`~whitenlayers.WhiteningLayer.apply_fold`) and made in one multi-tensor copy (:func:`_finish_folds`)."""
-
-    buffers: List[Tensor]
-    values: List[Tensor]
 
 
 class PendingFold(NamedTuple):
@@ -652,11 +648,12 @@ def _compute_folds(layers: Sequence["WhiteningLayer"], summaries: Sequence[Block
 
 def _finish_folds(layers: Sequence["WhiteningLayer"], folds: Sequence[PendingFold],
                   owners: Optional[Sequence[int]] = None, group=None) -> List[bool]:
-    """Write each layer's fold (:meth:`~whitenlayers.WhiteningLayer.apply_fold`), the outcomes of the
-    layers other ranks folded received first (owner strategy: one broadcast per rank), and count the folds that
-    count in ``num_blocks`` (one multi-tensor add). Returns whether each layer's fold counted."""
+    """The fold's apply: each layer's writes (:meth:`~whitenlayers.WhiteningLayer.fold_writes`; the outcomes of the
+    layers other ranks folded received first, owner strategy: one broadcast per rank), written for all the layers
+    at once (:meth:`~whitenlayers.WhiteningLayer.write_buffers`). Returns whether each layer's fold counted (in
+    ``num_blocks``)."""
+    writes = []
     counted = [False] * len(layers)
-    writes = FoldWrites([], [])
     for src in ([None] if owners is None else range(dist.get_world_size(group))):
         idx = [i for i in range(len(layers)) if src is None or cast("Sequence[int]", owners)[i] == src]
         if not idx:
@@ -664,15 +661,13 @@ def _finish_folds(layers: Sequence["WhiteningLayer"], folds: Sequence[PendingFol
         outs: Sequence[Optional[FoldOutcome]] = [folds[i].outcome for i in idx]
         if src is not None:
             outs = _broadcast_outcomes([layers[i] for i in idx], outs, src, group)
-        for i, outcome in zip(idx, outs):
-            # every outcome computed here (replicated) or received from src
-            fold = folds[i]
-            counted[i] = layers[i].apply_fold(fold, cast(FoldOutcome, outcome), writes)
-    if writes.buffers:  # every layer's buffers written in place by one multi-tensor copy (converting dtype, device)
-        torch._foreach_copy_(writes.buffers, writes.values)
-    blocks = [layer.num_blocks for layer, c in zip(layers, counted) if c]
-    if blocks:
-        torch._foreach_add_(blocks, 1)
+        for i, outcome in zip(idx, outs):  # every outcome computed here (replicated) or received from src
+            values = layers[i].fold_writes(folds[i], cast(FoldOutcome, outcome))
+            if values is not None:
+                writes.append((layers[i], values))
+                counted[i] = True
+    if writes:
+        writes[0][0].write_buffers(writes)
     return counted
 
 

@@ -140,7 +140,7 @@ class TransformRule:
     def work_dtype(self, state_dtype: torch.dtype) -> torch.dtype:
         """The dtype a rule computes its transform in, for layers whose statistics are ``state_dtype``: float32, or
         float64 for float64 layers (the fold hands :meth:`update` float64 moments either way)."""
-        return torch.float64 if state_dtype == torch.float64 else torch.float32
+        return F_w.stats_dtype(state_dtype)
 
     def gram_dtype(self, state_dtype: torch.dtype) -> torch.dtype:
         """The dtype the layer smooths ``Q_s = beta Q_s + (1 - beta) Q`` in (:attr:`RuleResult.gram` is converted to

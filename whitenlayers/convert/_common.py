@@ -76,7 +76,7 @@ def _coordinators(module: nn.Module) -> List[Tuple[int, FoldCoordinator]]:
 
 def _remove_coordinators(module: nn.Module) -> None:
     for key, coordinator in _coordinators(module):
-        coordinator.layers, coordinator.wrappers = [], []  # (nothing kept alive by a coordinator that is gone)
+        coordinator.layers = []  # (nothing kept alive by a coordinator that is gone)
         for attr in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
             getattr(module, attr, {}).pop(key, None)
     for key in [k for k, h in module._forward_pre_hooks.items() if isinstance(getattr(h, "__self__", None),

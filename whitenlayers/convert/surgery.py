@@ -56,15 +56,14 @@ def _install_coordinator(model: nn.Module, strategy: str, fold_async: bool) -> N
         return
     existing = _coordinators(model)
     if existing:
-        key, coord = existing[0]
+        _, coord = existing[0]
         if coord.fold_async and not fold_async:
             coord.wait()  # its folds in flight are written at the layers' next block ends, as loaded ones are
         coord.strategy = strategy
         coord.fold_async = fold_async
-        model._forward_hooks_always_called[key] = True  # a coordinator installed before it collected batches
     else:
         coord = FoldCoordinator(strategy, fold_async)
-        # always called: a forward that raises still adds the batches its layers handed over
+        # always called: a forward that raises still folds the layers whose block ended in it
         coord.handle = model.register_forward_hook(coord, always_call=True)
     if not any(getattr(h, "__self__", None) is coord for h in model._forward_pre_hooks.values()):
         coord.begin_handle = model.register_forward_pre_hook(coord.begin_forward)
@@ -73,7 +72,6 @@ def _install_coordinator(model: nn.Module, strategy: str, fold_async: bool) -> N
     for layer in layers:
         layer._fold_coordinator = coord
     coord.layers = layers
-    coord.wrappers = [m for m in model.modules() if isinstance(m, DirectWhitenWrapper)]
     coord.checked = False  # the first fold checks that every layer is called (FoldCoordinator)
 
 

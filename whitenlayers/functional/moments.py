@@ -3,14 +3,15 @@ and the block-diagonal (grouped) storage of per-group matrices (what a batch add
 :mod:`~whitenlayers.functional.batch`'s). Part of :mod:`whitenlayers.functional`."""
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Sequence, Tuple, Union
+from typing import Callable, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
 __all__ = ["BlockSummary", "symmetrize", "all_finite", "unshifted_accurate", "unshifted_accurate_each",
            "finite_each", "summarize_block", "scatter_about", "block_power", "fold_mean", "block_covariance",
-           "recursive_average", "fold_moments", "block_shape", "block_identity", "block_diagonal", "block_outer"]
+           "recursive_average", "fold_moments", "block_shape", "block_identity", "block_diagonal", "block_outer",
+           "stats_dtype"]
 
 
 # --------------------------------------------------------------------------
@@ -301,6 +302,19 @@ def fold_moments(
 # (whose spectrum is the union of the blocks' spectra); the eigendecomposition
 # itself is batched over the groups. The recursive rule takes one rank-one step
 # per group, all groups at once.
+def stats_dtype(dtype: Optional[torch.dtype] = None) -> torch.dtype:
+    """The dtype a layer keeps its statistics and transforms in: float64 for a float64 layer, else float32 (a
+    bf16 / fp16 layer's too). ``dtype``: the layer's (default ``None``: ``torch.get_default_dtype()``, as ``nn``
+    layers take it).
+
+    Example:
+        >>> stats_dtype(torch.float64), stats_dtype(torch.bfloat16)
+        (torch.float64, torch.float32)
+    """
+    dtype = torch.get_default_dtype() if dtype is None else dtype
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def block_shape(m: int, groups: int = 1) -> Tuple[int, ...]:
     """Shape of an ``M x M`` matrix kept per group: ``(M, M)`` for one group, else ``(G, M/G, M/G)``.
 

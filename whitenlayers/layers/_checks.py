@@ -2,14 +2,16 @@
 what to do. Part of :mod:`whitenlayers.layers`."""
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from .._torch_compat import autocast_enabled
+from .._torch_compat import compiling
 
-_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", lambda: False)
+#: The BatchNorm classes whose running mean a layer's centring can follow (``absorb_centring``); subclasses too.
+BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, nn.LazyBatchNorm1d,
+               nn.LazyBatchNorm2d, nn.LazyBatchNorm3d)
 
 FUNC_WHAT_TO_DO = (
     "Call the model in eval mode (model.eval(): the transform in force, nothing updated), or in training mode "
@@ -22,13 +24,13 @@ FUNC_WHAT_TO_DO = (
 def onnx_exporting() -> bool:
     """``torch.onnx.is_in_onnx_export()``, asked only while tracing (its exporters trace: the TorchScript one with
     ``torch.jit``, the dynamo one through ``torch.export``): on the per-batch path it costs more than the check."""
-    return (torch.jit.is_tracing() or _compiling()) and torch.onnx.is_in_onnx_export()
+    return (torch.jit.is_tracing() or compiling()) and torch.onnx.is_in_onnx_export()
 
 
 def check_not_tracing_function(layer: Any, what: str) -> None:
     """``torch.jit.trace`` with autograd on would record the layer's autograd Function (``what``): refused (the
     TorchScript-based ONNX exporter, which also traces with autograd on, inlines the Function: allowed)."""
-    if not _compiling() and torch._C._is_tracing() and not torch.onnx.is_in_onnx_export():
+    if not compiling() and torch.jit.is_tracing() and not torch.onnx.is_in_onnx_export():
         raise RuntimeError(
             f"{layer._describe()}: torch.jit.trace with autograd enabled records the layer's autograd Function "
             f"({what}) as a Python op, whose graph differs between the trace and its check (\"Graphs differed "
@@ -62,7 +64,7 @@ def check_input(layer: Any, x: Any, weight: Optional[Tensor], *, dim: int, ndims
                 "before the layer (torch.ao.quantization.DeQuantStub) and quantize after it (QuantStub)"
             )
         raise TypeError(f"{layer._describe()}: expected a floating-point input, but got dtype={x.dtype}")
-    if isinstance(weight, Tensor) and x.dtype != weight.dtype and not autocast_enabled(x.device.type):
+    if isinstance(weight, Tensor) and x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
         raise TypeError(
             f"{layer._describe()}: expected an input of dtype {weight.dtype} (the dtype of the layer's weight), "
             f"but got dtype={x.dtype}"

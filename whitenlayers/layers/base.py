@@ -20,28 +20,20 @@ Part of :mod:`whitenlayers.layers`.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Dict, FrozenSet, List, Optional, Tuple, Type, cast
+from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple, Type, cast
 
 import torch
 from torch import Tensor
 
 from .. import functional as F_w
+from .._torch_compat import copy_all_, prepare_graph_breaks
 from ..config import EVDConfig, RecursiveConfig, WhiteningConfig
-from ..fold import (
-    FAILED,
-    SKIP_MESSAGES,
-    FoldOutcome,
-    FoldWrites,
-    PendingFold,
-    fold_summary,
-    note_nonfinite,
-    stored_like,
-)
+from ..fold import FAILED, SKIP_MESSAGES, FoldOutcome, PendingFold, fold_summary, note_nonfinite
 from ..functional import BlockSummary
 from ..rules import RecursiveRule, TransformRule, rule_for
 from .block import Block
 from .checkpoint import _CheckpointMixin
-from .step import _StepCache, _StepMixin
+from .step import InForce, Reads, _StepMixin
 
 __all__ = ["WhiteningLayer"]
 
@@ -167,12 +159,12 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
         self.process_group = process_group
         self.layer_name: Optional[str] = None
         self.frozen = False
-        state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-        for name, value in self._fresh_buffers(device, state_dtype, grad_transform).items():
+        for name, value in self._fresh_buffers(device, F_w.stats_dtype(dtype), grad_transform).items():
             self.register_buffer(name, value)
         self._refresh_rule_identity()  # the rule's name and config, for checkpoints (layers/checkpoint.py)
-        self._cache = _StepCache()
+        self._reads = Reads()
         self._fresh_block_and_counters()
+        prepare_graph_breaks()  # (the first layer built imports dynamo: torch.compile may trace it)
         if self.running_mean.device.type == "cuda" and not torch.compiler.is_compiling():
             F_w.low_precision_products_on(self.running_mean.device)  # tried once per process, before any trace
 
@@ -195,8 +187,8 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
         self._block = self._new_block(self.running_mean.device)
 
     def _new_block(self, device: Any) -> Block:
-        dtype = torch.float64 if self.running_mean.dtype == torch.float64 else torch.float32
-        return Block(self.num_features, self.groups, dtype, device, self.rule.config)
+        return Block(self.num_features, self.groups, F_w.stats_dtype(self.running_mean.dtype), device,
+                     self.rule.config)
 
     # ---------------------------------------------------------- configuration
     @property
@@ -330,18 +322,15 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
         """
         self._wait_for_fold()
         self._pending_fold = None
-        self._state_changed()
         with torch.no_grad():
-            if keep_function:
-                self._on_mean_change(-self.running_mean.to(torch.float64))
-            else:
-                for name in self._ZEROED_ON_RESET:
-                    buf = self._buffers.get(name)
-                    if buf is not None:
-                        buf.zero_()
             mean = self.running_mean
-            for name, value in self._fresh_buffers(mean.device, mean.dtype, "grad_transform" in self._buffers).items():
-                self._buffers[name].copy_(value)
+            fresh = self._fresh_buffers(mean.device, mean.dtype, "grad_transform" in self._buffers)
+            if keep_function:
+                fresh.update(self._mean_change_writes(-mean.to(torch.float64)))
+            else:
+                fresh.update({name: torch.zeros_like(self._buffers[name]) for name in self._ZEROED_ON_RESET
+                              if self._buffers.get(name) is not None})
+            self._write_buffers(fresh)
             self._refresh_rule_identity(force=True)
         self._fresh_block_and_counters()
 
@@ -372,13 +361,13 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
             if new is not None and new.dtype != old.dtype and new.dtype not in (torch.float32, torch.float64):
                 self._buffers[name] = old.to(device=new.device)
         if "_block" in self.__dict__:
-            self._block.move(fn, torch.float64 if self.running_mean.dtype == torch.float64 else torch.float32)
+            self._block.move(fn, F_w.stats_dtype(self.running_mean.dtype))
         pending = self._pending_fold
         if pending is not None:  # a pending fold (fold_async) follows to the new device, in its own dtypes
             self._pending_fold = _moved(pending, self.running_mean.device)
         if self.running_mean.device.type == "cuda":
             F_w.low_precision_products_on(self.running_mean.device)
-        self._state_changed()
+        self._reads.dropped()  # (torch wrote the buffers)
         return result
 
     def whitened_covariance(self) -> Tensor:
@@ -395,7 +384,8 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
         dev = self.running_mean.device if device is None else torch.device(device)
         block = self._block
         if block.s1.device == dev and not block.s1.is_meta and not block.store.is_meta:
-            torch._foreach_zero_(block.restart())
+            for sums in block.restart():
+                sums.zero_()
         else:
             self._block = self._new_block(dev)
 
@@ -419,11 +409,12 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
         """The layer's buffers by name, as a fold reads them (the module's own dict, not a copy: read only)."""
         return self._buffers  # (a whitening layer's buffers are never None)
 
-    def begin_next_block(self, nonfinite: int) -> List[Tensor]:
+    def begin_next_block(self, nonfinite: int) -> None:
         """A fold has read the block: count the ranks whose block had non-finite sums (``nonfinite``) and start an
-        empty block. Returns the tensors the caller zeroes (a fold zeroes those of many layers in one op)."""
+        empty block."""
         self._count_nonfinite(nonfinite)
-        return self._block.restart()
+        for sums in self._block.restart():
+            sums.zero_()
 
     def take_pending_fold(self) -> Optional[PendingFold]:
         """The fold held pending (computed one block late by an asynchronous coordinator, or loaded from a
@@ -454,27 +445,26 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
     def rule_buffer_names(self) -> List[str]:
         """The names of the rule's own buffers, kept with the rule they came from (building them on the meta device
         costs about 0.35 ms a layer, at every asynchronous fold)."""
-        kept = self._cache.derived.get("rule_buffers")
+        kept = self.__dict__.get("_rule_buffer_names")
         if kept is None or kept[0] is not self.rule:
             names = list(self.rule.initial_buffers(self.num_features, {"device": "meta"}, groups=self.groups))
-            kept = self._cache.derived["rule_buffers"] = (self.rule, names)
+            kept = self.__dict__["_rule_buffer_names"] = (self.rule, names)
         return list(kept[1])
 
     @torch.no_grad()
-    def apply_fold(self, fold: PendingFold, outcome: FoldOutcome, writes: FoldWrites) -> bool:
-        """Apply a fold computed for this layer: count ``fold.nonfinite``; write ``outcome`` (``fold.outcome``, or the
-        one broadcast from the rank that computed it; a skipped fold, a failed transform: the previous one is kept,
-        and counted), the new mean ``fold.mean``, the bias compensation for its change ``fold.delta`` (float64) and
-        whether the next block sums unshifted. ``outcome.buffers`` and ``fold.mean`` may be views of the fold's
-        stacks, in another dtype: the in-place copies into the buffers are appended to ``writes``, which the
-        caller makes for many layers in one multi-tensor op before anything reads the buffers. Returns whether the
-        block counts (the caller adds it to ``num_blocks``); ``False`` for a skipped fold."""
+    def fold_writes(self, fold: PendingFold, outcome: FoldOutcome) -> Optional[Dict[str, Tensor]]:
+        """What a fold computed for this layer writes into its buffers (the fold's apply writes them, for every layer
+        at once: :meth:`write_buffers`): ``outcome`` (``fold.outcome``, or the one broadcast from the rank that
+        computed it), the new mean ``fold.mean``, the bias compensation for its change ``fold.delta`` (float64) and
+        ``num_blocks`` counted; ``None``: nothing (a skipped fold). The layer counts ``fold.nonfinite``, a skipped
+        fold and a failed transform (the previous one is kept; warned once) and notes whether its next block sums
+        unshifted."""
         self._count_nonfinite(fold.nonfinite)
         if outcome.status in SKIP_MESSAGES:
             self.skipped_folds += 1
             if SKIP_MESSAGES[outcome.status]:
                 self._warn_once("skip", cast(str, SKIP_MESSAGES[outcome.status]))
-            return False
+            return None
         if outcome.status == FAILED:
             self.transform_failures += 1
             if outcome.problem is None:
@@ -484,36 +474,53 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
                                                f"invalid result: {outcome.problem}; the previous transform is kept "
                                                "(counted in transform_failures)")
                 self._warned.add("transform")
-        for name, value in outcome.buffers.items():
-            self._set_fold_buffer(name, value, writes)
-        self._on_mean_change(fold.delta)
-        self._set_fold_buffer("running_mean", fold.mean, writes)
         self._block.unshifted = fold.unshifted
         if outcome.clamped:
             self.clamped_steps += 1
-        return True
+        return {**outcome.buffers, **self._mean_change_writes(fold.delta), "running_mean": fold.mean,
+                "num_blocks": self.num_blocks + 1}
 
-    def _set_fold_buffer(self, name: str, value: Tensor,
-                         writes: Optional[FoldWrites] = None) -> None:
-        """Write a fold's new ``value`` into buffer ``name`` in place (``copy_``), so the buffer keeps its tensor and
-        storage across folds: whatever holds a reference to it sees the fold (``torch.func.functional_call``, a
-        captured CUDA graph, an EMA helper holding ``named_buffers()``). A forward never hands a buffer itself to
-        autograd (an eager one reads copies, a compiled one copies them in the graph), so a backward still to come
-        keeps the values of its forward. A new tensor only where ``value`` cannot go into the old one (another
-        shape, an inference tensor). ``writes``: the copy appended there instead of made."""
-        old = cast(Tensor, self._buffers.get(name))
-        self._state_changed()
-        if old.shape == value.shape and not old.is_inference():
-            if writes is None:
-                old.copy_(value)  # converts to the buffer's dtype and device
+    @staticmethod
+    def write_buffers(writes: Sequence[Tuple["WhiteningLayer", Dict[str, Tensor]]]) -> None:
+        """Write each layer's values into its buffers of those names: the one writer of the layers' buffers in the
+        package (a fold's apply for all its layers, a reset, a change of centring). In place, in one multi-tensor
+        copy (converting dtype and device), so each buffer keeps its tensor and storage: whatever holds a reference
+        to it sees the write (``torch.func.functional_call``, a captured CUDA graph, an EMA helper holding
+        ``named_buffers()``). A layer's training forwards then read the new values as copies
+        (:class:`~whitenlayers.layers.step.InForce`; a backward still to come keeps the values of its forward): the
+        values themselves (with the copies of the buffers not written) where each is a tensor of its own as the
+        buffer holds it (a fold's results: no one writes them afterwards), else copies taken at the next training
+        forward. A new buffer tensor only where a value cannot go into the old one (another shape, an inference
+        tensor)."""
+        destinations: List[Tensor] = []
+        sources: List[Tensor] = []
+        for layer, values in writes:
+            for name, value in values.items():
+                old = cast(Tensor, layer._buffers[name])
+                if old.shape == value.shape and not old.is_inference():
+                    destinations.append(old)
+                    sources.append(value)
+                else:  # through Module.__setattr__, which buffer registration hooks see
+                    setattr(layer, name, value.detach().to(device=old.device, dtype=old.dtype, copy=True))
+        if destinations:
+            copy_all_(destinations, sources)
+        for layer, values in writes:
+            kept = layer._reads.copies  # (the copies of the buffers not written stay right)
+            reads = {name: values[name] if name in values else kept.state[name] if kept is not None else None
+                     for name in layer._FORWARD_BUFFERS}
+            if all(_own_copy(value, layer._buffers[name]) for name, value in reads.items()):
+                layer._reads.copies = InForce(cast(Dict[str, Tensor], reads), {}, True)
             else:
-                writes.buffers.append(old)
-                writes.values.append(value)
-        else:  # through Module.__setattr__, which buffer registration hooks see
-            setattr(self, name, stored_like([(old, value)])[0])
+                layer._reads.dropped()
 
-    def _on_mean_change(self, delta: Tensor) -> None:
-        """Hook for layers that must keep their function when the mean in force changes by ``delta`` (float64)."""
+    def _write_buffers(self, values: Dict[str, Tensor]) -> None:
+        """:meth:`write_buffers` of this layer alone."""
+        self.write_buffers([(self, values)])
+
+    def _mean_change_writes(self, delta: Tensor) -> Dict[str, Tensor]:
+        """Hook: the buffers that keep the layer's function when the mean in force changes by ``delta`` (float64), by
+        name (none here: the grad layers' bias compensation)."""
+        return {}
 
     # ------------------------------------------------------------- public API
     def fold(self, block: Optional[BlockSummary] = None) -> None:
@@ -546,19 +553,22 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
             return
         if self._block.fold_pending:
             self._fold_now()
-        self._add_batch(x, None)
+        self._add_batch(x)
 
     def block_statistics(self) -> BlockSummary:
         """This rank's current block as a :class:`~whitenlayers.functional.BlockSummary` (count, mean, scatter)."""
-        if self._fold_coordinator is not None:
-            self._fold_coordinator.flush_stats()
         return F_w.summarize_block(*self._block.sums())
 
     def discard_block(self) -> None:
         """Drop the current partial block (its statistics and its batch count); the state in force is kept."""
-        if self._fold_coordinator is not None:
-            self._fold_coordinator.flush_stats()
         self._reset_accumulators()
+
+
+def _own_copy(value: Optional[Tensor], buffer: Tensor) -> bool:
+    """Whether ``value`` can stand for ``buffer``'s copy (:meth:`WhiteningLayer._write_buffers`): a tensor apart from
+    it, as it stores it (shape, dtype, device), outside autograd and inference mode."""
+    return (value is not None and value is not buffer and value.shape == buffer.shape and value.dtype == buffer.dtype
+            and value.device == buffer.device and not value.requires_grad and not value.is_inference())
 
 
 def _moved(fold: PendingFold, device: torch.device) -> PendingFold:

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ..fold import FAILED, FOLDED, FoldOutcome, PendingFold
 from ..rules import _BUILT_IN, rule_identity
-from .step import _Layer, _StepCache
+from .step import Reads, _Layer
 
 __all__ = ["IDENTITY_BUFFER", "IDENTITY_WIDTH", "encode_identity", "decode_identity", "loading_plain_checkpoint"]
 
@@ -205,12 +205,16 @@ class _CheckpointMixin(_Layer):
     def __getstate__(self) -> Dict[str, Any]:
         self._wait_for_fold()  # a fold in flight: its result is the layer's pending fold, copied with it
         state = dict(self.__dict__)
-        # What a forward keeps between steps is made again (the step cache); the deferral's state is not copied (a
-        # copy is stepped by no optimizer of the deferral, defer_grad_transform), nor is a direct wrapper's link.
-        state["_cache"] = _StepCache()
+        # What the forwards read is taken again (the copies); the deferral's state is not copied (a copy is stepped
+        # by no optimizer of the deferral, defer_grad_transform), nor is a direct wrapper's link.
+        state["_reads"] = Reads()
         for transient in ("_deferral", "_wrapper"):
             state.pop(transient, None)
         return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        state = {k: v for k, v in state.items() if k != "_cache"}  # (a layer pickled before the copies were Reads)
+        super().__setstate__({"_reads": Reads(), **state})
 
     def __prepare_scriptable__(self) -> Any:
         raise RuntimeError(
@@ -241,7 +245,6 @@ class _CheckpointMixin(_Layer):
         """
         coordinator = self.__dict__.get("_fold_coordinator")
         if coordinator is not None:
-            coordinator.flush_stats()
             coordinator.wait()  # a fold in flight: its result is the pending fold written below
         pending = cast(Optional[PendingFold], self._pending_fold)
         block = self._block
@@ -437,7 +440,7 @@ class _CheckpointMixin(_Layer):
             return
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
-        self._state_changed()
+        self._reads.dropped()  # (torch wrote the buffers)
         self.__dict__["_identity_of"] = None  # the buffer holds what was loaded: written again at the next save
 
     def _checked_rule_identity(self, state_dict: Dict[str, Any], prefix: str, unexpected_keys: List[str],

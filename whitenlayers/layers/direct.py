@@ -4,15 +4,13 @@ method="direct")`` puts in place of a target), which multiplies the layer's weig
 its input where that is the same. Part of :mod:`whitenlayers.layers`."""
 from __future__ import annotations
 
-import threading
-from typing import Any, Dict, Optional, cast
+from typing import Any, Dict, Optional, Tuple, cast
 
 import torch
 from torch import Tensor, nn
 
-from .. import functional as F_w
-from .._torch_compat import autocast_enabled, no_autocast
-from ..autograd import POINTWISE_DIMS, _transform_mean, direct_whiten, pointwise_whiten
+from .._torch_compat import no_autocast
+from ..autograd import POINTWISE_DIMS, _transform_mean, direct_whiten, pointwise_whiten, transformed_weight
 from ..config import EVDConfig
 from ..functional import batch as _batch
 from ..privacy import note_direct
@@ -20,7 +18,6 @@ from ..rules import EVDRule, rule_and_config
 from ._checks import check_input, check_not_tracing_function
 from .base import WhiteningLayer
 from .grad import _with_whitening_signature
-from .step import _saved_tensor_hooks
 
 __all__ = ["DirectWhiten", "DirectWhitenWrapper"]
 
@@ -29,9 +26,6 @@ _INPUT_DIMS = tuple(range(2, 9))
 _INPUT_WHAT = "an input of shape (B, C) or (B, C, *spatial)"
 #: The layers whose weight DirectWhitenWrapper multiplies by T instead of whitening their input.
 _FUSED_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
-_MODULE = nn.modules.module
-_get_ident = threading.get_ident
-_compiling = torch.compiler.is_compiling
 
 
 class DirectWhiten(WhiteningLayer, nn.Module):
@@ -125,34 +119,27 @@ class DirectWhiten(WhiteningLayer, nn.Module):
             The whitened input, same shape and dtype.
         """
         check_input(self, x, None, dim=1, ndims=_INPUT_DIMS, what=_INPUT_WHAT)
-        step = self._begin(x, x.requires_grad)  # (x in the recorded graph: kept anyway)
-        t, mean = step.state["whitening_matrix"], step.state["running_mean"]
+        step = self._begin(x)
+        reads = step.reads
+        t, mean = reads.state["whitening_matrix"], reads.state["running_mean"]
         if torch.is_grad_enabled() and x.requires_grad:
             check_not_tracing_function(self, "the whitening's backward")
         if x.dim() in POINTWISE_DIMS and (x.device.type != "cpu" or _batch._fused_on_cpu):
-            # CUDA: one 1x1 convolution each way, T, -T mu and T^T made once per block (kept in the step cache while
-            # the buffers in force stay; made anew in a compiled graph or a torch.jit trace, never kept from an
-            # inference-mode forward). A CPU keeps the matrix products below: there the convolution was slower
-            # (ResNet-20 step 1.33x against 1.26x).
-            cache, key = self._cache, ("pointwise", x.dtype)
-            keep = not _compiling() and not torch._C._is_tracing() and cache.state is not None
-            weights = cache.derived.get(key) if keep else None
-            if weights is None:  # T as a 1x1 convolution's (M, M/G) weight, the bias -T mu, T^T's weight
-                with torch.no_grad():
-                    weights = (t.reshape(self.num_features, -1).to(x.dtype).contiguous(),
-                               _transform_mean(t, mean).neg_().to(x.dtype),
-                               t.transpose(-1, -2).reshape(self.num_features, -1).to(x.dtype).contiguous())
-                if keep and not torch.is_inference_mode_enabled():
-                    cache.derived[key] = weights
-            w, b, wt = weights
+            # CUDA: one 1x1 convolution each way, T, -T mu and T^T made once per fold for a training forward. A CPU
+            # keeps the matrix products below: there the convolution was slower (ResNet-20 step 1.33x against 1.26x).
+            w, b, wt = self._derived(reads, ("pointwise", x.dtype), lambda: self._pointwise_weights(t, mean, x.dtype))
             out = pointwise_whiten(x, w, b, wt, self.groups)
         else:
-            if torch.is_grad_enabled() and x.requires_grad and t is self._buffers["whitening_matrix"]:
-                t = t.clone()  # the buffer itself (a torch.jit trace), which a fold writes in place
             out = direct_whiten(x, t, mean)
         if step.counts:
             self._end(step, None)
         return out
+
+    @torch.no_grad()
+    def _pointwise_weights(self, t: Tensor, mean: Tensor, dtype: torch.dtype) -> Tuple[Tensor, Tensor, Tensor]:
+        """``T`` as a 1x1 convolution's ``(M, M/G)`` weight, the bias ``-T mu`` and ``T^T``'s weight, in ``dtype``."""
+        return (t.reshape(self.num_features, -1).to(dtype).contiguous(), _transform_mean(t, mean).neg_().to(dtype),
+                t.transpose(-1, -2).reshape(self.num_features, -1).to(dtype).contiguous())
 
 
 class DirectWhitenWrapper(nn.Module):
@@ -190,14 +177,13 @@ class DirectWhitenWrapper(nn.Module):
 
     def _fusable(self) -> bool:
         """Whether the forward multiplies the layer's weight by ``T`` (:meth:`forward`): a plain conv or linear layer,
-        a dense ``T``, and no hook that would see the two modules' calls."""
+        a dense ``T``, and no hook on either module that would see its call (a global module hook sees the
+        wrapper's call only)."""
         whiten, layer = self.whiten, self.layer
         return type(layer) in _FUSED_LAYERS and whiten.groups == 1 and not (
             whiten._forward_hooks or whiten._forward_pre_hooks or whiten._backward_hooks
             or whiten._backward_pre_hooks or layer._forward_hooks or layer._forward_pre_hooks
-            or layer._backward_hooks or layer._backward_pre_hooks or _MODULE._global_forward_hooks
-            or _MODULE._global_forward_pre_hooks or _MODULE._global_backward_hooks
-            or _MODULE._global_backward_pre_hooks)
+            or layer._backward_hooks or layer._backward_pre_hooks)
 
     def forward(self, x: Tensor) -> Tensor:
         """``layer(whiten(x))``, computed as ``layer(x - mu)`` with the weight ``W T`` where that is the same.
@@ -225,34 +211,20 @@ class DirectWhitenWrapper(nn.Module):
         if not (isinstance(feats, Tensor) and 2 <= feats.dim() <= 8 and feats.shape[1] == whiten.num_features
                 and feats.is_floating_point()):
             check_input(whiten, feats, None, dim=1, ndims=_INPUT_DIMS, what=_INPUT_WHAT)
-        coordinator = whiten._fold_coordinator
-        scope = coordinator.scopes.get(_get_ident()) if coordinator is not None and coordinator.scopes else None
-        shared = scope.products.pop(whiten, None) if scope is not None and scope.products else None
-        if shared is not None and _saved_tensor_hooks() is not None:  # (checkpointing: a recomputed forward saves
-            shared = None  # what its original saved, and it recomputes without the shared product)
-        step = whiten._begin(feats, x.requires_grad, None if shared is None else shared.state)
-        t, mean = step.state["whitening_matrix"], step.state["running_mean"]
-        if torch.is_grad_enabled() and x.requires_grad and not _compiling() and torch._C._is_tracing():
+        step = whiten._begin(feats)
+        reads = step.reads
+        t, mean = reads.state["whitening_matrix"], reads.state["running_mean"]
+        if torch.is_grad_enabled() and x.requires_grad:
             check_not_tracing_function(whiten, "the whitening's backward")  # as DirectWhiten's own forward
         params = layer._parameters
         w = params["weight"]
-        if shared is not None and shared.weight is w and shared.t is t:
-            wt = shared.product  # its product in the model's shared node (the coordinator's)
-        elif autocast_enabled(w.device.type):  # W T in the weight's dtype (autocast would multiply in bf16 / fp16)
+        if torch.is_autocast_enabled(w.device.type):  # W T in the weight's dtype (not autocast's bf16 / fp16)
             with no_autocast(w.device):
-                wt = F_w.transform_weight_grad(w, t)
+                wt = transformed_weight(w, t)
         else:
-            wt = F_w.transform_weight_grad(w, t)
-        # mu as x subtracts it: kept in the step cache while the buffers in force stay (not from a trace)
-        shape = (-1,) if linear else (1, -1) + (1,) * (x.dim() - 2)
-        key = ("shift", x.dtype, shape)
-        cache = None if _compiling() or torch._C._is_tracing() else whiten._cache
-        shift = cache.derived.get(key) if cache is not None else None
-        if shift is None:
-            shift = mean.to(x.dtype).view(shape)
-            if (cache is not None and cache.state is not None and mean is cache.state["running_mean"]
-                    and not torch.is_inference_mode_enabled()):
-                cache.derived[key] = shift
+            wt = transformed_weight(w, t)
+        shape = (-1,) if linear else (1, -1) + (1,) * (x.dim() - 2)  # mu as x subtracts it (made once per fold)
+        shift = whiten._derived(reads, ("shift", x.dtype, shape), lambda: mean.to(x.dtype).view(shape))
         if linear:
             out = nn.functional.linear(x - shift, wt, params["bias"])
         else:

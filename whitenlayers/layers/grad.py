@@ -213,7 +213,7 @@ class _GradWhitenMixin(_GradStep, WhiteningLayer):
             if old is not None and old.running_mean is not None:
                 old.running_mean.add_(d.to(old.running_mean.dtype))
             else:  # nothing to hand d to: keep the function through the bias compensation
-                self.bias_correction = self.bias_correction - d.to(self.bias_correction.dtype)
+                self._write_buffers({"bias_correction": self.bias_correction - d.to(self.bias_correction.dtype)})
             self._centring_ref = None
         if batchnorm is not None:
             self.register_buffer(
@@ -223,7 +223,6 @@ class _GradWhitenMixin(_GradStep, WhiteningLayer):
             # (a plain attribute: neither the BatchNorm nor the parent is a submodule of the layer)
             self._centring_ref = CentringRef(None, batchnorm) if parent is None else CentringRef(parent, name)
             self._fold_compensation_into_offset()
-        self._state_changed()  # (bias_correction rewritten)
 
     def _hooks_after_absorbing(self) -> str:
         """The forward hooks of a layer whose centring is absorbed, by name (``""``: none). They were registered
@@ -247,7 +246,7 @@ class _GradWhitenMixin(_GradStep, WhiteningLayer):
 
     def _skipped_offset(self, weight: Tensor) -> Tensor:
         """``s = c - sum_k W_k mu``: the offset the absorbed layer leaves out (its bias stays in the output)."""
-        return self._offset(weight, self.running_mean, self.bias_correction)
+        return self._offset(weight, self._buffers_in_force())
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -282,22 +281,21 @@ class _GradWhitenMixin(_GradStep, WhiteningLayer):
         return out
 
     @torch.no_grad()
-    def _on_mean_change(self, delta: Tensor) -> None:
-        # ERRATA 8 (docs/PAPER.md): c(i) = c(i-) + sum W (mu(i) - mu(i-1)) keeps z unchanged. Written in place: a
-        # forward still to be recomputed (activation checkpointing) holds its own snapshot (_forward_state).
+    def _mean_change_writes(self, delta: Tensor) -> Dict[str, Tensor]:
+        # ERRATA 8 (docs/PAPER.md): c(i) = c(i-) + sum W (mu(i) - mu(i-1)) keeps z unchanged; an absorbed layer keeps
+        # c inside d (c - d is what its function uses): d(i) = d(i-) - sum W (mu(i) - mu(i-1)).
         block = self._block
         w, block.fold_weight = block.fold_weight, None  # the weight of the forward that ended the block
         if w is None:
             w = self.weight.detach()
             w = w.full_tensor() if hasattr(w, "full_tensor") else w  # a DTensor (FSDP2) outside the forward
             w = self._weight_matrix(w).to(torch.float64)
-        comp = F_w.weight_mean_product(w, delta)
+        comp = F_w.weight_mean_product(w, delta)  # float64
         absorbed = self._buffers.get("absorbed_offset")
-        if absorbed is not None:  # c lives in d for an absorbed layer (c - d is what the function uses)
-            absorbed.sub_(comp)  # float64 comp: computed in float64, rounded once into d's dtype (one op, no copy)
-            return
+        if absorbed is not None:
+            return {"absorbed_offset": absorbed - comp}  # computed in float64, rounded once into d's dtype
         c = self.bias_correction
-        self._set_fold_buffer("bias_correction", c + comp.to(c.dtype))  # in place, as every fold write
+        return {"bias_correction": c + comp.to(c.dtype)}
 
     @torch.no_grad()
     def _fold_compensation_into_offset(self) -> None:
@@ -310,8 +308,7 @@ class _GradWhitenMixin(_GradStep, WhiteningLayer):
         d = self._buffers.get("absorbed_offset")
         c = self.bias_correction
         if d is not None and not c.is_meta and c.any():
-            d.sub_(c.to(d.dtype))
-            self.bias_correction = torch.zeros_like(c)
+            self._write_buffers({"absorbed_offset": d - c.to(d.dtype), "bias_correction": torch.zeros_like(c)})
 
     def extra_repr(self) -> str:
         features = f"features={self.features!r}" if self.features != "channels" else ""

@@ -1,55 +1,59 @@
-"""A whitening layer's forward, training or not, through the model's root or not, eager or compiled: an eager
-forward (:meth:`~_StepMixin._begin`) and a compiled one (:meth:`~_StepMixin._begin_traced`), which decide alike
-whether the layer gathers (:meth:`~_StepMixin.gathers_now`) and add a batch's sums by one formula
-(:meth:`~whitenlayers.layers.block.Block.add`); a compiled forward sums about the block's shift tensor and counts
-its batches outside the graph, so its rounding differs from the eager forward's.
+"""A whitening layer's forward, the one implementation of a step: training or not, through the model's root or not,
+eager or compiled.
 
-A forward starts with :meth:`~_StepMixin._begin`, which decides what it does as a :class:`Step`: the buffers in
-force (copies, renewed when a buffer changed), whether it is a training batch (counted, at its end, by
-:meth:`~_StepMixin._end`), and the scope of the model's forward it is part of, if any (what the model's fold
-coordinator, :mod:`whitenlayers.coordinator`, offers: its weight's view in a shared gradient-transform node (one
-for the model's layers in one process, runs of ``DISTRIBUTED_RUN`` under ``torch.distributed``, none for fewer
-than two layers), a list to hand its batch to, a fold at the forward's end). A training batch is added to the
-block (:meth:`~_StepMixin._add_batch`) when its block gathers at this batch (``Block.gather_next``: the first of
-every ``stats_every`` batches); at the block's end the layer folds: at the end of the model's forward when its
-coordinator's scope is open, else at once. So a layer is correct on its own, whichever module the call enters by;
-the coordinator only does together what the layers would do alone.
+A forward starts with :meth:`~_StepMixin._begin`, which decides what it does as a :class:`Step`: what it reads (the
+buffers, or for a training forward their copies, :class:`InForce`), whether it is a training batch (counted, at its
+end, by :meth:`~_StepMixin._end`), and whether its block's end is folded at the end of the model's forward (the model's
+fold coordinator, :mod:`whitenlayers.coordinator`, folds all its layers there together) or at once. A training batch
+is added to the block (:meth:`~_StepMixin._add_batch`, the sums by
+:meth:`~whitenlayers.layers.block.Block.add`) when its block gathers at this batch (``Block.gather_next``: the first of
+every ``stats_every`` batches). Whether a layer gathers at all is one predicate, :meth:`~_StepMixin.gathers_now`.
 
-Inside a compiled graph a layer reads no Python number that changes from step to step (dynamo would guard on it
-and recompile): the graph holds the tensor work (its buffers copied, the batch's sums added about the block's
-shift tensor), and the batch is counted outside it, by the coordinator after the root's forward when the root is
-what was compiled (one graph), else by the layer itself through a graph break.
+What a forward reads. A fold writes the layer's buffers in place (they keep their tensors: ``functional_call``,
+CUDA graphs), right after the forward that ends a block, before that forward's backward. So a training forward reads
+copies of them (:class:`InForce`), taken at the first training forward after they were written; whoever writes the
+buffers (:meth:`~whitenlayers.WhiteningLayer._write_buffers`, and torch's own writers: a load, a move) drops the
+copies. Every other forward (evaluation, frozen, no gradient) reads the buffers themselves: no fold runs before its
+backward, and it sees any write (an EMA helper's, a user's). A forward that autograd recomputes inside a backward
+(activation checkpointing) reads what its original forward read.
 
-:class:`_GradStep` is the forward of the grad / recursive layers (convolutions and linear layers): the weight
-whose gradient is right-multiplied by ``Q_s``, and the centring (``b + c - sum_k W_k mu``; for a bias-free
-convolution in training, added in place to the convolution's output; or absorbed by a following BatchNorm, whose
-running mean the layer's offset follows: one ``addmv_`` on operands kept in the step cache, made anew on a block's
-first step and every step for a cumulative-average BatchNorm, :meth:`~_GradStep._track_absorbed_offset`). Part of
+Compiled, a forward runs :meth:`~_StepMixin._begin_traced`: the buffers copied in the graph (an operator of the
+package's own, so that the partitioner saves the copies for the backward), the batch summed about the block's shift
+tensor, and the batch counted outside the graph (no Python number that changes from step to step is read there): by
+the coordinator after the root's graph, else through a graph break. Its rounding differs from the eager forward's.
+
+:class:`_GradStep` is the forward of the grad / recursive layers (convolutions and linear layers): the weight whose
+gradient is right-multiplied by ``Q_s``, and the centring (``b + c - sum_k W_k mu``; for a bias-free convolution in
+training, added to the convolution's output; or absorbed by a following BatchNorm, whose running mean the layer's
+offset follows: one ``addmv_`` per step, :meth:`~_GradStep._track_absorbed_offset`). Part of
 :mod:`whitenlayers.layers`.
 """
 from __future__ import annotations
 
-import contextlib
-import functools
-import operator
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optional, Tuple, cast
+from concurrent.futures import ThreadPoolExecutor
+from threading import get_ident
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from .. import functional as F_w
-from .._torch_compat import autocast_enabled, no_autocast
-from ..autograd import _transforms_active, grad_transformed
-from ..coordinator import HandedBatch, TracedCall, _exporting, _get_ident, _graph_task_id, _version
+from .._torch_compat import (
+    compiling,
+    exporting,
+    graph_break,
+    in_backward,
+    no_autocast,
+    transforms_active,
+    unchecked_side_effect,
+)
+from ..autograd import grad_transformed
 from ..fold import fold_layers
-from ..functional import batch as _batch
-from ..functional.batch import stats_samples
-from ._checks import FUNC_WHAT_TO_DO, check_not_tracing_function, onnx_exporting
+from ..functional.batch import fused_moments_on, stats_samples
+from ._checks import BATCH_NORMS, FUNC_WHAT_TO_DO, check_not_tracing_function, onnx_exporting
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..coordinator import FoldCoordinator, ForwardScope
-    from .base import WhiteningLayer
     from .block import Block
 
     class _Layer(nn.Module):
@@ -57,7 +61,7 @@ if TYPE_CHECKING:  # pragma: no cover
         are part of (a :class:`~whitenlayers.WhiteningLayer`, an ``nn.Module``), declared once for the type checker."""
 
         _block: Block
-        _cache: _StepCache
+        _reads: Reads
         _fold_coordinator: Optional[FoldCoordinator]
         _pending_fold: Any
         _buffers: Dict[str, Any]
@@ -86,33 +90,19 @@ if TYPE_CHECKING:  # pragma: no cover
 
         def _reset_accumulators(self, device: Any = None) -> None: ...
 
-        def _state_changed(self) -> None: ...
-
         def _new_block(self, device: Any) -> Block: ...
 
         def _features_of(self, x: Tensor, weight: Tensor) -> Tensor: ...
 
         def _centre_for_hooks(self) -> None: ...
 
-        def _begin(self, x: Tensor, keeps: bool = False, state: Optional[Dict[str, Tensor]] = None) -> Step: ...
+        def _begin(self, x: Tensor) -> Step: ...
 
         def _end(self, step: Step, weight: Optional[Tensor]) -> None: ...
 else:
     _Layer = object
 
-__all__ = ["CentringRef", "Step", "recomputing"]
-
-_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", lambda: False)
-_jit_tracing: Callable[[], bool] = torch._C._is_tracing
-#: ``fn(*args)``, a mutation dynamo allows inside a higher-order operator (a compiled activation checkpoint: the
-#: forward runs once there, a recomputation counts nothing, so the mutation is not to be replayed); plain elsewhere.
-_unchecked_side_effect: Callable[..., Any] = getattr(
-    torch._dynamo.utils, "_disable_side_effect_safety_checks_for_current_subtracer", lambda fn, *args: fn(*args))
-#: The innermost saved-tensor hooks (activation checkpointing, ``save_on_cpu``), or ``None``; a torch without the
-#: query answers "some" (nothing handed over).
-_saved_tensor_hooks: Callable[[], Any] = (
-    functools.partial(torch._C._autograd._top_saved_tensors_default_hooks, False)
-    if hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks") else lambda: True)
+__all__ = ["CentringRef", "InForce", "Reads", "Step", "recomputing"]
 
 
 def recomputing() -> bool:
@@ -122,45 +112,52 @@ def recomputing() -> bool:
     executes the backward; an original forward never runs there. Inside a compiled graph this is ``False``
     (compiled checkpointing replays the graph, not the module).
     """
-    return not _compiling() and _graph_task_id() != -1
+    return not compiling() and in_backward()
+
+
+class InForce(NamedTuple):
+    """What a forward reads besides its input: the buffers of :attr:`_StepMixin._FORWARD_BUFFERS` (``state``) and
+    values derived from them (``derived``: the mean per kernel tap, ``DirectWhiten``'s 1x1 weights). ``copies``:
+    ``state`` holds copies of the buffers, which no one writes (a training forward's, the module docstring): the
+    derived values are kept with them, made once per fold; else ``state`` holds the buffers themselves, and
+    ``derived`` stays empty (made at each forward)."""
+
+    state: Dict[str, Tensor]
+    derived: Dict[Any, Any]
+    copies: bool
+
+
+class Reads:
+    """A layer's record of what its forwards read: ``copies``, the :class:`InForce` of the training forwards (``None``:
+    the buffers were written since, its copies are taken at the next one), and ``last``, what the last forward read
+    (a forward recomputed inside a backward reads it again, derived values included: it runs the same operations,
+    which selective checkpointing replays). Written by the forward and by :meth:`dropped` only."""
+
+    __slots__ = ("copies", "last")
+
+    def __init__(self) -> None:
+        self.copies: Optional[InForce] = None
+        self.last: Optional[InForce] = None
+
+    def dropped(self) -> None:
+        """The buffers were written: the next training forward takes new copies (a recomputed forward still reads
+        what its original forward read)."""
+        self.copies = None
 
 
 class Step(NamedTuple):
     """What one forward of a layer does, decided once, at its start (:meth:`_StepMixin._begin`)."""
 
-    #: The buffers the forward reads (:attr:`_StepMixin._FORWARD_BUFFERS`): copies taken when they last changed.
-    state: Dict[str, Tensor]
+    #: What the forward reads (:class:`InForce`).
+    reads: InForce
     #: A training batch that the forward counts at its end (:meth:`_StepMixin._end`).
     counts: bool
-    #: The scope of the model's forward this call is part of (its fold coordinator's), or ``None``.
-    scope: Optional["ForwardScope"]
+    #: The block's end is folded at the end of the model's forward (by its coordinator), not at once.
+    coordinated: bool = False
     #: The forward runs inside a compiled graph (nothing kept between forwards may be read).
     traced: bool = False
     #: The rows a compiled forward added (counted outside the graph at its end).
     rows: int = 0
-    #: The block's end folded by the coordinator at the end of the model's forward although no scope is open (a
-    #: compiled root's forward, a joined rank's batch without data); with a scope it is folded there too.
-    coordinated: bool = False
-
-
-class _AbsorbedUpdate(NamedTuple):
-    """What the absorbed offset's one ``addmv_`` needs (``d <- (1 - f) d + f (-W mu)``,
-    :meth:`_GradStep._track_absorbed_offset`), kept in the step cache (``derived["absorbed"]``) while the
-    BatchNorm, its momentum and the weight stay."""
-
-    bn: _BatchNorm
-    #: The BatchNorm's momentum ``f`` when it was kept.
-    momentum: float
-    #: The weight's ``data_ptr()`` when it was kept.
-    weight_ptr: int
-    #: ``d``: the ``absorbed_offset`` buffer, written in place.
-    offset: Tensor
-    #: The weight's rows and the mean per kernel tap (:func:`_weight_rows`, :meth:`_GradStep._mean_per_tap`).
-    rows: Tensor
-    mean_k: Tensor
-    #: The ``addmv_``'s factors, ``1 - f`` and ``-f``.
-    beta: float
-    alpha: float
 
 
 def _define_snapshot_op() -> None:
@@ -175,25 +172,11 @@ def _define_snapshot_op() -> None:
     lib.define("snapshot(Tensor x) -> Tensor")
     lib.impl("snapshot", lambda x: x.clone(), "CompositeExplicitAutograd")
     _LIBRARIES.append(lib)  # a Library object unregisters its operators when collected
-    side_effect = getattr(torch.fx.node, "has_side_effect", None)  # the partitioners never move it to the backward
-    if side_effect is not None:
-        side_effect(torch.ops.whitenlayers.snapshot.default)
+    torch.fx.node.has_side_effect(torch.ops.whitenlayers.snapshot.default)  # never moved to the backward
 
 
 _LIBRARIES: list = []
 _define_snapshot_op()
-
-
-@contextlib.contextmanager
-def _tracing_suspended():
-    """No ``torch.jit.trace`` recording inside (what it would record is not part of the traced function); nothing
-    to suspend outside a trace."""
-    state = torch._C._get_tracing_state()
-    torch._C._set_tracing_state(None)
-    try:
-        yield
-    finally:
-        torch._C._set_tracing_state(state)
 
 
 def _work_dtype(x: Tensor) -> torch.dtype:
@@ -201,78 +184,58 @@ def _work_dtype(x: Tensor) -> torch.dtype:
     return x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
 
 
-class _StepCache:
-    """The one place for what a layer keeps between forwards: the buffers in force as copies (``state``, taken from
-    the buffers ``held`` at their ``versions``) and the values derived from them or from the weight (``derived``: the
-    mean per kernel tap, the weight's rows, ``DirectWhiten``'s 1x1 weights, ...).
-
-    Whoever writes a layer's buffers in the package (a fold's outcome applied, a load, a reset, a cast or move,
-    ``to_empty``) says so (:meth:`_StepMixin._state_changed`, which calls :meth:`renew`): the next forward takes
-    new copies and drops every derived value. That holds where no version counter moves (a fold under a
-    ``TorchDispatchMode``: ``FlopCounterMode``, selective activation checkpointing). The identity and version check
-    of :meth:`_StepMixin._state_in_force` is for writes from outside alone (DDP's buffer broadcast,
-    ``torch.func.functional_call``, a user's ``copy_``). A forward recomputed inside a backward reads ``state`` and
-    ``derived`` as its original forward left them, renewed or not (it must run the same operations: selective
-    checkpointing replays them)."""
-
-    __slots__ = ("held", "versions", "state", "derived")
-
-    def __init__(self) -> None:
-        self.state: Optional[Dict[str, Tensor]] = None
-        self.derived: Dict[Any, Any] = {}
-        self.renew()
-
-    def renew(self) -> None:
-        """The buffers were written: the next forward (not a recomputed one) takes new copies and drops the derived
-        values (:meth:`_StepMixin._state_in_force`)."""
-        self.held: Optional[tuple] = None
-        self.versions: tuple = ()
+def _fold_untraced(layer: Any) -> None:
+    """Fold ``layer`` outside a ``torch.jit.trace`` in progress: in a thread of its own (the tracer records the
+    calling thread only), which this one waits for (its exception raised here)."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="whitenlayers-fold-outside-trace") as pool:
+        pool.submit(layer._fold_now).result()
 
 
 class _StepMixin(_Layer):
     """The per-step part of :class:`~whitenlayers.WhiteningLayer` (this module's docstring)."""
 
-    #: The buffers a forward reads (a recomputed forward reads those of the original one).
+    #: The buffers a forward reads.
     _FORWARD_BUFFERS: Tuple[str, ...] = ("running_mean",)
 
     # ------------------------------------------------------------------ a forward
-    def _begin(self, x: Tensor, keeps: bool = False, state: Optional[Dict[str, Tensor]] = None) -> Step:
+    def _begin(self, x: Tensor) -> Step:
         """Start a forward (``x``: the batch's features on dim 1): the :class:`Step` it takes, and, for a training
-        batch that gathers statistics, the batch added to the block (``keeps``: the forward's backward keeps ``x``
-        anyway, as a convolution does for its weight's gradient; ``state``: the buffers in force as the model's
-        forward took them for this layer before it, if it did).
+        batch that gathers statistics, the batch added to the block.
 
-        A forward recomputed inside a backward (activation checkpointing) is not a batch: it reads the copies its
-        original forward read, even if a fold came in between. A block that ended without being folded (its model's
-        forward did not end: the layer was called again within it) is folded first, as the model's end would have.
-        Under ``torch.inference_mode`` a training-mode forward gathers and counts nothing (a fold there would store
+        A forward recomputed inside a backward (activation checkpointing) is not a batch: it reads what its original
+        forward read, even if a fold came in between. A block that ended without being folded (its model's forward
+        did not end: the layer was called again within it, or the forward was exported) is folded first. Under
+        ``torch.inference_mode`` a training-mode forward gathers and counts nothing (a fold there would store
         inference tensors as state)."""
-        if _compiling():
+        if compiling():
             return self._begin_traced(x)
-        cache = self._cache
-        if _graph_task_id() != -1:  # recomputed inside a backward (recomputing(), inline)
-            return Step(cache.state if cache.state is not None else self._state_in_force(), False, None)
-        coordinator = self._fold_coordinator
-        scope = coordinator.scopes.get(_get_ident()) if coordinator is not None and coordinator.scopes else None
+        reads = self._reads
+        if in_backward():  # recomputed inside a backward
+            return Step(reads.last if reads.last is not None else self._buffers_in_force(), False)
         block = self._block
         if block.fold_pending:
-            state = None  # (the fold writes the buffers)
-            # under torch.jit.trace: folded outside the trace (its check run, which finds nothing pending, traces again)
-            with _tracing_suspended():
+            if torch.jit.is_tracing():
+                _fold_untraced(self)  # (its check run, which finds nothing pending, traces the same graph)
+            else:
                 self._fold_now()
-        if state is None:
-            state = self._state_in_force()
+        coordinator = self._fold_coordinator
+        scope = coordinator.scopes.get(get_ident()) if coordinator is not None and coordinator.scopes else None
         if not self.gathers_now(scope):
-            return Step(state, False, scope)
-        if _transforms_active():
+            reads.last = self._buffers_in_force()
+            return Step(reads.last, False)
+        if transforms_active():
             raise RuntimeError(
                 f"{self._describe()}: a training-mode forward inside a torch.func transform (vmap, grad, jacrev, ...) "
                 "is not supported: the layer adds the batch to its block statistics and folds them into its buffers in "
                 "place, and a transformed (batched or gradient-tracking) tensor cannot be written into the layer's "
                 "state. " + FUNC_WHAT_TO_DO)
+        if torch.jit.is_tracing():  # the trace reads the buffers themselves (nothing kept by one run of it)
+            reads.last = self._buffers_in_force()
+        else:
+            reads.last = reads.copies if reads.copies is not None else self._copies_in_force()
         if block.gather_next:
-            self._add_batch(x, scope, keeps)
-        return Step(state, True, scope)
+            self._add_batch(x)
+        return Step(reads.last, True, scope is not None)
 
     def gathers_now(self, scope: Optional["ForwardScope"] = None, explicit: bool = False, traced: bool = False) -> bool:
         """Whether the layer gathers statistics now, counts its batches and folds at its blocks' ends: the one place
@@ -288,50 +251,42 @@ class _StepMixin(_Layer):
             return False
         return explicit or (self.training and (traced or not torch.is_inference_mode_enabled())
                             and (scope is None or not scope.local))
-    def _state_changed(self) -> None:
-        """Called by whoever writes this layer's buffers (a fold, a load, a reset, a cast or move): the next forward
-        reads them anew (:class:`_StepCache`)."""
-        self._cache.renew()
 
-    def _state_in_force(self) -> Dict[str, Tensor]:
-        """The buffers a forward reads (:attr:`_FORWARD_BUFFERS`) as copies, taken again after
-        :meth:`_state_changed` (the cache's ``held`` cleared: the one check for the package's own writes) or when a
-        buffer changed from outside (another tensor in its place, e.g. under ``torch.func.functional_call``, or a
-        write into it: DDP's buffer broadcast, a user's ``copy_``): per step, one identity and one version check per
-        buffer. A fold writes the buffers in place, so a backward still to come keeps the values of its forward."""
+    def _buffers_in_force(self) -> InForce:
+        """The buffers a forward reads, themselves (a forward after which no fold runs before its backward)."""
         buffers = self._buffers
-        names = self._FORWARD_BUFFERS
-        if _jit_tracing():  # the trace reads the buffers themselves: nothing cached by one run
-            return {name: buffers[name] for name in names}
-        cache = self._cache
-        held = cache.held
-        if (held is not None and all(map(operator.is_, held, map(buffers.__getitem__, names)))
-                and all(map(operator.eq, map(_version, held), cache.versions))):
-            return cache.state  # type: ignore[return-value]
-        held = tuple(map(buffers.__getitem__, names))
-        if any(buf.is_meta for buf in held):
+        return InForce({name: buffers[name] for name in self._FORWARD_BUFFERS}, {}, False)
+
+    def _copies_in_force(self) -> InForce:
+        """What the training forwards read until the buffers are written again: copies of them, taken now."""
+        buffers = self._buffers_in_force().state
+        if any(buf.is_meta for buf in buffers.values()):
             raise RuntimeError(
                 f"{self._describe()}: its state is on the meta device (the model was built there and not loaded or "
                 "initialised): load a checkpoint with model.load_state_dict(state_dict, assign=True), or call "
                 "model.to_empty(device=...) and then each layer's reset_parameters() (reset_running_stats() for the "
                 "whitening state alone)")
-        if torch.is_inference_mode_enabled():  # never keep an inference tensor (the next training step can't save it)
-            return dict(zip(names, held))
         with torch.no_grad():
-            state = {name: buf.clone() for name, buf in zip(names, held)}
-        cache.held, cache.versions, cache.state = held, tuple(map(_version, held)), state
-        cache.derived.clear()
-        return state
+            copies = InForce({name: buf.clone() for name, buf in buffers.items()}, {}, True)
+        if not torch.is_inference_mode_enabled():  # (never keep an inference tensor: no later step could save it)
+            self._reads.copies = copies
+        return copies
 
-    def _add_batch(self, x: Tensor, scope: Optional["ForwardScope"], keeps: bool = False) -> None:
+    @staticmethod
+    def _derived(reads: InForce, key: Any, make: Callable[[], Any]) -> Any:
+        """``make()``, kept with ``reads`` when they are copies (made once per fold), else made now."""
+        if not reads.copies or compiling():
+            return make()
+        value = reads.derived.get(key)
+        if value is None:
+            value = reads.derived[key] = make()
+        return value
+
+    def _add_batch(self, x: Tensor) -> None:
         """Add the batch ``x`` (features on dim 1) to the block: its sums about the block's shift (chosen at the
-        block's first gathered batch) into the accumulator, and its rows counted. No host synchronisation and no
-        check: a non-finite batch makes its block's sums non-finite, and the fold drops that block (counted).
-
-        Inside a model's forward on the fewest-kernel path (CUDA's), while the forward records a backward that
-        keeps ``x`` anyway (``keeps``), the batch is handed to the scope instead, and the coordinator adds the batches
-        of all the forward's layers at its end, a few operations for all of them. Either way the sums are
-        :meth:`~whitenlayers.layers.block.Block.add`'s, the one formula of every path."""
+        block's first gathered batch) into the accumulator (:meth:`~whitenlayers.layers.block.Block.add`, the one
+        formula), and its rows counted. No host synchronisation and no check: a non-finite batch makes its block's
+        sums non-finite, and the fold drops that block (counted)."""
         block = self._block
         if block.fraction < 1.0 and x.shape[0] > 1:
             x = x[: stats_samples(x.shape[0], x.shape[1:].numel() // self.num_features, self.num_features,
@@ -347,14 +302,11 @@ class _StepMixin(_Layer):
         elif not block.unshifted and (block.shift_x is None or block.shift_x.dim() != x.dim()):
             # a block resumed from a checkpoint, or a batch of another rank than the block's first
             block.shift_x = block.shift.to(_work_dtype(x)).view((1, -1) + (1,) * (x.dim() - 2))
-        if (keeps and scope is not None and scope.batches is not None and block.acc is not None
-                and (device.type != "cpu" or _batch._fused_on_cpu) and torch.is_grad_enabled()
-                and _saved_tensor_hooks() is None):  # (the fewest-kernel path: functional.fused_moments_on, inline)
-            scope.batches.append(HandedBatch(self, x, x._version, block.shift_x))  # the backward keeps x anyway
-        else:
-            autocast = autocast_enabled(device.type)  # products under autocast would run in fp16 / bf16
-            with no_autocast(device) if autocast else contextlib.nullcontext():
+        if torch.is_autocast_enabled(device.type) and (block.acc is None or not fused_moments_on(device)):
+            with no_autocast(device):  # the CPU's and grouped products (the fewest-kernel path's are in place)
                 block.add(x.detach(), block.shift_x)
+        else:
+            block.add(x.detach(), block.shift_x)
         block.rows += x.numel() // self.num_features
 
     def _start_block(self, x: Optional[Tensor] = None, first: Optional[Tensor] = None) -> None:
@@ -372,9 +324,8 @@ class _StepMixin(_Layer):
                     first = x.mean([0] + list(range(2, x.dim())), dtype=_work_dtype(x)).to(torch.float64)
                 first = torch.zeros_like(store) if first is None else torch.nan_to_num(
                     first.to(store.device), nan=0.0, posinf=0.0, neginf=0.0)
-                in_force = cast(Tensor, self._buffers["running_mean"]).detach().to(store.device, torch.float64)
-                store.copy_(torch.where(cast(Tensor, self._buffers["num_blocks"]).to(store.device) > 0, in_force,
-                                        first))
+                in_force = self._buffers["running_mean"].detach().to(store.device, torch.float64)
+                store.copy_(torch.where(self._buffers["num_blocks"].to(store.device) > 0, in_force, first))
         block.shift = store
         block.shift_x = None if block.unshifted or x is None else store.to(_work_dtype(x)).view(
             (1, -1) + (1,) * (x.dim() - 2))
@@ -387,7 +338,7 @@ class _StepMixin(_Layer):
         if step.traced:
             coordinator = self._fold_coordinator
             if coordinator is not None and coordinator.traced_open:
-                _unchecked_side_effect(coordinator.traced_calls.append, TracedCall(self, step.rows))
+                unchecked_side_effect(coordinator.traced_calls.append, (self, step.rows))
             else:
                 _count_outside_graph(self, step.rows)
             return
@@ -395,12 +346,12 @@ class _StepMixin(_Layer):
         n = block.batches = block.batches + 1
         block.gather_next = n % block.every == 0
         if n >= block.length:
-            self._block_ends(weight, step.coordinated or step.scope is not None)
+            self._block_ends(weight, step.coordinated)
 
     def _count_without_data(self) -> None:
         """A batch this rank did not run, counted as the others count theirs (a rank that has joined under
         :func:`~whitenlayers.coordinator.joinable`); a block's end is folded by the coordinator, with the others."""
-        self._end(Step({}, True, None, coordinated=True), None)
+        self._end(Step({}, True, coordinated=True), None)
 
     def _block_ends(self, weight: Optional[Tensor], coordinated: bool) -> None:
         """The block's last batch was counted: fold at the end of the model's forward (``coordinated``: its
@@ -409,7 +360,7 @@ class _StepMixin(_Layer):
         block.fold_pending = True
         block.fold_weight = self._fold_weight_of(weight)
         if coordinated:
-            cast("FoldCoordinator", self._fold_coordinator).request(cast("WhiteningLayer", self))
+            self._fold_coordinator.request(self)  # type: ignore[union-attr]
         else:
             self._fold_now()
 
@@ -417,7 +368,6 @@ class _StepMixin(_Layer):
         """Fold this layer alone, now; a fold of an asynchronous coordinator that it still has pending first."""
         coordinator = self._fold_coordinator
         if coordinator is not None:
-            coordinator.flush_stats()  # the batches this forward's layers handed over, this one's too
             coordinator.wait()
         fold_layers([self])
 
@@ -428,14 +378,14 @@ class _StepMixin(_Layer):
         (:meth:`_end`)."""
         buffers = self._buffers
         names = self._FORWARD_BUFFERS
-        if not torch.is_grad_enabled() or _exporting():  # no backward to keep values for (an export, ONNX)
-            state = {name: buffers[name] for name in names}
+        if not torch.is_grad_enabled() or exporting():  # no backward to keep values for (an export, ONNX)
+            reads = InForce({name: buffers[name] for name in names}, {}, False)
         else:
             snapshot = torch.ops.whitenlayers.snapshot
-            state = {name: snapshot(buffers[name]) for name in names}
+            reads = InForce({name: snapshot(buffers[name]) for name in names}, {}, False)
         if not self.gathers_now(traced=True):
-            return Step(state, False, None, traced=True)
-        return Step(state, True, None, traced=True, rows=self._add_batch_traced(x) if self._block.gather_next else 0)
+            return Step(reads, False, traced=True)
+        return Step(reads, True, traced=True, rows=self._add_batch_traced(x) if self._block.gather_next else 0)
 
     def _add_batch_traced(self, x: Tensor) -> int:
         """:meth:`_add_batch` in a compiled graph, always about the block's shift tensor (no per-layer flag to guard
@@ -451,7 +401,7 @@ class _StepMixin(_Layer):
             block.add(x, block.store.to(_work_dtype(x)).view((1, -1) + (1,) * (x.dim() - 2)), traced=True)
         return x.numel() // self.num_features
 
-    def _count_traced(self, calls: Any, coordinated: bool = False) -> None:
+    def _count_traced(self, calls: List[int], coordinated: bool = False) -> None:
         """Outside the graph, after a compiled forward that called this layer (``calls``: the rows of each call):
         what :meth:`_add_batch` and :meth:`_end` count in eager mode, a batch per call; ``coordinated``: the root's
         forward folds at its end. The first calls of a block whose shift was not chosen have their sums moved to
@@ -462,7 +412,7 @@ class _StepMixin(_Layer):
             self._recentre_block(sum(calls))
         for i, rows in enumerate(calls):
             block.rows += rows
-            self._end(Step({}, True, None, coordinated=coordinated), None)
+            self._end(Step({}, True, coordinated=coordinated), None)
             if block.fold_pending and i < len(calls) - 1:
                 self._warn_once("traced_calls", (
                     f"called {len(calls)} times in one compiled forward, and a block ended after call {i + 1}: the "
@@ -492,7 +442,7 @@ class _StepMixin(_Layer):
             block.s1.copy_(s1_64 - n * d)
 
 
-@torch.compiler.disable  # a graph break: the counting and a fold run eagerly
+@graph_break  # the counting and a fold run eagerly
 def _count_outside_graph(layer: _StepMixin, rows: int) -> None:
     """A compiled forward's batch counted by the layer itself: nothing after the graph would count it (the graph is
     a sub-module's, or the layer has no coordinator)."""
@@ -529,112 +479,97 @@ class _GradStep(_Layer):
         w = params["weight"] if "weight" in params else self.weight  # read once: computed once per forward
         feats = x
         if not (isinstance(x, Tensor) and x.dim() == self._BATCHED_RANK and self.features == "channels"
-                and x.shape[1] == self.num_features and (x.dtype == w.dtype or autocast_enabled(x.device.type))):
+                and x.shape[1] == self.num_features
+                and (x.dtype == w.dtype or torch.is_autocast_enabled(x.device.type))):
             feats = self._features_of(x, w)  # every other input: checked (a clear error), its features on dim 1
-        step = self._begin(feats, w.requires_grad)
-        state, scope = step.state, step.scope
-        if torch.is_grad_enabled() and (w.requires_grad or _transforms_active()):
-            shared = scope.weights.pop(self, None) if scope is not None and scope.weights else None
-            if shared is not None and shared.weight is w:  # its view in the model's shared node (the coordinator's)
-                shared.qs[shared.slot] = state["grad_transform"]  # the Q_s the node's backward uses for it
-                w = shared.view
-            else:
-                w = self._transformed_weight(w, state)
+        step = self._begin(feats)
+        reads = step.reads
+        if torch.is_grad_enabled() and (w.requires_grad or transforms_active()):
+            w = self._transformed_weight(w, reads.state["grad_transform"])
         bn = None
         ref = self._centring_ref
         if ref is not None:  # centring absorbed: by the BatchNorm there, while it normalises with batch statistics
             bn = ref.child if ref.parent is None else ref.parent._modules.get(ref.child)
-            if not (isinstance(bn, _BatchNorm)
+            if not (isinstance(bn, BATCH_NORMS)
                     and (bn.training or (bn.running_mean is None and bn.running_var is None))):
                 bn = None
         if bn is not None:
             if bn.training and bn.track_running_stats and bn._buffers.get("running_mean") is not None:
-                kept: Optional[_AbsorbedUpdate] = None if step.traced else self._cache.derived.get("absorbed")
-                param = params.get("weight")
-                if (kept is not None and kept.bn is bn and kept.momentum == bn.momentum and param is not None
-                        and kept.weight_ptr == param.data_ptr() and kept.offset is self._buffers.get("absorbed_offset")
-                        and not _transforms_active()):  # d <- (1 - f) d + f (-W mu)
-                    kept.offset.addmv_(kept.rows, kept.mean_k, beta=kept.beta, alpha=kept.alpha)
-                else:
-                    self._track_absorbed_offset(w, bn, state)
+                self._track_absorbed_offset(w, bn, reads)
             out = self._op(x, w, params["bias"] if "bias" in params else self.bias)
         elif (self._SPATIAL and params.get("bias", 0) is None and self.training and w.requires_grad
               and torch.is_grad_enabled()):
-            # Training a bias-free conv (the ResNet case): the centring term added to the fresh output, not passed
-            # as a bias (the CPU convolution's bias gradient is several times slower than autograd's one reduction
-            # for this add; the two differ by rounding only); in place unless saved-tensor hooks are active (a
-            # selective checkpoint may have cached the convolution's output)
-            out = self._op(x, w, None)
-            bias = self._layer_bias(w, state).view((-1,) + (1,) * self._SPATIAL)
-            out = out.add_(bias) if _saved_tensor_hooks() is None else out + bias
+            # Training a bias-free conv (the ResNet case): the centring term added to the output, not passed as a
+            # bias (the CPU convolution's bias gradient is several times slower than autograd's one reduction for
+            # this add; the two differ by rounding only); out of place (a selective checkpoint may have cached the
+            # convolution's output)
+            out = self._op(x, w, None) + self._layer_bias(w, reads).view((-1,) + (1,) * self._SPATIAL)
         else:  # the plain layer's own bias path: bit-identical to to_plain_model's
-            out = self._op(x, w, self._layer_bias(w, state))
+            out = self._op(x, w, self._layer_bias(w, reads))
         if step.counts:
             self._end(step, w)
         return out
 
-    def _transformed_weight(self, w: Tensor, state: Dict[str, Tensor]) -> Tensor:
+    def _transformed_weight(self, w: Tensor, q: Tensor) -> Tensor:
         """The weight whose gradient the backward right-multiplies by this forward's ``Q_s`` (even if a fold follows):
-        through the autograd Function, or, with :func:`~whitenlayers.defer_grad_transform`, the weight itself,
+        (``q``) through the autograd Function, or, with :func:`~whitenlayers.defer_grad_transform`, the weight itself,
         whose hook transforms the gradient. Under a torch.func transform a weight with a forward-mode tangent
         (``jvp``) requires no grad: it takes the Function too, whose ``jvp`` is its backward's adjoint."""
         deferral = self._deferral
         if deferral is not None:
-            if _compiling():  # the graph takes the Function below; the hook must go
+            if compiling():  # the graph takes the Function below; the hook must go
                 deferral.leave()
-            elif not _transforms_active():  # (torch.func's gradients never reach the weight's hook)
-                deferred = deferral(w, state["grad_transform"])
+            elif not transforms_active():  # (torch.func's gradients never reach the weight's hook)
+                deferred = deferral(w, q)
                 if deferred is not None:
                     return deferred
         check_not_tracing_function(self, "the weight-gradient transform")
         if self.features == "patches":  # Q acts on the flattened C k^2 axis
-            return grad_transformed(w.flatten(1), state["grad_transform"]).view_as(w)
-        return grad_transformed(w, state["grad_transform"])
+            return grad_transformed(w.flatten(1), q).view_as(w)
+        return grad_transformed(w, q)
 
     # ------------------------------------------------------------ centring
-    def _layer_bias(self, weight: Tensor, state: Optional[Dict[str, Tensor]] = None) -> Tensor:
+    def _layer_bias(self, weight: Tensor, reads: Optional[InForce] = None) -> Tensor:
         """The bias of the equivalent plain layer, ``b + c - sum_k W_k mu`` (in ``weight``'s dtype), minus ``d`` when
         the centring is absorbed (the output is then the centred layer's minus ``d``, what its BatchNorm's running
-        mean expects). ``state``: the buffers of this forward (default: those in force)."""
-        state = self._buffers if state is None else state
-        offset = self._offset(weight, state["running_mean"], state["bias_correction"])
+        mean expects). ``reads``: what this forward reads (default: the buffers themselves)."""
+        offset = self._offset(weight, self._buffers_in_force() if reads is None else reads)
         bias = offset if self.bias is None else self.bias + offset
         absorbed = self._buffers.get("absorbed_offset")
         return bias if absorbed is None else bias - absorbed.to(bias.dtype)
 
-    def _offset(self, weight: Tensor, mean: Tensor, comp: Tensor) -> Tensor:
-        """``s = c - sum_k W_k mu`` (one ``addmv`` for a dense layer), in ``weight``'s dtype."""
+    def _offset(self, weight: Tensor, reads: InForce) -> Tensor:
+        """``s = c - sum_k W_k mu`` (one ``addmv`` for a dense layer), in ``weight``'s dtype, from the mean and bias
+        compensation the forward reads."""
+        mean, comp = reads.state["running_mean"], reads.state["bias_correction"]
         if self.groups != 1:  # grouped conv: each group's outputs see its own channels of the mean
             return comp.to(weight.dtype) - F_w.weight_mean_product(weight, mean)
         rows, taps_last = _weight_rows(weight)
-        mean_k = self._mean_per_tap(mean, rows.shape[1] // mean.shape[0], weight.dtype, taps_last)
+        mean_k = self._mean_per_tap(reads, rows.shape[1] // mean.shape[0], weight.dtype, taps_last)
         if onnx_exporting():  # the TorchScript-based exporter has no addmv
             return comp.to(weight.dtype) - rows @ mean_k
         return torch.addmv(comp.to(weight.dtype), rows, mean_k, alpha=-1)
 
-    def _mean_per_tap(self, mean: Tensor, taps: int, dtype: torch.dtype, taps_last: bool = False) -> Tensor:
-        """``mu`` repeated for each of ``taps`` kernel taps, in ``dtype``: ``rows @ mu_k = sum_k W_k mu`` in one
-        product for the weight's rows (:func:`_weight_rows`; ``taps_last``: their tap-major order; a patch layer's
-        mean has one entry per tap already). Kept in the step cache while ``mean`` is the mean in force (once per
-        block), made in the graph when compiled."""
-        cache = None if _compiling() else self._cache
-        key = ("taps", dtype, taps_last, taps)
-        keep = cache is not None and cache.state is not None and mean is cache.state.get("running_mean")
-        if keep and key in cache.derived:  # type: ignore[union-attr]
-            return cache.derived[key]  # type: ignore[union-attr]
-        value = mean.to(dtype)
-        if taps != 1:
-            value = value.repeat(taps) if taps_last else value.repeat_interleave(taps)
-        if keep:
-            cache.derived[key] = value  # type: ignore[union-attr]
-        return value
+    def _mean_per_tap(self, reads: InForce, taps: int, dtype: torch.dtype, taps_last: bool = False) -> Tensor:
+        """``mu`` (the forward's) repeated for each of ``taps`` kernel taps, in ``dtype``: ``rows @ mu_k = sum_k W_k
+        mu`` in one product for the weight's rows (:func:`_weight_rows`; ``taps_last``: their tap-major order; a patch
+        layer's mean has one entry per tap already). Made once per fold for a training forward
+        (:meth:`~_StepMixin._derived`)."""
+        mean = reads.state["running_mean"]
 
-    def _track_absorbed_offset(self, weight: Tensor, bn: _BatchNorm, state: Dict[str, Tensor]) -> None:
+        def make() -> Tensor:
+            value = mean.to(dtype)
+            if taps != 1:
+                value = value.repeat(taps) if taps_last else value.repeat_interleave(taps)
+            return value
+
+        return self._derived(reads, ("taps", dtype, taps_last, taps), make)
+
+    def _track_absorbed_offset(self, weight: Tensor, bn: nn.Module, reads: InForce) -> None:
         """``d <- (1 - f) d + f s`` with the BatchNorm's factor ``f``, as it updates its running mean now: one in-place
         product-accumulate on the weight's rows as they lie (no copy of a channels_last weight), no autocast (in-place
-        ops are never autocast). Where the update is one ``addmv_`` (a float momentum, dense weight), what it needs
-        is kept in the step cache (the forward makes it from there while the mean, BatchNorm and weight stay)."""
-        if not _compiling() and _transforms_active():
+        ops are never autocast)."""
+        if not compiling() and transforms_active():
             raise RuntimeError(
                 f"{self._describe()}: its centring is absorbed by a BatchNorm in training mode, whose running mean "
                 "it follows in place; a torch.func transform (vmap, grad, jacrev, ...) cannot update state in place "
@@ -647,19 +582,13 @@ class _GradStep(_Layer):
             factor = (bn.num_batches_tracked.to(device=d.device, dtype=d.dtype) + 1).reciprocal()
         if isinstance(factor, float) and self.groups == 1 and not onnx_exporting():
             # c = 0 for an absorbed layer (it lives in d): d <- (1 - f) d + f (c - W mu) is one product-accumulate
-            param: Any = self._parameters.get("weight")
-            plain = param is not None and weight.dtype == d.dtype and not _compiling()
-            rows, taps_last = _weight_rows((param if plain else weight).detach().to(d.dtype))
-            mean = state["running_mean"]
-            mean_k = self._mean_per_tap(mean, rows.shape[1] // mean.shape[0], rows.dtype, taps_last)
+            rows, taps_last = _weight_rows(weight.detach().to(d.dtype))
+            mean_k = self._mean_per_tap(reads, rows.shape[1] // self.num_features, rows.dtype, taps_last)
             d.addmv_(rows, mean_k, beta=1.0 - factor, alpha=-factor)
-            if plain and not torch.is_inference_mode_enabled():
-                self._cache.derived["absorbed"] = _AbsorbedUpdate(bn, factor, param.data_ptr(), d, rows, mean_k,
-                                                                  1.0 - factor, -factor)
             return
         w = weight.detach().to(d.dtype)
         with no_autocast(d.device):  # an out-of-place product under CUDA's autocast would run in bf16 / fp16
-            d.lerp_(self._offset(w, state["running_mean"], state["bias_correction"]), factor)
+            d.lerp_(self._offset(w, reads), factor)
 
 
 class CentringRef(NamedTuple):
