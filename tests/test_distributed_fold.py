@@ -85,13 +85,13 @@ def _rank_run(rank: int, world: int, strategy: str, fail_rank: int, alone: bool 
     wl_fold.dist = counter
     calls = collections.Counter()  # (method, layer) -> calls on this rank
     patched = {}
-    real_finish = WhiteningLayer.apply_fold
+    real_finish = WhiteningLayer.fold_writes
 
     def finishing(self, *a):
-        calls["apply_fold", self.layer_name] += 1
+        calls["fold_writes", self.layer_name] += 1
         return real_finish(self, *a)
 
-    WhiteningLayer.apply_fold = finishing
+    WhiteningLayer.fold_writes = finishing
     for name in ("_outcomes", "_transforms"):  # module functions taking a stack of layers first
         real = getattr(wl_fold, name)
 
@@ -117,7 +117,7 @@ def _rank_run(rank: int, world: int, strategy: str, fail_rank: int, alone: bool 
             torch.linalg.eigh = real_eigh
             states.append(snapshot(layers))
     finally:
-        WhiteningLayer.apply_fold = real_finish
+        WhiteningLayer.fold_writes = real_finish
         for name, real in patched.items():
             setattr(wl_fold, name, real)
         torch.linalg.eigh = real_eigh
@@ -185,7 +185,7 @@ def test_owner_fold_is_bit_identical_across_ranks_and_folds_each_layer_on_its_ow
         for name, n in (("_outcomes", FOLDS), ("_transforms", done)):
             counts = [runs[r]["calls"].get((name, f"l{i}"), 0) for r in range(world)]
             assert counts == [n if r == owners[i] else 0 for r in range(world)], (name, i, counts)
-        assert all(runs[r]["calls"][("apply_fold", f"l{i}")] == FOLDS for r in range(world))
+        assert all(runs[r]["calls"][("fold_writes", f"l{i}")] == FOLDS for r in range(world))
     assert len(set(owners)) == min(world, len(layers))
     # collectives per fold: counts, means and powers (one all_reduce), the scatters (reduce to the owner), the
     # outcomes (broadcast from the owner): these small layers packed, one call per owner rank; unpacked, one

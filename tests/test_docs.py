@@ -163,7 +163,7 @@ def _defined_names() -> set:
 
 
 def _named_code(text: str):
-    """The code a page names in backticks: dotted names (``WhiteningLayer.apply_fold``, ``fold._outcomes``) and
+    """The code a page names in backticks: dotted names (``WhiteningLayer.fold_writes``, ``fold._outcomes``) and
     private names (``_zca_from_eig``), with the parts that must exist: every private part and the last one."""
     for span in re.findall(r"`([^`\n]+)`", text):
         span = re.sub(r"\(.*\)$", "", span.strip())
@@ -188,9 +188,9 @@ def test_design_pages_name_only_code_that_exists(page):
 
 def test_the_code_check_catches_a_name_that_does_not_exist():
     defined = _defined_names()
-    named = dict(_named_code("`_fold_start` and `WhiteningLayer.apply_fold` and `torch.linalg.eigh` and `x.view`"))
-    assert set(named) == {"_fold_start", "WhiteningLayer.apply_fold"}
-    assert "_fold_start" not in defined and "apply_fold" in defined
+    named = dict(_named_code("`_fold_start` and `WhiteningLayer.fold_writes` and `torch.linalg.eigh` and `x.view`"))
+    assert set(named) == {"_fold_start", "WhiteningLayer.fold_writes"}
+    assert "_fold_start" not in defined and "fold_writes" in defined
 
 
 def test_user_pages_stay_short():

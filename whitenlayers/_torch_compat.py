@@ -61,40 +61,34 @@ def exporting() -> bool:
 
 
 def graph_break(fn: F) -> F:
-    """``fn`` kept out of ``torch.compile``'s graphs (``torch.compiler.disable(fn)``: a graph break where a graph
-    calls it), made at its first call or by :func:`prepare_graph_breaks`, so that importing the package does not
-    import dynamo."""
-    made: list = []
-
-    @functools.wraps(fn)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        if not made:
-            made.append(torch.compiler.disable(fn))
-        return made[0](*args, **kwargs)
-
-    call.prepare = lambda: made or made.append(torch.compiler.disable(fn))  # type: ignore[attr-defined]
-    _GRAPH_BREAKS.append(call)
-    return cast(F, call)
+    """``fn`` kept out of ``torch.compile``'s graphs: ``torch.compiler.disable(fn)`` where a graph calls it (a graph
+    break), made by :func:`prepare_graph_breaks` (so that importing the package does not import dynamo), which puts
+    it in ``fn``'s place in its module or class."""
+    _GRAPH_BREAKS.append(fn)
+    return fn
 
 
 _GRAPH_BREAKS: list = []
+#: :func:`unchecked_side_effect`'s allowance (:func:`prepare_graph_breaks`).
+_SIDE_EFFECTS: list = []
 
 
 @functools.lru_cache(maxsize=None)
 def prepare_graph_breaks() -> None:
-    """Make every :func:`graph_break` function's disabled form now, and find :func:`unchecked_side_effect`'s
-    allowance: once per process, when the first whitening layer is built (this imports dynamo; a graph then never
-    traces the making)."""
-    for call in _GRAPH_BREAKS:
-        call.prepare()
+    """Put every :func:`graph_break` function's disabled form in its place (its module's or its class's attribute),
+    and find :func:`unchecked_side_effect`'s allowance: once per process, when the first whitening layer is built
+    (this imports dynamo; a graph then never traces the making)."""
+    import importlib
+
+    for fn in _GRAPH_BREAKS:
+        owner: Any = importlib.import_module(fn.__module__)
+        for name in fn.__qualname__.split(".")[:-1]:
+            owner = getattr(owner, name)
+        setattr(owner, fn.__name__, torch.compiler.disable(fn))
     import torch._dynamo.utils as dynamo_utils
 
     _SIDE_EFFECTS.append(getattr(dynamo_utils, "_disable_side_effect_safety_checks_for_current_subtracer",
                                  lambda fn, *args: fn(*args)))
-
-
-#: :func:`unchecked_side_effect`'s allowance (:func:`prepare_graph_breaks`).
-_SIDE_EFFECTS: list = []
 
 
 class _Probe(torch.autograd.Function):

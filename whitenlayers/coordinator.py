@@ -204,35 +204,29 @@ class FoldCoordinator:
         for layer, fold in zip(layers, folds):
             layer.hold_pending_fold(fold)
 
+    @graph_break  # Python bookkeeping and the fold: outside any compiled graph, never guarded on
     def __call__(self, module, inputs, output) -> None:
-        """The model's forward hook: the layers whose block ended folded; a compiled forward's calls counted first
-        (:meth:`_end_traced`, outside the graph)."""
-        if torch.compiler.is_compiling():
-            self._end_traced(output)
-            return
+        """The model's forward hook: a compiled forward's calls counted, then the layers whose block ended folded
+        (none while exporting: a fold is no part of it); under ``Join``, after the backward (DDP's all-reduces
+        first, :func:`joinable`); after a compiled forward whose backward holds their buffers themselves, after that
+        backward (compiled activation checkpointing recomputes the graph's copies of them there:
+        :func:`_reads_buffers`)."""
         scope = self.scopes.pop(_get_ident(), None)
-        if self.pending and not exporting():  # (torch.export traces the forward: a fold is no part of it)
-            if scope is not None and scope.join:  # under Join: after the backward, DDP's all-reduces first (joinable)
-                self._fold_after(_grad_leaf(output))
-            else:
-                self.flush()
-
-    @graph_break  # Python bookkeeping and the fold: outside the compiled graph, never guarded on
-    def _end_traced(self, output: Any) -> None:
-        """The end of a compiled forward of the model: its layers' calls counted (each layer's
-        :meth:`~whitenlayers.layers.step._StepMixin._count_traced`), then the layers whose block ended folded, after
-        the backward where it holds their buffers themselves (compiled activation checkpointing recomputes the
-        graph's copies of them there: :func:`_reads_buffers`); none while exporting (a fold is no part of it)."""
-        self.traced_open = False
-        calls: Dict[Any, List[int]] = {}
-        for layer, rows in self.traced_calls:
-            calls.setdefault(layer, []).append(rows)
-        self.traced_calls = []
-        for layer, rows in calls.items():
-            layer._count_traced(rows, coordinated=True)
-        if self.pending and not exporting():
-            leaf = _grad_leaf(output)
-            self._fold_after(leaf if _reads_buffers(leaf, self.pending) else None)
+        traced = self.traced_open
+        if traced:
+            self.traced_open = False
+            calls: Dict[Any, List[int]] = {}
+            for layer, rows in self.traced_calls:
+                calls.setdefault(layer, []).append(rows)
+            self.traced_calls = []
+            for layer, rows in calls.items():
+                layer._count_traced(rows, coordinated=True)
+        if not self.pending or exporting():
+            return
+        leaf = _grad_leaf(output) if traced or (scope is not None and scope.join) else None
+        if traced and not _reads_buffers(leaf, self.pending):
+            leaf = None
+        self._fold_after(leaf)
 
     def _fold_after(self, leaf: Optional[Tensor]) -> None:
         """Fold the pending layers after the backward that reaches ``leaf``, or now (``None``)."""
