@@ -15,7 +15,7 @@ that no other module of the package names a private torch attribute):
   raises, by name.
 * ``DistributedDataParallel._active_ddp_module`` and its ``_join_config`` (:func:`ddp_forward`): the DDP module
   whose forward is running, and whether it runs inside ``Join``; without them, no DDP forward is seen (a forward of
-  the wrapped module alone is then not told from DDP's).
+  the wrapped module alone is then not told from DDP's), which a warning says once.
 * dynamo's ``_disable_side_effect_safety_checks_for_current_subtracer`` (:func:`unchecked_side_effect`): a Python
   list append that a compiled activation checkpoint may replay; without it, the plain call (which dynamo refuses
   inside a checkpoint: that region then runs eagerly).
@@ -27,7 +27,8 @@ Nothing here imports ``torch._dynamo``: :func:`graph_break` applies ``torch.comp
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, List, Optional, Tuple, TypeVar, cast
+import warnings
+from typing import Any, Callable, List, Tuple, TypeVar
 
 import torch
 
@@ -88,7 +89,7 @@ def prepare_graph_breaks() -> None:
     import torch._dynamo.utils as dynamo_utils
 
     _SIDE_EFFECTS.append(getattr(dynamo_utils, "_disable_side_effect_safety_checks_for_current_subtracer",
-                                 lambda fn, *args: fn(*args)))
+                                 _plain_call))
 
 
 class _Probe(torch.autograd.Function):
@@ -119,7 +120,7 @@ def _transforms_active_public() -> bool:
 transforms_active: Callable[[], bool] = getattr(torch._C, "_are_functorch_transforms_active",
                                                 _transforms_active_public)
 
-_graph_task_id: Optional[Callable[[], int]] = getattr(torch._C, "_current_graph_task_id", None)
+_graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", None)  # type: ignore[assignment]
 if _graph_task_id is None:  # pragma: no cover (every supported torch has it)
     raise ImportError(f"whitenlayers needs torch._C._current_graph_task_id (to tell a forward recomputed by activation "
                       f"checkpointing from a new batch), which torch {torch.__version__} lacks; install torch>=2.4")
@@ -128,7 +129,7 @@ if _graph_task_id is None:  # pragma: no cover (every supported torch has it)
 def in_backward() -> bool:
     """Whether autograd is running a backward on this thread: a forward called now is recomputed (activation
     checkpointing, either kind). Not to be asked inside a compiled graph (which replays compiled checkpointing)."""
-    return cast(Callable[[], int], _graph_task_id)() != -1
+    return _graph_task_id() != -1
 
 
 def queue_after_backward(callback: Callable[[], None]) -> None:
@@ -143,11 +144,30 @@ def queue_after_backward(callback: Callable[[], None]) -> None:
 
 def ddp_forward() -> Tuple[Any, bool]:
     """The ``DistributedDataParallel`` module whose forward is running (``None``: none) and whether it runs inside a
-    ``Join`` context (uneven inputs)."""
-    ddp = getattr(torch.nn.parallel.DistributedDataParallel, "_active_ddp_module", None)
+    ``Join`` context (uneven inputs). A torch without DDP's record of it: ``(None, False)``, said once (a forward of
+    the wrapped module alone is then not told from DDP's, and a Join without the whitening's joinable is not
+    refused)."""
+    global _warned_ddp
+    parallel = torch.nn.parallel.DistributedDataParallel
+    if not hasattr(parallel, "_active_ddp_module"):
+        if not _warned_ddp:
+            _warned_ddp = True
+            warnings.warn(f"whitenlayers: torch {torch.__version__} has no DistributedDataParallel._active_ddp_module: "
+                          "a training forward of the module inside DDP, called without DDP, is not told from DDP's "
+                          "(it gathers statistics on one rank), and a Join without wl.joinable is not refused",
+                          RuntimeWarning, stacklevel=3)
+        return None, False
+    ddp = parallel._active_ddp_module
     if ddp is None:
         return None, False
     return ddp, bool(getattr(getattr(ddp, "_join_config", None), "enable", False))
+
+
+_warned_ddp = False
+
+
+def _plain_call(fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(*args)
 
 
 def unchecked_side_effect(fn: Callable[..., Any], *args: Any) -> Any:

@@ -41,14 +41,13 @@ class _LayerDeferral:
     adds the parts kept aside: per forward, the default's products, summed into one gradient per backward.
     """
 
-    __slots__ = ("weight", "patches", "layer", "q", "q_version", "open", "kept", "handle")
+    __slots__ = ("weight", "patches", "layer", "q", "open", "kept", "handle")
 
     def __init__(self, layer: Any) -> None:
         self.weight: Tensor = layer.weight
         self.patches = getattr(layer, "features", "channels") == "patches"  # Q acts on the flattened C k^2 axis
         self.layer = weakref.ref(layer)
         self.q: Optional[Tensor] = None
-        self.q_version = 0
         self.open = False
         self.kept: List[Tensor] = []
         self.handle = self.weight.register_hook(self._on_gradient)
@@ -63,7 +62,7 @@ class _LayerDeferral:
             self.open = True
             return w
         if not self.open:
-            self.q, self.q_version, self.open = q, q._version, True
+            self.q, self.open = q, True
             return w
         # a direct forward under another Q_s waits for its backward: this forward's part is transformed apart
         view = w.view_as(w)
@@ -96,12 +95,6 @@ class _LayerDeferral:
             return None
         q = self.q
         if q is not None:
-            if q._version != self.q_version:
-                layer = self.layer()
-                raise RuntimeError(
-                    f"{layer._describe() if layer is not None else 'a whitening layer'}: its gradient transform "
-                    f"Q_s was modified in place between the forward and its backward; defer_grad_transform needs "
-                    f"the Q_s of the forward (remove the deferral, or do not write into grad_transform)")
             grad = self.transform(grad, q)
         if self.kept:
             grad = sum(self.kept, grad)
@@ -251,5 +244,5 @@ def defer_grad_transform(model: nn.Module, *optimizers: torch.optim.Optimizer) -
             earlier.handle.remove()
         state = layer._deferral = _LayerDeferral(layer)
         if earlier is not None and earlier.weight is state.weight:
-            state.q, state.q_version, state.open, state.kept = earlier.q, earlier.q_version, earlier.open, earlier.kept
+            state.q, state.open, state.kept = earlier.q, earlier.open, earlier.kept
     return DeferredGradTransform(deferred, optimizers)

@@ -47,7 +47,7 @@ from .._torch_compat import (
     transforms_active,
     unchecked_side_effect,
 )
-from ..autograd import grad_transformed
+from ..autograd import _WeightGradTransform, grad_transformed
 from ..fold import fold_layers
 from ..functional.batch import fused_moments_on, stats_samples
 from ._checks import BATCH_NORMS, FUNC_WHAT_TO_DO, check_not_tracing_function, onnx_exporting
@@ -158,6 +158,9 @@ class Step(NamedTuple):
     traced: bool = False
     #: The rows a compiled forward added (counted outside the graph at its end).
     rows: int = 0
+    #: An eager forward of a training step: no trace (``torch.jit``, dynamo) and no torch.func transform running,
+    #: which the forward's parts need not ask again.
+    plain: bool = False
 
 
 def _define_snapshot_op() -> None:
@@ -229,13 +232,14 @@ class _StepMixin(_Layer):
                 "is not supported: the layer adds the batch to its block statistics and folds them into its buffers in "
                 "place, and a transformed (batched or gradient-tracking) tensor cannot be written into the layer's "
                 "state. " + FUNC_WHAT_TO_DO)
-        if torch.jit.is_tracing():  # the trace reads the buffers themselves (nothing kept by one run of it)
-            reads.last = self._buffers_in_force()
-        else:
+        plain = not torch.jit.is_tracing()  # (a trace reads the buffers themselves: nothing kept by one run of it)
+        if plain:
             reads.last = reads.copies if reads.copies is not None else self._copies_in_force()
+        else:
+            reads.last = self._buffers_in_force()
         if block.gather_next:
             self._add_batch(x)
-        return Step(reads.last, True, scope is not None)
+        return Step(reads.last, True, scope is not None, plain=plain)
 
     def gathers_now(self, scope: Optional["ForwardScope"] = None, explicit: bool = False, traced: bool = False) -> bool:
         """Whether the layer gathers statistics now, counts its batches and folds at its blocks' ends: the one place
@@ -484,8 +488,8 @@ class _GradStep(_Layer):
             feats = self._features_of(x, w)  # every other input: checked (a clear error), its features on dim 1
         step = self._begin(feats)
         reads = step.reads
-        if torch.is_grad_enabled() and (w.requires_grad or transforms_active()):
-            w = self._transformed_weight(w, reads.state["grad_transform"])
+        if torch.is_grad_enabled() and (w.requires_grad or (not step.plain and transforms_active())):
+            w = self._transformed_weight(w, reads.state["grad_transform"], step.plain)
         bn = None
         ref = self._centring_ref
         if ref is not None:  # centring absorbed: by the BatchNorm there, while it normalises with batch statistics
@@ -495,7 +499,7 @@ class _GradStep(_Layer):
                 bn = None
         if bn is not None:
             if bn.training and bn.track_running_stats and bn._buffers.get("running_mean") is not None:
-                self._track_absorbed_offset(w, bn, reads)
+                self._track_absorbed_offset(w, bn, reads, step.plain)
             out = self._op(x, w, params["bias"] if "bias" in params else self.bias)
         elif (self._SPATIAL and params.get("bias", 0) is None and self.training and w.requires_grad
               and torch.is_grad_enabled()):
@@ -510,11 +514,14 @@ class _GradStep(_Layer):
             self._end(step, w)
         return out
 
-    def _transformed_weight(self, w: Tensor, q: Tensor) -> Tensor:
+    def _transformed_weight(self, w: Tensor, q: Tensor, plain: bool = False) -> Tensor:
         """The weight whose gradient the backward right-multiplies by this forward's ``Q_s`` (even if a fold follows):
         (``q``) through the autograd Function, or, with :func:`~whitenlayers.defer_grad_transform`, the weight itself,
         whose hook transforms the gradient. Under a torch.func transform a weight with a forward-mode tangent
-        (``jvp``) requires no grad: it takes the Function too, whose ``jvp`` is its backward's adjoint."""
+        (``jvp``) requires no grad: it takes the Function too, whose ``jvp`` is its backward's adjoint. ``plain``: a
+        training step's eager forward (:attr:`Step.plain`)."""
+        if plain and self._deferral is None and self.features == "channels":  # (the step's case, no check to ask)
+            return _WeightGradTransform.apply(w, q)
         deferral = self._deferral
         if deferral is not None:
             if compiling():  # the graph takes the Function below; the hook must go
@@ -565,11 +572,11 @@ class _GradStep(_Layer):
 
         return self._derived(reads, ("taps", dtype, taps_last, taps), make)
 
-    def _track_absorbed_offset(self, weight: Tensor, bn: nn.Module, reads: InForce) -> None:
+    def _track_absorbed_offset(self, weight: Tensor, bn: nn.Module, reads: InForce, plain: bool = False) -> None:
         """``d <- (1 - f) d + f s`` with the BatchNorm's factor ``f``, as it updates its running mean now: one in-place
         product-accumulate on the weight's rows as they lie (no copy of a channels_last weight), no autocast (in-place
-        ops are never autocast)."""
-        if not compiling() and transforms_active():
+        ops are never autocast). ``plain``: a training step's eager forward (:attr:`Step.plain`)."""
+        if not plain and not compiling() and transforms_active():
             raise RuntimeError(
                 f"{self._describe()}: its centring is absorbed by a BatchNorm in training mode, whose running mean "
                 "it follows in place; a torch.func transform (vmap, grad, jacrev, ...) cannot update state in place "
@@ -580,9 +587,9 @@ class _GradStep(_Layer):
             if bn.num_batches_tracked is None:
                 return
             factor = (bn.num_batches_tracked.to(device=d.device, dtype=d.dtype) + 1).reciprocal()
-        if isinstance(factor, float) and self.groups == 1 and not onnx_exporting():
+        if isinstance(factor, float) and self.groups == 1 and (plain or not onnx_exporting()):
             # c = 0 for an absorbed layer (it lives in d): d <- (1 - f) d + f (c - W mu) is one product-accumulate
-            rows, taps_last = _weight_rows(weight.detach().to(d.dtype))
+            rows, taps_last = _weight_rows(weight.detach() if weight.dtype == d.dtype else weight.detach().to(d.dtype))
             mean_k = self._mean_per_tap(reads, rows.shape[1] // self.num_features, rows.dtype, taps_last)
             d.addmv_(rows, mean_k, beta=1.0 - factor, alpha=-factor)
             return
