@@ -350,7 +350,8 @@ def _not_original(model: nn.Module) -> Dict[str, str]:
                              "Sequential(1x1 whitening conv, conv)")
             elif module.layer.bias is None and id(module) not in direct_absorbers:
                 out[name] = ("a bias-free direct layer whose output is not taken by one BatchNorm alone (or that "
-                             "has forward hooks): its offset -sum_k (W T)_k mu needs a bias the original lacks")
+                             "has forward hooks, or is called in a forward that torch.fx cannot trace): its offset "
+                             "-sum_k (W T)_k mu needs a bias the original lacks")
         elif isinstance(module, GRAD_LAYER_TYPES) and module.bias is None:
             hooks = module._hooks_after_absorbing()
             if hooks:
@@ -386,8 +387,9 @@ def plain_state_dict(model: nn.Module, strict: bool = True) -> Dict[str, Any]:
       ``nn.Sequential(1x1 whitening conv, conv)``, keys ``name.0.*`` and
       ``name.1.*``;
     * a bias-free unpadded ``direct`` layer whose output is not taken by one
-      BatchNorm alone (or that has forward hooks): its export needs a
-      ``bias``, ``-sum_k (W T)_k mu``;
+      BatchNorm alone (or that has forward hooks, or is called in a forward
+      that ``torch.fx`` cannot trace): its export needs a ``bias``,
+      ``-sum_k (W T)_k mu``;
     * a bias-free grad / recursive layer that centres its input (converted
       with ``absorb_centring=False``, or not followed by a BatchNorm): its
       export needs a ``bias`` (the running mean folded in).
