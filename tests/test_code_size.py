@@ -17,9 +17,11 @@ PACKAGE = Path(wl.__file__).parent
 #: records (the step's and the coordinator's hand-offs, the fold's outcomes and writes), fold <-> layer interface,
 #: config fields as generated properties and declarative checkpoint table (about +130 lines), round-five fixes (a
 #: hook added after conversion, the direct plain checkpoint, Join without the joinable, compiled checkpointing: about
-#: +70) and hyper-parameter messages (+15) took the package from 5,479 to 5,687 lines. Clearer, not denser: raise it
-#: knowingly, never by joining lines.
-MAX_CODE_LINES = 5700
+#: +70) and hyper-parameter messages (+15) took the package from 5,479 to 5,687 lines. Issue 80's direct export
+#: (a bias-free unpadded direct layer's offset into its BatchNorm, found by the conversion's dataflow rule; the mean
+#: that such a layer's exported bias gives back on loading; the strict export's refusal naming the others) took it
+#: from 5,698 to 5,733. Clearer, not denser: raise it knowingly, never by joining lines.
+MAX_CODE_LINES = 5740
 
 
 def code_lines(source: str) -> int:

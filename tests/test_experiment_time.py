@@ -59,7 +59,7 @@ def test_time_to_accuracy_table_text():
     assert base["seconds to target"].startswith("2.7 [")  # mean of 3, 2 and 3 s
     # the paired ratios 4/3, 1, 4/3: geometric mean (16/9)^(1/3), interval [0.80, 1.83] (a factor 2.3)
     assert grad["time vs baseline (paired)"] == "1.21x [0.80, 1.83]"
-    # grad's seconds 4, 2, 4: the interval reaches below 0 -> no estimate, with the count
+    # grad's seconds 4, 2, 4: the interval [0.47, 6.20] spans more than a factor 4 -> no estimate, with the count
     assert grad["seconds to target"] == "no estimate (3/3)"
     # CPU ratios 2/3, 1, 4/3: the interval [0.40, 2.30] spans more than a factor 4
     assert grad["CPU time vs baseline (paired)"] == "no estimate (3/3)"

@@ -19,6 +19,7 @@ import torch.fx
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from ..layers import DirectWhitenWrapper
 from ._common import _is_whitening
 
 
@@ -44,6 +45,8 @@ class _DataflowTracer(torch.fx.Tracer):
 
 
 def _absorbing_batchnorm_ok(layer: nn.Module, bn: nn.Module) -> bool:
+    if isinstance(layer, DirectWhitenWrapper):  # a direct layer's output is its wrapped layer's
+        layer = layer.layer
     if isinstance(layer, nn.modules.conv._ConvNd):
         batchnorm = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}[len(layer.kernel_size)]
         kinds: Tuple[type, ...] = (batchnorm, nn.SyncBatchNorm)
@@ -119,7 +122,9 @@ def absorbing_batchnorms(
     forward pre-hooks; a BatchNorm absorbs at most one target. A forward that
     ``torch.fx`` cannot trace (data-dependent control flow) absorbs nothing.
     Whether the BatchNorm is in training mode is checked at every forward by
-    the layer itself, not here.
+    the layer itself, not here. A target may be a
+    :class:`~whitenlayers.DirectWhitenWrapper` (the export of a bias-free
+    ``direct`` layer asks): its wrapped layer's kind and features count.
     """
     places = collections.Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
     leaves = {id(m) for _, m in targets}

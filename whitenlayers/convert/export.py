@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 from collections import OrderedDict
 from typing import (
     TYPE_CHECKING,
@@ -16,6 +17,7 @@ from typing import (
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from .. import functional as F_w
 from .._rebuild import layer_like, plain_conv_class
@@ -26,6 +28,7 @@ from ..layers import (
 )
 from ..layers.checkpoint import loading_plain_checkpoint
 from ._common import _CALL_HOOKS, _STATE_HOOKS, DirectWhitenWrapper, _remove_coordinators, _share_hooks, _swap_in
+from .absorb import absorbing_batchnorms
 from .targets import whitening_layers
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -42,15 +45,33 @@ def _zero_padding(conv: "_ConvNd") -> bool:
     return all(p == 0 for p in pad)
 
 
+def _fuses_into_layer(wrapper: DirectWhitenWrapper) -> bool:
+    """Whether a direct layer exports as one layer with weight ``W T``: a linear layer or an unpadded conv."""
+    layer = wrapper.layer
+    return isinstance(layer, nn.Linear) or _zero_padding(cast("_ConvNd", layer))
+
+
+def _direct_absorbers(model: nn.Module) -> Dict[int, _BatchNorm]:
+    """``id(wrapper) -> BatchNorm`` for each bias-free direct layer that exports as one layer and whose output one
+    BatchNorm alone takes (the rule of :func:`~whitenlayers.convert.absorbing_batchnorms`): its export stays
+    bias-free, its offset ``sum_k (W T)_k mu`` goes into that BatchNorm's ``running_mean``."""
+    candidates = [(name, m) for name, m in model.named_modules()
+                  if isinstance(m, DirectWhitenWrapper) and m.layer.bias is None and _fuses_into_layer(m)]
+    return {key: cast(_BatchNorm, bn) for key, (bn, _) in absorbing_batchnorms(model, candidates).items()}
+
+
 @torch.no_grad()
-def _export_direct(wrapper: DirectWhitenWrapper) -> nn.Module:
+def _export_direct(wrapper: DirectWhitenWrapper, bn: Optional[_BatchNorm] = None) -> nn.Module:
+    """The plain form of a direct layer: the padded conv after a 1x1 whitening conv, or one layer with weight
+    ``W T`` and the offset ``-sum_k (W T)_k mu`` in its bias or, given the BatchNorm ``bn`` that alone takes a
+    bias-free layer's output, in that BatchNorm's ``running_mean`` (exact: it subtracts it; in training mode it
+    removes any constant)."""
     layer: Any  # a conv (any dimension) or linear layer: the code reads the attributes of its kind
     whiten, layer = wrapper.whiten, wrapper.layer
     t = whiten.whitening_matrix.to(torch.float64)
     mu = whiten.running_mean.to(torch.float64)
     w = layer.weight
-    b64 = layer.bias.to(torch.float64) if layer.bias is not None else None
-    if not isinstance(layer, nn.Linear) and not _zero_padding(layer):
+    if not _fuses_into_layer(wrapper):
         # conv(pad(T (x - mu))) != conv(pad(x)) with any constant bias at the border: keep a 1x1 whitening conv
         # (grouped like T: one k x k block per group).
         m, groups = whiten.num_features, whiten.groups
@@ -61,20 +82,22 @@ def _export_direct(wrapper: DirectWhitenWrapper) -> nn.Module:
         out: Any = nn.Sequential(pre, layer)  # or (below) the plain conv or linear layer
     else:
         # layer(T (x - mu)) = layer(x; W T) - sum_k (W T)_k mu: exact for unpadded convs and linear layers.
+        w64 = w.to(torch.float64)
         if t.dim() == 3:  # grouped: W_g T_g per group of output channels
             g = t.shape[0]
-            w64 = w.to(torch.float64)
             wt = torch.einsum("gsi...,gij->gsj...", w64.reshape((g, w.shape[0] // g) + tuple(w.shape[1:])), t)
             wt = wt.reshape(w.shape)
-            offset = F_w.weight_mean_product(wt, mu)
         else:
-            wt = torch.einsum("oi...,ij->oj...", w.to(torch.float64), t)
-            offset = wt.reshape(wt.shape[0], wt.shape[1], -1).sum(-1) @ mu
-        bias = (b64 if b64 is not None else torch.zeros_like(offset)) - offset
-        out = layer_like(layer, bias=True)
+            wt = torch.einsum("oi...,ij->oj...", w64, t)
+        offset = F_w.weight_mean_product(wt, mu)
+        out = layer_like(layer, bias=bn is None)
         out.weight.copy_(wt)
-        out.bias.copy_(bias)
         out.weight.requires_grad_(w.requires_grad)
+        if bn is None:
+            bias = layer.bias.to(torch.float64) if layer.bias is not None else torch.zeros_like(offset)
+            out.bias.copy_(bias - offset)
+        elif bn.running_mean is not None:  # (without running statistics the BatchNorm removes it in eval too)
+            bn.running_mean.copy_((bn.running_mean.to(torch.float64) + offset).to(bn.running_mean.dtype))
         _share_hooks(layer, out, _STATE_HOOKS)
     _share_hooks(wrapper, out, _CALL_HOOKS)
     out.train(wrapper.training)
@@ -101,9 +124,9 @@ def _export_absorbed(layer: Any) -> nn.Module:  # a grad layer (conv of any dime
     return out
 
 
-def _export_one(module: nn.Module) -> Optional[nn.Module]:
+def _export_one(module: nn.Module, direct_absorbers: Dict[int, _BatchNorm]) -> Optional[nn.Module]:
     if isinstance(module, DirectWhitenWrapper):
-        return _export_direct(module)
+        return _export_direct(module, direct_absorbers.get(id(module)))
     if isinstance(module, GRAD_LAYER_TYPES):
         if module._hooks_after_absorbing():
             module._centre_for_hooks()
@@ -138,8 +161,14 @@ def to_plain_model(model: nn.Module) -> nn.Module:
     * Every ``direct`` wrapper :class:`DirectWhitenWrapper` becomes, when exact,
       one plain layer with weight ``W T`` and bias ``b - sum_k (W T)_k mu``:
       always for ``nn.Linear``, and for an ``nn.Conv2d`` without padding
-      (1x1 downsample convs). A padded conv cannot absorb ``T`` and ``mu``
-      (its zero border would have to be ``-T mu``), so it becomes
+      (1x1 downsample convs). A bias-free one whose output one BatchNorm
+      alone takes (a ``Conv2d(..., bias=False)`` then ``BatchNorm2d``, by the
+      rule of :func:`~whitenlayers.convert.absorbing_batchnorms`) stays
+      bias-free: its offset ``sum_k (W T)_k mu`` is added to that
+      BatchNorm's ``running_mean`` (in float64; exact, as for the grad layers
+      above); other bias-free ones get the bias. A padded conv cannot
+      absorb ``T`` and ``mu`` (its zero border would have to be ``-T mu``),
+      so it becomes
       ``nn.Sequential(Conv2d(C, C, 1) with weight T and bias -T mu, conv)``:
       exact, plain PyTorch, but with the extra 1x1 conv the direct method
       costs anyway. State-dict keys there are ``name.0.*`` and ``name.1.*``.
@@ -160,10 +189,10 @@ def to_plain_model(model: nn.Module) -> nn.Module:
     Returns:
         ``model`` with only plain PyTorch modules (the exported layer when ``model`` was one).
     """
-    out = _export_one(model)
+    out = _export_one(model, {})
     if out is not None:
         return out
-    _swap_in(model, _export_one)
+    _swap_in(model, functools.partial(_export_one, direct_absorbers=_direct_absorbers(model)))
     for m in model.modules():
         _remove_coordinators(m)
     return model
@@ -186,6 +215,32 @@ def _whitening_of(shape: torch.Size, weight: torch.Tensor, bias: torch.Tensor) -
     return t, -torch.linalg.solve(t, b).reshape(-1)
 
 
+#: Rounding allowance of :func:`_mean_of_bias`, in units of the checkpoint dtype's eps: the exported ``W T`` and
+#: bias are each rounded once to that dtype, which moves ``sum_k W_k mu + b`` by at most ``eps / 2`` of its terms'
+#: magnitudes; 16 leaves room for the float64 solve (backward stable) and the order of the sums.
+_BIAS_MEAN_TOLERANCE = 16
+
+
+def _mean_of_bias(weight: Optional[torch.Tensor], bias: torch.Tensor, groups: int) -> Optional[torch.Tensor]:
+    """The input mean ``mu`` with ``-sum_k W_k mu = b``: what a bias-free unpadded direct layer's exported bias
+    (``-sum_k (W T)_k mu`` beside the weight ``W T``) gives back with ``T = I``. ``weight`` is ``(S, M/G, *kernel)``
+    or ``(S, M)``, solved per group of ``groups`` by least squares in float64 on the CPU (LAPACK's rank-revealing
+    ``gelsy``: the least-norm mean where several give ``b``). ``None`` when no mean gives ``b`` to the rounding of the
+    checkpoint's dtype (a bias that no input mean explains), or without a ``weight``."""
+    if weight is None:
+        return None
+    w = weight.detach().to(device="cpu", dtype=torch.float64)
+    w = w.reshape(w.shape[0], w.shape[1], -1)
+    a = w.sum(-1).reshape(groups, w.shape[0] // groups, w.shape[1])  # (G, S/G, M/G): sum_k W_k per group
+    b = bias.detach().to(device="cpu", dtype=torch.float64).reshape(groups, -1, 1)
+    mu = torch.linalg.lstsq(a, -b, driver="gelsy").solution
+    residual = torch.linalg.vector_norm(a @ mu + b)
+    scale = torch.linalg.vector_norm(w.abs().sum(-1).reshape(a.shape) @ mu.abs()) + torch.linalg.vector_norm(b)
+    if residual > _BIAS_MEAN_TOLERANCE * torch.finfo(weight.dtype).eps * scale:
+        return None
+    return mu.reshape(-1)
+
+
 def load_plain_state_dict(model: nn.Module, state_dict: Dict[str, Any], strict: bool = True) -> _LoadResult:
     """Load a checkpoint of the *unconverted* architecture into a converted ``model``.
 
@@ -196,11 +251,16 @@ def load_plain_state_dict(model: nn.Module, state_dict: Dict[str, Any], strict: 
     of a fresh conversion (``mu = 0``, ``T = Q_s = I``, no blocks, no partial
     block), and the parameters and other buffers are loaded. The converted
     model then computes exactly what the plain model with that checkpoint
-    computes. A padded direct conv exported as ``Sequential(1x1 whitening
-    conv, conv)`` (``plain_state_dict(model, strict=False)``) loads too:
+    computes. What ``plain_state_dict(model, strict=False)`` writes for the
+    direct layers that the original architecture cannot hold loads too. A
+    padded direct conv exported as ``Sequential(1x1 whitening conv, conv)``:
     ``name.1.*`` goes to ``name.layer.*``, and the 1x1 conv's weight ``T`` and
     bias ``-T mu`` set that layer's ``T`` and ``mu`` (solved in float64), the
-    rest of its whitening state fresh. With ``strict`` a key of the checkpoint
+    rest of its whitening state fresh. A bias-free unpadded direct layer
+    exported with a bias ``b = -sum_k W_k mu``: ``b`` sets that layer's
+    ``mu`` (``T = I``; least squares in float64, per group); a bias that no
+    mean gives, to the checkpoint dtype's rounding, is an unexpected key.
+    With ``strict`` a key of the checkpoint
     that has no place, or a key of the model that the checkpoint lacks (the
     whitening state aside), raises ``RuntimeError`` before anything is
     changed. Returns
@@ -241,6 +301,9 @@ def load_plain_state_dict(model: nn.Module, state_dict: Dict[str, Any], strict: 
             new_key = f"{owner}.layer.{leaf}"
         elif isinstance(pos, DirectWhitenWrapper):
             new_key = f"{head}.layer.{leaf}"
+            if leaf == "bias" and pos.layer.bias is None and _fuses_into_layer(pos):  # -sum_k (W T)_k mu: gives mu
+                mu = _mean_of_bias(state_dict.get(f"{head}.weight"), value, getattr(pos.layer, "groups", 1))
+                new_key, value = (key, value) if mu is None else (f"{head}.whiten.running_mean", mu)  # (unexpected)
         elif pos is not None and leaf == "bias" and pos.bias is None:
             new_key = f"{head}.bias_correction"
         if new_key in model_keys:
@@ -279,11 +342,16 @@ def load_plain_state_dict(model: nn.Module, state_dict: Dict[str, Any], strict: 
 def _not_original(model: nn.Module) -> Dict[str, str]:
     """Qualified name -> why the original architecture cannot hold that converted layer's current function."""
     out = {}
+    direct_absorbers = _direct_absorbers(model)
     for name, module in model.named_modules():
         if isinstance(module, DirectWhitenWrapper):
-            if not isinstance(module.layer, nn.Linear) and not _zero_padding(cast("_ConvNd", module.layer)):
+            if not _fuses_into_layer(module):
                 out[name] = ("a padded direct conv: its zero border would have to be -T mu, so it exports as "
                              "Sequential(1x1 whitening conv, conv)")
+            elif module.layer.bias is None and id(module) not in direct_absorbers:
+                out[name] = ("a bias-free direct layer whose output is not taken by one BatchNorm alone (or that "
+                             "has forward hooks, or is called in a forward that torch.fx cannot trace): its offset "
+                             "-sum_k (W T)_k mu needs a bias the original lacks")
         elif isinstance(module, GRAD_LAYER_TYPES) and module.bias is None:
             hooks = module._hooks_after_absorbing()
             if hooks:
@@ -307,13 +375,21 @@ def plain_state_dict(model: nn.Module, strict: bool = True) -> Dict[str, Any]:
     centring a BatchNorm absorbs (the default of :func:`convert_model` in
     every ResNet; the offsets move into the BatchNorms' ``running_mean``),
     every layer with a bias, and every unpadded ``direct`` layer (linear, 1x1
-    convs). Two kinds of layer have no exact form in the original
-    architecture, and with ``strict`` a ``ValueError`` names them:
+    and other unpadded convs, strided or not) that has a bias or whose
+    output one BatchNorm alone takes (a bias-free 1x1 shortcut conv before
+    its ``BatchNorm2d``: the offset ``sum_k (W T)_k mu`` moves into that
+    BatchNorm's ``running_mean``). The other layers have no exact form in
+    the original architecture, and with ``strict`` a ``ValueError`` names
+    them:
 
     * a padded ``direct`` conv (``conv(pad(T (x - mu)))``: the zero border
       would have to be ``-T mu``); :func:`to_plain_model` turns it into
       ``nn.Sequential(1x1 whitening conv, conv)``, keys ``name.0.*`` and
       ``name.1.*``;
+    * a bias-free unpadded ``direct`` layer whose output is not taken by one
+      BatchNorm alone (or that has forward hooks, or is called in a forward
+      that ``torch.fx`` cannot trace): its export needs a ``bias``,
+      ``-sum_k (W T)_k mu``;
     * a bias-free grad / recursive layer that centres its input (converted
       with ``absorb_centring=False``, or not followed by a BatchNorm): its
       export needs a ``bias`` (the running mean folded in).

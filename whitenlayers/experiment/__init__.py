@@ -36,9 +36,11 @@ Outputs in ``--out`` (default ``runs/<dataset>-<model>``):
 * ``figure.png``: accuracy, kappa and rho against epoch, one line per method;
   the band is +-1 standard deviation across seeds, or with one seed (kappa,
   rho) +-1 standard error across layers.
-* ``summary.md``: the final table (also printed): final and best accuracy,
+* ``summary.md``: the final tables (also printed): final and best accuracy,
   epochs to reach a target accuracy, kappa and rho at the last epoch, mean
-  epoch time and its ratio to the baseline's.
+  epoch time and its ratio to the baseline's; the time to accuracy; why each
+  cell without an estimate has none; the target accuracy and how it was
+  chosen.
 * ``checkpoints/<method>-seed<seed>.pt``: written after every epoch.
   ``--resume`` continues an interrupted run in the same ``--out``; the
   resumed metrics equal those of an uninterrupted run (timings aside).

@@ -47,6 +47,7 @@ from .report import (
     format_summary,
     format_time_to_accuracy,
     load_note,
+    no_estimate_notes,
     plot_metrics,
     prepare_out,
     summarize,
@@ -693,7 +694,11 @@ def run(cfg: RunConfig, ctx: Context, argv: Sequence[str] = ()) -> Dict[str, Any
         summary, target = summarize(done, cfg.methods, cfg.target_acc)
         table = format_summary(summary, target)
         tta = time_to_accuracy(done, cfg.methods, cfg.time_levels)
-        table += "\n\n" + format_time_to_accuracy(tta, cfg.time_levels) + "\n\n" + load_note(done, ctx.threads)
+        table += "\n\n" + format_time_to_accuracy(tta, cfg.time_levels)
+        notes = no_estimate_notes(summary, target, tta, cfg.time_levels)
+        if notes:
+            table += "\n\n" + notes
+        table += "\n\n" + load_note(done, ctx.threads)
         if cfg.stop_acc is not None:
             table += "\n\n" + format_steps_to_target(done_steps, float(cfg.stop_acc))
         wall = time.perf_counter() - t_start
@@ -705,7 +710,7 @@ def run(cfg: RunConfig, ctx: Context, argv: Sequence[str] = ()) -> Dict[str, Any
             fig_path = None
             print(f"warning: no figure ({exc})", file=sys.stderr)
         with open(os.path.join(cast(str, cfg.out), "summary.md"), "w") as f:
-            f.write(summary_text(name, table, target, wall))
+            f.write(summary_text(name, table, target, wall, target_given=cfg.target_acc is not None))
         print("\n" + table, flush=True)
         print(f"\ntotal wall time {wall:.1f} s; outputs in {cfg.out}: metrics.csv, "
               + ("steps.csv, " if by_steps else "") + "config.json, summary.md"

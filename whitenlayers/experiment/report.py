@@ -28,9 +28,9 @@ from .data import DATASET_LABELS
 from .figure import plot_metrics, rows_by_method
 
 __all__ = ["CSV_FIELDS", "TIME_FIELDS", "write_metrics", "read_metrics", "summarize", "format_summary",
-           "time_to_accuracy", "format_time_to_accuracy", "load_note", "MIN_SEEDS", "MAX_SPAN", "no_estimate",
-           "informative", "plot_metrics", "replot", "format_epoch_line", "prepare_out", "STEP_FIELDS", "write_steps",
-           "read_steps", "steps_to_target", "format_steps_to_target"]
+           "time_to_accuracy", "format_time_to_accuracy", "no_estimate_notes", "load_note", "MIN_SEEDS", "MAX_SPAN",
+           "no_estimate", "informative", "plot_metrics", "replot", "format_epoch_line", "prepare_out", "STEP_FIELDS",
+           "write_steps", "read_steps", "steps_to_target", "format_steps_to_target"]
 
 CSV_FIELDS = ["method", "seed", "epoch", "lr", "train_loss", "train_acc", "test_loss", "test_acc", "kappa_mean",
               "kappa_sem", "rho_mean", "rho_sem", "epoch_time", "eval_time", "train_time", "cpu_time", "load1",
@@ -161,11 +161,18 @@ def _fmt(mean: float, std: float, nseeds: int, digits: int = 2) -> str:
     return f"{mean:.{digits}f}" + (f" ± {std:.{digits}f}" if nseeds > 1 else "")
 
 
+#: The default target accuracy of the summary's 'epochs to' column, as a fraction of the lowest, over the methods,
+#: of the best test accuracy of a method's curve averaged over seeds (rounded down to 0.1 point): every method's
+#: mean curve reaches it.
+TARGET_FRACTION = 0.99
+
+
 def summarize(rows: Sequence[Dict[str, Any]], methods: Optional[Sequence[str]] = None,
               target_acc: Optional[float] = None) -> Tuple[List[Dict[str, Any]], float]:
     """Per-method summary: final/best accuracy, epochs to target, last kappa/rho, epoch time (and vs baseline).
 
-    Returns the summary rows and the target accuracy used.
+    Returns the summary rows and the target accuracy used: ``target_acc``, or by default
+    :data:`TARGET_FRACTION` of the lowest best mean-over-seeds accuracy of the methods, rounded down to 0.1.
     """
     groups = rows_by_method(rows)
     methods = [m for m in (methods or METHODS) if m in groups] + [m for m in groups if m not in (methods or METHODS)]
@@ -175,7 +182,7 @@ def summarize(rows: Sequence[Dict[str, Any]], methods: Optional[Sequence[str]] =
             curves = [np.array([r["test_acc"] for r in lst]) for lst in groups[m].values()]
             length = min(len(c) for c in curves)
             bests.append(float(np.mean([c[:length] for c in curves], axis=0).max()))
-        target_acc = math.floor(0.99 * min(bests) * 10) / 10 if bests else 0.0
+        target_acc = math.floor(TARGET_FRACTION * min(bests) * 10) / 10 if bests else 0.0
     out = []
     base_time = None
     for m in methods:
@@ -210,21 +217,25 @@ def format_summary(summary: Sequence[Dict[str, Any]], target: float) -> str:
     # The ignores below: mypy spreads a starred Any (a (mean, std) pair here) over every parameter of _fmt.
     for s in summary:
         n = s["seeds"]
-        if s["reached"] == 0:
-            reach = "not reached"
-        elif s["reached"] < MIN_SEEDS:
-            reach = no_estimate(s["reached"], n)
-        else:
-            reach = _fmt(*s["epochs_to_target"], s["reached"], 1)  # type: ignore[call-arg]
-            if s["reached"] < n:
-                reach += f" ({s['reached']}/{n} seeds)"
         ratio = f"{s['time_ratio']:.2f}x" if math.isfinite(s["time_ratio"]) else "n/a"
         lines.append("| " + " | ".join([
             METHOD_LABELS.get(s["method"], s["method"]),
-            _fmt(*s["final_acc"], n), _fmt(*s["best_acc"], n), reach,  # type: ignore[call-arg]
+            _fmt(*s["final_acc"], n), _fmt(*s["best_acc"], n), _reach_cell(s)[0],  # type: ignore[call-arg]
             _fmt(*s["kappa"], n, 3), _fmt(*s["rho"], n, 3), _fmt(*s["epoch_time"], n, 1),  # type: ignore[call-arg]
             ratio]) + " |")
     return "\n".join(lines)
+
+
+def _reach_cell(s: Dict[str, Any]) -> Tuple[str, Optional[str]]:
+    """The summary table's 'epochs to' cell of the row ``s``, and why it gives no estimate (None where it gives one):
+    :func:`no_estimate` where fewer than :data:`MIN_SEEDS` seeds reach the target."""
+    n, reached = s["seeds"], s["reached"]
+    if reached == 0:
+        return "not reached", None
+    if reached < MIN_SEEDS:
+        return no_estimate(reached, n), _too_few(reached, n)
+    reach = _fmt(*s["epochs_to_target"], reached, 1)  # type: ignore[call-arg]
+    return reach + (f" ({reached}/{n} seeds)" if reached < n else ""), None
 
 
 # ==========================================================================
@@ -355,6 +366,46 @@ def informative(low: float, high: float, max_span: float = MAX_SPAN) -> bool:
     return math.isfinite(low) and math.isfinite(high) and low > 0 and high <= max_span * low
 
 
+def _too_few(k: int, n: int) -> str:
+    """Why a cell that only ``k`` of ``n`` seeds reached gives no estimate."""
+    return f"only {k} of {n} seeds reached the target, fewer than the {MIN_SEEDS} an estimate needs"
+
+
+def _uninformative(vals: Sequence[float], lo: float, hi: float, suffix: str, max_span: float) -> str:
+    """Why a cell whose seeds' ``vals`` have the 95 % interval ``[lo, hi]`` (not :func:`informative`) gives no
+    estimate: the values and the interval (to 3 significant digits, which a cell's rounding may hide) and what is
+    wrong with it."""
+    shown = ", ".join(f"{v:#.3g}{suffix}" for v in vals)
+    interval = f"[{lo:#.3g}, {hi:#.3g}]"
+    if not lo > 0:
+        return f"the seeds' values {shown} give a 95 % interval {interval} that reaches 0"
+    return (f"the seeds' values {shown} give a 95 % interval {interval} that spans a factor {hi / lo:.1f}, more "
+            f"than {max_span:g}")
+
+
+def _ci_cell(values: Sequence[float], digits: int = 2, suffix: str = "", *, lower: Optional[float] = None,
+             upper: Optional[float] = None, geometric: bool = False,
+             max_span: Optional[float] = None) -> Tuple[str, Optional[str]]:
+    """:func:`_mean_ci`'s cell, and why it gives no estimate (None where it gives one, or where no seed reached
+    the target: the cell says so)."""
+    n = len(values)
+    vals = [v for v in values if math.isfinite(v)]
+    if not vals:
+        return "—", None
+    if len(vals) < MIN_SEEDS:
+        return no_estimate(len(vals), n), _too_few(len(vals), n)
+    mean, lo, hi = (geometric_t_interval if geometric else t_interval)(vals)
+    if max_span is not None and not informative(lo, hi, max_span):
+        return no_estimate(len(vals), n), _uninformative(vals, lo, hi, suffix, max_span)
+    text = f"{mean:.{digits}f}{suffix}"
+    if math.isfinite(lo):
+        clipped = (lower is not None and lo < lower) or (upper is not None and hi > upper)
+        lo = max(lo, lower) if lower is not None else lo
+        hi = min(hi, upper) if upper is not None else hi
+        text += f" [{lo:.{digits}f}, {hi:.{digits}f}]" + (CLIPPED if clipped else "")
+    return text + ("" if len(vals) == n else f" ({len(vals)}/{n})"), None
+
+
 def _mean_ci(values: Sequence[float], digits: int = 2, suffix: str = "", *, lower: Optional[float] = None,
              upper: Optional[float] = None, geometric: bool = False, max_span: Optional[float] = None) -> str:
     """``mean [low, high] (k/n)``: the 95 % t-interval (``geometric``: of the logs, for ratios) over the ``k``
@@ -365,22 +416,7 @@ def _mean_ci(values: Sequence[float], digits: int = 2, suffix: str = "", *, lowe
     (a positive quantity: seconds, ratios), when the interval reaches 0 or spans more than that factor.
     ``—`` when no value is finite.
     """
-    n = len(values)
-    vals = [v for v in values if math.isfinite(v)]
-    if not vals:
-        return "—"
-    if len(vals) < MIN_SEEDS:
-        return no_estimate(len(vals), n)
-    mean, lo, hi = (geometric_t_interval if geometric else t_interval)(vals)
-    if max_span is not None and not informative(lo, hi, max_span):
-        return no_estimate(len(vals), n)
-    text = f"{mean:.{digits}f}{suffix}"
-    if math.isfinite(lo):
-        clipped = (lower is not None and lo < lower) or (upper is not None and hi > upper)
-        lo = max(lo, lower) if lower is not None else lo
-        hi = min(hi, upper) if upper is not None else hi
-        text += f" [{lo:.{digits}f}, {hi:.{digits}f}]" + (CLIPPED if clipped else "")
-    return text + ("" if len(vals) == n else f" ({len(vals)}/{n})")
+    return _ci_cell(values, digits, suffix, lower=lower, upper=upper, geometric=geometric, max_span=max_span)[0]
 
 
 def format_time_to_accuracy(tta: Sequence[Dict[str, Any]], levels: Sequence[float] = ()) -> str:
@@ -389,43 +425,93 @@ def format_time_to_accuracy(tta: Sequence[Dict[str, Any]], levels: Sequence[floa
     A cell reads ``no estimate (k/n)`` instead when fewer than :data:`MIN_SEEDS` seeds reach the target, or,
     for seconds and time ratios, when the interval reaches 0 or spans more than a factor :data:`MAX_SPAN`.
     """
-    head = ["method", "final acc (%)", "target: baseline final (%)", "epochs to target", "seconds to target",
-            "time vs baseline (paired)", "CPU time vs baseline (paired)"]
-    head += [f"s to {lv:g}%" for lv in levels]
-    head += ["train s (total)", "CPU s / wall s"]
+    head = _time_head(levels)
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for t in tta:
-        recs = list(t["seeds"].values())
-        n = len(recs)
-
-        has_target = any("target" in r for r in recs)
-        cells = [METHOD_LABELS.get(t["method"], t["method"]), _fmt(*_mean_std([r["final"] for r in recs]), n)]
-        if has_target:
-            cells += [_fmt(*_mean_std([r["target"] for r in recs]), n),
-                      _mean_ci([r["epoch"] for r in recs], 1, lower=1.0,
-                               upper=float(max(r["epochs_run"] for r in recs))) if any(
-                          math.isfinite(r["epoch"]) for r in recs) else f"not reached (0/{n})",
-                      _mean_ci([r["seconds"] for r in recs], 1, max_span=MAX_SPAN),
-                      _mean_ci([r["ratio"] for r in recs], 2, "x", geometric=True, max_span=MAX_SPAN),
-                      _mean_ci([r.get("cpu_ratio", float("nan")) for r in recs], 2, "x", geometric=True,
-                               max_span=MAX_SPAN)]
-        else:
-            cells += ["—"] * 5
-        for lv in levels:
-            secs = [r["levels"][lv][1] for r in recs]
-            k = sum(math.isfinite(v) for v in secs)
-            if k == 0:
-                cells.append("—")
-            elif k < MIN_SEEDS:
-                cells.append(no_estimate(k, n))
-            else:
-                mean = float(np.mean([v for v in secs if math.isfinite(v)]))
-                cells.append(f"{mean:.1f}" + ("" if k == n else f" ({k}/{n})"))
-        cpu = [r["cpu_time"] / r["epoch_time"] for r in recs if r["epoch_time"] > 0 and math.isfinite(r["cpu_time"])]
-        cells += [_fmt(*_mean_std([r["train_time"] for r in recs]), n, 1),
-                  f"{np.mean(cpu):.2f}" if cpu else "n/a"]
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append("| " + " | ".join(cell for cell, _ in _time_cells(t, levels)) + " |")
     return "\n".join(lines)
+
+
+#: The time-to-accuracy table's columns of seconds to the target and of their paired ratio to the baseline's, which
+#: the notes under the tables set side by side.
+SECONDS_TO_TARGET = "seconds to target"
+PAIRED_RATIO = "time vs baseline (paired)"
+
+
+def _time_head(levels: Sequence[float]) -> List[str]:
+    """The columns of the time-to-accuracy table."""
+    head = ["method", "final acc (%)", "target: baseline final (%)", "epochs to target", SECONDS_TO_TARGET,
+            PAIRED_RATIO, "CPU time vs baseline (paired)"]
+    head += [f"s to {lv:g}%" for lv in levels]
+    return head + ["train s (total)", "CPU s / wall s"]
+
+
+def _time_cells(t: Dict[str, Any], levels: Sequence[float]) -> List[Tuple[str, Optional[str]]]:
+    """One method's row of the time-to-accuracy table (:func:`_time_head`'s columns): each cell, and why it gives
+    no estimate (None where it gives one)."""
+    recs = list(t["seeds"].values())
+    n = len(recs)
+    cells: List[Tuple[str, Optional[str]]] = [(METHOD_LABELS.get(t["method"], t["method"]), None),
+                                              (_fmt(*_mean_std([r["final"] for r in recs]), n), None)]
+    if any("target" in r for r in recs):
+        reached = any(math.isfinite(r["epoch"]) for r in recs)
+        cells += [(_fmt(*_mean_std([r["target"] for r in recs]), n), None),
+                  _ci_cell([r["epoch"] for r in recs], 1, lower=1.0, upper=float(max(r["epochs_run"] for r in recs)))
+                  if reached else (f"not reached (0/{n})", None),
+                  _ci_cell([r["seconds"] for r in recs], 1, max_span=MAX_SPAN),
+                  _ci_cell([r["ratio"] for r in recs], 2, "x", geometric=True, max_span=MAX_SPAN),
+                  _ci_cell([r.get("cpu_ratio", float("nan")) for r in recs], 2, "x", geometric=True,
+                           max_span=MAX_SPAN)]
+    else:
+        cells += [("—", None)] * 5
+    for lv in levels:
+        secs = [r["levels"][lv][1] for r in recs]
+        k = sum(math.isfinite(v) for v in secs)
+        if k == 0:
+            cells.append(("—", None))
+        elif k < MIN_SEEDS:
+            cells.append((no_estimate(k, n), _too_few(k, n)))
+        else:
+            mean = float(np.mean([v for v in secs if math.isfinite(v)]))
+            cells.append((f"{mean:.1f}" + ("" if k == n else f" ({k}/{n})"), None))
+    cpu = [r["cpu_time"] / r["epoch_time"] for r in recs if r["epoch_time"] > 0 and math.isfinite(r["cpu_time"])]
+    cells += [(_fmt(*_mean_std([r["train_time"] for r in recs]), n, 1), None),
+              (f"{np.mean(cpu):.2f}" if cpu else "n/a", None)]
+    return cells
+
+
+def no_estimate_notes(summary: Sequence[Dict[str, Any]], target: float, tta: Sequence[Dict[str, Any]],
+                      levels: Sequence[float] = ()) -> str:
+    """Why each cell of the two tables that reads ``no estimate (k/n)`` gives none, one line per cell, with the
+    seeds' values where they were too spread (empty when every cell gives an estimate). Written under the tables
+    of ``summary.md``.
+
+    Args:
+        summary: :func:`summarize`'s rows; ``target``: its target accuracy (the first table's 'epochs to').
+        tta: :func:`time_to_accuracy`'s result, and its ``levels``.
+    """
+    notes = []
+    for s in summary:
+        why = _reach_cell(s)[1]
+        if why:
+            notes.append(f"- {METHOD_LABELS.get(s['method'], s['method'])}, epochs to {target:.1f}%: {why}.")
+    head = _time_head(levels)
+    seconds_without_ratio = False  # a cell of seconds without an estimate beside a paired ratio with one
+    for t in tta:
+        row = dict(zip(head, _time_cells(t, levels)))
+        for column, (_, why) in row.items():
+            if why:
+                notes.append(f"- {METHOD_LABELS.get(t['method'], t['method'])}, {column}: {why}.")
+        seconds_without_ratio |= row[SECONDS_TO_TARGET][1] is not None and row[PAIRED_RATIO][1] is None
+    if not notes:
+        return ""
+    text = "Why no estimate:\n" + "\n".join(notes)
+    if seconds_without_ratio:
+        text += ("\n\nSeconds to target can have no estimate beside a paired time ratio that has one: how long a "
+                 "seed takes to reach its target varies with the seed (its initial weights and data order, and its "
+                 "own target), for the baseline as for the method; the paired ratio divides each seed's seconds by "
+                 "the baseline's on the same seed, which cancels that variation.")
+    return text
 
 
 def cpu_model() -> str:
@@ -534,8 +620,22 @@ def title(cfg: RunConfig, data_label: str) -> str:
 # ==========================================================================
 # Summary file, replot, output folder
 # ==========================================================================
-def summary_text(title: str, table: str, target: float, wall: Optional[float]) -> str:
-    text = (f"# {title}\n\n{table}\n\nTarget accuracy {target:.1f}%. Epoch time = training loop only "
+def target_note(target: float, given: bool) -> str:
+    """What the summary's target accuracy is and how it was chosen (``given``: by ``--target-acc``)."""
+    text = f"Target accuracy {target:.1f}%: the level of the first table's 'epochs to {target:.1f}%' column, "
+    if given:
+        text += "set by --target-acc."
+    else:
+        text += (f"chosen so that every method's curve averaged over seeds reaches it: {TARGET_FRACTION * 100:g} % "
+                 f"of the lowest, over the methods, of that curve's best test accuracy, rounded down to 0.1 "
+                 f"(--target-acc sets another).")
+    return text + " The second table's target is another: each seed's baseline final accuracy."
+
+
+def summary_text(title: str, table: str, target: float, wall: Optional[float], target_given: bool = False) -> str:
+    """``summary.md``: the title, the tables (with their notes), what the target accuracy is (``target_given``: set
+    by ``--target-acc``) and what the columns mean, and the total wall time."""
+    text = (f"# {title}\n\n{table}\n\n{target_note(target, target_given)} Epoch time = training loop only "
             f"(forward, backward, step), mean over epochs; accuracies are test accuracies in percent; kappa and rho "
             f"at the last epoch, mean over layers. Time to accuracy (second table): per seed, the first epoch at "
             f"which test accuracy reaches that seed's baseline final accuracy (or a fixed level) and the cumulative "
@@ -561,12 +661,17 @@ def replot(out: str, target_acc: Optional[float] = None) -> Tuple[str, str]:
     name = title(cfg, DATASET_LABELS.get(cfg.dataset, cfg.dataset))
     fig_path = os.path.join(out, "figure.png")
     plot_metrics(rows, fig_path, name, cfg.methods)
-    summary, target = summarize(rows, cfg.methods, target_acc if target_acc is not None else cfg.target_acc)
+    given = target_acc if target_acc is not None else cfg.target_acc
+    summary, target = summarize(rows, cfg.methods, given)
     table = format_summary(summary, target)
-    table += "\n\n" + format_time_to_accuracy(time_to_accuracy(rows, cfg.methods, cfg.time_levels), cfg.time_levels)
+    tta = time_to_accuracy(rows, cfg.methods, cfg.time_levels)
+    table += "\n\n" + format_time_to_accuracy(tta, cfg.time_levels)
+    notes = no_estimate_notes(summary, target, tta, cfg.time_levels)
+    if notes:
+        table += "\n\n" + notes
     table += "\n\n" + load_note(rows, cfg.threads)
     with open(os.path.join(out, "summary.md"), "w") as f:
-        f.write(summary_text(name, table, target, None))
+        f.write(summary_text(name, table, target, None, target_given=given is not None))
     print(table)
     return fig_path, table
 
