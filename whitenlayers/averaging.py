@@ -9,6 +9,9 @@ from torch import Tensor
 __all__ = ["keep_counters"]
 
 MultiAvgFn = Callable[[List[Tensor], List[Tensor], Union[Tensor, int]], None]
+#: The device types whose multi-tensor kernels ``AveragedModel`` averages with (torch's list, less a privateuse1
+#: backend).
+FOREACH_DEVICES = ("cuda", "xpu")
 
 
 def _swa_default() -> MultiAvgFn:
@@ -16,13 +19,11 @@ def _swa_default() -> MultiAvgFn:
     foreach one on a device with foreach kernels (CUDA), else one ``averaged + (model - averaged) / (n + 1)`` per
     tensor."""
     from torch.optim.swa_utils import get_swa_avg_fn, get_swa_multi_avg_fn
-    from torch.utils import _foreach_utils
 
-    foreach_devices = getattr(_foreach_utils, "_get_foreach_kernels_supported_devices", lambda: ["cuda"])()
     multi, single = get_swa_multi_avg_fn(), get_swa_avg_fn()
 
     def swa(averaged: List[Tensor], current: List[Tensor], num_averaged: Union[Tensor, int]) -> None:
-        if averaged[0].device.type in foreach_devices:
+        if averaged[0].device.type in FOREACH_DEVICES:
             multi(averaged, current, num_averaged)
             return
         for a, c in zip(averaged, current):

@@ -17,9 +17,9 @@ from typing import (
 import torch
 import torch.fx
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..layers import DirectWhitenWrapper
+from ..layers._checks import BATCH_NORMS, CONVS
 from ._common import _is_whitening
 
 
@@ -38,28 +38,28 @@ class _DataflowTracer(torch.fx.Tracer):
         # absorb is decided by _absorbing_batchnorm_ok, not by tracing into it. So is a module that holds neither
         # a target nor a BatchNorm: its inside cannot matter here, and its forward may not be traceable (timm's
         # Conv2dSame pads by a data-dependent rule), which would leave the whole enclosing block centred.
-        if id(m) in self._leaves or _is_whitening(m) or isinstance(m, _BatchNorm):
+        if id(m) in self._leaves or _is_whitening(m) or isinstance(m, BATCH_NORMS):
             return True
-        return (not any(id(s) in self._leaves or isinstance(s, _BatchNorm) for s in m.modules())
+        return (not any(id(s) in self._leaves or isinstance(s, BATCH_NORMS) for s in m.modules())
                 or super().is_leaf_module(m, module_qualified_name))
 
 
 def _absorbing_batchnorm_ok(layer: nn.Module, bn: nn.Module) -> bool:
     if isinstance(layer, DirectWhitenWrapper):  # a direct layer's output is its wrapped layer's
         layer = layer.layer
-    if isinstance(layer, nn.modules.conv._ConvNd):
+    if isinstance(layer, CONVS):
         batchnorm = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}[len(layer.kernel_size)]
         kinds: Tuple[type, ...] = (batchnorm, nn.SyncBatchNorm)
         features = layer.out_channels
     else:
         kinds = (nn.BatchNorm1d, nn.SyncBatchNorm)
         features = cast(nn.Linear, layer).out_features
-    return (isinstance(bn, kinds) and isinstance(bn, _BatchNorm) and bn.num_features == features
+    return (isinstance(bn, kinds) and isinstance(bn, BATCH_NORMS) and bn.num_features == features
             and not bn._forward_pre_hooks and _removes_batch_mean(bn, len(getattr(layer, "kernel_size", ()))))
 
 
 #: The forwards PyTorch's BatchNorms run: they normalise with the batch mean in training mode.
-_TORCH_FORWARDS = (_BatchNorm.forward, nn.SyncBatchNorm.forward)
+_TORCH_FORWARDS = (nn.BatchNorm2d.forward, nn.SyncBatchNorm.forward)
 
 
 @torch.no_grad()
@@ -83,12 +83,12 @@ def _removes_batch_mean(bn: nn.Module, spatial_dims: int) -> bool:
             probe = probe.to_empty(device="cpu")
         probe = probe.to(device="cpu", dtype=f64).train()
         gen = torch.Generator().manual_seed(0)
-        c = cast(_BatchNorm, probe).num_features
+        c = cast(nn.BatchNorm2d, probe).num_features
         for name, value in (("weight", torch.rand(c, generator=gen, dtype=f64) + 0.5),
                             ("bias", torch.randn(c, generator=gen, dtype=f64))):
             if getattr(probe, name, None) is not None:
                 getattr(probe, name).copy_(value)
-        cast(_BatchNorm, probe).reset_running_stats()
+        cast(nn.BatchNorm2d, probe).reset_running_stats()
         other = copy.deepcopy(probe)
         view = (1, c) + (1,) * spatial_dims
         x = torch.randn((4, c) + (3,) * spatial_dims, generator=gen, dtype=f64)
@@ -96,7 +96,7 @@ def _removes_batch_mean(bn: nn.Module, spatial_dims: int) -> bool:
         same = torch.allclose(probe(x), other(x + shift.view(view)), rtol=1e-9, atol=1e-9)
         rm_a, rm_b = getattr(probe, "running_mean", None), getattr(other, "running_mean", None)
         if same and rm_a is not None and rm_b is not None:
-            momentum = cast(_BatchNorm, probe).momentum
+            momentum = cast(nn.BatchNorm2d, probe).momentum
             factor = 1.0 if momentum is None else momentum  # cumulative average: 1 / 1 after the first batch
             same = torch.allclose(rm_b - rm_a, factor * shift, rtol=1e-9, atol=1e-9)
         return bool(same)

@@ -5,7 +5,6 @@ import copy
 import functools
 from collections import OrderedDict
 from typing import (
-    TYPE_CHECKING,
     Any,
     Dict,
     List,
@@ -17,7 +16,6 @@ from typing import (
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from .. import functional as F_w
 from .._rebuild import layer_like, plain_conv_class
@@ -31,37 +29,34 @@ from ._common import _CALL_HOOKS, _STATE_HOOKS, DirectWhitenWrapper, _remove_coo
 from .absorb import absorbing_batchnorms
 from .targets import whitening_layers
 
-if TYPE_CHECKING:  # pragma: no cover
-    from torch.nn.modules.conv import _ConvNd
-
 
 # --------------------------------------------------------------------------
 # to_plain_model
 # --------------------------------------------------------------------------
-def _zero_padding(conv: "_ConvNd") -> bool:
-    pad = getattr(conv, "_reversed_padding_repeated_twice", None)
-    if pad is None:
-        return conv.padding == "valid" or all(p == 0 for p in conv.padding)
-    return all(p == 0 for p in pad)
+def _zero_padding(conv: Any) -> bool:
+    """Whether the convolution ``conv`` pads nothing."""
+    if conv.padding == "same":  # (as much as the dilated kernel covers beyond one position)
+        return all(d * (k - 1) == 0 for d, k in zip(conv.dilation, conv.kernel_size))
+    return conv.padding == "valid" or all(p == 0 for p in conv.padding)
 
 
 def _fuses_into_layer(wrapper: DirectWhitenWrapper) -> bool:
     """Whether a direct layer exports as one layer with weight ``W T``: a linear layer or an unpadded conv."""
     layer = wrapper.layer
-    return isinstance(layer, nn.Linear) or _zero_padding(cast("_ConvNd", layer))
+    return isinstance(layer, nn.Linear) or _zero_padding(layer)
 
 
-def _direct_absorbers(model: nn.Module) -> Dict[int, _BatchNorm]:
+def _direct_absorbers(model: nn.Module) -> Dict[int, nn.BatchNorm2d]:
     """``id(wrapper) -> BatchNorm`` for each bias-free direct layer that exports as one layer and whose output one
     BatchNorm alone takes (the rule of :func:`~whitenlayers.convert.absorbing_batchnorms`): its export stays
     bias-free, its offset ``sum_k (W T)_k mu`` goes into that BatchNorm's ``running_mean``."""
     candidates = [(name, m) for name, m in model.named_modules()
                   if isinstance(m, DirectWhitenWrapper) and m.layer.bias is None and _fuses_into_layer(m)]
-    return {key: cast(_BatchNorm, bn) for key, (bn, _) in absorbing_batchnorms(model, candidates).items()}
+    return {key: cast(nn.BatchNorm2d, bn) for key, (bn, _) in absorbing_batchnorms(model, candidates).items()}
 
 
 @torch.no_grad()
-def _export_direct(wrapper: DirectWhitenWrapper, bn: Optional[_BatchNorm] = None) -> nn.Module:
+def _export_direct(wrapper: DirectWhitenWrapper, bn: Optional[nn.BatchNorm2d] = None) -> nn.Module:
     """The plain form of a direct layer: the padded conv after a 1x1 whitening conv, or one layer with weight
     ``W T`` and the offset ``-sum_k (W T)_k mu`` in its bias or, given the BatchNorm ``bn`` that alone takes a
     bias-free layer's output, in that BatchNorm's ``running_mean`` (exact: it subtracts it; in training mode it
@@ -124,7 +119,7 @@ def _export_absorbed(layer: Any) -> nn.Module:  # a grad layer (conv of any dime
     return out
 
 
-def _export_one(module: nn.Module, direct_absorbers: Dict[int, _BatchNorm]) -> Optional[nn.Module]:
+def _export_one(module: nn.Module, direct_absorbers: Dict[int, nn.BatchNorm2d]) -> Optional[nn.Module]:
     if isinstance(module, DirectWhitenWrapper):
         return _export_direct(module, direct_absorbers.get(id(module)))
     if isinstance(module, GRAD_LAYER_TYPES):

@@ -16,7 +16,6 @@ from typing import (
 )
 
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.utils import parametrize
 
 from .._rebuild import modes_kept
@@ -388,7 +387,7 @@ def convert_model(
                                              if module is patch_stem else layer_kwargs) for name, module in selected}
         if absorb_centring and method != "direct":  # each BatchNorm that alone consumes a new layer's output
             for key, (bn, parent) in absorbing_batchnorms(model, selected).items():
-                cast("_GradWhitenMixin", new_by_id[key]).absorb_centring(cast(_BatchNorm, bn), parent=parent)
+                cast("_GradWhitenMixin", new_by_id[key]).absorb_centring(bn, parent=parent)
         result = ConversionReport(method, [d._replace(status="converted") if d.status == "to convert" else d
                                            for _, _, d in plan])
         _warn_left_out(result, targets=targets, predicate=predicate, model_has_whitening=bool(whitening_layers(model)))

@@ -4,7 +4,6 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 from typing import (
-    TYPE_CHECKING,
     Any,
     Callable,
     Dict,
@@ -24,11 +23,10 @@ from torch.nn.utils import parametrize
 
 from .._rebuild import modes_kept
 from ..layers import WhiteningLayer
+from ..layers._checks import CONVS, TRANSPOSED_CONVS
 from ..methods import get_method
 from ._common import DEFAULT_BLOCK_TYPES, BlockTypes, DirectWhitenWrapper, Predicate, _is_whitening
 
-if TYPE_CHECKING:  # pragma: no cover
-    from torch.nn.modules.conv import _ConvNd
 
 # --------------------------------------------------------------------------
 # Target selection
@@ -86,12 +84,12 @@ _LAYER_WORDS = "nn.Conv1d / nn.Conv2d / nn.Conv3d or nn.Linear"
 
 def _is_layer(m: nn.Module) -> bool:
     """A convolution or linear layer of any kind (what the conversion report lists)."""
-    return isinstance(m, (nn.modules.conv._ConvNd, nn.Linear))
+    return isinstance(m, CONVS + TRANSPOSED_CONVS + (nn.Linear,))
 
 
 def _unsupported(m: nn.Module, allow_subclass: bool) -> Optional[str]:
     """Why no whitening layer can take ``m``'s place (``None``: one can)."""
-    if isinstance(m, nn.modules.conv._ConvTransposeNd):
+    if isinstance(m, TRANSPOSED_CONVS):
         return f"{type(m).__name__}: transposed convolutions are not supported"
     if isinstance(m, nn.modules.lazy.LazyModuleMixin) and m.has_uninitialized_params():
         return f"{type(m).__name__}: an uninitialised lazy module (run one forward before converting)"
@@ -305,8 +303,8 @@ def _plan(model: nn.Module, spec: TargetSpec) -> List[Tuple[str, nn.Module, Laye
         if not selected:
             return LayerDecision(name, kind, "skipped", why, False, position)
         if problem is None and cap is not None:
-            groups = 1 if linear else cast("_ConvNd", m).groups
-            k = cast(nn.Linear, m).in_features if linear else cast("_ConvNd", m).in_channels // groups
+            groups = 1 if linear else cast(nn.Conv2d, m).groups
+            k = cast(nn.Linear, m).in_features if linear else cast(nn.Conv2d, m).in_channels // groups
             if k > cap:
                 gb = 20 * k * k * groups / 1e9  # 3 float32 matrices and a float64 accumulator
                 problem = (f"{k} input features per group exceed max_features={cap} (a {k} x {k} whitening state of "

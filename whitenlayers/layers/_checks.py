@@ -12,6 +12,9 @@ from .._torch_compat import compiling
 #: The BatchNorm classes whose running mean a layer's centring can follow (``absorb_centring``); subclasses too.
 BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, nn.LazyBatchNorm1d,
                nn.LazyBatchNorm2d, nn.LazyBatchNorm3d)
+#: Convolutions, and transposed ones (subclasses too: the lazy ones).
+CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+TRANSPOSED_CONVS = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 
 FUNC_WHAT_TO_DO = (
     "Call the model in eval mode (model.eval(): the transform in force, nothing updated), or in training mode "

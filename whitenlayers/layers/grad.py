@@ -10,13 +10,12 @@ from typing import Any, Callable, Dict, Optional, Tuple, Type, cast
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from .. import functional as F_w
 from .._rebuild import layer_like, share_parameters
 from ..config import EVDConfig, WhiteningConfig
 from ..rules import rule_and_config
-from ._checks import check_input
+from ._checks import BATCH_NORMS, check_input
 from .base import WhiteningLayer
 from .step import CentringRef, _GradStep
 
@@ -129,12 +128,12 @@ class _GradWhitenMixin(_GradStep, WhiteningLayer):
         parent, what = ref
         return what if parent is None else parent._modules.get(what)
 
-    def _absorbing_bn(self) -> Optional[_BatchNorm]:
+    def _absorbing_bn(self) -> Optional[nn.Module]:
         bn = self.centring_batchnorm
-        return bn if isinstance(bn, _BatchNorm) else None
+        return bn if isinstance(bn, BATCH_NORMS) else None
 
     @torch.no_grad()
-    def absorb_centring(self, batchnorm: Optional[_BatchNorm], parent: Optional[nn.Module] = None) -> None:
+    def absorb_centring(self, batchnorm: Optional[nn.Module], parent: Optional[nn.Module] = None) -> None:
         """Let ``batchnorm``, which alone consumes this layer's output, absorb the centring; ``None`` undoes it.
 
         docs/conventions.md, "Centring absorbed by a following BatchNorm". The layer computes
@@ -188,7 +187,7 @@ class _GradWhitenMixin(_GradStep, WhiteningLayer):
         """
         name = None
         if batchnorm is not None:
-            if not isinstance(batchnorm, _BatchNorm):
+            if not isinstance(batchnorm, BATCH_NORMS):
                 raise TypeError(
                     f"{self._describe()}: absorb_centring expects a BatchNorm module, but got "
                     f"{type(batchnorm).__name__}"
