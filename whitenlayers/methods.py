@@ -30,12 +30,10 @@ from .layers import (
     RecursiveWhitenConv3d,
     RecursiveWhitenLinear,
 )
+from .layers.base import split_options
 from .rules import TransformRule, layer_rule, rule_and_config
 
 __all__ = ["WhiteningMethod", "METHODS", "get_method", "method_of"]
-
-#: Layer keywords that are not whitening hyper-parameters.
-LAYER_OPTIONS = ("config", "process_group", "rule")
 
 
 @dataclass(frozen=True)
@@ -101,8 +99,9 @@ class WhiteningMethod:
             owner: the name the messages give.
             kwargs: the layer keyword arguments (``config=`` and whitening hyper-parameters; others ignored).
         """
-        whitening = {k: v for k, v in kwargs.items() if k not in LAYER_OPTIONS or k == "rule"}
-        return rule_and_config(self.config, owner, kwargs.get("config"), whitening, exclude=self.exclude)[1]
+        options, whitening = split_options(dict(kwargs))
+        return rule_and_config(self.config, owner, options["config"], {**whitening, "rule": options["rule"]},
+                               exclude=self.exclude)[1]
 
 
 _LINEAR_AND_CONVS = (nn.Linear, nn.Conv2d, nn.Conv1d, nn.Conv3d)

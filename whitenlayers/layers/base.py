@@ -19,6 +19,8 @@ Part of :mod:`whitenlayers.layers`.
 """
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import warnings
 from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple, Type, cast
 
@@ -30,7 +32,7 @@ from .._torch_compat import copy_all_, prepare_graph_breaks
 from ..config import EVDConfig, RecursiveConfig, WhiteningConfig
 from ..fold import FAILED, SKIP_MESSAGES, FoldOutcome, PendingFold, fold_summary, note_nonfinite
 from ..functional import BlockSummary
-from ..rules import RecursiveRule, TransformRule, rule_for
+from ..rules import RecursiveRule, TransformRule, rule_and_config
 from .block import Block
 from .checkpoint import _CheckpointMixin
 from .step import InForce, Reads, _StepMixin
@@ -102,6 +104,31 @@ def _renamed(old: str, new: str) -> property:
     return property(get, set_, doc=f"Renamed ``{new}`` (a ``FutureWarning``).")
 
 
+#: The keyword-only arguments every whitening layer takes besides its config's fields, with their defaults: the one
+#: list of them, which the layers' constructors and signatures (:func:`whitening_signature`) and ``convert_model``'s
+#: keyword checks read. A new option is added here, read in :meth:`WhiteningLayer._init_whitening` and documented.
+LAYER_OPTIONS: Dict[str, Any] = {"config": None, "process_group": None, "rule": None}
+
+
+def whitening_signature(parameters: Sequence[inspect.Parameter], config_class: Type[WhiteningConfig],
+                        exclude: Tuple[str, ...] = (), extra: Optional[Dict[str, Any]] = None) -> inspect.Signature:
+    """A whitening layer's constructor signature (``help()``, ``inspect.signature``): ``parameters`` (the plain
+    layer's, without ``self``), then keyword-only: ``extra`` options of the layer class (name: default),
+    :data:`LAYER_OPTIONS` and ``config_class``'s fields less ``exclude``, each with its default."""
+    keyword = [*({**(extra or {}), **LAYER_OPTIONS}).items(),
+               *((f.name, f.default) for f in dataclasses.fields(config_class) if f.name not in exclude)]
+    return inspect.Signature([*parameters, *(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
+                                             for name, default in keyword)])
+
+
+def split_options(kwargs: Dict[str, Any], extra: Tuple[str, ...] = ()) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """``kwargs`` (a constructor's keywords) as the layer options (:data:`LAYER_OPTIONS`, every one: the given values,
+    else the defaults; and the names in ``extra`` that are given) and the rest (its config's fields)."""
+    options = {name: kwargs.get(name, default) for name, default in LAYER_OPTIONS.items()}
+    options.update((name, kwargs[name]) for name in extra if name in kwargs)
+    return options, {k: v for k, v in kwargs.items() if k not in options}
+
+
 class WhiteningLayer(_StepMixin, _CheckpointMixin):
     """Mixin: the block statistics, buffers and fold of one whitening layer; the rule computes the transform.
 
@@ -139,24 +166,33 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
     #: A fold computed but not written yet (an asynchronous coordinator's, or one loaded from a checkpoint taken while
     #: it was in flight), written at this layer's next block end.
     _pending_fold: Optional[PendingFold] = None
+    #: The config class of the layer's rule (EVD for the grad and direct layers, recursive for the recursive ones).
+    _CONFIG: Type[WhiteningConfig] = EVDConfig
     #: Config fields a layer class has no use for (``DirectWhiten``: ``beta``); not accepted, not shown.
     _unused_fields: tuple = ()
     #: Buffers of a subclass that a fresh layer holds as zeros, zeroed by :meth:`reset_running_stats`.
     _ZEROED_ON_RESET: Tuple[str, ...] = ()
 
-    def _init_whitening(self, num_features: int, config: WhiteningConfig, *, grad_transform: bool,
-                        process_group: Any = None, device=None, dtype=None, groups: int = 1,
-                        rule: Optional[Type[TransformRule]] = None) -> None:
+    def _init_whitening(self, num_features: int, options: Dict[str, Any], whitening: Dict[str, Any], *,
+                        grad_transform: bool, device: Any = None, dtype: Optional[torch.dtype] = None,
+                        groups: int = 1) -> None:
+        """The whitening state of a layer with ``num_features`` features (``groups``): its rule and config from the
+        layer's options (:data:`LAYER_OPTIONS`, all of them) and whitening keyword arguments (its config's fields),
+        its buffers (in ``dtype``'s statistics dtype: float64 for a float64 layer, else float32; ``None``: the
+        default dtype, as ``nn`` layers take it) on ``device``, an empty block."""
         if not isinstance(num_features, int) or isinstance(num_features, bool) or num_features < 1:
             raise ValueError(f"num_features must be a positive integer, but got num_features={num_features!r}")
         if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1 or num_features % groups:
             raise ValueError(f"groups must be a positive integer that divides num_features={num_features}, "
                              f"but got groups={groups!r}")
+        rule, config = rule_and_config(self._CONFIG, type(self).__name__, options["config"],
+                                       {**whitening, "rule": options["rule"]}, exclude=self._unused_fields)
+        self._check_config(config, rule)
         self.num_features = num_features
         self.groups = groups
-        self.rule = rule_for(config) if rule is None else rule(config)
-        _add_field_properties(type(self.rule.config))
-        self.process_group = process_group
+        self.rule = rule(config)
+        _add_field_properties(type(config))
+        self.process_group = options["process_group"]
         self.layer_name: Optional[str] = None
         self.frozen = False
         for name, value in self._fresh_buffers(device, F_w.stats_dtype(dtype), grad_transform).items():

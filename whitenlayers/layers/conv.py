@@ -3,53 +3,81 @@ with the forward of :mod:`~whitenlayers.layers.step` and its whitening keyword a
 :mod:`whitenlayers.layers`."""
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+import inspect
+from typing import Any, Dict
 
+import torch
 from torch import Tensor, nn
-from torch.nn.common_types import _size_1_t, _size_2_t, _size_3_t
 
-from ..config import EVDConfig, RecursiveConfig
+from ..config import RecursiveConfig
 from ..patches import FEATURES, patch_padding, unfold_patches
-from .grad import _GradWhitenMixin, _init_with_signature, _with_whitening_signature
+from .base import split_options, whitening_signature
+from .grad import _GradWhitenMixin
 
 __all__ = ["GradWhitenConv1d", "GradWhitenConv2d", "GradWhitenConv3d", "GradWhitenLinear", "RecursiveWhitenConv1d",
            "RecursiveWhitenConv2d", "RecursiveWhitenConv3d", "RecursiveWhitenLinear"]
 
 _SPATIAL_WORDS = {1: "L", 2: "H, W", 3: "D, H, W"}
+_DIMENSIONS = {nn.Linear: 0, nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}
 
 
-class _GradWhitenConvNd(_GradWhitenMixin):
-    """A grad / recursive convolution of any dimension: the subclass puts the plain conv class second in its bases
-    and names it ``_PLAIN``."""
+class _GradWhitenLayer(_GradWhitenMixin):
+    """A grad / recursive layer: the plain layer ``_PLAIN`` (``nn.Conv1d``, ``nn.Conv2d``, ``nn.Conv3d`` or
+    ``nn.Linear``, the second base of the subclass) whitened by the rule of ``_CONFIG``. Its one constructor takes
+    the plain layer's arguments, the options of :data:`~whitenlayers.layers.base.LAYER_OPTIONS` (and
+    ``_EXTRA_OPTIONS``) and the config's fields; each subclass gets its signature from them."""
 
     _PLAIN: Any = nn.Conv2d
+    #: Options of this class besides :data:`~whitenlayers.layers.base.LAYER_OPTIONS` (name: default).
+    _EXTRA_OPTIONS: Dict[str, Any] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        nd = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}[cls._PLAIN]
-        cls._op = cls._PLAIN._conv_forward  # the plain conv's own operation
+        nd = _DIMENSIONS[cls._PLAIN]
+        cls._op = staticmethod(nn.functional.linear) if nd == 0 else cls._PLAIN._conv_forward  # the plain layer's
         cls._BATCHED_RANK, cls._SPATIAL = nd + 2, nd
-        cls._INPUT = (-(nd + 1), (nd + 1, nd + 2), f"an input of shape (B, C, {_SPATIAL_WORDS[nd]}) or "
-                                                    f"(C, {_SPATIAL_WORDS[nd]})")
+        if nd:
+            cls._INPUT = (-(nd + 1), (nd + 1, nd + 2), f"an input of shape (B, C, {_SPATIAL_WORDS[nd]}) or "
+                                                        f"(C, {_SPATIAL_WORDS[nd]})")
+        plain = list(inspect.signature(cls._PLAIN.__init__).parameters.values())[1:]  # (not self)
+        cls._PLAIN_NAMES = frozenset(p.name for p in plain)
 
-    def _init_conv(self, in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
-                   padding_mode, device, dtype, config, process_group, whitening, features="channels") -> None:
-        self._PLAIN.__init__(self, in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
-                             padding_mode, device, dtype)
-        conv: Any = self
-        num_features = in_channels
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            _GradWhitenLayer._construct(self, *args, **kwargs)
+
+        __init__.__doc__ = cls.__doc__
+        __init__.__signature__ = whitening_signature(  # type: ignore[attr-defined]
+            [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD), *plain], cls._CONFIG,
+            extra=cls._EXTRA_OPTIONS)
+        cls.__init__ = __init__  # type: ignore[method-assign]
+
+    def _construct(self, *args: Any, **kwargs: Any) -> None:
+        """The plain layer built from ``args`` and its keywords, then the whitening state from the rest (options and
+        config fields: unknown names are a ``TypeError`` naming the layer and what it takes)."""
+        self._PLAIN.__init__(self, *args, **{k: v for k, v in kwargs.items() if k in self._PLAIN_NAMES})
+        options, whitening = split_options({k: v for k, v in kwargs.items() if k not in self._PLAIN_NAMES},
+                                           tuple(self._EXTRA_OPTIONS))
+        layer: Any = self
+        num_features, out_features = (layer.in_features, layer.out_features) if not self._SPATIAL else (
+            layer.in_channels, layer.out_channels)
+        features = options.get("features", "channels")
         if features not in FEATURES:
             raise ValueError(f"{type(self).__name__}: features must be one of {FEATURES}, "
                              f"but got features={features!r}")
         if features == "patches":
-            if groups != 1 or padding_mode != "zeros":
+            if layer.groups != 1 or layer.padding_mode != "zeros":
                 raise ValueError(f"{type(self).__name__}: features='patches' needs groups=1 and padding_mode='zeros', "
-                                 f"but got groups={groups}, padding_mode={padding_mode!r}")
-            self._patch_padding = patch_padding(conv.kernel_size, conv.dilation, conv.padding)
-            num_features = in_channels * conv.kernel_size[0] * conv.kernel_size[1]
+                                 f"but got groups={layer.groups}, padding_mode={layer.padding_mode!r}")
+            self._patch_padding = patch_padding(layer.kernel_size, layer.dilation, layer.padding)
+            num_features = layer.in_channels * layer.kernel_size[0] * layer.kernel_size[1]
             self.features = features
-        self._init_grad_whitening(num_features, out_channels, config, whitening, process_group, device, dtype,
-                                  groups=groups)
+        weight = layer.weight
+        self._init_whitening(num_features, options, whitening, grad_transform=True, device=weight.device,
+                             dtype=weight.dtype, groups=getattr(layer, "groups", 1))
+        # The compensation ``c`` of mean updates (ERRATA 8): a buffer, never written into a parameter (a sharded
+        # wrapper holds the full bias only during the forward, and autograd may hold it until the backward).
+        self.register_buffer("bias_correction", torch.zeros(out_features, device=weight.device,
+                                                            dtype=self.running_mean.dtype))
 
     def _features_of(self, x: Tensor, weight: Tensor) -> Tensor:
         x = super()._features_of(x, weight)
@@ -84,8 +112,28 @@ class _GradWhitenConvNd(_GradWhitenMixin):
         """
         return self._to_plain(self._PLAIN)
 
+    @classmethod
+    def from_linear(cls, linear: nn.Module, **kwargs: Any) -> Any:
+        """A whitening linear layer computing the same function, sharing ``linear``'s Parameter objects.
 
-class GradWhitenConv2d(_GradWhitenConvNd, nn.Conv2d):
+        Args:
+            linear: the ``nn.Linear`` to convert (sizes, device, dtype, ``requires_grad`` and training flag
+                carry over).
+            **kwargs: the whitening keyword arguments of the constructor (``config``, ``process_group``,
+                ``block_size``, ...), with the same defaults.
+        """
+        return cls._from_plain(linear, nn.Linear, "from_linear", **kwargs)
+
+    def to_linear(self) -> nn.Linear:
+        """A plain ``nn.Linear`` with identical outputs (``mu`` folded into the bias); new Parameters."""
+        return self._to_plain(nn.Linear)
+
+
+# The layers by plain class: each the plain layer (second base) and its config, the constructor _GradWhitenLayer's.
+_GradWhitenConvNd = _GradWhitenLayer
+
+
+class GradWhitenConv2d(_GradWhitenLayer, nn.Conv2d):
     """Drop-in ``nn.Conv2d`` with gradient-based feature whitening (paper section 3).
 
     Forward: ``z = conv(pad0(x) - mu, W) + b`` (centred after zero padding;
@@ -141,32 +189,10 @@ class GradWhitenConv2d(_GradWhitenConvNd, nn.Conv2d):
     """
 
     _PLAIN = nn.Conv2d
-
-    @_with_whitening_signature(EVDConfig)
-    def __init__(
-        self,
-        in_channels: int,
-        out_channels: int,
-        kernel_size: _size_2_t,
-        stride: _size_2_t = 1,
-        padding: Union[str, _size_2_t] = 0,
-        dilation: _size_2_t = 1,
-        groups: int = 1,
-        bias: bool = True,
-        padding_mode: str = "zeros",
-        device=None,
-        dtype=None,
-        *,
-        config: Optional[EVDConfig] = None,
-        process_group: Any = None,
-        features: str = "channels",
-        **whitening: Any,
-    ) -> None:
-        self._init_conv(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode,
-                        device, dtype, config, process_group, whitening, features)
+    _EXTRA_OPTIONS = {"features": "channels"}
 
 
-class GradWhitenConv1d(_GradWhitenConvNd, nn.Conv1d):
+class GradWhitenConv1d(_GradWhitenLayer, nn.Conv1d):
     """Drop-in ``nn.Conv1d`` with gradient-based feature whitening: :class:`GradWhitenConv2d` for ``(B, C, L)``.
 
     ``z = conv(pad0(x) - mu, W) + b``, weight gradient times ``Q_s`` per kernel
@@ -192,30 +218,8 @@ class GradWhitenConv1d(_GradWhitenConvNd, nn.Conv1d):
 
     _PLAIN = nn.Conv1d
 
-    @_with_whitening_signature(EVDConfig)
-    def __init__(
-        self,
-        in_channels: int,
-        out_channels: int,
-        kernel_size: _size_1_t,
-        stride: _size_1_t = 1,
-        padding: Union[str, _size_1_t] = 0,
-        dilation: _size_1_t = 1,
-        groups: int = 1,
-        bias: bool = True,
-        padding_mode: str = "zeros",
-        device=None,
-        dtype=None,
-        *,
-        config: Optional[EVDConfig] = None,
-        process_group: Any = None,
-        **whitening: Any,
-    ) -> None:
-        self._init_conv(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode,
-                        device, dtype, config, process_group, whitening)
 
-
-class GradWhitenConv3d(_GradWhitenConvNd, nn.Conv3d):
+class GradWhitenConv3d(_GradWhitenLayer, nn.Conv3d):
     """Drop-in ``nn.Conv3d`` with gradient-based feature whitening: :class:`GradWhitenConv2d` for
     ``(B, C, D, H, W)``.
 
@@ -231,31 +235,9 @@ class GradWhitenConv3d(_GradWhitenConvNd, nn.Conv3d):
 
     _PLAIN = nn.Conv3d
 
-    @_with_whitening_signature(EVDConfig)
-    def __init__(
-        self,
-        in_channels: int,
-        out_channels: int,
-        kernel_size: _size_3_t,
-        stride: _size_3_t = 1,
-        padding: Union[str, _size_3_t] = 0,
-        dilation: _size_3_t = 1,
-        groups: int = 1,
-        bias: bool = True,
-        padding_mode: str = "zeros",
-        device=None,
-        dtype=None,
-        *,
-        config: Optional[EVDConfig] = None,
-        process_group: Any = None,
-        **whitening: Any,
-    ) -> None:
-        self._init_conv(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode,
-                        device, dtype, config, process_group, whitening)
-
 
 # nn.Linear's stubs declare ``bias: Parameter``, though it is None for bias=False (as the layers' stubs declare).
-class GradWhitenLinear(_GradWhitenMixin, nn.Linear):  # type: ignore[misc]
+class GradWhitenLinear(_GradWhitenLayer, nn.Linear):  # type: ignore[misc]
     """Drop-in ``nn.Linear`` with gradient-based feature whitening (paper section 3).
 
     ``z = (x - mu) W^T + b`` computed as ``x W^T + (b - W mu)``; the weight
@@ -282,23 +264,8 @@ class GradWhitenLinear(_GradWhitenMixin, nn.Linear):  # type: ignore[misc]
         (1, (6, 6))
     """
 
-    _op = staticmethod(nn.functional.linear)
+    _PLAIN = nn.Linear
 
-    @_with_whitening_signature(EVDConfig)
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        bias: bool = True,
-        device=None,
-        dtype=None,
-        *,
-        config: Optional[EVDConfig] = None,
-        process_group: Any = None,
-        **whitening: Any,
-    ) -> None:
-        nn.Linear.__init__(self, in_features, out_features, bias, device, dtype)
-        self._init_grad_whitening(in_features, out_features, config, whitening, process_group, device, dtype)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, **kwargs: Any) -> "GradWhitenLinear":
@@ -356,7 +323,6 @@ class RecursiveWhitenConv2d(GradWhitenConv2d):
     """
 
     _CONFIG = RecursiveConfig
-    __init__ = _init_with_signature(GradWhitenConv2d.__init__, RecursiveConfig)
 
 
 class RecursiveWhitenConv1d(GradWhitenConv1d):
@@ -374,7 +340,6 @@ class RecursiveWhitenConv1d(GradWhitenConv1d):
     """
 
     _CONFIG = RecursiveConfig
-    __init__ = _init_with_signature(GradWhitenConv1d.__init__, RecursiveConfig)
 
 
 class RecursiveWhitenConv3d(GradWhitenConv3d):
@@ -392,7 +357,6 @@ class RecursiveWhitenConv3d(GradWhitenConv3d):
     """
 
     _CONFIG = RecursiveConfig
-    __init__ = _init_with_signature(GradWhitenConv3d.__init__, RecursiveConfig)
 
 
 class RecursiveWhitenLinear(GradWhitenLinear):
@@ -409,4 +373,3 @@ class RecursiveWhitenLinear(GradWhitenLinear):
     """
 
     _CONFIG = RecursiveConfig
-    __init__ = _init_with_signature(GradWhitenLinear.__init__, RecursiveConfig)

@@ -4,6 +4,7 @@ method="direct")`` puts in place of a target), which multiplies the layer's weig
 its input where that is the same. Part of :mod:`whitenlayers.layers`."""
 from __future__ import annotations
 
+import inspect
 from typing import Any, Dict, Optional, Tuple, cast
 
 import torch
@@ -14,10 +15,9 @@ from ..autograd import POINTWISE_DIMS, _transform_mean, direct_whiten, pointwise
 from ..config import EVDConfig
 from ..functional import batch as _batch
 from ..privacy import note_direct
-from ..rules import EVDRule, rule_and_config
+from ..rules import EVDRule
 from ._checks import check_input, check_not_tracing_function
-from .base import WhiteningLayer
-from .grad import _with_whitening_signature
+from .base import WhiteningLayer, split_options, whitening_signature
 
 __all__ = ["DirectWhiten", "DirectWhitenWrapper"]
 
@@ -75,23 +75,12 @@ class DirectWhiten(WhiteningLayer, nn.Module):
     _unused_fields = ("beta",)  # no gradient transform to smooth
     _FORWARD_BUFFERS = ("running_mean", "whitening_matrix")
 
-    @_with_whitening_signature(EVDConfig, exclude=_unused_fields)
-    def __init__(
-        self,
-        num_features: int,
-        *,
-        config: Optional[EVDConfig] = None,
-        process_group: Any = None,
-        device=None,
-        dtype=None,
-        groups: int = 1,
-        **whitening: Any,
-    ) -> None:
+    def __init__(self, num_features: int, *, device: Any = None, dtype: Optional[torch.dtype] = None,
+                 groups: int = 1, **kwargs: Any) -> None:
         nn.Module.__init__(self)
-        rule, cfg = rule_and_config(EVDConfig, type(self).__name__, config, whitening, exclude=self._unused_fields)
-        self._check_config(cfg, rule)
-        self._init_whitening(num_features, cfg, grad_transform=False, process_group=process_group, device=device,
-                             dtype=dtype, groups=groups, rule=rule)
+        options, whitening = split_options(kwargs)
+        self._init_whitening(num_features, options, whitening, grad_transform=False, device=device, dtype=dtype,
+                             groups=groups)
 
     def _check_config(self, config: Any, rule: Any = None) -> None:
         """``ValueError`` for ``gains="damped"`` with the EVD rule's update (``rule``: the rule class, default the
@@ -140,6 +129,10 @@ class DirectWhiten(WhiteningLayer, nn.Module):
         """``T`` as a 1x1 convolution's ``(M, M/G)`` weight, the bias ``-T mu`` and ``T^T``'s weight, in ``dtype``."""
         return (t.reshape(self.num_features, -1).to(dtype).contiguous(), _transform_mean(t, mean).neg_().to(dtype),
                 t.transpose(-1, -2).reshape(self.num_features, -1).to(dtype).contiguous())
+
+
+DirectWhiten.__init__.__signature__ = whitening_signature(  # type: ignore[attr-defined]
+    list(inspect.signature(DirectWhiten.__init__).parameters.values())[:-1], EVDConfig, DirectWhiten._unused_fields)
 
 
 class DirectWhitenWrapper(nn.Module):

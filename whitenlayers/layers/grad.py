@@ -3,18 +3,14 @@ the centring absorbed by a following BatchNorm, the bias compensation at a fold,
 Part of :mod:`whitenlayers.layers`."""
 from __future__ import annotations
 
-import dataclasses
-import inspect
 import warnings
-from typing import Any, Callable, Dict, Optional, Tuple, Type, cast
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from .. import functional as F_w
 from .._rebuild import layer_like, share_parameters
-from ..config import EVDConfig, WhiteningConfig
-from ..rules import rule_and_config
 from ._checks import BATCH_NORMS, check_input
 from .base import WhiteningLayer
 from .step import CentringRef, _GradStep
@@ -22,59 +18,15 @@ from .step import CentringRef, _GradStep
 __all__ = ["_GradWhitenMixin"]
 
 
-def _with_whitening_signature(config_class: Type[WhiteningConfig], exclude: tuple = ()):
-    """Show the config's fields as keyword-only arguments in ``help()`` / ``inspect.signature`` of ``__init__``.
-
-    The constructors take them as ``**whitening`` (one source of names and
-    defaults: the config dataclass); this only documents them.
-    """
-
-    def decorate(init):
-        sig = inspect.signature(init)
-        params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-        params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
-                   for f in dataclasses.fields(config_class) if f.name not in exclude]
-        init.__signature__ = sig.replace(parameters=params)
-        return init
-
-    return decorate
-
-
-def _init_with_signature(init: Callable[..., None], config_class: Type[WhiteningConfig]) -> Callable[..., None]:
-    """``init`` (a layer's ``__init__``) as a function of its own whose signature shows ``config_class``'s fields: a
-    recursive layer's ``__init__`` is its grad twin's, documented with the recursive config's arguments."""
-
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-
-    __init__.__doc__ = init.__doc__
-    __init__.__signature__ = inspect.signature(init).replace(  # type: ignore[attr-defined]
-        parameters=[p for p in inspect.signature(init).parameters.values()
-                    if p.kind is not inspect.Parameter.KEYWORD_ONLY or p.name in ("config", "process_group",
-                                                                                      "features")])
-    return _with_whitening_signature(config_class)(__init__)
-
-
 class _GradWhitenMixin(_GradStep, WhiteningLayer):
     """Shared by the grad/recursive conv and linear layers: construction, centring, bias compensation."""
 
     bias_correction: Tensor
 
-    #: The config class of the layer's rule (EVD for the grad layers, recursive for the recursive ones).
-    _CONFIG: Type[WhiteningConfig] = EVDConfig
     _FORWARD_BUFFERS = ("running_mean", "grad_transform", "bias_correction")
     _ZEROED_ON_RESET = ("bias_correction", "absorbed_offset")
     #: The input check's arguments (``check_input``): the feature axis, the ranks taken, the expected shape in words.
     _INPUT: Tuple[int, tuple, str] = (-1, tuple(range(1, 9)), "an input of shape (*, in_features)")
-
-    def _init_grad_whitening(self, num_features: int, out_features: int, config: Optional[WhiteningConfig],
-                             whitening: Dict[str, Any], process_group: Any, device, dtype, groups: int = 1) -> None:
-        rule, cfg = rule_and_config(self._CONFIG, type(self).__name__, config, whitening)
-        self._init_whitening(num_features, cfg, grad_transform=True, process_group=process_group, device=device,
-                             dtype=dtype, groups=groups, rule=rule)
-        # The compensation ``c`` of mean updates (ERRATA 8): a buffer, never written into a parameter (a sharded
-        # wrapper holds the full bias only during the forward, and autograd may hold it until the backward).
-        self.register_buffer("bias_correction", torch.zeros(out_features, device=device, dtype=self.running_mean.dtype))
 
     def _features_of(self, x: Tensor, weight: Tensor) -> Tensor:
         """An input the forward's fast check does not take: checked (``check_input``, an error that names the layer),
@@ -102,13 +54,6 @@ class _GradWhitenMixin(_GradStep, WhiteningLayer):
         if w.dim() == 2:
             return w.to(torch.float64)
         return w.sum(tuple(range(2, w.dim())), dtype=torch.float64)  # one reduction, float64
-
-    def _full_weight_shape(self) -> Tuple[int, ...]:
-        """The weight's shape as the layer's sizes give it (a sharded weight has another)."""
-        if self._SPATIAL:
-            conv = cast(Any, self)
-            return (conv.out_channels, conv.in_channels // conv.groups) + tuple(conv.kernel_size)
-        return (cast(Any, self).out_features, cast(Any, self).in_features)
 
     # ------------------------------------------------ centring absorbed by a BatchNorm
     @property
