@@ -16,13 +16,13 @@ from torch import Tensor, nn
 from ._torch_compat import ddp_forward, exporting, graph_break, no_autocast, queue_after_backward
 from .fold import (
     PendingFold,
-    _begin,
     _compute_folds,
     _dist_group,
     _fold_chunks,
     _fold_states,
     _global_summaries,
     _local_summaries,
+    _start_next_blocks,
     _taken_blocks,
     _warn_uncalled,
     check_strategy,
@@ -263,11 +263,11 @@ class FoldCoordinator:
                 for chunk in _fold_chunks(layers, ASYNC_CHUNK_ELEMENTS):
                     sums = _taken_blocks(chunk)
                     # (the non-finite blocks counted when their fold is written)
-                    _begin(chunk, [0] * len(chunk), [False] * len(chunk))
+                    _start_next_blocks(chunk, [0] * len(chunk), [False] * len(chunk))
                     jobs.append(_FoldJob(chunk, sums, None, _fold_states(chunk)))
             else:  # all ranks' sums, on this thread: every rank folds every layer, in the same parts as one process
                 summaries, nonfinite, firsts = _global_summaries(layers, None, group)
-                firsts = _begin(layers, [0] * len(layers), firsts)
+                firsts = _start_next_blocks(layers, [0] * len(layers), firsts)
                 index = {id(layer): i for i, layer in enumerate(layers)}
                 for chunk in _fold_chunks(layers, ASYNC_CHUNK_ELEMENTS):
                     idx = [index[id(layer)] for layer in chunk]
@@ -440,7 +440,6 @@ def _compute_jobs(jobs: Sequence[_FoldJob], device: torch.device,
                 # no one reads the fold in flight, so no further part of it is computed.
                 return None, None
             summaries, nonfinite, firsts = _local_summaries(job.layers, job.sums) if job.given is None else job.given
-            done = _compute_folds(job.layers, summaries, nonfinite, firsts, one_stack=True, begin=False,
-                                  states=job.states)
+            done = _compute_folds(job.layers, summaries, nonfinite, firsts, job.states)
             folds += [fold._replace(nonfinite=n) for fold, n in zip(done, nonfinite)]
         return folds, None if stream is None else stream.record_event()

@@ -188,7 +188,7 @@ def fold_layers(layers: Iterable["WhiteningLayer"], *, strategy: str = "auto",
             # summary, moments, new transform: several M x M matrices per layer) are held for that batch only,
             # not for every layer of the model at once (ConvNeXt-B / DenseNet-161 with targets="all": gigabytes).
             for chunk in _fold_chunks(layers):
-                _fold_all(chunk, *_local_summaries(chunk), one_stack=True)
+                _fold_all(chunk, *_local_summaries(chunk))
         else:
             owners = _owners(layers, world, strategy)
             _fold_all(layers, *_global_summaries(layers, owners, group), owners, group)
@@ -371,12 +371,13 @@ def stored_like(items: Sequence[Tuple[Tensor, Tensor]]) -> List[Tensor]:
 
 
 @torch.no_grad()
-def _begin(layers: Sequence["WhiteningLayer"], nonfinite: Sequence[int], firsts: Sequence[bool]) -> List[bool]:
-    """Every rank, before anything is written: count the non-finite blocks and clear the accumulators (one
-    multi-tensor op), then write the folds the layers hold pending (an asynchronous fold, computed or loaded from a
-    checkpoint), at the end of the block after the one they were computed from, after that block's sums were read (a
-    fold writes the next block's shift). Returns ``firsts`` as they are once those are written (a layer whose pending
-    fold counts no longer folds its first block)."""
+def _start_next_blocks(layers: Sequence["WhiteningLayer"], nonfinite: Sequence[int], firsts: Sequence[bool]
+                       ) -> List[bool]:
+    """Every rank, once the blocks' sums were read and before a fold is computed: count the non-finite blocks and
+    start each layer's next block, then write the folds the layers hold pending (an asynchronous fold, computed or
+    loaded from a checkpoint: written at the end of the block after the one they were computed from, after that
+    block's sums were read, for a fold decides how the next block sums). Returns ``firsts`` as they are once those
+    are written (a layer whose pending fold counts no longer folds its first block)."""
     for layer, bad in zip(layers, nonfinite):  # (the block's sums were read before)
         layer.begin_next_block(bad)
     pending = [layer.take_pending_fold() for layer in layers]
@@ -575,7 +576,7 @@ def _coalesced(tensors: Sequence[Tensor], works: list, collective) -> List[Tenso
 
 class PendingFold(NamedTuple):
     """A layer's fold computed but not written yet (:func:`_compute_folds`), what
-    :meth:`~whitenlayers.WhiteningLayer.apply_fold` writes: the outcome (``None``: computed on another rank,
+    :meth:`~whitenlayers.WhiteningLayer.fold_writes` writes: the outcome (``None``: computed on another rank,
     broadcast before it is written), the new mean as the buffer stores it, its change (float64) and whether the
     next block sums unshifted."""
 
@@ -588,47 +589,42 @@ class PendingFold(NamedTuple):
 
 @torch.no_grad()
 def _fold_all(layers: Sequence["WhiteningLayer"], summaries: Sequence[BlockSummary], nonfinite: Sequence[int],
-              firsts: Sequence[bool], owners: Optional[Sequence[int]] = None, group=None, *,
-              one_stack: bool = False) -> None:
-    """Fold each layer from its global block: on every rank (``owners`` is ``None``) or on its owner rank,
-    which then broadcasts the outcome (see :func:`fold_layers`); every rank writes every outcome.
+              firsts: Sequence[bool], owners: Optional[Sequence[int]] = None, group=None) -> None:
+    """Fold each layer from its global block (its summary, read: ``summaries``), in this order:
+
+    1. :func:`_start_next_blocks`: every layer starts its next block and writes a fold it holds pending (an
+       asynchronous fold's, or one loaded from a checkpoint);
+    2. :func:`_compute_folds`: each layer's fold from its summary and buffers, computed on every rank (``owners``
+       ``None``) or on its owner rank; writes nothing;
+    3. :func:`_finish_folds`: every rank writes every fold (the owners' outcomes broadcast first).
 
     Layers of one :func:`_stack_key` fold as one stack: their moments in one set of tensor operations, their
     transforms in one :meth:`~whitenlayers.rules.TransformRule.compute_batched` call where the rule batches
     (EVD: one batched ``eigh`` per width, dtype, device, ``eps``, ``gmax``, ``gains``; same results as one call
     per layer to float tolerance, with the same per-layer fallbacks and failure counts). The moments are the same
     to the last bit stacked or alone (elementwise operations only). Host synchronisations per stack: the
-    summaries' (before this), the moments' flags (:func:`_outcomes`) and the rule's own. ``one_stack``: the
-    layers are already one of :func:`_fold_chunks`' batches (not split again).
+    summaries' (before this), the moments' flags (:func:`_outcomes`) and the rule's own.
     """
-    folds = _compute_folds(layers, summaries, nonfinite, firsts, owners, group, one_stack=one_stack, begin=True)
+    firsts = _start_next_blocks(layers, nonfinite, firsts)
+    folds = _compute_folds(layers, summaries, nonfinite, firsts, [layer.fold_buffers() for layer in layers], owners,
+                           group)
     _finish_folds(layers, folds, owners, group)
 
 
 def _compute_folds(layers: Sequence["WhiteningLayer"], summaries: Sequence[BlockSummary], nonfinite: Sequence[int],
-                   firsts: Sequence[bool], owners: Optional[Sequence[int]] = None, group=None, *,
-                   one_stack: bool = False, begin: bool = True,
-                   states: Optional[Sequence[Dict[str, Tensor]]] = None) -> List[PendingFold]:
-    """:func:`_fold_all`'s computation: each layer's :class:`PendingFold`, nothing written into the layers but
-    (``begin``) the start of their next block (:func:`_begin`, which first writes a fold still pending from an
-    asynchronous coordinator's checkpoint). ``states``: the layers' buffers the fold
-    reads (its previous mean, covariance, transform, ``Q_s``, the rule's state), default the buffers themselves;
-    an asynchronous fold passes copies (:func:`_fold_states`), taken when it starts."""
-    if one_stack:
-        chunks = [list(range(len(layers)))]
-    else:
-        index = {id(layer): i for i, layer in enumerate(layers)}
-        chunks = [[index[id(layer)] for layer in chunk] for chunk in _fold_chunks(layers)]
+                   firsts: Sequence[bool], states: Sequence[Dict[str, Tensor]],
+                   owners: Optional[Sequence[int]] = None, group=None) -> List[PendingFold]:
+    """Each layer's :class:`PendingFold`, computed from its block's summary and ``states``, the buffers the fold
+    reads (its previous mean, covariance, transform, ``Q_s``, the rule's state: the layer's own, or an asynchronous
+    fold's copies, :func:`_fold_states`); writes nothing. Layers in the stacks of :func:`_fold_chunks`; with
+    ``owners``, the outcomes of this rank's layers only (the others: ``None``)."""
+    index = {id(layer): i for i, layer in enumerate(layers)}
     out: List[Optional[PendingFold]] = [None] * len(layers)
     rank = 0 if owners is None else dist.get_rank(group)
-    for idx in chunks:
-        firsts_c = [firsts[i] for i in idx]
-        chunk = [layers[i] for i in idx]
-        if begin:
-            firsts_c = _begin(chunk, [nonfinite[i] for i in idx], firsts_c)
-        states_c = [layer.fold_buffers() for layer in chunk] if states is None else [states[i] for i in idx]
+    for idx in ([index[id(layer)] for layer in chunk] for chunk in _fold_chunks(layers)):
+        chunk, firsts_c, states_c = [layers[i] for i in idx], [firsts[i] for i in idx], [states[i] for i in idx]
         mu, delta, flags_t = _new_means(chunk, [summaries[i] for i in idx], firsts_c, states_c)
-        means = mu.to(layers[idx[0]].running_mean.dtype).unbind(0)  # one conversion per stack; copied in later
+        means = mu.to(chunk[0].running_mean.dtype).unbind(0)  # one conversion per stack; copied in later
         mine = [j for j, i in enumerate(idx) if owners is None or owners[i] == rank]
         flags: List[bool] = []
         computed: Dict[int, FoldOutcome] = {}
