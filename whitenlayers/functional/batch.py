@@ -9,6 +9,7 @@ import contextlib
 import math
 from typing import Dict, Iterator, Optional, Tuple, Union
 
+import einops
 import torch
 from torch import Tensor
 
@@ -119,12 +120,11 @@ def batch_sums(x: Tensor, shift: Optional[Tensor] = None, groups: int = 1) -> Tu
             return rows.sum(0), rows.t() @ rows
         b = xs.flatten(2)  # (B, M, H*W): a view for contiguous NC... inputs; also valid for an empty batch
         return b.sum((0, 2)), torch.bmm(b, b.transpose(1, 2)).sum(0)
-    k = m // groups
     if rows is not None:
-        r = rows.reshape(-1, groups, k).transpose(0, 1)  # (G, P, k)
-        return rows.sum(0), torch.matmul(r.transpose(1, 2), r)
-    b = xs.reshape(xs.shape[0], groups, k, math.prod(xs.shape[2:]))  # (B, G, k, P); also for an empty batch
-    return b.sum((0, 3)).reshape(m), torch.matmul(b, b.transpose(-1, -2)).sum(0)
+        r = einops.rearrange(rows, "p (g k) -> g p k", g=groups)
+        return rows.sum(0), torch.matmul(r.mT, r)
+    b = einops.rearrange(xs, "b (g k) ... -> b g k (...)", g=groups)  # a view of an NC... batch; also for B = 0
+    return b.sum((0, 3)).reshape(m), torch.matmul(b, b.mT).sum(0)
 
 
 _ONES: "collections.OrderedDict[tuple, Tensor]" = collections.OrderedDict()
@@ -483,8 +483,9 @@ def weight_mean_product(weight: Tensor, mean: Tensor) -> Tensor:
     w = weight if weight.dim() == 2 else weight.reshape(weight.shape[0], weight.shape[1], -1).sum(-1)
     if w.shape[1] != mean.shape[0]:  # grouped convolution
         s, k = w.shape
-        g = mean.shape[0] // k
-        return (w.view(g, s // g, k) @ mean.to(w.dtype).view(g, k, 1)).reshape(s)
+        per_group = einops.rearrange(w, "(g s) k -> g s k", g=mean.shape[0] // k)
+        means = einops.rearrange(mean.to(w.dtype), "(g k) -> g k 1", k=k)
+        return einops.rearrange(per_group @ means, "g s 1 -> (g s)")
     return w @ mean.to(w.dtype)
 
 
@@ -558,8 +559,8 @@ def _grouped_weight_grad(grad: Tensor, q: Tensor) -> Tensor:
     s = grad.shape[0]
     q = q.to(grad.dtype)
     if k == 1:  # depthwise: a scale per group, in the gradient's own layout
-        scale = q.reshape(g, 1).expand(g, s // g).reshape((s,) + (1,) * (grad.dim() - 1))
-        return grad * scale
-    gr = grad.reshape(g, s // g, k, -1)  # (G, S/G, k, K)
-    out = torch.matmul(q.transpose(-1, -2).unsqueeze(1), gr)
+        scale = einops.repeat(q.reshape(g), "g -> (g s)", s=s // g)
+        return grad * scale.view((s,) + (1,) * (grad.dim() - 1))
+    taps = einops.rearrange(grad, "(g s) k ... -> g s k (...)", g=g)  # each group's outputs' rows, per tap
+    out = einops.rearrange(q.mT, "g i k -> g 1 i k") @ taps
     return torch.empty_like(grad).copy_(out.reshape(grad.shape))

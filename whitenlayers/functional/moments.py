@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple, Optional, Sequence, Tuple, Union
 
+import einops
 import torch
 from torch import Tensor
 
@@ -358,7 +359,6 @@ def block_outer(a: Tensor, b: Tensor, groups: int) -> Tensor:
         a, b: ``(M,)`` vectors.
         groups: ``G`` >= 1 dividing ``M``.
     """
-    k = a.shape[0] // groups
-    return a.view(groups, k, 1) * b.view(groups, 1, k)
+    return einops.rearrange(a, "(g i) -> g i 1", g=groups) * einops.rearrange(b, "(g j) -> g 1 j", g=groups)
 
 

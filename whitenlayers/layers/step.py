@@ -439,9 +439,8 @@ class _StepMixin(_Layer):
             old = store.clone()
             self._start_block(None, old + s1_64 / n if n > 0 else None)
             d = store - old
-            a, b = s1_64.view(self.groups, -1, 1), d.view(self.groups, -1, 1)  # per group (s2: its diagonal blocks)
-            sd = a @ b.transpose(1, 2)
-            s2 = block.s2.to(torch.float64).view(sd.shape) - sd - sd.transpose(1, 2) + n * (b @ b.transpose(1, 2))
+            sd = F_w.block_outer(s1_64, d, self.groups)  # per group (s2: its diagonal blocks)
+            s2 = block.s2.to(torch.float64).view(sd.shape) - sd - sd.mT + n * F_w.block_outer(d, d, self.groups)
             block.s2.copy_(s2.view(block.s2.shape))
             block.s1.copy_(s1_64 - n * d)
 
