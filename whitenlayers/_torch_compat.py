@@ -47,18 +47,10 @@ def no_autocast(device: torch.device):
 compiling: Callable[[], bool] = torch.compiler.is_compiling
 
 
-def exporting() -> bool:
-    """Whether ``torch.export`` is tracing the code that calls this (then nothing may be folded: the values are
-    fake). ``torch.compiler.is_exporting`` where torch has it (2.6 and later); before, dynamo's own flag, read only
-    while compiling (dynamo is then imported)."""
-    public = getattr(torch.compiler, "is_exporting", None)
-    if public is not None:
-        return public()
-    if not torch.compiler.is_compiling():
-        return False
-    import torch._dynamo as dynamo  # (already imported while compiling)
-
-    return bool(getattr(dynamo, "is_exporting", lambda: False)())
+#: Whether ``torch.export`` is tracing the code that calls this: torch's own function (2.7 and later); before, ``False``
+#: (a graph ``torch.export`` makes of a training-mode forward then holds the package's ``snapshot`` operator, which
+#: the ONNX exporter cannot translate).
+exporting: Callable[[], bool] = getattr(torch.compiler, "is_exporting", lambda: False)
 
 
 def graph_break(fn: F) -> F:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Sequenc
 import torch
 from torch import Tensor, nn
 
-from ._torch_compat import ddp_forward, exporting, graph_break, no_autocast, queue_after_backward
+from ._torch_compat import ddp_forward, graph_break, no_autocast, queue_after_backward
 from .fold import (
     PendingFold,
     _compute_folds,
@@ -207,10 +207,10 @@ class FoldCoordinator:
     @graph_break  # Python bookkeeping and the fold: outside any compiled graph, never guarded on
     def __call__(self, module, inputs, output) -> None:
         """The model's forward hook: a compiled forward's calls counted, then the layers whose block ended folded
-        (none while exporting: a fold is no part of it); under ``Join``, after the backward (DDP's all-reduces
-        first, :func:`joinable`); after a compiled forward whose backward holds their buffers themselves, after that
-        backward (compiled activation checkpointing recomputes the graph's copies of them there:
-        :func:`_reads_buffers`)."""
+        (none while ``torch.export`` traces: a fold is no part of the graph); under ``Join``, after the backward
+        (DDP's all-reduces first, :func:`joinable`); after a compiled forward whose backward holds their buffers
+        themselves, after that backward (compiled activation checkpointing recomputes the graph's copies of them
+        there: :func:`_reads_buffers`)."""
         scope = self.scopes.pop(_get_ident(), None)
         traced = self.traced_open
         if traced:
@@ -221,8 +221,8 @@ class FoldCoordinator:
             self.traced_calls = []
             for layer, rows in calls.items():
                 layer._count_traced(rows, coordinated=True)
-        if not self.pending or exporting():
-            return
+        if not self.pending or torch.compiler.is_compiling():  # torch.export tracing (torch.compile's graph breaks
+            return  # before this hook, which runs eagerly): a fold is no part of the graph
         leaf = _grad_leaf(output) if traced or (scope is not None and scope.join) else None
         if traced and not _reads_buffers(leaf, self.pending):
             leaf = None
