@@ -8,7 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as Fn
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+import torch.utils.checkpoint as checkpointing
+from torch.utils.checkpoint import checkpoint
+from torch_versions import SELECTIVE_CHECKPOINTING
 
 import whitenlayers as wl
 
@@ -26,8 +28,8 @@ N_EPS_COMPILED = 128
 def _save_convolutions(ctx, op, *args, **kwargs):
     """A selective-checkpointing policy: the convolutions' outputs kept, everything else recomputed."""
     if op is torch.ops.aten.convolution.default:
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
+        return checkpointing.CheckpointPolicy.MUST_SAVE
+    return checkpointing.CheckpointPolicy.PREFER_RECOMPUTE
 
 
 class Checkpointed(nn.Module):
@@ -41,7 +43,7 @@ class Checkpointed(nn.Module):
         if self.policy is None:
             return checkpoint(self.inner, x, use_reentrant=False)
         return checkpoint(self.inner, x, use_reentrant=False,
-                          context_fn=functools.partial(create_selective_checkpoint_contexts, self.policy))
+                          context_fn=functools.partial(checkpointing.create_selective_checkpoint_contexts, self.policy))
 
 
 def _resnet(method, checkpointed, policy=None, **kwargs):
@@ -98,6 +100,7 @@ def _assert_trains_alike(model, ref, n_eps):
 # --------------------------------------------------------------------------
 # Selective checkpointing that saves the convolutions' outputs
 # --------------------------------------------------------------------------
+@SELECTIVE_CHECKPOINTING
 @pytest.mark.parametrize("absorb", [True, False], ids=["absorbed", "centred"])
 @pytest.mark.parametrize("method", ["grad", "recursive", "direct"])
 def test_selective_checkpointing_saving_convolutions_trains_like_no_checkpointing(method, absorb):

@@ -13,6 +13,7 @@ import torch
 import torch._dynamo
 import torch.nn.functional as Fn
 from torch._dynamo.utils import counters
+from torch_versions import needs, recompile_limit
 
 import whitenlayers as wl
 
@@ -67,7 +68,7 @@ def _compiled_run(method: str, steps: int, **kwargs):
     counters.clear()
     model = _model(method, **kwargs)
     compiled = torch.compile(model, backend="aot_eager")
-    with torch._dynamo.config.patch(recompile_limit=MAX_GRAPHS + 1):  # a step that recompiles past it runs eagerly
+    with recompile_limit(MAX_GRAPHS + 1):  # a step that recompiles past it runs eagerly
         losses = _train(compiled, steps)
     return model, losses
 
@@ -163,6 +164,7 @@ def test_compiled_standalone_layer_breaks_the_graph_but_never_recompiles():
     assert counters["stats"]["unique_graphs"] <= 4
 
 
+@needs((2, 6), "AOTAutograd's static input indices (what CUDA graph trees read)")
 @pytest.mark.parametrize("method", ["grad", "direct"])
 def test_compiled_graphs_mutate_only_static_inputs(method):
     """What ``mode="reduce-overhead"`` needs on CUDA: every tensor a compiled training forward writes into (the
@@ -251,6 +253,8 @@ def test_a_compiled_backward_after_folds_keeps_its_forwards_buffers():
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.skipif(not hasattr(torch.ops.aten.mm, "dtype"), reason=f"aten.mm.dtype (products with out_dtype): not in "
+                                                                     f"torch {torch.__version__}")
 def test_compiled_bf16_statistics_take_the_tensor_core_split():
     """On CUDA a compiled layer sums a bf16 batch about its shift on tensor cores: the float32 differences split in
     two bf16 numbers, two products with float32 output (``functional.accumulate_moments_split``), where the float32
@@ -295,7 +299,7 @@ def test_compiled_bf16_statistics_take_the_tensor_core_split():
             counters.clear()
             compiled_model, eager = make(), make()
             compiled = torch.compile(compiled_model, backend=backend)
-            with torch._dynamo.config.patch(recompile_limit=MAX_GRAPHS + 1):
+            with recompile_limit(MAX_GRAPHS + 1):
                 train(compiled, 3, seed=0)  # the first block, folded
                 train(eager, 3, seed=0)
                 first = [(layer.running_mean.clone(), layer.running_cov.clone())
@@ -331,7 +335,7 @@ def _compiled_counts(method: str, steps: int, **compile_kwargs) -> tuple:
         model = wl.convert_model(model, method, block_size=3)
     compiled = torch.compile(model, **compile_kwargs)
     first: list = []
-    with torch._dynamo.config.patch(recompile_limit=4):  # room to see a recompilation, should one happen
+    with recompile_limit(4):  # room to see a recompilation, should one happen
         _train(compiled, steps, after_step=lambda: first.append(_counters()) if not first else None)
     return first[0], _counters(), model
 

@@ -14,9 +14,11 @@ import functools
 import pytest
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+import torch.utils.checkpoint as checkpointing
+from torch.utils.checkpoint import checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
+from torch_versions import SELECTIVE_CHECKPOINTING
 
 import whitenlayers as wl
 
@@ -39,7 +41,8 @@ class NoOpMode(TorchDispatchMode):
 
 def _save_convolutions(ctx, op, *args, **kwargs):
     # (absorb_centring=True: a bias-free conv's output is not written in place, so saving it is safe)
-    return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.convolution.default else CheckpointPolicy.PREFER_RECOMPUTE
+    policy = checkpointing.CheckpointPolicy
+    return policy.MUST_SAVE if op is torch.ops.aten.convolution.default else policy.PREFER_RECOMPUTE
 
 
 class Selective(nn.Module):
@@ -50,7 +53,7 @@ class Selective(nn.Module):
         self.block = block
 
     def forward(self, x):
-        context = functools.partial(create_selective_checkpoint_contexts, _save_convolutions)
+        context = functools.partial(checkpointing.create_selective_checkpoint_contexts, _save_convolutions)
         return checkpoint(self.block, x, use_reentrant=False, context_fn=context)
 
 
@@ -112,12 +115,13 @@ def _assert_trains_like_root(method: str, case: str) -> None:
 
 
 @pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("case", ["flop_counter", "no_op_mode", "selective"])
+@pytest.mark.parametrize("case", ["flop_counter", "no_op_mode", pytest.param("selective", marks=SELECTIVE_CHECKPOINTING)])
 def test_fold_under_a_dispatch_mode_trains_like_the_root_run(method, case):
     _assert_trains_like_root(method, case)
 
 
 @pytest.mark.slow
+@SELECTIVE_CHECKPOINTING
 @pytest.mark.parametrize("method", METHODS)
 def test_compiled_selective_checkpointing_trains_like_the_root_run(method):
     torch._dynamo.reset()  # (each test compiles its own blocks: no cache limit reached across tests)

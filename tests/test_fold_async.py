@@ -16,6 +16,7 @@ import torch
 import torch._dynamo
 import torch.nn.functional as F
 from dist_utils import run_distributed
+from torch_versions import recompile_limit
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -350,7 +351,7 @@ def test_compiled_trains_like_eager():
     counters.clear()
     model = _model()
     compiled = torch.compile(model, backend="aot_eager")
-    with torch._dynamo.config.patch(recompile_limit=3):
+    with recompile_limit(3):
         _train(compiled, batches)
     assert counters["stats"]["unique_graphs"] == 1
     eager = _model()

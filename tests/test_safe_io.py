@@ -30,6 +30,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from torch_versions import needs
 
 from whitenlayers.experiment import _safe_io, data
 from whitenlayers import experiment as ex
@@ -277,17 +278,34 @@ def test_checkpoints_hold_plain_values_and_older_ones_still_load(tmp_path):
     path = str(tmp_path / "ck.pt")
     _safe_io.save_checkpoint({"rng": {"numpy": plain, "python": random.getstate(), "torch": torch.get_rng_state()},
                               "rows": [{"epoch": 1, "acc": 0.5, "note": None}]}, path)
-    assert torch.serialization.get_unsafe_globals_in_checkpoint(path) == []
     back = _safe_io.numpy_rng_from_plain(_safe_io.load_checkpoint(path)["rng"]["numpy"])
     np.random.set_state(back)
     x = np.random.rand(3)
     np.random.set_state(state)
     assert np.array_equal(x, np.random.rand(3))
-    # written before issue 16: numpy's state as an array; still loads
-    torch.save({"rng": {"numpy": state}}, tmp_path / "old.pt")
-    old = _safe_io.load_checkpoint(str(tmp_path / "old.pt"))["rng"]["numpy"]
-    assert np.array_equal(_safe_io.numpy_rng_from_plain(old)[1], state[1])
     # anything else is refused when saving, and nothing is left behind
     with pytest.raises(TypeError, match=r"bad.pt: cannot save checkpoint\['rows'\]\[0\] is a numpy.float64"):
         _safe_io.save_checkpoint({"rows": [np.float64(1.0)]}, str(tmp_path / "bad.pt"))
-    assert sorted(os.listdir(tmp_path)) == ["ck.pt", "old.pt"]
+    assert sorted(os.listdir(tmp_path)) == ["ck.pt"]
+
+
+def test_checkpoints_written_before_issue_16_load_where_torch_admits_their_numpy_state(tmp_path):
+    """Written before issue 16: numpy's random state as an array. It loads where torch can admit just those numpy
+    globals (``torch.serialization.safe_globals``, torch >= 2.5); an older torch refuses it, naming the global."""
+    state = np.random.get_state()
+    torch.save({"rng": {"numpy": state}}, tmp_path / "old.pt")
+    if not hasattr(torch.serialization, "safe_globals"):
+        with pytest.raises(UnsafeFileError, match="refusing to unpickle global 'numpy.*_reconstruct'"):
+            _safe_io.load_checkpoint(str(tmp_path / "old.pt"))
+        return
+    old = _safe_io.load_checkpoint(str(tmp_path / "old.pt"))["rng"]["numpy"]
+    assert np.array_equal(_safe_io.numpy_rng_from_plain(old)[1], state[1])
+
+
+@needs((2, 6), "torch.serialization.get_unsafe_globals_in_checkpoint")
+def test_checkpoints_hold_no_global_that_weights_only_refuses(tmp_path):
+    path = str(tmp_path / "ck.pt")
+    _safe_io.save_checkpoint({"rng": {"numpy": _safe_io.numpy_rng_to_plain(np.random.get_state()),
+                                      "python": random.getstate(), "torch": torch.get_rng_state()},
+                              "rows": [{"epoch": 1, "acc": 0.5, "note": None}]}, path)
+    assert torch.serialization.get_unsafe_globals_in_checkpoint(path) == []

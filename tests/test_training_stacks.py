@@ -17,6 +17,8 @@ import torch.nn.functional as Fn
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from torch_versions import needs
+
 import whitenlayers as wl
 
 from dist_utils import run_distributed
@@ -426,6 +428,7 @@ class _Images(torch.utils.data.Dataset):
         return {"pixel_values": self.data[0][i], "labels": self.data[1][i] % 3}
 
 
+@needs((2, 6), "transformers' Trainer resuming from a checkpoint (it refuses torch.load before: CVE-2025-32434)")
 def test_hugging_face_trainer_checkpoints_resume_mid_block(tmp_path):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
@@ -513,7 +516,9 @@ def test_lightning_checkpoint_resumes_mid_block(tmp_path):
 # --------------------------------------------------------------------------
 # Export: ONNX, torch.export, torch.jit
 # --------------------------------------------------------------------------
-@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript-exporter", "dynamo-exporter"])
+@pytest.mark.parametrize("dynamo", [False, pytest.param(True, marks=needs((2, 7), "the dynamo-based ONNX exporter of a "
+                                                                              "converted model"))],
+                         ids=["torchscript-exporter", "dynamo-exporter"])
 def test_onnx_export(tmp_path, dynamo):
     onnx = pytest.importorskip("onnx")
     if dynamo:
@@ -540,7 +545,7 @@ def test_torch_export_and_jit_trace(method):
     model.eval()
     x = torch.randn(2, 3, 8, 8)
     want = model(x)
-    torch.testing.assert_close(torch.export.export(model, (x,)).module()(x), want)
+    torch.testing.assert_close(torch.export.export(model, (x,), strict=False).module()(x), want)
     with torch.no_grad():  # with autograd on, the trace holds the layers' autograd Functions (PythonOps)
         torch.testing.assert_close(torch.jit.trace(model, (x,))(x), want)
 

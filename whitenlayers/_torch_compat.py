@@ -19,6 +19,9 @@ that no other module of the package names a private torch attribute):
 * dynamo's ``_disable_side_effect_safety_checks_for_current_subtracer`` (:func:`unchecked_side_effect`): a Python
   list append that a compiled activation checkpoint may replay; without it, the plain call (which dynamo refuses
   inside a checkpoint: that region then runs eagerly).
+* ``torch._C._FunctionBase``'s ``apply`` (:func:`function_apply`): what ``torch.autograd.Function.apply`` ends in,
+  called directly on a training step (``Function.apply`` first checks for torch.func transforms, which the package
+  asks once per forward itself: about 10 us a call on a CPU); its fallback is ``Function.apply``, the same call.
 * ``torch._foreach_copy_`` (:func:`copy_all_`): a fold's writes into every layer's buffers, a few kernels for all
   of them (one per buffer on a GPU is a launch each); its fallback is a ``copy_`` per tensor, the same values.
 
@@ -31,9 +34,11 @@ import warnings
 from typing import Any, Callable, List, Tuple, TypeVar
 
 import torch
+from torch.torch_version import TorchVersion
 
 __all__ = ["no_autocast", "compiling", "exporting", "graph_break", "transforms_active",
-           "in_backward", "queue_after_backward", "ddp_forward", "unchecked_side_effect", "copy_all_"]
+           "in_backward", "queue_after_backward", "ddp_forward", "unchecked_side_effect", "copy_all_",
+           "function_apply", "TRAINING_EXPORT"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -46,6 +51,10 @@ def no_autocast(device: torch.device):
 #: Whether dynamo is tracing the code that calls this (``torch.compile``, ``torch.export``): torch's own function.
 compiling: Callable[[], bool] = torch.compiler.is_compiling
 
+
+#: Whether torch.export can trace a training-mode forward, which writes the layers' blocks (torch 2.6 and later; before,
+#: a non-strict export fails on it: "mutating a non-functional tensor with a functional tensor").
+TRAINING_EXPORT = TorchVersion(torch.__version__) >= (2, 6)
 
 #: Whether ``torch.export`` is tracing the code that calls this: torch's own function (2.7 and later); before, ``False``
 #: (a graph ``torch.export`` makes of a training-mode forward then holds the package's ``snapshot`` operator, which
@@ -177,3 +186,12 @@ def _copy_all_public(destinations: List[torch.Tensor], sources: List[torch.Tenso
 #: ``destinations[i].copy_(sources[i])`` for every ``i`` (converting dtype and device), in one multi-tensor call.
 copy_all_: Callable[[List[torch.Tensor], List[torch.Tensor]], None] = getattr(torch, "_foreach_copy_",
                                                                               _copy_all_public)
+
+
+def function_apply(function: Any) -> Callable[..., Any]:
+    """The C++ ``apply`` of the ``torch.autograd.Function`` subclass ``function`` (one without ``setup_context``: no
+    arguments to bind), for calls outside any torch.func transform; ``function.apply`` where torch's Function is not
+    built on ``torch._C._FunctionBase``."""
+    if not issubclass(torch.autograd.Function, getattr(torch._C, "_FunctionBase", ())):
+        return function.apply
+    return super(torch.autograd.Function, function).apply

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._torch_compat import transforms_active
+from ._torch_compat import compiling, function_apply, transforms_active
 from .functional import transform_weight_grad
 
 __all__ = ["DirectWhitenFunction", "WeightGradTransform", "PointwiseWhitenFunction", "direct_whiten",
@@ -226,32 +226,46 @@ class _TransformedWeight(torch.autograd.Function):
 
 #: Input ranks the 1x1-convolution path of DirectWhiten takes: (B, M) and 1-D, 2-D, 3-D feature maps.
 POINTWISE_DIMS = (2, 3, 4, 5)
+#: The training step's calls of the Functions (outside the torch.func transforms: :func:`~whitenlayers._torch_compat.
+#: function_apply`).
+direct_whiten_apply = function_apply(_DirectWhiten)
+grad_transformed_apply = function_apply(_WeightGradTransform)
+pointwise_whiten_apply = function_apply(_PointwiseWhiten)
+transformed_weight_apply = function_apply(_TransformedWeight)
 
 
 def direct_whiten(x: Tensor, transform: Tensor, mean: Tensor) -> Tensor:
     """``T (x - mu)`` on dim 1 through :class:`DirectWhitenFunction` (``T``, ``mu`` constant)."""
+    if compiling():  # (dynamo traces Function.apply)
+        return _DirectWhiten.apply(x, transform, mean)
     if transforms_active():
         return DirectWhitenFunction.apply(x, transform, mean)
-    return _DirectWhiten.apply(x, transform, mean)
+    return direct_whiten_apply(x, transform, mean)
 
 
 def grad_transformed(weight: Tensor, q: Tensor) -> Tensor:
     """``weight``, whose gradient will be right-multiplied by ``q`` on the input-feature axis (WeightGradTransform)."""
+    if compiling():
+        return _WeightGradTransform.apply(weight, q)
     if transforms_active():
         return WeightGradTransform.apply(weight, q)
-    return _WeightGradTransform.apply(weight, q)
+    return grad_transformed_apply(weight, q)
 
 
 def pointwise_whiten(x: Tensor, weight: Tensor, bias: Tensor, weight_t: Tensor, groups: int) -> Tensor:
     """:class:`PointwiseWhitenFunction` (``weight = T``, ``bias = -T mu``, ``weight_t = T^T``)."""
+    if compiling():
+        return _PointwiseWhiten.apply(x, weight, bias, weight_t, groups)
     if transforms_active():
         return PointwiseWhitenFunction.apply(x, weight, bias, weight_t, groups)
-    return _PointwiseWhiten.apply(x, weight, bias, weight_t, groups)
+    return pointwise_whiten_apply(x, weight, bias, weight_t, groups)
 
 
 def transformed_weight(weight: Tensor, transform: Tensor) -> Tensor:
     """``W T`` on the input-feature axis (``T`` constant), with ``W``'s gradient in its own strides; inside a
     torch.func transform the product's own differentiable operations."""
+    if compiling():
+        return _TransformedWeight.apply(weight, transform)
     if transforms_active():
         return transform_weight_grad(weight, transform)
-    return _TransformedWeight.apply(weight, transform)
+    return transformed_weight_apply(weight, transform)

@@ -520,6 +520,8 @@ def transform_weight_grad(grad: Tensor, q: Tensor) -> Tensor:
         q = q.to(grad.dtype)
     if grad.dim() == 2:
         return grad @ q
+    if torch.compiler.is_compiling():  # (a graph reads no layout: dynamo refuses is_contiguous in a backward's trace)
+        return torch.matmul(grad.movedim(1, -1), q).movedim(-1, 1).contiguous()
     # The common cases first, each a few Python-level calls: this runs in every layer's backward on every step.
     s, m = grad.shape[0], grad.shape[1]
     if grad.is_contiguous():

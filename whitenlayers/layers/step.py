@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from .. import functional as F_w
 from .._torch_compat import (
+    TRAINING_EXPORT,
     compiling,
     exporting,
     graph_break,
@@ -47,7 +48,7 @@ from .._torch_compat import (
     transforms_active,
     unchecked_side_effect,
 )
-from ..autograd import _WeightGradTransform, grad_transformed
+from ..autograd import grad_transformed, grad_transformed_apply
 from ..fold import fold_layers
 from ..functional.batch import fused_moments_on, stats_samples
 from ._checks import BATCH_NORMS, FUNC_WHAT_TO_DO, check_not_tracing_function, onnx_exporting
@@ -397,6 +398,11 @@ class _StepMixin(_Layer):
         shift after the forward (:meth:`_count_traced`); the sums are :meth:`~whitenlayers.layers.block.Block.add`'s.
         Returns the rows added."""
         block = self._block
+        if not TRAINING_EXPORT and type(x).__name__ == "FunctionalTensor":  # (torch.export's, not torch.compile's)
+            raise RuntimeError(
+                f"{self._describe()}: torch.export of a training-mode forward, which adds the batch to the layer's "
+                f"block, needs torch >= 2.6 (torch {torch.__version__} cannot write it in the exported graph); export "
+                "the model in eval mode (model.eval()) or inside `with wl.frozen(model):`")
         x = x.detach()
         if block.fraction < 1.0 and x.shape[0] > 1:
             x = x[: stats_samples(x.shape[0], x.shape[1:].numel() // self.num_features, self.num_features,
@@ -487,7 +493,7 @@ class _GradStep(_Layer):
             feats = self._features_of(x, w)  # every other input: checked (a clear error), its features on dim 1
         step = self._begin(feats)
         reads = step.reads
-        if torch.is_grad_enabled() and (w.requires_grad or (not step.plain and transforms_active())):
+        if torch.is_grad_enabled() and (w.requires_grad or not (step.plain or step.traced) and transforms_active()):
             w = self._transformed_weight(w, reads.state["grad_transform"], step.plain)
         bn = None
         ref = self._centring_ref
@@ -520,7 +526,7 @@ class _GradStep(_Layer):
         (``jvp``) requires no grad: it takes the Function too, whose ``jvp`` is its backward's adjoint. ``plain``: a
         training step's eager forward (:attr:`Step.plain`)."""
         if plain and self._deferral is None and self.features == "channels":  # (the step's case, no check to ask)
-            return _WeightGradTransform.apply(w, q)
+            return grad_transformed_apply(w, q)
         deferral = self._deferral
         if deferral is not None:
             if compiling():  # the graph takes the Function below; the hook must go
