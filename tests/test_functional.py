@@ -283,13 +283,19 @@ def test_accumulate_moments_low_precision(b, m, hw, layout, dtype, shifted, seed
     shift = torch.randn(m, generator=gen).view((1, m) + (1,) * len(hw)) if shifted else None
     acc = F.moments_accumulator(m)
     seen = []
-    real = F.batch._product_add
+    real_rows, real_product = F.batch._moment_products, F.batch._product_add
     with pytest.MonkeyPatch.context() as mp, F.fused_moments(True):
+        # what reaches the products: the rows' two (x^T x and x^T 1), or else one (M + 1) product
+        mp.setattr(F.batch, "_moment_products", lambda s2, s1, rows: (seen.append(rows.dtype),
+                                                                        real_rows(s2, s1, rows)))
         mp.setattr(F.batch, "_product_add", lambda out, left, right: (seen.append(left.dtype),
-                                                                        real(out, left, right)))
+                                                                        real_product(out, left, right)))
         F.accumulate_moments(acc, x, shift)
-    products = 2 if F.batch._as_rows(x) is not None else 1  # rows: x^T x and x^T 1; else one (M + 1) product
-    assert seen == [torch.float32 if shifted else dtype] * products  # converted only when shifted
+    rows = F.batch._as_rows(x) is not None
+    products = [torch.float32 if shifted else dtype] * (1 if not rows else 3)  # (the rows' two: each float32)
+    if rows and not shifted:  # converted once in the rows' products (the CPU has no bf16 product into float32)
+        products[1:] = [torch.float32] * 2
+    assert seen == products  # converted only when shifted
     s1, s2 = _sums_float64(x, shift)
     n = x.numel() // m
     scale = float(s2.diagonal().abs().max()) + 1.0

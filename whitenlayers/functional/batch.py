@@ -393,16 +393,24 @@ def accumulate_moments(acc: Tensor, x: Tensor, shift: Optional[Tensor],
         acc[:m, :m].add_(s2)
         acc[:m, m].add_(s1)
         return
-    ones = _ones(_ones_shape(xs, rows), xs.dtype, xs.device)
     if rows is not None:  # (P, M): two products into the accumulator's blocks, no copy of the batch
-        s2_block, s1_block = (acc[:m, :m], acc[:m, m:]) if blocks is None else blocks
-        rows_t = rows.t()
-        _product_add(s2_block, rows_t, rows)
-        _product_add(s1_block, rows_t, ones)
+        _moment_products(*((acc[:m, :m], acc[:m, m:]) if blocks is None else blocks), rows)
         return
     b = xs.flatten(2).transpose(0, 1)  # (M, B, P), a view
-    a = torch.cat([b, ones], 0).flatten(1)  # (M + 1, B * P): the one copy
+    a = torch.cat([b, _ones(_ones_shape(xs, rows), xs.dtype, xs.device)], 0).flatten(1)  # (M + 1, B * P): one copy
     _product_add(acc, a, a.t())
+
+
+def _moment_products(s2: Tensor, s1: Tensor, rows: Tensor) -> None:
+    """``s2 += rows^T rows`` and ``s1 += rows^T 1`` (``rows`` ``(P, M)``; ``s1`` a column), two products into the
+    accumulator's blocks (:func:`_product_add`): bf16 / fp16 rows as they are where the device multiplies them into
+    float32 (CUDA), else converted once (the CPU's emulation of CUDA's path, whose products of converted bf16
+    numbers are the same exact float32 products)."""
+    if rows.dtype != s2.dtype and not torch.compiler.is_compiling() and not _probe_out_dtype(rows.device):
+        rows = rows.to(s2.dtype)
+    rows_t = rows.t()
+    _product_add(s2, rows_t, rows)
+    _product_add(s1, rows_t, _ones((rows.shape[0], 1), rows.dtype, rows.device))
 
 
 
