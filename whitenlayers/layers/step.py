@@ -240,7 +240,7 @@ class _StepMixin(_Layer):
             reads.last = self._buffers_in_force()
         if block.gather_next:
             self._add_batch(x)
-        return Step(reads.last, True, scope is not None, plain=plain)
+        return Step(reads.last, True, scope is not None, False, 0, plain)
 
     def gathers_now(self, scope: Optional["ForwardScope"] = None, explicit: bool = False, traced: bool = False) -> bool:
         """Whether the layer gathers statistics now, counts its batches and folds at its blocks' ends: the one place
@@ -493,8 +493,12 @@ class _GradStep(_Layer):
             feats = self._features_of(x, w)  # every other input: checked (a clear error), its features on dim 1
         step = self._begin(feats)
         reads = step.reads
-        if torch.is_grad_enabled() and (w.requires_grad or not (step.plain or step.traced) and transforms_active()):
-            w = self._transformed_weight(w, reads.state["grad_transform"], step.plain)
+        if not torch.is_grad_enabled():
+            pass
+        elif step.plain and w.requires_grad and self._deferral is None and self.features == "channels":
+            w = grad_transformed_apply(w, reads.state["grad_transform"])  # (a training step's case: nothing to ask)
+        elif w.requires_grad or not (step.plain or step.traced) and transforms_active():
+            w = self._transformed_weight(w, reads.state["grad_transform"])
         bn = None
         ref = self._centring_ref
         if ref is not None:  # centring absorbed: by the BatchNorm there, while it normalises with batch statistics
@@ -519,14 +523,11 @@ class _GradStep(_Layer):
             self._end(step, w)
         return out
 
-    def _transformed_weight(self, w: Tensor, q: Tensor, plain: bool = False) -> Tensor:
+    def _transformed_weight(self, w: Tensor, q: Tensor) -> Tensor:
         """The weight whose gradient the backward right-multiplies by this forward's ``Q_s`` (even if a fold follows):
         (``q``) through the autograd Function, or, with :func:`~whitenlayers.defer_grad_transform`, the weight itself,
         whose hook transforms the gradient. Under a torch.func transform a weight with a forward-mode tangent
-        (``jvp``) requires no grad: it takes the Function too, whose ``jvp`` is its backward's adjoint. ``plain``: a
-        training step's eager forward (:attr:`Step.plain`)."""
-        if plain and self._deferral is None and self.features == "channels":  # (the step's case, no check to ask)
-            return grad_transformed_apply(w, q)
+        (``jvp``) requires no grad: it takes the Function too, whose ``jvp`` is its backward's adjoint."""
         deferral = self._deferral
         if deferral is not None:
             if compiling():  # the graph takes the Function below; the hook must go
@@ -575,7 +576,7 @@ class _GradStep(_Layer):
                 value = value.repeat(taps) if taps_last else value.repeat_interleave(taps)
             return value
 
-        return self._derived(reads, ("taps", dtype, taps_last, taps), make)
+        return self._derived(reads, ("taps", dtype, taps_last, mean.shape[0] * taps), make)
 
     def _track_absorbed_offset(self, weight: Tensor, bn: nn.Module, reads: InForce, plain: bool = False) -> None:
         """``d <- (1 - f) d + f s`` with the BatchNorm's factor ``f``, as it updates its running mean now: one in-place
@@ -595,7 +596,10 @@ class _GradStep(_Layer):
         if isinstance(factor, float) and self.groups == 1 and (plain or not onnx_exporting()):
             # c = 0 for an absorbed layer (it lives in d): d <- (1 - f) d + f (c - W mu) is one product-accumulate
             rows, taps_last = _weight_rows(weight.detach() if weight.dtype == d.dtype else weight.detach().to(d.dtype))
-            mean_k = self._mean_per_tap(reads, rows.shape[1] // self.num_features, rows.dtype, taps_last)
+            key = ("taps", rows.dtype, taps_last, rows.shape[1])
+            mean_k = reads.derived.get(key)
+            if mean_k is None:
+                mean_k = self._mean_per_tap(reads, rows.shape[1] // self.num_features, rows.dtype, taps_last)
             d.addmv_(rows, mean_k, beta=1.0 - factor, alpha=-factor)
             return
         w = weight.detach().to(d.dtype)
