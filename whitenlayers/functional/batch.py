@@ -539,12 +539,11 @@ def transform_weight_grad(grad: Tensor, q: Tensor) -> Tensor:
             # One batched product, Q^T @ grad[s] for each output feature s (Q^T broadcast, not copied): one
             # kernel, the result in the gradient's own layout.
             return torch.bmm(q.t().expand(s, m, m), grad.view(s, m, -1)).view(grad.shape)
-    else:
-        rows = grad.movedim(1, -1)  # (S, *kernel, M)
-        if rows.is_contiguous():
-            # A channels_last gradient (a model moved to channels_last) is an (S * taps, M) matrix as it lies: one
-            # product (matmul folds the leading dimensions of a contiguous operand), the result in the same layout.
-            return torch.matmul(rows, q).movedim(-1, 1)
+    elif grad.movedim(1, -1).is_contiguous():
+        # A channels_last gradient (a model moved to channels_last) is an (S * taps, M) matrix as it lies: one
+        # product, the result laid out as the gradient is.
+        rows = grad.as_strided((grad.numel() // m, m), (m, 1))
+        return torch.mm(rows, q).as_strided(grad.shape, grad.stride())
     # One (M x M) @ (M x S*K) product on the input-feature axis moved first (a copy of the small weight gradient),
     # written back in the gradient's layout: three ops, but on a CPU faster than the batched product for wide
     # layers.
