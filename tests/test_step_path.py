@@ -26,8 +26,12 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = Path(wl.__file__).parent
 
 #: The bounds: distinct library functions (comprehensions count as functions) and files on a step without a fold.
+#: Files: the layer's forward (``layers/step.py``), its formulas (``functional/batch.py``), its autograd Function
+#: (``autograd.py``) and the model's hooks (``coordinator.py``); a direct model's wrapper adds ``layers/direct.py``
+#: (4 for every method while the coordinator's shared nodes did the Functions' work; issue 79 gave each layer its own
+#: step, and the direct wrapper's forward is where its fused product is decided).
 MAX_FUNCTIONS = {"grad": 12, "recursive": 12, "direct": 14}
-MAX_FILES = 4
+MAX_FILES = {"grad": 4, "recursive": 4, "direct": 5}
 MAX_LINES = 80
 #: Helpers a step may call beyond ``MAX_FUNCTIONS``, each the one place of a decision or formula: the functions of
 #: the package that call it (each must, in its body: a helper kept only for the step is counted in the bound).
@@ -35,8 +39,12 @@ SHARED_HELPERS = {
     # whether a layer gathers and folds: the eager and the compiled forward, accumulate, a joined rank, the fold
     "_StepMixin.gathers_now": ("_StepMixin._begin", "_StepMixin._begin_traced", "WhiteningLayer.accumulate",
                                "FoldCoordinator._shadow_forward", "_warn_uncalled"),
-    # a batch's sums: the eager forward, the compiled one, the coordinator's handed batches
-    "Block.add": ("_StepMixin._add_batch", "_StepMixin._add_batch_traced", "_add_handed_batches"),
+    # a batch's sums: the eager forward and the compiled one
+    "Block.add": ("_StepMixin._add_batch", "_StepMixin._add_batch_traced"),
+    # whether autograd runs a backward (the one use of a private torch name on the step, _torch_compat.py)
+    "in_backward": ("_StepMixin._begin", "recomputing"),
+    # a weight as the matrix of its rows, without a copy: the centring offset and its absorbed twin
+    "_weight_rows": ("_GradStep._offset", "_GradStep._track_absorbed_offset"),
 }
 MAX_HELPERS = 4
 
@@ -82,7 +90,7 @@ def test_a_step_runs_few_short_functions_in_few_files(method):
     own = sorted(key for key in seen if key[1] not in SHARED_HELPERS)
     files = {path for path, _ in own}  # (a shared helper's file aside, as the helper)
     assert len(own) <= MAX_FUNCTIONS[method], own
-    assert len(files) <= MAX_FILES, sorted(files)
+    assert len(files) <= MAX_FILES[method], sorted(files)
     for (path, name), code in seen.items():
         lines = inspect.getsourcelines(code)[0]
         assert len(lines) <= MAX_LINES, f"{path} {name}: {len(lines)} lines"
@@ -116,8 +124,8 @@ def test_the_shared_helpers_replace_copies():
         assert len(callers) >= 2, helper
         name = helper.rsplit(".", 1)[-1]
         for caller in callers:
-            calls = {node.func.attr for node in ast.walk(functions[caller])
-                     if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)}
+            calls = {node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+                     for node in ast.walk(functions[caller]) if isinstance(node, ast.Call)}
             assert name in calls, f"{caller} does not call {helper}"
 
 

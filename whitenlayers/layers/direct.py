@@ -11,7 +11,8 @@ import torch
 from torch import Tensor, nn
 
 from .._torch_compat import no_autocast
-from ..autograd import POINTWISE_DIMS, _transform_mean, direct_whiten, pointwise_whiten, transformed_weight
+from ..autograd import (POINTWISE_DIMS, _transform_mean, direct_whiten, pointwise_whiten, transformed_weight,
+                        transformed_weight_apply)
 from ..config import EVDConfig
 from ..functional import batch as _batch
 from ..privacy import note_direct
@@ -207,15 +208,17 @@ class DirectWhitenWrapper(nn.Module):
         step = whiten._begin(feats)
         reads = step.reads
         t, mean = reads.state["whitening_matrix"], reads.state["running_mean"]
-        if torch.is_grad_enabled() and x.requires_grad:
+        if not step.plain and torch.is_grad_enabled() and x.requires_grad:
             check_not_tracing_function(whiten, "the whitening's backward")  # as DirectWhiten's own forward
         params = layer._parameters
         w = params["weight"]
+        # (a training step's eager forward, Step.plain: the Function itself, nothing to ask)
+        product = transformed_weight_apply if step.plain else transformed_weight
         if torch.is_autocast_enabled(w.device.type):  # W T in the weight's dtype (not autocast's bf16 / fp16)
             with no_autocast(w.device):
-                wt = transformed_weight(w, t)
+                wt = product(w, t)
         else:
-            wt = transformed_weight(w, t)
+            wt = product(w, t)
         shape = (-1,) if linear else (1, -1) + (1,) * (x.dim() - 2)  # mu as x subtracts it (made once per fold)
         shift = whiten._derived(reads, ("shift", x.dtype, shape), lambda: mean.to(x.dtype).view(shape))
         if linear:

@@ -280,7 +280,7 @@ class _StepMixin(_Layer):
     @staticmethod
     def _derived(reads: InForce, key: Any, make: Callable[[], Any]) -> Any:
         """``make()``, kept with ``reads`` when they are copies (made once per fold), else made now."""
-        if not reads.copies or compiling():
+        if not reads.copies:  # (a compiled forward's are never copies)
             return make()
         value = reads.derived.get(key)
         if value is None:
