@@ -22,9 +22,7 @@ step), methods interleaved step by step, the time of each fold of all 52 layers 
 to the host; on a GPU each one also waits for the queue (``hot_path.py`` counts them).
 
 ``--ddp`` (under ``torchrun``, gloo) steps each variant wrapped in ``DistributedDataParallel`` on every rank: the
-default (under ``torch.distributed`` the grad / recursive weights go through shared nodes in runs of
-``coordinator.DISTRIBUTED_RUN`` layers, so DDP all-reduces during the backward), "a node per layer" (runs of one),
-"deferred" (``wl.defer_grad_transform``), and without DDP's buffer sync at every forward
+default, "deferred" (``wl.defer_grad_transform``), and without DDP's buffer sync at every forward
 (``forward_sync_buffers=False``, ``broadcast_buffers=False`` where DDP has no such argument; DDP's default re-sends
 every buffer, each whitening layer's matrices included, at every forward), interleaved step by step (the order
 rotated each round), each rank on its own batch; rank 0 prints each rank's median step (``--clock cpu``: the
@@ -33,11 +31,10 @@ process's CPU time, gloo's threads included)::
     torchrun --nproc_per_node 2 benchmarks/host_overhead.py --clock cpu --ddp
 
 ``--ablate METHOD`` attributes that method's default step to its parts, switched off one at a time in the same
-converted model (the statistics not gathered; gathered and handed over, but dropped at the forward's end; the
-absorbed offset's update; the weight-gradient transform, the shared node not made; the coordinator's shared node
-and grouped sums, each layer alone; the C++ apply of the autograd Functions, ``Function.apply`` instead), stepped
-interleaved with the full step and the plain one. Such a step is not a configuration anyone trains; it only says
-what that part costs. Row "all parts off": the layers' forwards around their convolutions and the coordinator's hooks.
+converted model (the statistics not gathered; the absorbed offset's update; the weight-gradient transform, its
+autograd node not made; the C++ apply of the autograd Functions, ``Function.apply`` instead), stepped interleaved
+with the full step and the plain one. Such a step is not a configuration anyone trains; it only says what that
+part costs. Row "all parts off": the layers' forwards around their convolutions and the coordinator's hooks.
 """
 # ruff: noqa: B007, E501  (closures timed in the loop that makes them; long table lines)
 from __future__ import annotations
@@ -46,7 +43,6 @@ import argparse
 import copy
 import inspect
 import statistics
-import threading
 from typing import Callable, Dict, List
 
 import _common
@@ -58,6 +54,8 @@ from torch import nn
 import whitenlayers as wl
 import whitenlayers.autograd as autograd_mod
 import whitenlayers.coordinator as fold_mod  # the coordinator's fold_layers: the one a model's forward calls
+import whitenlayers.layers.direct as direct_mod
+import whitenlayers.layers.step as step_mod
 
 #: The variants: method and its settings.
 VARIANTS = {
@@ -117,8 +115,8 @@ def main(argv=None) -> Dict[str, object]:
     p.add_argument("--ablate", choices=sorted(k for k, (_, kw) in VARIANTS.items() if "defer" not in kw),
                    help="attribute one variant's host time to its parts")
     p.add_argument("--folds", action="store_true", help="time whole-model folds instead of steps")
-    p.add_argument("--ddp", action="store_true", help="under torchrun: DDP steps (shared nodes, a node per layer, "
-                                                         "deferred)")
+    p.add_argument("--ddp", action="store_true", help="under torchrun: DDP steps (default, deferred, without the "
+                                                         "buffer sync at every forward)")
     args = p.parse_args(argv)
     if args.ddp:
         return ddp(args)
@@ -223,45 +221,27 @@ def _interleaved(steppers: Dict[str, Callable[[], None]], names: List[str], step
     return times
 
 
-def _alone(coordinator, hand_over: bool) -> Callable:
-    """A stand-in for the coordinator's pre-hook that opens a scope without the shared node (``hand_over``: the
-    batches still handed over and added grouped; else each layer adds its own). The folds still come at the
-    forward's end."""
-    def begin(module, inputs):
-        coordinator.scopes.setdefault(threading.get_ident(), fold_mod.ForwardScope({}, {}, [] if hand_over else None))
-    return begin
-
-
 def _without(layer, part: str) -> None:
     """Switch ``part`` off in ``layer``'s forward (instance attributes, set once: no class attribute changes)."""
     if part == "statistics":
-        layer.__dict__["_add_batch"] = lambda x, scope, keeps=False: None
+        layer.__dict__["_add_batch"] = lambda x: None
     elif part == "offset":
-        layer.__dict__["_track_absorbed_offset"] = lambda w, bn, state: None  # (no cached update is made either)
-    elif part == "transform":
-        layer.__dict__["_transformed_weight"] = lambda w, state: w
+        layer.__dict__["_track_absorbed_offset"] = lambda w, bn, reads, plain=False: None
 
 
 #: ``--ablate``'s rows: the parts of the default step switched off, in turn.
 PARTS = {
-    "statistics (gathered, handed over, added)": ("statistics",),
-    "statistics added at the forward's end": ("added",),
+    "statistics (the batch's sums into the block)": ("statistics",),
     "absorbed offset update": ("offset",),
-    "weight-gradient transform (the shared node's backward)": ("shared", "transform"),
-    "the coordinator's shared node and grouped sums (each layer alone)": ("alone",),
+    "weight-gradient transform (its autograd node)": ("transform",),
     "the C++ apply of the autograd Functions (`Function.apply` instead)": ("apply",),
-    "the C++ apply, each layer alone": ("apply", "alone"),
-    "all parts off": ("statistics", "offset", "shared", "transform"),
+    "all parts off": ("statistics", "offset", "transform"),
 }
 
 
-def _with_function_apply(step: Callable[[], None]) -> Callable[[], None]:
-    """``step`` with the autograd Functions called through ``Function.apply`` (which binds its arguments with
-    ``inspect`` at every call) instead of the C++ apply the library calls (``whitenlayers.autograd._fast_apply``)."""
-    swaps = {(autograd_mod, n): None for n in ("_direct_apply", "_weight_grad_apply", "_pointwise_apply")}
-    swaps[fold_mod, "shared_weight_grad_apply"] = fold_mod.SharedWeightGradTransform.apply
-    swaps[fold_mod, "shared_weight_product_apply"] = fold_mod.SharedWeightProduct.apply
-
+def _swapped(step: Callable[[], None], swaps: Dict[tuple, object]) -> Callable[[], None]:
+    """``step`` with module attributes ``{(module, name): value}`` replaced while it runs (the models are stepped
+    interleaved: each step sets its own)."""
     def run() -> None:
         saved = {key: getattr(*key) for key in swaps}
         for (mod, name), value in swaps.items():
@@ -274,15 +254,30 @@ def _with_function_apply(step: Callable[[], None]) -> Callable[[], None]:
     return run
 
 
+#: The C++ applies of the library's autograd Functions, where they are called: (module, name) -> the Function.
+C_APPLIES = {(autograd_mod, "direct_whiten_apply"): autograd_mod._DirectWhiten,
+             (autograd_mod, "grad_transformed_apply"): autograd_mod._WeightGradTransform,
+             (autograd_mod, "pointwise_whiten_apply"): autograd_mod._PointwiseWhiten,
+             (autograd_mod, "transformed_weight_apply"): autograd_mod._TransformedWeight,
+             (step_mod, "grad_transformed_apply"): autograd_mod._WeightGradTransform,
+             (direct_mod, "transformed_weight_apply"): autograd_mod._TransformedWeight}
+
+
+def _part_swaps(parts) -> Dict[tuple, object]:
+    """The module attributes that switch ``parts`` off for one step: the transform's Function not applied (the
+    weight as it is), or every Function through ``Function.apply`` (which binds its arguments with ``inspect`` at
+    every call) instead of the C++ apply the library calls (``whitenlayers._torch_compat.function_apply``)."""
+    swaps: Dict[tuple, object] = {}
+    if "apply" in parts:
+        swaps.update({key: function.apply for key, function in C_APPLIES.items()})
+    if "transform" in parts:
+        swaps[step_mod, "grad_transformed_apply"] = lambda w, q: w
+    return swaps
+
+
 def switched_off(model: nn.Module, parts) -> nn.Module:
-    """A converted ``model`` with ``parts`` of its step switched off (the values of :data:`PARTS`)."""
-    coordinator = next(h for h in model._forward_hooks.values() if isinstance(h, fold_mod.FoldCoordinator))
-    if "added" in parts:  # handed over, then dropped at the forward's end
-        model._forward_hooks[next(k for k, h in model._forward_hooks.items() if h is coordinator)] = (
-            lambda m, i, o: coordinator.scopes.pop(threading.get_ident(), None) and None)
-    if "shared" in parts or "alone" in parts:
-        key = next(k for k, h in model._forward_pre_hooks.items() if getattr(h, "__self__", None) is coordinator)
-        model._forward_pre_hooks[key] = _alone(coordinator, "alone" not in parts)
+    """A converted ``model`` with ``parts`` of its layers' forwards switched off (the values of :data:`PARTS`; the
+    module-level parts are :func:`_part_swaps`')."""
     for _, layer in wl.whitening_layers(model):
         for part in parts:
             _without(layer, part)
@@ -303,7 +298,8 @@ def ablate(args) -> Dict[str, object]:
     for name, parts in PARTS.items():
         switched_off(models[name], parts)
     runners = {name: _stepper(model, x, y) for name, model in models.items()}
-    runners.update({name: _with_function_apply(runners[name]) for name, parts in PARTS.items() if "apply" in parts})
+    runners.update({name: _swapped(runners[name], _part_swaps(parts)) for name, parts in PARTS.items()
+                    if _part_swaps(parts)})
     steps = 5 if args.tiny else 50 * args.blocks
     times = _interleaved(runners, names, steps, 2 if args.tiny else 50)
     plain_med, full_med = statistics.median(times["plain"]), statistics.median(times["full"])
@@ -323,22 +319,10 @@ NO_FORWARD_BUFFER_SYNC = ({"forward_sync_buffers": False}
                           if "forward_sync_buffers" in inspect.signature(nn.parallel.DistributedDataParallel).parameters
                           else {"broadcast_buffers": False})
 #: ``--ddp``'s variants: (name, method, DDP's buffer broadcast at every forward).
-DDP_VARIANTS = [("plain", None, True), ("grad", "grad", True), ("grad, a node per layer", "grad", True),
-                ("grad, deferred", "grad", True), ("recursive", "recursive", True),
+DDP_VARIANTS = [("plain", None, True), ("grad", "grad", True), ("grad, deferred", "grad", True),
+                ("recursive", "recursive", True),
                 ("plain, no forward buffer sync", None, False), ("grad, no forward buffer sync", "grad", False),
                 ("recursive, no forward buffer sync", "recursive", False)]
-
-
-def _one_node_each(step: Callable[[], None]) -> Callable[[], None]:
-    """``step`` with ``DISTRIBUTED_RUN = 1`` (a weight-gradient node per layer under ``torch.distributed``)."""
-    def stepped() -> None:
-        run, fold_mod.DISTRIBUTED_RUN = fold_mod.DISTRIBUTED_RUN, 1
-        try:
-            step()
-        finally:
-            fold_mod.DISTRIBUTED_RUN = run
-
-    return stepped
 
 
 def ddp(args) -> Dict[str, object]:
@@ -362,8 +346,6 @@ def ddp(args) -> Dict[str, object]:
             model.to(memory_format=torch.channels_last)
             sync = {} if broadcast else NO_FORWARD_BUFFER_SYNC
             steppers[name] = _stepper(DistributedDataParallel(model, **sync), x, y, defer=name.endswith("deferred"))
-            if name.endswith("a node per layer"):  # each weight through a node of its own, as before runs
-                steppers[name] = _one_node_each(steppers[name])
         names = [name for name, _, _ in DDP_VARIANTS]
         steps = 5 if args.tiny else 50 * args.blocks
         times = _interleaved(steppers, names, steps, 2 if args.tiny else 50, rotate=True)  # (same order on all ranks)
