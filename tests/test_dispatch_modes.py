@@ -2,8 +2,8 @@
 
 Under any dispatch mode (``FlopCounterMode``, selective activation checkpointing's caching mode, a no-op mode)
 ``torch._foreach_copy_`` moves no version counter, so a layer that inferred from version counters whether its copies
-of the buffers are current kept training on the buffers of before the fold. The layers are now told by whoever
-writes their buffers (``_StepMixin._state_changed``). Each case trains a small float64 model (three conv + BN
+of the buffers are current kept training on the buffers of before the fold. The buffers now have one writer,
+which renews the copies the training forwards read (``WhiteningLayer.write_buffers``). Each case trains a small float64 model (three conv + BN
 blocks and a linear head, blocks of 3 steps, 8 steps: two folds) and compares it with the same model trained by
 its root's forward without a mode. Before the fix these cases were off by 5e-4 (grad), 5e-2 (recursive) and 3e-2
 (direct) in the weights' relative norm after 8 steps, and every case here failed.

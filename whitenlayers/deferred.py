@@ -169,12 +169,11 @@ def defer_grad_transform(model: nn.Module, *optimizers: torch.optim.Optimizer) -
     an autograd node in each forward: the same training as the default, with less host time than a node per layer.
 
     By default each forward of a layer puts its weight through a Python autograd Function whose backward
-    multiplies the weight gradient by ``Q_s`` (in one process, one such node for all of a converted model's layers,
-    ``autograd.SharedWeightGradTransform``; under ``torch.distributed`` a node per layer). With the deferral the
-    forward hands the convolution the weight itself, and a hook on the weight (``Tensor.register_hook``) multiplies
-    the gradient each backward brings by the ``Q_s`` of the forward that produced it, before the gradient is
-    accumulated into ``.grad``: on the ResNet-50 layout of ``benchmarks/host_overhead.py`` on a CPU, about a third
-    less host time per layer than a node per layer, about the same as the single shared node.
+    multiplies the weight gradient by ``Q_s`` (``autograd.WeightGradTransform``, a node per layer and forward). With
+    the deferral the forward hands the convolution the weight itself, and a hook on the weight
+    (``Tensor.register_hook``) multiplies the gradient each backward brings by the ``Q_s`` of the forward that
+    produced it, before the gradient is accumulated into ``.grad``: less host time per layer than the node
+    (``benchmarks/host_overhead.py``, rows ``:deferred``; ``benchmarks/RESULTS.md``).
     ``DirectWhiten`` layers are not concerned (they have no gradient transform).
 
     It equals the default (float64, to a few ulps: another order of the same products) wherever the default's

@@ -426,7 +426,7 @@ def _outcomes(layers: Sequence["WhiteningLayer"], blocks: Sequence[BlockSummary]
     transforms in one batched rule call where the rule batches, ``Q_s`` smoothed stacked; and ``unshifted``
     (:func:`_new_means`' flags of these layers) read in the same host synchronisation as the moments'
     finiteness. Changes nothing. The outcomes' buffers are views of the stacks, copied into the layers' buffers
-    by :meth:`~whitenlayers.WhiteningLayer.apply_fold`; ``owned``: tensors of their own as the buffers
+    by :meth:`~whitenlayers.WhiteningLayer.write_buffers`; ``owned``: tensors of their own as the buffers
     store them (one multi-tensor clone), for a broadcast to other ranks. ``states``: the buffers read."""
     lead = layers[0]
     config, rule = lead.config, lead.rule
@@ -502,7 +502,7 @@ def _transforms(layers: Sequence["WhiteningLayer"], stacked: Fold, states: Seque
     if type(lead.rule) in _BUILT_IN:  # they check their own results (finite; shapes by construction)
         return results, [None] * len(results)
     # Another rule's results are checked (shapes, dtypes, finite, Q symmetric): a bad one keeps the previous transform
-    # (counted in transform_failures) and its layer warns once, naming the rule and the problem (apply_fold).
+    # (counted in transform_failures) and its layer warns once, naming the rule and the problem (fold_writes).
     problems = check_results(results, [F_w.block_shape(layer.num_features, layer.groups) for layer in layers],
                              [{n: layer.fold_buffers()[n] for n in layer.rule_buffer_names()} for layer in layers])
     for k, problem in enumerate(problems):

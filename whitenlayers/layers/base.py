@@ -4,8 +4,9 @@ A whitening layer registers the contract buffers (``running_mean``, ``running_co
 ``grad_transform``, ``num_blocks``) and its rule's own, adds each training batch to its block
 (:mod:`~whitenlayers.layers.step`, :class:`~whitenlayers.layers.block.Block`), and folds a block every
 ``block_size * accumulation_steps`` training forwards: :mod:`whitenlayers.fold` computes the new moments and hands
-them to the layer's transform rule (:mod:`whitenlayers.rules`), and the layer applies the outcome
-(:meth:`WhiteningLayer.apply_fold`; the fold's interface is the class's "fold" section).
+them to the layer's transform rule (:mod:`whitenlayers.rules`), and the layer says what the outcome writes
+(:meth:`WhiteningLayer.fold_writes`), written by :meth:`WhiteningLayer.write_buffers`, the one writer of the buffers
+(the fold's interface is the class's "fold" section).
 Hyper-parameters live in a frozen config (:mod:`whitenlayers.config`); checkpoints are
 :mod:`~whitenlayers.layers.checkpoint`'s.
 
@@ -434,8 +435,8 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
     # The fold's interface: what :mod:`whitenlayers.fold` and the coordinator's fold read of a layer (besides its
     # public attributes: rule, config, num_features, groups, the buffers, process_group) and the only methods
     # through which they change it. A fold computes each layer's outcome (``fold.FoldOutcome``, in a
-    # ``fold.PendingFold``) from :attr:`fold_block` and :meth:`fold_buffers`; the layer applies it
-    # (:meth:`apply_fold`).
+    # ``fold.PendingFold``) from :attr:`fold_block` and :meth:`fold_buffers`; the layer says what it writes
+    # (:meth:`fold_writes`) and :meth:`write_buffers` writes it.
     @property
     def fold_block(self) -> Block:
         """The partial block that a fold reads (its sums, its non-finite batches, whether it ended; read only)."""

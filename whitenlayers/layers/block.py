@@ -81,9 +81,7 @@ class Block:
 
     def add(self, x: Tensor, shift: Optional[Tensor], traced: bool = False) -> None:
         """Add the batch ``x``'s sums about ``shift`` (``x - shift``, broadcasting; ``None``: about 0) to the block:
-        the one formula of every path that adds a batch, a layer's eager forward and its compiled one, and the
-        batches a model's coordinator adds at its forward's end (on CUDA's path several layers' at once:
-        :func:`~whitenlayers.functional.accumulate_moments_grouped`, the same sums in batched products). ``x``
+        the one formula of every path that adds a batch, a layer's eager forward and its compiled one. ``x``
         detached, outside autocast; the caller counts its rows; ``traced``: inside a compiled graph.
 
         ``groups == 1``: into the augmented accumulator (:func:`~whitenlayers.functional.accumulate_moments`; inside
