@@ -30,6 +30,12 @@ process's CPU time, gloo's threads included)::
 
     torchrun --nproc_per_node 2 benchmarks/host_overhead.py --clock cpu --ddp
 
+``--imports`` times ``import whitenlayers`` against ``import torch`` in fresh interpreters of this Python, alternated
+(median of ``--rounds``; ``--clock cpu``: the child's CPU time), and checks that the import loads no ``torch._dynamo``
+(the package reaches dynamo at a layer's first build, never at import)::
+
+    python benchmarks/host_overhead.py --imports --clock cpu
+
 ``--ablate METHOD`` attributes that method's default step to its parts, switched off one at a time in the same
 converted model (the statistics not gathered; the absorbed offset's update; the weight-gradient transform, its
 autograd node not made; the C++ apply of the autograd Functions, ``Function.apply`` instead), stepped interleaved
@@ -42,7 +48,11 @@ from __future__ import annotations
 import argparse
 import copy
 import inspect
+import resource
 import statistics
+import subprocess
+import sys
+import time
 from typing import Callable, Dict, List
 
 import _common
@@ -115,6 +125,8 @@ def main(argv=None) -> Dict[str, object]:
     p.add_argument("--ablate", choices=sorted(k for k, (_, kw) in VARIANTS.items() if "defer" not in kw),
                    help="attribute one variant's host time to its parts")
     p.add_argument("--folds", action="store_true", help="time whole-model folds instead of steps")
+    p.add_argument("--imports", action="store_true", help="time `import whitenlayers` against `import torch`")
+    p.add_argument("--rounds", type=int, default=5, help="--imports: fresh interpreters per import, alternated")
     p.add_argument("--ddp", action="store_true", help="under torchrun: DDP steps (default, deferred, without the "
                                                          "buffer sync at every forward)")
     args = p.parse_args(argv)
@@ -124,6 +136,8 @@ def main(argv=None) -> Dict[str, object]:
         return ablate(args)
     if args.folds:
         return fold_host_time(args)
+    if args.imports:
+        return import_time(args)
     setup(1 if args.threads == 2 else args.threads, args.seed, args.clock)
     steps_per_round = 50  # one block of the longest block size; 5 blocks of the default 10
     rounds = 1 if args.tiny else args.blocks
@@ -202,6 +216,30 @@ def fold_host_time(args) -> Dict[str, object]:
     head = (f"Command: `{command_line()}`; {machine.get('cpu', '')}; torch {torch.__version__}; {layers} whitening "
             f"layers; load before/after {machine['loadavg']} / {loadavg()}")
     return _report(head, table, rows, layers, args.json)
+
+
+#: ``--imports``' statements, each in a fresh interpreter: the package's asserts that dynamo stayed unloaded.
+IMPORTS = {"torch": "import torch",
+           "whitenlayers": "import sys, whitenlayers; assert 'torch._dynamo' not in sys.modules, 'dynamo imported'"}
+
+
+def import_time(args) -> Dict[str, object]:
+    """``--imports``: see the module docstring."""
+    times: Dict[str, List[float]] = {name: [] for name in IMPORTS}
+    for _ in range(1 if args.tiny else args.rounds):
+        for name, statement in IMPORTS.items():
+            before, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+            subprocess.run([sys.executable, "-c", statement], check=True)
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+            times[name].append(cpu if args.clock == "cpu" else time.perf_counter() - t0)
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    rows = [[name, medians[name], medians[name] / medians["torch"]] for name in IMPORTS]
+    table = md_table(["import", f"median s ({args.clock} time)", "vs import torch"], rows, nd=2)
+    head = (f"Command: `{command_line()}`; {machine_description().get('cpu', '')}; torch {torch.__version__}; "
+            f"{len(times['torch'])} fresh interpreters each, alternated; no torch._dynamo after the package's "
+            f"import; load {loadavg()}")
+    return _report(head, table, rows, 0, args.json)
 
 
 def _interleaved(steppers: Dict[str, Callable[[], None]], names: List[str], steps: int, warmup: int,

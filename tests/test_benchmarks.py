@@ -126,6 +126,14 @@ def test_host_overhead_folds_tiny(tmp_path):
     assert all(r[1] >= 1 and r[2] > 0 for r in rows)  # folds timed, ms per fold
 
 
+def test_host_overhead_imports_tiny(tmp_path):
+    """``--imports`` times both imports in fresh interpreters (the package's asserts that dynamo stayed unloaded)."""
+    out = tmp_path / "out.json"
+    _run([str(BENCH / "host_overhead.py"), "--tiny", "--imports", "--json", str(out)], tmp_path)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r[0] for r in rows] == ["torch", "whitenlayers"] and rows[0][2] == 1.0 and rows[1][1] > 0
+
+
 def test_host_overhead_ddp_tiny(tmp_path):
     """``--ddp`` under torchrun (two gloo ranks): every variant timed on both ranks, each against the plain model
     with the same buffer sync."""
