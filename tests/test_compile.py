@@ -90,7 +90,7 @@ def test_compiled_converted_model_has_one_graph_per_step_kind_and_trains_like_ea
     layers = wl.whitening_layers(model)
     assert len({layer.num_features for _, layer in layers}) == 3
     assert all(int(layer.num_blocks) == 2 and layer.batches_in_block == 1 for _, layer in layers)
-    # the compiled layers take the per-layer transform in their graphs: no eager scope (no shared weight node) is open
+    # the compiled layers run in the graph: no eager scope is left open, and the traced calls were counted
     coordinator = next(h for h in model._forward_hooks.values() if isinstance(h, wl.coordinator.FoldCoordinator))
     assert not coordinator.scopes and not coordinator.traced_open
     eager = _model(method)

@@ -64,8 +64,8 @@ class FoldCoordinator:
     :func:`~whitenlayers.fold.fold_layers`'s (how transforms are spread over ranks).
 
     When the root is compiled, the pre-hook runs inside the graph and marks the forward (:attr:`traced_open`): the
-    layers' compiled forwards list their calls in ``traced_calls`` instead of counting them (no Python number
-    in the graph that changes from step to step), and the hook, outside the graph, counts them and folds. A
+    layers' compiled forwards list their calls in ``traced_calls`` instead of counting them (the counts stay out
+    of the graph), and the hook, outside the graph, counts them and folds. A
     compiled sub-module has no such mark: its layers count through a graph break each. A compiled forward whose
     backward holds the layers' buffers themselves (compiled activation checkpointing recomputes the graph's copies of
     them there) folds after that backward.
@@ -423,8 +423,8 @@ ASYNC_CHUNK_ELEMENTS = 1 << 22
 
 def _compute_jobs(jobs: Sequence[_FoldJob], device: torch.device,
                   stream: Any) -> Tuple[Optional[List[PendingFold]], Any]:
-    """The worker thread's part of an asynchronous fold: for each job (layers of one stack, or all layers under
-    ``torch.distributed``), the summaries of their copied sums (or the summaries made on the training thread) and
+    """The worker thread's part of an asynchronous fold: for each job (layers of one stack, split by
+    :func:`~whitenlayers.fold._fold_chunks`), the summaries of their copied sums (or the summaries made on the training thread) and
     ``fold._compute_folds`` from copies of their buffers; no gradient, no autocast (both are per thread), on
     ``stream`` (CUDA) with an event recorded after it. Reads nothing the training thread writes while it runs
     (``num_blocks`` is written when a fold is, after waiting for this one)."""

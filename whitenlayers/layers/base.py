@@ -135,7 +135,7 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
 
     Subclasses call ``_init_whitening`` after their ``nn.Module`` base ``__init__``; their forward starts with
     ``_begin`` and, for a training batch, ends with ``_end`` (``whitenlayers.layers.step``); they may override
-    ``_on_mean_change`` (bias compensation).
+    ``_mean_change_writes`` (bias compensation).
 
     Public state besides the buffers: :attr:`config` (the frozen hyper-parameters), ``rule``, :attr:`method`,
     :attr:`batches_in_block`, :attr:`frozen`, ``process_group``, the counters ``transform_failures``,
@@ -388,7 +388,8 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
         (``model.to(torch.bfloat16)``, ``.half()``) moves the layer's own floating buffers (statistics,
         transforms, bias compensation) to the new device in their own dtype (float32, or float64 for a float64
         layer); a cast between float32 and float64 casts them as before. And the partial block, which is not
-        buffers (DDP would broadcast them), moves with the layer, its sums in the statistics' dtype.
+        buffers (DDP would broadcast them), moves with the layer, its sums in their own dtype (float32 or float64;
+        a grouped layer's float64) as a float32 <-> float64 cast of the layer decides.
         """
         self._wait_for_fold()
         own = {name: buf for name, buf in self._buffers.items() if buf is not None and buf.is_floating_point()}
@@ -434,12 +435,13 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
     # -------------------------------------------------------------------- fold
     # The fold's interface: what :mod:`whitenlayers.fold` and the coordinator's fold read of a layer (besides its
     # public attributes: rule, config, num_features, groups, the buffers, process_group) and the only methods
-    # through which they change it. A fold computes each layer's outcome (``fold.FoldOutcome``, in a
+    # through which they change it (besides the block's float64 sums, which a distributed fold's
+    # ``_global_summaries`` uses as scratch space before the block restarts). A fold computes each layer's outcome (``fold.FoldOutcome``, in a
     # ``fold.PendingFold``) from :attr:`fold_block` and :meth:`fold_buffers`; the layer says what it writes
     # (:meth:`fold_writes`) and :meth:`write_buffers` writes it.
     @property
     def fold_block(self) -> Block:
-        """The partial block that a fold reads (its sums, its non-finite batches, whether it ended; read only)."""
+        """The partial block that a fold reads (its sums, its non-finite batches, whether it ended)."""
         return self._block
 
     def fold_buffers(self) -> Dict[str, Tensor]:
@@ -602,7 +604,7 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
 
 
 def _own_copy(value: Optional[Tensor], buffer: Tensor) -> bool:
-    """Whether ``value`` can stand for ``buffer``'s copy (:meth:`WhiteningLayer._write_buffers`): a tensor apart from
+    """Whether ``value`` can stand for ``buffer``'s copy (:meth:`WhiteningLayer.write_buffers`): a tensor apart from
     it, as it stores it (shape, dtype, device), outside autograd and inference mode."""
     return (value is not None and value is not buffer and value.shape == buffer.shape and value.dtype == buffer.dtype
             and value.device == buffer.device and not value.requires_grad and not value.is_inference())

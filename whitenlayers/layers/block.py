@@ -66,14 +66,11 @@ class Block:
         self.shift_x: Optional[Tensor] = None  # the shift as the batches subtract it (None: summed about 0)
         return [self.dense] if self.acc is not None else [self.s1, self.s2]
 
-    def set_accumulator(self, acc: Tensor, dense: Optional[Tensor] = None) -> None:
-        """Make ``acc`` the block's augmented accumulator; ``dense``: the dense storage it views, which a new block
-        zeroes (default: its base, :func:`~whitenlayers.functional.moments_accumulator`'s padded rows; a slice of
-        a fold coordinator's stacked accumulator passes its own rows)."""
-        if dense is None:
-            base = acc._base
-            dense = base if base is not None and base.dim() == 2 and base.shape[0] == acc.shape[0] else acc
-        self.dense = dense
+    def set_accumulator(self, acc: Tensor) -> None:
+        """Make ``acc`` the block's augmented accumulator; a new block zeroes the dense storage it views (its base,
+        :func:`~whitenlayers.functional.moments_accumulator`'s padded rows, else ``acc`` itself)."""
+        base = acc._base
+        self.dense = base if base is not None and base.dim() == 2 and base.shape[0] == acc.shape[0] else acc
         self.acc = acc
         self.s2 = acc[:-1, :-1]
         self.s1 = acc[:-1, -1]
@@ -140,9 +137,6 @@ class Block:
     def __getstate__(self) -> Dict[str, Any]:
         transient = ("dense", "parts", "shift_x", "s1", "s2") if self.acc is not None else ("shift_x",)
         state = {name: getattr(self, name) for name in self.__slots__ if name not in transient and hasattr(self, name)}
-        acc = self.acc
-        if acc is not None and acc._base is not None and acc._base.dim() == 3:  # a slice of a stacked accumulator
-            state["acc"] = F_w.moments_accumulator(acc.shape[0] - 1, acc.dtype, acc.device).copy_(acc)
         if self.shift is self.store:
             state["shift"] = "store"
         return state

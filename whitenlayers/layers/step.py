@@ -11,16 +11,17 @@ every ``stats_every`` batches). Whether a layer gathers at all is one predicate,
 
 What a forward reads. A fold writes the layer's buffers in place (they keep their tensors: ``functional_call``,
 CUDA graphs), right after the forward that ends a block, before that forward's backward. So a training forward reads
-copies of them (:class:`InForce`), taken at the first training forward after they were written; whoever writes the
-buffers (:meth:`~whitenlayers.WhiteningLayer._write_buffers`, and torch's own writers: a load, a move) drops the
-copies. Every other forward (evaluation, frozen, no gradient) reads the buffers themselves: no fold runs before its
+copies of them (:class:`InForce`): the one writer of the buffers (:meth:`~whitenlayers.WhiteningLayer.write_buffers`:
+a fold, a load, a reset, a move) makes the values it writes the new copies, or drops the copies, which the next
+training forward then takes. Every other forward (evaluation, frozen, no gradient) reads the buffers themselves: no fold runs before its
 backward, and it sees any write (an EMA helper's, a user's). A forward that autograd recomputes inside a backward
 (activation checkpointing) reads what its original forward read.
 
 Compiled, a forward runs :meth:`~_StepMixin._begin_traced`: the buffers copied in the graph (an operator of the
 package's own, so that the partitioner saves the copies for the backward), the batch summed about the block's shift
-tensor, and the batch counted outside the graph (no Python number that changes from step to step is read there): by
-the coordinator after the root's graph, else through a graph break. Its rounding differs from the eager forward's.
+tensor, and the batch counted outside the graph: by the coordinator after the root's graph, else through a graph
+break. The graph reads one Python value that can change from step to step, whether the block gathers at this batch
+(``Block.gather_next``): with ``stats_every > 1`` a second graph. Its rounding differs from the eager forward's.
 
 :class:`_GradStep` is the forward of the grad / recursive layers (convolutions and linear layers): the weight whose
 gradient is right-multiplied by ``Q_s``, and the centring (``b + c - sum_k W_k mu``; for a bias-free convolution in
@@ -159,7 +160,7 @@ class Step(NamedTuple):
     traced: bool = False
     #: The rows a compiled forward added (counted outside the graph at its end).
     rows: int = 0
-    #: An eager forward of a training step: no trace (``torch.jit``, dynamo) and no torch.func transform running,
+    #: An eager forward of a training step (no ``torch.jit`` trace, no dynamo, no torch.func transform running),
     #: which the forward's parts need not ask again.
     plain: bool = False
 
