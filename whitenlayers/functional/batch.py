@@ -528,38 +528,38 @@ def transform_weight_grad(grad: Tensor, q: Tensor) -> Tensor:
         q = q.to(grad.dtype)
     if grad.dim() == 2:
         return grad @ q
-    if torch.compiler.is_compiling():  # (a graph reads no layout: dynamo refuses is_contiguous in a backward's trace)
-        return torch.matmul(grad.movedim(1, -1), q).movedim(-1, 1).contiguous()
+    m = grad.shape[1]
+    if torch.compiler.is_compiling():
+        # A graph reads no layout (torch.export's strict mode refuses is_contiguous): the products of a contiguous
+        # gradient, on a contiguous copy where the gradient is strided.
+        return _dense_weight_grad(grad.contiguous(), q)
     # The common cases first, each a few Python-level calls: this runs in every layer's backward on every step.
-    s, m = grad.shape[0], grad.shape[1]
     if grad.is_contiguous():
-        if grad.numel() == s * m:  # a 1x1 kernel
-            return _kernel1_weight_grad(grad, q)
-        if grad.device.type != "cpu" or m <= _CPU_BMM_MAX_FEATURES:
-            # One batched product, Q^T @ grad[s] for each output feature s (Q^T broadcast, not copied): one
-            # kernel, the result in the gradient's own layout.
-            return torch.bmm(q.t().expand(s, m, m), grad.view(s, m, -1)).view(grad.shape)
-    elif grad.movedim(1, -1).is_contiguous():
+        out = _dense_weight_grad(grad, q)
+        # (a 1x1 kernel's channels_last strides differ on the size-1 dims; DDP's buckets take a gradient as it is
+        # only in its parameter's strides)
+        return out if out.stride() == grad.stride() else out.as_strided(grad.shape, grad.stride())
+    if grad.movedim(1, -1).is_contiguous():
         # A channels_last gradient (a model moved to channels_last) is an (S * taps, M) matrix as it lies: one
         # product, the result laid out as the gradient is.
         rows = grad.as_strided((grad.numel() // m, m), (m, 1))
         return torch.mm(rows, q).as_strided(grad.shape, grad.stride())
-    # One (M x M) @ (M x S*K) product on the input-feature axis moved first (a copy of the small weight gradient),
-    # written back in the gradient's layout: three ops, but on a CPU faster than the batched product for wide
-    # layers.
-    g = grad.transpose(0, 1).contiguous().view(m, -1)
-    out = (q.t() @ g).view((m, s) + tuple(grad.shape[2:])).transpose(0, 1)
-    if grad.is_contiguous():
-        return out.contiguous()
-    return torch.empty_like(grad).copy_(out)  # the gradient's own layout (channels_last)
+    return torch.empty_like(grad).copy_(_dense_weight_grad(grad.contiguous(), q))  # any other layout, kept
 
 
-def _kernel1_weight_grad(grad: Tensor, q: Tensor) -> Tensor:
-    """:func:`transform_weight_grad` of a contiguous ``(S, M, 1, ...)`` gradient (a 1x1 kernel): one ``(S x M) @
-    (M x M)`` product, returned in the gradient's strides (channels_last's differ on the size-1 dims; DDP's buckets
-    take a gradient as it is only in its parameter's strides)."""
-    out = (grad.view(grad.shape[0], grad.shape[1]) @ q).view(grad.shape)
-    return out if out.stride() == grad.stride() else out.as_strided(grad.shape, grad.stride())
+def _dense_weight_grad(grad: Tensor, q: Tensor) -> Tensor:
+    """:func:`transform_weight_grad` of a contiguous ``(S, M, *kernel)`` gradient, contiguous: a 1x1 kernel's one
+    ``(S x M) @ (M x M)`` product; else one batched product ``Q^T @ grad[s]`` per output feature ``s`` (``Q^T``
+    broadcast, not copied), or on a CPU for more than :data:`_CPU_BMM_MAX_FEATURES` input features one ``(M x M) @
+    (M x S*K)`` product on the input-feature axis moved first (a copy of the small gradient: three ops, but faster
+    there than the batched product for wide layers)."""
+    s, m = grad.shape[0], grad.shape[1]
+    if grad.numel() == s * m:
+        return (grad.view(s, m) @ q).view(grad.shape)
+    if grad.device.type != "cpu" or m <= _CPU_BMM_MAX_FEATURES:
+        return torch.bmm(q.t().expand(s, m, m), grad.view(s, m, -1)).view(grad.shape)
+    out = q.t() @ grad.transpose(0, 1).reshape(m, -1)
+    return out.view((m, s) + tuple(grad.shape[2:])).transpose(0, 1).contiguous()
 
 
 def _grouped_weight_grad(grad: Tensor, q: Tensor) -> Tensor:
