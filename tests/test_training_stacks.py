@@ -519,7 +519,8 @@ def test_lightning_checkpoint_resumes_mid_block(tmp_path):
 @pytest.mark.parametrize("dynamo", [False, pytest.param(True, marks=needs((2, 7), "the dynamo-based ONNX exporter of a "
                                                                               "converted model"))],
                          ids=["torchscript-exporter", "dynamo-exporter"])
-def test_onnx_export(tmp_path, dynamo):
+def test_onnx_export(tmp_path, monkeypatch, dynamo):
+    monkeypatch.chdir(tmp_path)  # (a failing dynamo export writes its report_dynamo_export.sarif into the cwd)
     onnx = pytest.importorskip("onnx")
     if dynamo:
         pytest.importorskip("onnxscript")
