@@ -189,7 +189,8 @@ def _report_cause(msg: str, lenient: str) -> None:
 
 def cause_first(module: Any, incompatible_keys: Any) -> None:
     """Formerly the converted model's ``load_state_dict`` post-hook that put the cause of a failed load first; the
-    layers now warn with the cause (:func:`_report_cause`). Kept so that a model pickled with the hook loads."""
+    layers now warn with the cause (:func:`_report_cause`), and :func:`~whitenlayers.convert_model` registers it no
+    more. Kept so that a model pickled with the hook loads."""
 
 
 #: Buffers only a recursive layer has (they tell a recursive checkpoint from a grad one).
