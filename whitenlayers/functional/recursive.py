@@ -126,10 +126,11 @@ def recursive_step(
     Returns:
         A :class:`RecursiveStep`: ``T(i)``, ``Q(i)`` and the step's direction, power, gain and clamp.
     """
-    one = t_prev.dim() == 2  # one matrix: a stack of one
-    stacks = [a.unsqueeze(0) if one else a for a in (t_prev, q_prev, phi_y)]
-    step, over = recursive_step_blocks(*stacks, mean_power, gamma=gamma, delta=delta, eps=eps, c_rel=c_rel,
-                                       c_abs=c_abs)
+    one = t_prev.dim() == 2
+    if one:  # one matrix: a stack of one
+        t_prev, q_prev, phi_y = t_prev.unsqueeze(0), q_prev.unsqueeze(0), phi_y.unsqueeze(0)
+    step, over = recursive_step_blocks(t_prev, q_prev, phi_y, mean_power, gamma=gamma, delta=delta, eps=eps,
+                                       c_rel=c_rel, c_abs=c_abs)
     if one:
         step = RecursiveStep(step.transform[0], step.gram[0], step.direction[0], step.power[0], step.gain[0], False)
     return step._replace(clamped=bool(over.any()))
