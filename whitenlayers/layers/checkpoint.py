@@ -244,9 +244,8 @@ class _CheckpointMixin(_Layer):
         tensor, not a dict, so the state dict holds tensors only (EMA helpers, safetensors and exporters iterate over
         it as tensors); a fresh one at each call, owned by nobody.
         """
+        self._wait_for_fold()  # a fold in flight: its result is the pending fold written below
         coordinator = self.__dict__.get("_fold_coordinator")
-        if coordinator is not None:
-            coordinator.wait()  # a fold in flight: its result is the pending fold written below
         pending = cast(Optional[PendingFold], self._pending_fold)
         block = self._block
         device = self.running_mean.device
