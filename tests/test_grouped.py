@@ -132,7 +132,7 @@ def test_grouped_recursive_step_is_the_step_of_each_group(k):
     q = t.mT @ t
     mean_power = torch.tensor(0.8, dtype=DT)
     kw = dict(gamma=0.99, delta=0.25, eps=1e-5, c_rel=0.025, c_abs=1e-6)
-    step = F.recursive_step_grouped(t, q, phi, mean_power, **kw)
+    step = F.recursive_step(t, q, phi, mean_power, **kw)  # (G, k, k): a step per block
     clamped = False
     for i in range(g):
         ref = F.recursive_step(t[i], q[i], phi[i], mean_power, **kw)

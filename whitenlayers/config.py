@@ -29,8 +29,7 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Tuple, Type
 
-__all__ = ["GAINS", "WhiteningConfig", "EVDConfig", "RecursiveConfig", "make_config", "validate_hyperparameters",
-           "field_range", "field_doc"]
+__all__ = ["GAINS", "WhiteningConfig", "EVDConfig", "RecursiveConfig", "make_config", "field_range", "field_doc"]
 
 DEFAULT_BLOCK_SIZE = 10
 #: The methods whose layers take each rule's config (``WhiteningConfig.method``), for the error messages.
@@ -61,25 +60,6 @@ _CHECKS = {
 }
 
 
-def validate_hyperparameters(**kw: Any) -> None:
-    """Raise ``ValueError`` naming the first argument outside its valid range (docs/PAPER.md, "Hyper-parameters").
-
-    Args:
-        **kw: hyper-parameters by name (any fields of :class:`EVDConfig` and :class:`RecursiveConfig`); each is
-            checked against its range (:func:`field_range`). A name that is not a field is a ``KeyError``.
-
-    Example:
-        >>> validate_hyperparameters(alpha=0.5, block_size=2)
-        >>> validate_hyperparameters(gmax=0.5)
-        Traceback (most recent call last):
-        ...
-        ValueError: gmax must be >= 1, but got gmax=0.5
-    """
-    for name, value in kw.items():
-        if not _is_valid(name, value):
-            raise ValueError(f"{name} must be {field_range(name)}, but got {name}={value!r}")
-
-
 def _is_valid(name: str, value: Any) -> bool:
     """Whether ``value`` is in the range of the hyper-parameter ``name`` (a ``KeyError`` for another name)."""
     ok, _ = _CHECKS[name]
@@ -96,7 +76,7 @@ def _hp(default: Any, help: str, symbol: Optional[str] = None, *, doc: str, when
     * ``help``: what it is, in a few words (the runner's ``--help`` shows it with the range and default);
     * ``symbol``: the paper's symbol, if it has one;
     * ``doc``: what it does, in a sentence or two;
-    * ``range``: the valid values (the text of the check that :func:`validate_hyperparameters` applies);
+    * ``range``: the valid values (the text of the check that the config applies, :func:`field_range`);
     * ``when``: why the default is what it is, and when to change it.
 
     The class docstrings' ``Args`` sections are built from them at import time (:func:`_document`).
@@ -105,7 +85,7 @@ def _hp(default: Any, help: str, symbol: Optional[str] = None, *, doc: str, when
 
 
 def field_range(name: str) -> str:
-    """The valid values of the hyper-parameter ``name``, as :func:`validate_hyperparameters` checks them.
+    """The valid values of the hyper-parameter ``name``, as a config checks them on construction.
 
     Args:
         name: a field name of :class:`EVDConfig` or :class:`RecursiveConfig`, e.g. ``"alpha"``.

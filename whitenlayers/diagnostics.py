@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import statistics
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Tuple, cast
@@ -90,15 +91,10 @@ class Diagnostics:
 
 
 def _mean_sem(values: Iterable[float]) -> Tuple[float, float]:
+    """The mean of the finite ``values`` and its standard error ``stdev / sqrt(n)`` (NaN for ``n < 2``)."""
     vals = [v for v in values if math.isfinite(v)]
-    n = len(vals)
-    if n == 0:
-        return math.nan, math.nan
-    mean = sum(vals) / n
-    if n < 2:
-        return mean, math.nan
-    var = sum((v - mean) ** 2 for v in vals) / (n - 1)
-    return mean, math.sqrt(var / n)
+    mean = statistics.fmean(vals) if vals else math.nan
+    return mean, statistics.stdev(vals) / math.sqrt(len(vals)) if len(vals) > 1 else math.nan
 
 
 def _kappa_rho(cov: Optional[Tensor]) -> Tuple[float, float]:

@@ -31,9 +31,9 @@ from .layers import (
     RecursiveWhitenLinear,
 )
 from .layers.base import split_options
-from .rules import TransformRule, layer_rule, rule_and_config
+from .rules import TransformRule, rule_and_config
 
-__all__ = ["WhiteningMethod", "METHODS", "get_method", "method_of"]
+__all__ = ["WhiteningMethod", "METHODS", "get_method"]
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class WhiteningMethod:
     ``layers`` maps ``nn.Conv1d`` / ``nn.Conv2d`` / ``nn.Conv3d`` / ``nn.Linear`` to the class that replaces it;
     a method that wraps its target instead (``direct``: :class:`~whitenlayers.DirectWhiten` in front of the
     unchanged layer) has ``wrapper`` set and no ``layers``. ``exclude`` lists the config fields its layers do not
-    take; ``rule`` is the name of its transform rule (``layer.method``: ``"evd"`` or ``"recursive"``).
+    take; ``rule`` is the name of its transform rule (``layer.rule_name``: ``"evd"`` or ``"recursive"``).
 
     Args:
         name: the method's name, as ``convert_model(method=...)`` and the runner take it.
@@ -72,36 +72,20 @@ class WhiteningMethod:
                 return cls
         raise TypeError(f"method {self.name!r} has no whitening layer for {type(module).__name__}")
 
-    def check_kwargs(self, owner: str, kwargs: Mapping[str, Any]) -> None:
-        """``TypeError`` for a keyword this method's layers do not take, or a ``config`` of another class;
-        ``ValueError`` for a value out of its range: the checks of :meth:`make_config`, which makes the config.
+    def rule_and_config(self, owner: str, kwargs: Mapping[str, Any]) -> Tuple[Type[TransformRule], WhiteningConfig]:
+        """The rule class and the config that layers built with ``kwargs`` get, as the layers make them
+        (:func:`~whitenlayers.rules.rule_and_config`): ``TypeError`` for a keyword this method's layers do not
+        take, a ``config`` of another class or a rule that does not take this method's config; ``ValueError``
+        naming a value out of its range.
 
         Args:
-            owner: the name the message gives (``"convert_model"``).
-            kwargs: the layer keyword arguments to check.
-        """
-        self.make_config(owner, kwargs)
-
-    def rule_class(self, owner: str, kwargs: Mapping[str, Any]) -> Type[TransformRule]:
-        """The rule class that layers built with ``kwargs`` get: ``kwargs["rule"]`` (a class or a registered name,
-        checked to take this method's config), else the default (:func:`~whitenlayers.rules.rule_and_config`).
-
-        Args:
-            owner: the name the messages give.
-            kwargs: the layer keyword arguments.
-        """
-        return layer_rule(self.config, owner, kwargs.get("config"), kwargs.get("rule"))
-
-    def make_config(self, owner: str, kwargs: Mapping[str, Any]) -> WhiteningConfig:
-        """The config that layers built with ``kwargs`` get (``ValueError`` naming a bad value).
-
-        Args:
-            owner: the name the messages give.
-            kwargs: the layer keyword arguments (``config=`` and whitening hyper-parameters; others ignored).
+            owner: the name the messages give (``"convert_model"``).
+            kwargs: the layer keyword arguments (``config=``, ``rule=`` and whitening hyper-parameters; others
+                ignored).
         """
         options, whitening = split_options(dict(kwargs))
         return rule_and_config(self.config, owner, options["config"], {**whitening, "rule": options["rule"]},
-                               exclude=self.exclude)[1]
+                               exclude=self.exclude)
 
 
 _LINEAR_AND_CONVS = (nn.Linear, nn.Conv2d, nn.Conv1d, nn.Conv3d)
@@ -126,21 +110,3 @@ def get_method(name: str) -> WhiteningMethod:
         return METHODS[name]
     except (KeyError, TypeError):
         raise ValueError(f"method must be one of {tuple(METHODS)}, but got method={name!r}") from None
-
-
-def method_of(layer: nn.Module) -> str:
-    """The method name of a whitening layer: ``"direct"`` for a :class:`~whitenlayers.DirectWhiten`, else the
-    method whose layer classes include its class (``"grad"`` or ``"recursive"``).
-
-    Args:
-        layer: a whitening layer (a subclass of a registered class counts by its rule); else ``TypeError``.
-    """
-    if isinstance(layer, DirectWhiten):
-        return "direct"
-    for m in METHODS.values():
-        if type(layer) in m.layers.values():
-            return m.name
-    for m in METHODS.values():  # a subclass of a registered layer: by its rule (WhiteningLayer.method)
-        if m.layers and getattr(layer, "method", None) == m.name and isinstance(layer, tuple(m.layers.values())):
-            return m.name
-    raise TypeError(f"{type(layer).__name__} is not a whitening layer of a registered method")

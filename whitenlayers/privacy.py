@@ -75,21 +75,16 @@ def _subclasses(cls: type) -> Iterator[type]:
         yield from _subclasses(sub)
 
 
-def register_opacus_validators(validator_class: Any = None) -> None:
-    """Add the whitening layers to Opacus' ``ModuleValidator`` registry (idempotent). Called for you when
-    whitenlayers or Opacus is imported; call it again after defining a subclass of a whitening layer, whose
-    exact type Opacus looks up.
+def register_opacus_validators() -> None:
+    """Add the whitening layers to Opacus' ``ModuleValidator`` registry (idempotent). Called for you where Opacus'
+    validators are loaded, when whitenlayers is imported and by :func:`~whitenlayers.convert_model`; call it after a
+    later first import of Opacus, or after defining a subclass of a whitening layer, whose exact type Opacus looks
+    up."""
+    from opacus.validators.module_validator import ModuleValidator
 
-    Args:
-        validator_class: the registry's class (default: ``opacus.validators.module_validator.ModuleValidator``).
-    """
-    if validator_class is None:
-        from opacus.validators.module_validator import ModuleValidator
-
-        validator_class = ModuleValidator
     from .layers.base import WhiteningLayer
 
-    registry = validator_class.VALIDATORS
+    registry = ModuleValidator.VALIDATORS
     for cls in _subclasses(WhiteningLayer):
         registry[cls] = _validate_whitening_layer
     for cls in _PLAIN_TYPES:

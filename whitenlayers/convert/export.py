@@ -77,13 +77,9 @@ def _export_direct(wrapper: DirectWhitenWrapper, bn: Optional[nn.BatchNorm2d] = 
         out: Any = nn.Sequential(pre, layer)  # or (below) the plain conv or linear layer
     else:
         # layer(T (x - mu)) = layer(x; W T) - sum_k (W T)_k mu: exact for unpadded convs and linear layers.
-        w64 = w.to(torch.float64)
-        if t.dim() == 3:  # grouped: W_g T_g per group of output channels
-            g = t.shape[0]
-            wt = torch.einsum("gsi...,gij->gsj...", w64.reshape((g, w.shape[0] // g) + tuple(w.shape[1:])), t)
-            wt = wt.reshape(w.shape)
-        else:
-            wt = torch.einsum("oi...,ij->oj...", w64, t)
+        t_blocks = t if t.dim() == 3 else t.unsqueeze(0)  # W_g T_g per group of output channels (one group: W T)
+        w64 = w.to(torch.float64).reshape((t_blocks.shape[0], w.shape[0] // t_blocks.shape[0]) + tuple(w.shape[1:]))
+        wt = torch.einsum("gsi...,gij->gsj...", w64, t_blocks).reshape(w.shape)
         offset = F_w.weight_mean_product(wt, mu)
         out = layer_like(layer, bias=bn is None)
         out.weight.copy_(wt)

@@ -25,8 +25,7 @@ from ..layers import (
     GRAD_LAYER_TYPES,
     WhiteningLayer,
 )
-from ..layers.checkpoint import cause_first
-from ..methods import get_method, method_of
+from ..methods import get_method
 from ..patches import PATCH_MAX_FEATURES
 from ..privacy import register_if_loaded
 from ._common import (
@@ -66,8 +65,6 @@ def _install_coordinator(model: nn.Module, strategy: str, fold_async: bool) -> N
         coord.handle = model.register_forward_hook(coord, always_call=True)
     if not any(getattr(h, "__self__", None) is coord for h in model._forward_pre_hooks.values()):
         coord.begin_handle = model.register_forward_pre_hook(coord.begin_forward)
-    if cause_first not in model._load_state_dict_post_hooks.values():  # another method's checkpoint: cause first
-        model.register_load_state_dict_post_hook(cause_first)
     for layer in layers:
         layer._fold_coordinator = coord
     coord.layers = layers
@@ -87,8 +84,7 @@ def _check_existing(model: nn.Module, method: str, layer_kwargs: Dict[str, Any])
     whitening layers as they are; anything else would silently mix layers.
     """
     owner = f"convert_model(method={method!r})"
-    config = get_method(method).make_config(owner, layer_kwargs)
-    rule = get_method(method).rule_class(owner, layer_kwargs)
+    rule, config = get_method(method).rule_and_config(owner, layer_kwargs)
     group = layer_kwargs.get("process_group")
     for name, m in model.named_modules():
         if isinstance(m, DirectWhitenWrapper):
@@ -97,7 +93,7 @@ def _check_existing(model: nn.Module, method: str, layer_kwargs: Dict[str, Any])
             layer = m
         else:
             continue
-        have = method_of(layer)
+        have = layer.method
         where = f"'{name}'" if name else "the model"
         if have != method:
             raise ValueError(

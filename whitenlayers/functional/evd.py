@@ -202,30 +202,27 @@ def grouped_whitening_gains(eigenvalues: Tensor, *, eps: float, gmax: float, gai
     return torch.where(keep, g, torch.ones_like(g)).view_as(eigenvalues)
 
 
-def _grouped_eigh(covs: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
-    """Batched ``eigh`` of ``(G, k, k)`` blocks, decreasing eigenvalues; failed blocks retried one by one
-    (:func:`robust_eigh`: working precision, then float64). ``None`` when some block fails for good."""
-    if not all_finite(covs):
-        return None
-    work = eigh_dtype(covs)
-    k = covs.shape[-1]
-    if k == 1:  # depthwise: the eigenvalue is the variance, the eigenvector 1
-        c = covs.to(work)
-        return c[:, :, 0], torch.ones_like(c)
+def _blocks_eigh(blocks: Tensor) -> Tuple[Tensor, Tensor, List[bool]]:
+    """Batched ``eigh`` of finite ``(B, k, k)`` blocks, decreasing eigenvalues, and whether each block has its
+    eigenpairs: blocks whose batched result is not finite (all of them when the batched call raises) are retried
+    one by one (:func:`robust_eigh`: working precision, then float64); ``False`` where that fails too."""
+    if blocks.shape[-1] == 1:  # depthwise: the eigenvalue is the variance, the eigenvector 1
+        return blocks[:, :, 0], torch.ones_like(blocks), [True] * blocks.shape[0]
     try:
-        lam, vec = torch.linalg.eigh(symmetrize(covs.to(work)))
+        lam, vec = torch.linalg.eigh(symmetrize(blocks))
         bad = (~(torch.isfinite(lam).all(-1) & torch.isfinite(vec).flatten(1).all(1))).nonzero().flatten().tolist()
     except RuntimeError:  # torch.linalg.LinAlgError is a RuntimeError
-        lam = torch.empty(covs.shape[:2], dtype=work, device=covs.device)
-        vec = torch.empty(covs.shape, dtype=work, device=covs.device)
-        bad = list(range(covs.shape[0]))
+        lam, vec = blocks.new_empty(blocks.shape[:2]), torch.empty_like(blocks)
+        bad = list(range(blocks.shape[0]))
     lam, vec = lam.flip(-1), vec.flip(-1)
+    ok = [True] * blocks.shape[0]
     for i in bad:
-        dec = robust_eigh(covs[i])
+        dec = robust_eigh(blocks[i])
         if dec is None:
-            return None
-        lam[i], vec[i] = dec[0].to(work), dec[1].to(work)
-    return lam, vec
+            ok[i] = False
+        else:
+            lam[i], vec[i] = dec[0].to(blocks.dtype), dec[1].to(blocks.dtype)
+    return lam, vec, ok
 
 
 def evd_transform_grouped(
@@ -235,16 +232,16 @@ def evd_transform_grouped(
 
     Equal (to float tolerance) to the diagonal blocks of
     ``evd_transform(block_diagonal(covs))``, from one batched ``eigh`` of the
-    ``k x k`` blocks (none at all for ``k = 1``). ``None`` when a block's
-    eigendecomposition fails in float64 too. Results in ``covs.dtype``.
+    ``k x k`` blocks (none at all for ``k = 1``): :func:`evd_transform_grouped_batched` of this one layer.
+    ``None`` when ``covs`` is not finite, or a block's eigendecomposition fails in float64 too. Results in
+    ``covs.dtype``.
 
     Args:
         covs: the diagonal blocks ``(G, k, k)`` of a block-diagonal covariance.
         eps, gmax, gains: the :class:`~whitenlayers.EVDConfig` fields of those names (``gmax`` unused with
             ``gains="zca"``).
     """
-    dec = _grouped_eigh(covs)
-    return None if dec is None else _finite_in(*_zca_from_eig(*dec, eps, gmax, gains, grouped=True), covs.dtype)
+    return evd_transform_grouped_batched([covs], eps=eps, gmax=gmax, gains=gains)[0]
 
 
 def evd_transform_grouped_batched(
@@ -254,9 +251,10 @@ def evd_transform_grouped_batched(
 
     ``covs`` holds one ``(G_i, k, k)`` stack per layer (``k`` shared, ``G_i``
     free). The gains are computed per layer (each layer's own mean eigenvalue
-    and rank). A layer with non-finite blocks gives ``None``; a layer whose
-    blocks the batched ``eigh`` got wrong goes through
-    :func:`evd_transform_grouped` alone.
+    and rank). A layer with non-finite blocks gives ``None`` (its blocks are not
+    decomposed); a block whose batched ``eigh`` is not finite is decomposed
+    alone (working precision, then float64), and a layer with a block that
+    fails in float64 too, or with a non-finite transform, gives ``None``.
 
     Args:
         covs: one ``(G_i, k, k)`` stack per layer, ``k`` shared.
@@ -266,25 +264,19 @@ def evd_transform_grouped_batched(
     Returns:
         One ``(T, Q)`` (as blocks) or ``None`` per layer.
     """
-    finite = [i for i, c in enumerate(covs) if all_finite(c)]
-    dec = None  # one batched eigh for two layers or more (none for depthwise blocks: no eigh at all)
-    if len(finite) > 1 and covs[0].shape[-1] > 1:
-        work = eigh_dtype(covs[finite[0]])
-        try:
-            dec = torch.linalg.eigh(symmetrize(torch.cat([covs[i].to(work) for i in finite])))
-        except RuntimeError:  # torch.linalg.LinAlgError is a RuntimeError
-            pass
     out: List[Optional[Tuple[Tensor, Tensor]]] = [None] * len(covs)
+    finite = [i for i, c in enumerate(covs) if all_finite(c)]
+    if not finite:
+        return out
+    work = eigh_dtype(covs[finite[0]])
+    lam, vec, ok = _blocks_eigh(torch.cat([covs[i].to(work) for i in finite]))
     pos = 0
     for i in finite:
         g = covs[i].shape[0]
-        res = None
-        if dec is not None:
-            li, vi = dec.eigenvalues[pos : pos + g].flip(-1), dec.eigenvectors[pos : pos + g].flip(-1)
-            if all_finite(li, vi):
-                res = _finite_in(*_zca_from_eig(li, vi, eps, gmax, gains, grouped=True), covs[i].dtype)
+        if all(ok[pos : pos + g]):
+            tq = _zca_from_eig(lam[pos : pos + g], vec[pos : pos + g], eps, gmax, gains, grouped=True)
+            out[i] = _finite_in(*tq, covs[i].dtype)
         pos += g
-        out[i] = res if res is not None else evd_transform_grouped(covs[i], eps=eps, gmax=gmax, gains=gains)
     return out
 
 

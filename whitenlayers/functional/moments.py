@@ -254,9 +254,7 @@ def fold_moments(
     block: BlockSummary,
     alpha: float,
     first: Union[bool, Sequence[bool]],
-    *,
-    return_block_cov: bool = False,
-) -> Union[Tuple[Tensor, Tensor], Tuple[Tensor, Tensor, Tensor]]:
+) -> Tuple[Tensor, Tensor]:
     """One block of the moment recursion: eqs. ``vmuxi``/``vPhixi`` (``vmuxnz``/``vPhixnz`` when ``first``).
 
     ``mu(i) = alpha mu(i-1) + (1 - alpha) mean_block`` and
@@ -264,8 +262,6 @@ def fold_moments(
     the block's samples centred on the *new* mean ``mu(i)`` (ERRATA 7). For the
     first block there is no recursion (``alpha`` is ignored). float64.
     Symmetric to the last bit when ``cov_prev`` and the block's scatter are.
-    With ``return_block_cov`` also returns the block's covariance about ``mu(i)``
-    (the new term of eq. ``vPhixi``), which the recursive rule needs.
 
     Stacked layers (a leading dimension ``L`` on every tensor, ``first`` one
     flag per layer): the fold of many layers of one shape at once, each equal to
@@ -277,15 +273,12 @@ def fold_moments(
         block: the block's :class:`BlockSummary`.
         alpha: the config field ``alpha``, in ``[0, 1)``.
         first: ``True`` for the first folded block; one flag per layer when stacked.
-        return_block_cov: also return the block's covariance about ``mu(i)`` (default ``False``).
 
     Returns:
-        ``(mu(i), Phi(i))``, or ``(mu(i), Phi(i), block covariance)``.
+        ``(mu(i), Phi(i))``.
     """
     mu = fold_mean(mean_prev, block, alpha, first)
-    block_cov = block_covariance(block, mu)
-    cov = recursive_average(cov_prev, block_cov, alpha, first)
-    return (mu, cov, block_cov) if return_block_cov else (mu, cov)
+    return mu, recursive_average(cov_prev, block_covariance(block, mu), alpha, first)
 
 
 # --------------------------------------------------------------------------

@@ -11,8 +11,7 @@ from torch import Tensor
 from .moments import _first_or, symmetrize
 
 __all__ = ["principal_subspace", "RecursiveStep", "recursive_step", "recursive_step_blocks", "whitened_covariance",
-           "whitened_covariance_update", "smooth_grad_transform", "principal_subspace_grouped",
-           "recursive_step_grouped"]
+           "whitened_covariance_update", "smooth_grad_transform", "principal_subspace_grouped"]
 
 
 # --------------------------------------------------------------------------
@@ -47,6 +46,8 @@ def principal_subspace(phi_y: Tensor, *, c_rel: float, c_abs: float) -> Tensor:
     ratios 3, 10, 100, 1000). A wrong direction costs one step; the leakage
     undoes it.
 
+    Computed as :func:`principal_subspace_grouped` of a stack of one (the search the layers run).
+
     Args:
         phi_y: a symmetric matrix ``(M, M)`` (the whitened covariance ``Phi_y``).
         c_rel, c_abs: the :class:`~whitenlayers.RecursiveConfig` fields of those names.
@@ -54,22 +55,7 @@ def principal_subspace(phi_y: Tensor, *, c_rel: float, c_abs: float) -> Tensor:
     Returns:
         A unit vector ``(M,)``.
     """
-    xi = torch.linalg.vector_norm(phi_y, dim=0)
-    mp = int(torch.argmax(xi))
-    col = phi_y[:, mp]
-    c = phi_y.t() @ col
-    thresh = torch.clamp(c_rel * xi[mp] * xi, min=c_abs)
-    sel = c.abs() >= thresh
-    if bool(sel.any()):
-        # weights c_m / c_m' (c_m' = xi_m'^2 >= |c_m|); a zero phi_y with c_abs = 0 gives 0 / 0: e_m' below
-        w = torch.where(sel, c / c[mp], torch.zeros_like(c))
-        v = phi_y @ w / sel.sum()
-        norm = torch.linalg.vector_norm(v)
-        if bool(norm > 0) and bool(torch.isfinite(norm)):
-            return v / norm
-    v = torch.zeros_like(col)  # no column selected, or no direction: e_m'
-    v[mp] = 1.0
-    return v
+    return principal_subspace_grouped(phi_y.unsqueeze(0), c_rel=c_rel, c_abs=c_abs)[0]
 
 
 class RecursiveStep(NamedTuple):
@@ -118,38 +104,36 @@ def recursive_step(
     * ``Q(i) = T(i)^T T(i)`` by eq. ``vQ_rec`` from the unsmoothed ``Q(i-1)``:
       ``gamma^2 (Q + a(a+2) t t^T) + (1-gamma)^2 I + gamma(1-gamma)(a (v t^T + t v^T) + T + T^T)``.
 
-    Only matrix-vector products and outer products: no EVD, no ``M^3`` product.
+    Only matrix-vector products and outer products: no EVD, no ``M^3`` product. Computed by
+    :func:`recursive_step_blocks` (the step the layers run), ``(M, M)`` matrices as a stack of one.
+
+    A grouped layer's diagonal blocks ``(G, k, k)`` take one step per block at once: each group ``g`` its own
+    rank-one power reduction along its own :func:`principal_subspace_grouped` direction ``v_g``, with the target
+    power ``delta * mean_power`` (``mean_power`` is the whole layer's mean uncentred input power, as for an
+    ungrouped layer), the clamp ``g_e <= 1`` per group and the leakage ``gamma``; ``direction``, ``power`` and
+    ``gain`` are then per group, and ``clamped`` is ``True`` when any group's gain was clamped. ``O(G k^2) = O(M k)``
+    work in a few batched operations, no Python loop.
 
     Args:
-        t_prev: ``T(i-1)``, ``(M, M)``.
-        q_prev: the unsmoothed ``Q(i-1) = T(i-1)^T T(i-1)``, ``(M, M)``.
-        phi_y: ``Phi_y(i)``, the covariance of the whitened features (:func:`whitened_covariance_update`).
-        mean_power: ``mean_m phi_x,m``, the mean uncentred input power, a 0-dim tensor.
+        t_prev: ``T(i-1)``, ``(M, M)`` (grouped: its diagonal blocks ``(G, k, k)``).
+        q_prev: the unsmoothed ``Q(i-1) = T(i-1)^T T(i-1)``, shaped as ``t_prev``.
+        phi_y: ``Phi_y(i)``, the covariance of the whitened features (:func:`whitened_covariance_update`), shaped
+            as ``t_prev``.
+        mean_power: ``mean_m phi_x,m``, the (whole layer's) mean uncentred input power, a 0-dim tensor.
         gamma, delta, eps, c_rel, c_abs: the :class:`~whitenlayers.RecursiveConfig` fields of those
             names.
 
     Returns:
         A :class:`RecursiveStep`: ``T(i)``, ``Q(i)`` and the step's direction, power, gain and clamp.
     """
-    v = principal_subspace(phi_y, c_rel=c_rel, c_abs=c_abs)
-    lam_e = v @ (phi_y @ v)
-    g = delta * mean_power / torch.clamp(lam_e, min=eps)
-    clamped = bool(g > 1.0)
-    g = torch.clamp(g, max=1.0)
-    a = torch.sqrt(g) - 1.0
-    t_vec = t_prev.t() @ v
-    a_f = float(a)
-    # The same formulas as in the docstring, written as fused rank-one updates (torch.addr) and in-place
-    # diagonal adds: a handful of passes over M x M memory and no M x M identity.
-    t_new = torch.addr(t_prev, v, t_vec, beta=gamma, alpha=gamma * a_f)
-    t_new.diagonal().add_(1.0 - gamma)
-    c1 = gamma * gamma * a_f * (a_f + 2.0)
-    c2 = gamma * (1.0 - gamma) * a_f
-    mix = gamma * (1.0 - gamma)
-    q_new = q_prev.mul(gamma * gamma).add_(t_prev, alpha=mix).add_(t_prev.t(), alpha=mix)
-    q_new.addr_(t_vec, c1 * t_vec + c2 * v).addr_(v, t_vec, alpha=c2)
-    q_new.diagonal().add_((1.0 - gamma) ** 2)
-    return RecursiveStep(t_new, symmetrize(q_new), v, lam_e, g, clamped)
+    one = t_prev.dim() == 2
+    if one:  # one matrix: a stack of one
+        t_prev, q_prev, phi_y = t_prev.unsqueeze(0), q_prev.unsqueeze(0), phi_y.unsqueeze(0)
+    step, over = recursive_step_blocks(t_prev, q_prev, phi_y, mean_power, gamma=gamma, delta=delta, eps=eps,
+                                       c_rel=c_rel, c_abs=c_abs)
+    if one:
+        step = RecursiveStep(step.transform[0], step.gram[0], step.direction[0], step.power[0], step.gain[0], False)
+    return step._replace(clamped=bool(over.any()))
 
 
 def whitened_covariance(t: Tensor, cov: Tensor) -> Tensor:
@@ -205,9 +189,9 @@ def smooth_grad_transform(qs_prev: Tensor, q: Tensor, beta: float) -> Tensor:
 def principal_subspace_grouped(phi_y: Tensor, *, c_rel: float, c_abs: float) -> Tensor:
     """:func:`principal_subspace` of each block of ``phi_y`` ``(G, k, k)``, all at once: ``(G, k)`` unit vectors.
 
-    The same column-alignment procedure (weights ``c_m / c_m'``) per block, vectorised over the groups
-    (no loop, no host synchronisation); a block with no coherent set or a zero
-    result gives ``e_m'`` as in the single-matrix version.
+    The column-alignment procedure of :func:`principal_subspace` (weights ``c_m / c_m'``) per block, vectorised
+    over the groups (no loop, no host synchronisation); a block with no coherent set or a zero (or non-finite)
+    result gives ``e_m'``.
 
     Args:
         phi_y: the diagonal blocks ``(G, k, k)`` of ``Phi_y``.
@@ -223,7 +207,7 @@ def principal_subspace_grouped(phi_y: Tensor, *, c_rel: float, c_abs: float) -> 
     sel = c.abs() >= thresh
     count = sel.sum(-1, keepdim=True)
     # weights c_m / c_m' (c_m' = xi_m'^2 >= |c_m|); c_m' = 0 selects nothing unless c_abs = 0, and 0 / 0 = NaN then
-    # gives a non-finite v: e_m' below, as in the single-matrix version
+    # gives a non-finite v: e_m' below
     w = torch.where(sel, c / torch.gather(c, 1, mp), 0.0)
     v = (phi_y @ w.unsqueeze(-1)).squeeze(-1) / torch.clamp(count, min=1)
     norm = torch.linalg.vector_norm(v, dim=-1, keepdim=True)
@@ -232,39 +216,6 @@ def principal_subspace_grouped(phi_y: Tensor, *, c_rel: float, c_abs: float) -> 
     # e_m' as a comparison (one_hot checks its indices' range on the host: two synchronisations per call)
     e = (torch.arange(k, device=mp.device) == mp).to(phi_y.dtype)
     return torch.where(ok, v / norm, e)  # where() takes e wherever v / norm is not a unit vector
-
-
-def recursive_step_grouped(
-    t_prev: Tensor,
-    q_prev: Tensor,
-    phi_y: Tensor,
-    mean_power: Tensor,
-    *,
-    gamma: float,
-    delta: float,
-    eps: float,
-    c_rel: float,
-    c_abs: float,
-) -> RecursiveStep:
-    """:func:`recursive_step` of every block of a block-diagonal ``T`` at once (``(G, k, k)`` stacks).
-
-    Each group ``g`` takes its own rank-one power reduction along its own
-    :func:`principal_subspace_grouped` direction ``v_g``, with the target power
-    ``delta * mean_power`` (``mean_power`` is the whole layer's mean uncentred
-    input power, as for an ungrouped layer), the clamp ``g_e <= 1`` per group
-    and the leakage ``gamma``. ``direction``, ``power`` and ``gain`` are per
-    group; ``clamped`` is ``True`` when any group's gain was clamped.
-    ``O(G k^2) = O(M k)`` work in a few batched operations, no Python loop.
-
-    Args:
-        t_prev, q_prev, phi_y: the diagonal blocks ``(G, k, k)`` of :func:`recursive_step`'s arguments.
-        mean_power: the whole layer's mean uncentred input power, a 0-dim tensor.
-        gamma, delta, eps, c_rel, c_abs: the :class:`~whitenlayers.RecursiveConfig` fields of those
-            names.
-    """
-    step, over = recursive_step_blocks(t_prev, q_prev, phi_y, mean_power, gamma=gamma, delta=delta, eps=eps,
-                                       c_rel=c_rel, c_abs=c_abs)
-    return step._replace(clamped=bool(over.any()))
 
 
 def recursive_step_blocks(

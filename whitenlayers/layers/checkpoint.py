@@ -189,7 +189,8 @@ def _report_cause(msg: str, lenient: str) -> None:
 
 def cause_first(module: Any, incompatible_keys: Any) -> None:
     """Formerly the converted model's ``load_state_dict`` post-hook that put the cause of a failed load first; the
-    layers now warn with the cause (:func:`_report_cause`). Kept so that a model pickled with the hook loads."""
+    layers now warn with the cause (:func:`_report_cause`), and :func:`~whitenlayers.convert_model` registers it no
+    more. Kept so that a model pickled with the hook loads."""
 
 
 #: Buffers only a recursive layer has (they tell a recursive checkpoint from a grad one).
@@ -243,9 +244,8 @@ class _CheckpointMixin(_Layer):
         tensor, not a dict, so the state dict holds tensors only (EMA helpers, safetensors and exporters iterate over
         it as tensors); a fresh one at each call, owned by nobody.
         """
+        self._wait_for_fold()  # a fold in flight: its result is the pending fold written below
         coordinator = self.__dict__.get("_fold_coordinator")
-        if coordinator is not None:
-            coordinator.wait()  # a fold in flight: its result is the pending fold written below
         pending = cast(Optional[PendingFold], self._pending_fold)
         block = self._block
         device = self.running_mean.device
