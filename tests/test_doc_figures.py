@@ -124,6 +124,23 @@ def _memory(variant: str) -> Value:
     return _results(STEP, "peak / plain", {"variant": variant})
 
 
+def _one_thread(what: str) -> List[Value]:
+    """The ResNet-20 step at one thread in CPU time (the step scenario's paragraph): grad, recursive and direct's
+    mean / plain (``what="ratio"``) or peak memory (``what="memory"``)."""
+    section = " ".join(RESULTS.read_text()[RESULTS.read_text().index(STEP):].split())
+    paragraph = section[section.index("At one thread, in process CPU time"):].split("The package as it is now")[0]
+    found = re.search(rf"grad ({NUMBER}), recursive ({NUMBER}), direct ({NUMBER}) .*peak memory ({NUMBER}) / "
+                      rf"({NUMBER}) / ({NUMBER})x", paragraph)
+    values = [_value(found.group(i)) for i in range(1, 7)]
+    return values[:3] if what == "ratio" else values[3:]
+
+
+def _gpu110(variant: str) -> Value:
+    cell = _cell(RESULTS, "**step vs plain**", {"model": "CIFAR ResNet-110, batch 128, fp32", "variant": variant},
+                 after="## GPU checks and step table")
+    return _value(cell.strip("*"))
+
+
 def _fashion_lead(method: str) -> List[Value]:
     """Paired lead over the baseline at the 1-epoch budget, Fashion-MNIST study: mean and 95 % interval."""
     cell = _cell(CONVERGENCE, "1 ep", {"method": method}, after="### Paired difference from the baseline")
@@ -187,18 +204,18 @@ QUOTES = [
     Quote("README.md",
           r"grad reached the baseline's final accuracy on (\d+) of (\d+) seeds, recursive on (\d+) of (\d+)",
           lambda: _reached("EVD (grad)") + _reached("recursive")),
-    Quote("README.md", rf"epoch cost ({NUMBER})x \(grad\) / ({NUMBER})x \(recursive\)",
-          lambda: [_summary("EVD (grad)", "time vs baseline"), _summary("recursive", "time vs baseline")]),
     Quote("README.md", rf"1-epoch budget \(grad ({NUMBER}) \[({NUMBER}), ({NUMBER})\] points",
           lambda: _fashion_lead("EVD (grad)")),
-    Quote("README.md", rf'`"grad"` \| ({NUMBER})x \| ({NUMBER})x \|',
-          lambda: [_cpu_step("grad"), _gpu("grad")]),
-    Quote("README.md", rf'`"recursive"` \| ({NUMBER})x \| ({NUMBER})x \|',
-          lambda: [_cpu_step("recursive"), _gpu("recursive")]),
-    Quote("README.md", rf'`"direct"` \| ({NUMBER})x, memory ({NUMBER})x \| ({NUMBER})x \|',
-          lambda: [_cpu_step("direct"), _memory("direct"), _gpu("direct")]),
-    Quote("README.md", rf"`stats_every=5, block_size=50` bring grad to ({NUMBER})x and recursive to ({NUMBER})x",
-          lambda: [_gpu("grad:every5,block50"), _gpu("recursive:every5,block50")]),
+    # the README's one cost table, a row per measurement, and the memory under it
+    Quote("README.md", _ratios("CPU, CIFAR ResNet-20, 1 thread, CPU time", 3), lambda: _one_thread("ratio")),
+    Quote("README.md", _ratios("CPU, CIFAR ResNet-20, 2 threads, wall clock", 3),
+          lambda: [_cpu_step(v) for v in ("grad", "recursive", "direct")]),
+    Quote("README.md", _ratios("GPU, ResNet-50, 224 px, bf16", 3),
+          lambda: [_gpu(v) for v in ("grad", "recursive", "direct")]),
+    Quote("README.md", _ratios("GPU, CIFAR ResNet-110, fp32", 3),
+          lambda: [_gpu110(v) for v in ("grad", "recursive", "direct")]),
+    Quote("README.md", rf"direct ({NUMBER})x in the first row's run, ({NUMBER})x in the third's",
+          lambda: [_one_thread("memory")[2], _gpu("direct", "peak memory vs plain")]),
     Quote("README.md", rf"the best whitened arm needs ({NUMBER})-({NUMBER})x the baseline's steps to a target",
           _large_batch_range),
     Quote("docs/training.md", rf"the best whitened arm needed ({NUMBER})-({NUMBER})x the baseline's steps",

@@ -113,9 +113,20 @@ HISTORY = re.compile(r"\b[Ii]ssues? \d+|#[\w-]*issue-\d+|\bcommits?\s+`?[0-9a-f]
                      r"|(?<![\w.-])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}(?![\w.-])")
 
 
+def _without_the_cost_table(text: str) -> str:
+    """The README but its cost table ("## What it costs"), whose rows each name the commit measured."""
+    if "## What it costs" not in text:
+        return text
+    head, section = text.split("## What it costs", 1)
+    section, rest = section.split("\n## ", 1) if "\n## " in section else (section, None)
+    kept = "".join(ln for ln in section.splitlines(keepends=True) if not ln.startswith("|"))
+    return head + kept + ("" if rest is None else "\n## " + rest)
+
+
 @pytest.mark.parametrize("doc", [p for p in PAGES if p.name not in RECORDS], ids=lambda p: p.name)
 def test_user_pages_name_no_issue_or_commit(doc):
-    hits = HISTORY.findall(doc.read_text())
+    text = doc.read_text()
+    hits = HISTORY.findall(_without_the_cost_table(text) if doc.name == "README.md" else text)
     assert not hits, (doc.name, hits)
 
 
@@ -199,14 +210,3 @@ def test_user_pages_stay_short():
     fold in flight, ``benchmarks/fold_exit.py``, a measurement of its own)."""
     assert len((ROOT / "README.md").read_text().splitlines()) <= 155
     assert len((ROOT / "benchmarks" / "RESULTS.md").read_text().splitlines()) <= 520
-
-
-def test_which_method_is_one_table_with_a_cpu_and_a_gpu_number():
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("## Which method"):].split("\n## ")[0]
-    header = next(ln for ln in section.splitlines() if ln.startswith("| method"))
-    assert "CPU" in header and "GPU" in header and "use it when" in header
-    rows = [ln for ln in section.splitlines() if ln.startswith("| `")]
-    assert [r.split("|")[1].strip() for r in rows] == ['`"grad"`', '`"recursive"`', '`"direct"`']
-    assert all(re.search(r"\| [\d.]+x[^|]*\| [\d.]+x", r) for r in rows)
-    assert len([ln for ln in section.splitlines() if ln.strip()]) <= 12  # the mechanics live in docs/

@@ -241,6 +241,7 @@ def test_parametrized_conv_converts_sharing_parametrizations(kind, method):
         assert int(new.num_blocks) >= 1
 
 
+@pytest.mark.filterwarnings("ignore:`torch.nn.utils.weight_norm` is deprecated:FutureWarning")  # on purpose
 def test_hook_based_weight_norm_is_left_out_with_a_reason():
     conv = torch.nn.utils.weight_norm(nn.Conv2d(4, 6, 3, padding=1))
     with pytest.warns(UserWarning, match="forward pre-hook.*apply it after convert_model.*parametrizations"):

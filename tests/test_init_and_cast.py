@@ -2,6 +2,7 @@
 cast to low precision, and checkpoints of one method loaded into another."""
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -215,10 +216,15 @@ def test_strict_load_across_methods_names_both(saved, loaded):
     layer no caller's ``strict``: layers/checkpoint.py ``_report_cause``)."""
     state = _model(saved).state_dict()
     model = _model(loaded)
-    with pytest.warns(UserWarning, match=f"holds a '{saved}' whitening layer at 'layer1.0.conv1'.*is '{loaded}'.*"
-                                         f"method='{saved}'"):
+    with pytest.warns(UserWarning) as record:
         with pytest.raises(RuntimeError, match="(Missing|Unexpected) key\\(s\\) in state_dict"):
             model.load_state_dict(state)
+    said = [str(w.message) for w in record]
+    # one warning for each converted layer, each naming its place, both methods and the fix
+    assert len(said) == len(wl.whitening_layers(model)), said
+    assert all(re.search(f"holds a '{saved}' whitening layer at '[\\w.]+'.*is '{loaded}'.*method='{saved}'", m)
+               for m in said), said
+    assert any("at 'layer1.0.conv1', but" in m for m in said), said
 
 
 @pytest.mark.parametrize("saved,loaded", [("grad", "recursive"), ("recursive", "grad"), ("direct", "grad")])

@@ -13,6 +13,15 @@ import whitenlayers as wl
 from whitenlayers import models
 
 quantization = pytest.importorskip("torch.ao.quantization")
+# These tests use torch.ao.quantization's eager API and Opacus on purpose (to show what a converted model does with
+# them): their own warnings (the API's deprecation, its observers' and quantized tensors' notices, Opacus' insecure
+# RNG for experiments) are not what is tested.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:torch.ao.quantization is deprecated:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:Please use quant_min and quant_max to specify the range:UserWarning"),
+    pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor, torch.quantize_per_channel and other:UserWarning"),
+    pytest.mark.filterwarnings("ignore:Secure RNG turned off:UserWarning"),
+]
 METHODS = ["grad", "recursive", "direct"]
 
 

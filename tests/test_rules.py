@@ -4,6 +4,7 @@ name and hyper-parameters in the checkpoint."""
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 from typing import Any, Dict
 
@@ -195,12 +196,15 @@ def test_a_checkpoint_of_another_rule_does_not_load_and_names_both():
     model(torch.randn(2, 3, 8, 8))
     state = copy.deepcopy(model.state_dict())
     other = wl.convert_model(wl.models.resnet20(), method="grad", block_size=1, rule=EigenbasisRule)
-    with pytest.warns(UserWarning, match="the checkpoint at 'layer1.0.conv1' was saved with the rule 'evd', but this "
-                                         "layer's rule is 'eigenbasis' \\(EigenbasisRule\\); build the model with "
-                                         "rule='evd'"):
+    with pytest.warns(UserWarning) as record:
         # (strict: the checkpoint's identity of another rule is an unexpected key, not loaded)
         with pytest.raises(RuntimeError, match='Unexpected key\\(s\\) in state_dict: "layer1.0.conv1.whitening_rule"'):
             other.load_state_dict(state)
+    said = [str(w.message) for w in record]
+    assert len(said) == len(wl.whitening_layers(other)), said  # one for each layer, naming it
+    assert all(re.search("the checkpoint at '[\\w.]+' was saved with the rule 'evd', but this layer's rule is "
+                         "'eigenbasis' \\(EigenbasisRule\\); build the model with rule='evd'", m) for m in said), said
+    assert any("the checkpoint at 'layer1.0.conv1' was saved" in m for m in said), said
     with pytest.warns(UserWarning, match="saved with the rule 'evd'.*strict=False: loaded into this layer's rule"):
         other.load_state_dict(state, strict=False)
     assert '"rule":"eigenbasis"' in decode_identity(other.state_dict()["layer1.0.conv1.whitening_rule"])
@@ -243,6 +247,7 @@ def test_the_identity_survives_averaging_low_precision_casts_and_to_empty():
     assert decode_identity(layer.whitening_rule).startswith('{"rule":"eigenbasis"')
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized:UserWarning")
 def test_dcp_round_trip_and_mismatch(tmp_path):
     """``torch.distributed.checkpoint`` shapes the loaded state from a fresh model: the identity has that shape."""
     dcp = pytest.importorskip("torch.distributed.checkpoint")
@@ -283,10 +288,16 @@ def test_a_recursive_layers_own_rule_saves_and_loads_its_checkpoint(rule):
     b.load_state_dict(a.state_dict())
     for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
         assert torch.equal(x, y), name
-    # (the identity rule keeps no recursive buffers: the method check also complains, about the extra keys)
-    with pytest.warns(UserWarning, match=f"saved with the rule 'recursive', but this layer's rule is '{rule.name}'"):
+    with pytest.warns(UserWarning) as record:
         with pytest.raises(RuntimeError, match="Unexpected key\\(s\\) in state_dict: .*whitening_rule"):
             b.load_state_dict(wl.RecursiveWhitenConv2d(4, 4, 3, block_size=1).state_dict())
+    said = [str(w.message) for w in record]
+    assert any(f"saved with the rule 'recursive', but this layer's rule is '{rule.name}'" in m for m in said), said
+    # the identity rule keeps no recursive buffers, so its layer's method is 'grad' (WhiteningLayer.method): the
+    # method check also complains, about the extra keys; the recursive rule's subclass keeps them and does not
+    method = [m for m in said if "holds a 'recursive' whitening layer at '<root>', but this model's layer there is "
+              "'grad'" in m]
+    assert len(method) == (rule is _Identity) and len(said) == 1 + len(method), said
 
 
 def test_converting_again_with_another_rule_is_refused():

@@ -200,7 +200,9 @@ def test_stats_every_gathers_the_first_of_every_k_forwards_and_folds_after_block
     torch.manual_seed(0)
     make = lambda **kw: cls(3, 4, 3, padding=1, bias=False, **kw)  # noqa: E731
     scheduled, dense = make(block_size=4, stats_every=2), make(block_size=2)
-    dense.load_state_dict(scheduled.state_dict())
+    with pytest.warns(UserWarning, match=r"block_size=4 \(this layer: 2\), stats_every=2 \(this layer: 1\); the layer "
+                                         "keeps its own hyper-parameters"):
+        dense.load_state_dict(scheduled.state_dict())  # the same weights; each keeps its schedule
     xs = [torch.randn(4, 3, 6, 6) * torch.tensor([1.0, 3.0, 0.3]).view(1, 3, 1, 1) + i for i in range(8)]
     for i, x in enumerate(xs):
         scheduled(x)

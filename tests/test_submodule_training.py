@@ -20,6 +20,11 @@ TOL = dict(rtol=1e-9, atol=1e-10)  # float64: rounding of a layer folded alone v
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # (tests/conftest.py)
+#: torch.jit.trace records the layers' shape checks (channels, a kernel's taps, a 1x1 kernel; BatchNorm's batch
+#: size in training mode) as constants: fixed by the layer and the traced input's shape, so its TracerWarnings about
+#: them are expected.
+TRACED_SHAPE_CHECKS = pytest.mark.filterwarnings(
+    "ignore:Converting a tensor to a Python boolean might cause the trace to be incorrect:torch.jit.TracerWarning")
 
 
 def _batch(seed, n=8):
@@ -117,6 +122,7 @@ def _pending_after_an_export():
     return model.eval()
 
 
+@TRACED_SHAPE_CHECKS
 @needs((2, 6), "torch.export of a training-mode forward")
 def test_jit_trace_with_a_fold_pending_folds_outside_the_trace():
     model = _pending_after_an_export()

@@ -24,6 +24,11 @@ import whitenlayers as wl
 from dist_utils import run_distributed
 
 METHODS = ("grad", "recursive", "direct")
+#: torch.jit.trace records the layers' shape checks (channels, a kernel's taps, a 1x1 kernel; BatchNorm's batch
+#: size in training mode) as constants: fixed by the layer and the traced input's shape, so its TracerWarnings about
+#: them are expected.
+TRACED_SHAPE_CHECKS = pytest.mark.filterwarnings(
+    "ignore:Converting a tensor to a Python boolean might cause the trace to be incorrect:torch.jit.TracerWarning")
 F64 = torch.float64
 
 
@@ -539,6 +544,7 @@ def test_onnx_export(tmp_path, monkeypatch, dynamo):
     torch.testing.assert_close(torch.from_numpy(got), model(x), rtol=1e-4, atol=1e-5)
 
 
+@TRACED_SHAPE_CHECKS
 @pytest.mark.parametrize("method", METHODS)
 def test_torch_export_and_jit_trace(method):
     model = resnet(method, block_size=1)
@@ -551,6 +557,7 @@ def test_torch_export_and_jit_trace(method):
         torch.testing.assert_close(torch.jit.trace(model, (x,))(x), want)
 
 
+@TRACED_SHAPE_CHECKS
 @pytest.mark.parametrize("method", METHODS)
 def test_jit_trace_right_after_a_fold(method):
     """Traced under ``no_grad`` in eval mode as the first forward after a fold (the layers' per-block caches
@@ -565,6 +572,7 @@ def test_jit_trace_right_after_a_fold(method):
         torch.testing.assert_close(traced(x), model(x))
 
 
+@TRACED_SHAPE_CHECKS
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("mode", ["eval", "train"])
 def test_jit_trace_with_autograd_on_says_to_trace_under_no_grad(method, mode):
