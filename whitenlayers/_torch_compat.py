@@ -54,7 +54,7 @@ compiling: Callable[[], bool] = torch.compiler.is_compiling
 
 #: Whether torch.export can trace a training-mode forward, which writes the layers' blocks (torch 2.6 and later; before,
 #: a non-strict export fails on it: "mutating a non-functional tensor with a functional tensor").
-TRAINING_EXPORT = TorchVersion(torch.__version__) >= (2, 6)
+TRAINING_EXPORT = TorchVersion(torch.__version__) >= "2.6"
 
 #: Whether ``torch.export`` is tracing the code that calls this: torch's own function (2.7 and later); before, ``False``
 #: (a graph ``torch.export`` makes of a training-mode forward then holds the package's ``snapshot`` operator, which

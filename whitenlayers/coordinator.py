@@ -424,7 +424,8 @@ ASYNC_CHUNK_ELEMENTS = 1 << 22
 def _compute_jobs(jobs: Sequence[_FoldJob], device: torch.device,
                   stream: Any) -> Tuple[Optional[List[PendingFold]], Any]:
     """The worker thread's part of an asynchronous fold: for each job (layers of one stack, split by
-    :func:`~whitenlayers.fold._fold_chunks`), the summaries of their copied sums (or the summaries made on the training thread) and
+    :func:`~whitenlayers.fold._fold_chunks`), the summaries of their copied sums (or the summaries made on the
+    training thread) and
     ``fold._compute_folds`` from copies of their buffers; no gradient, no autocast (both are per thread), on
     ``stream`` (CUDA) with an event recorded after it. Reads nothing the training thread writes while it runs
     (``num_blocks`` is written when a fold is, after waiting for this one)."""

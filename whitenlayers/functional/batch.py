@@ -342,7 +342,8 @@ def accumulate_moments(acc: Tensor, x: Tensor, shift: Optional[Tensor],
     """Add a batch's sums about ``shift`` to an augmented accumulator ``acc`` ``(M + 1, M + 1)``.
 
     ``acc[:M, :M] += sum (x - k)(x - k)^T`` and ``acc[:M, M] += sum (x - k)``; nothing reads ``acc[M, :]`` (the
-    fewest-kernel path's one product of a batch without a ``(P, M)`` view adds its sums and row count there). ``x`` is ``(B, M)`` or ``(B, M, *spatial)``; ``shift`` broadcasts against it. Within a
+    fewest-kernel path's one product of a batch without a ``(P, M)`` view adds its sums and row count there).
+    ``x`` is ``(B, M)`` or ``(B, M, *spatial)``; ``shift`` broadcasts against it. Within a
     block the sums accumulate in ``acc``'s dtype (float32 for float32 / bf16 / fp16 inputs): each batch's product
     is already rounded in that dtype, and adding a block of them costs a few more units in the last place, far
     below the sampling noise of the statistics.

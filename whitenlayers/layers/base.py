@@ -434,9 +434,9 @@ class WhiteningLayer(_StepMixin, _CheckpointMixin):
 
     # -------------------------------------------------------------------- fold
     # The fold's interface: what :mod:`whitenlayers.fold` and the coordinator's fold read of a layer (besides its
-    # public attributes: rule, config, num_features, groups, the buffers, process_group) and the only methods
-    # through which they change it (besides the block's float64 sums, which a distributed fold's
-    # ``_global_summaries`` uses as scratch space before the block restarts). A fold computes each layer's outcome (``fold.FoldOutcome``, in a
+    # public attributes: rule, config, num_features, groups, the buffers, process_group) and the only methods through
+    # which they change it (besides the block's float64 sums, which a distributed fold's ``_global_summaries`` uses as
+    # scratch space before the block restarts). A fold computes each layer's outcome (``fold.FoldOutcome``, in a
     # ``fold.PendingFold``) from :attr:`fold_block` and :meth:`fold_buffers`; the layer says what it writes
     # (:meth:`fold_writes`) and :meth:`write_buffers` writes it.
     @property

@@ -4,7 +4,7 @@ with the forward of :mod:`~whitenlayers.layers.step` and its whitening keyword a
 from __future__ import annotations
 
 import inspect
-from typing import Any, Dict
+from typing import Any, Dict, FrozenSet
 
 import torch
 from torch import Tensor, nn
@@ -30,6 +30,8 @@ class _GradWhitenLayer(_GradWhitenMixin):
     _PLAIN: Any = nn.Conv2d
     #: Options of this class besides :data:`~whitenlayers.layers.base.LAYER_OPTIONS` (name: default).
     _EXTRA_OPTIONS: Dict[str, Any] = {}
+    #: The plain class's constructor argument names (set per subclass from ``_PLAIN``'s signature).
+    _PLAIN_NAMES: FrozenSet[str] = frozenset()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -268,7 +270,7 @@ class GradWhitenLinear(_GradWhitenLayer, nn.Linear):  # type: ignore[misc]
 
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, **kwargs: Any) -> "GradWhitenLinear":
+    def from_linear(cls, linear: nn.Module, **kwargs: Any) -> "GradWhitenLinear":
         """A whitening linear layer computing the same function, sharing ``linear``'s Parameter objects.
 
         Args:

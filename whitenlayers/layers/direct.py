@@ -11,8 +11,14 @@ import torch
 from torch import Tensor, nn
 
 from .._torch_compat import no_autocast
-from ..autograd import (POINTWISE_DIMS, _transform_mean, direct_whiten, pointwise_whiten, transformed_weight,
-                        transformed_weight_apply)
+from ..autograd import (
+    POINTWISE_DIMS,
+    _transform_mean,
+    direct_whiten,
+    pointwise_whiten,
+    transformed_weight,
+    transformed_weight_apply,
+)
 from ..config import EVDConfig
 from ..functional import batch as _batch
 from ..privacy import note_direct

@@ -154,8 +154,9 @@ class _GradWhitenMixin(_GradStep, WhiteningLayer):
         if self._centring_ref is not None:
             d = self._buffers.pop("absorbed_offset")
             old = self._absorbing_bn()
-            if old is not None and old.running_mean is not None:
-                old.running_mean.add_(d.to(old.running_mean.dtype))
+            mean = old._buffers.get("running_mean") if old is not None else None
+            if mean is not None:
+                mean.add_(d.to(mean.dtype))
             else:  # nothing to hand d to: keep the function through the bias compensation
                 self._write_buffers({"bias_correction": self.bias_correction - d.to(self.bias_correction.dtype)})
             self._centring_ref = None

@@ -9,13 +9,13 @@ is added to the block (:meth:`~_StepMixin._add_batch`, the sums by
 :meth:`~whitenlayers.layers.block.Block.add`) when its block gathers at this batch (``Block.gather_next``: the first of
 every ``stats_every`` batches). Whether a layer gathers at all is one predicate, :meth:`~_StepMixin.gathers_now`.
 
-What a forward reads. A fold writes the layer's buffers in place (they keep their tensors: ``functional_call``,
-CUDA graphs), right after the forward that ends a block, before that forward's backward. So a training forward reads
+What a forward reads. A fold writes the layer's buffers in place (they keep their tensors: ``functional_call``, CUDA
+graphs), right after the forward that ends a block, before that forward's backward. So a training forward reads
 copies of them (:class:`InForce`): the one writer of the buffers (:meth:`~whitenlayers.WhiteningLayer.write_buffers`:
 a fold, a load, a reset, a move) makes the values it writes the new copies, or drops the copies, which the next
-training forward then takes. Every other forward (evaluation, frozen, no gradient) reads the buffers themselves: no fold runs before its
-backward, and it sees any write (an EMA helper's, a user's). A forward that autograd recomputes inside a backward
-(activation checkpointing) reads what its original forward read.
+training forward then takes. Every other forward (evaluation, frozen, no gradient) reads the buffers themselves: no
+fold runs before its backward, and it sees any write (an EMA helper's, a user's). A forward that autograd recomputes
+inside a backward (activation checkpointing) reads what its original forward read.
 
 Compiled, a forward runs :meth:`~_StepMixin._begin_traced`: the buffers copied in the graph (an operator of the
 package's own, so that the partitioner saves the copies for the backward), the batch summed about the block's shift
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from threading import get_ident
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optional, Tuple, cast
 
 import torch
 from torch import Tensor, nn
@@ -100,6 +100,11 @@ if TYPE_CHECKING:  # pragma: no cover
 
         def _begin(self, x: Tensor) -> Step: ...
 
+        def _buffers_in_force(self) -> InForce: ...
+
+        @staticmethod
+        def _derived(reads: InForce, key: Any, make: Callable[[], Any]) -> Any: ...
+
         def _end(self, step: Step, weight: Optional[Tensor]) -> None: ...
 else:
     _Layer = object
@@ -163,6 +168,11 @@ class Step(NamedTuple):
     #: An eager forward of a training step (no ``torch.jit`` trace, no dynamo, no torch.func transform running),
     #: which the forward's parts need not ask again.
     plain: bool = False
+
+
+#: What a batch counted without a forward of its own reads: nothing (a compiled forward's calls counted after the
+#: graph, a joined rank's batch without data).
+NOTHING_READ = InForce({}, {}, False)
 
 
 def _define_snapshot_op() -> None:
@@ -357,7 +367,7 @@ class _StepMixin(_Layer):
     def _count_without_data(self) -> None:
         """A batch this rank did not run, counted as the others count theirs (a rank that has joined under
         :func:`~whitenlayers.coordinator.joinable`); a block's end is folded by the coordinator, with the others."""
-        self._end(Step({}, True, coordinated=True), None)
+        self._end(Step(NOTHING_READ, True, coordinated=True), None)
 
     def _block_ends(self, weight: Optional[Tensor], coordinated: bool) -> None:
         """The block's last batch was counted: fold at the end of the model's forward (``coordinated``: its
@@ -366,7 +376,7 @@ class _StepMixin(_Layer):
         block.fold_pending = True
         block.fold_weight = self._fold_weight_of(weight)
         if coordinated:
-            self._fold_coordinator.request(self)  # type: ignore[union-attr]
+            cast(Any, self._fold_coordinator).request(self)
         else:
             self._fold_now()
 
@@ -375,7 +385,7 @@ class _StepMixin(_Layer):
         coordinator = self._fold_coordinator
         if coordinator is not None:
             coordinator.wait()
-        fold_layers([self])
+        fold_layers([cast(Any, self)])
 
     # -------------------------------------------------------------- compiled
     def _begin_traced(self, x: Tensor) -> Step:
@@ -419,11 +429,11 @@ class _StepMixin(_Layer):
         the shift they choose (float64). A block that ends before the forward's last call takes the later calls too
         (a warning, once)."""
         block = self._block
-        if block.shift is None and sum(calls):  # the block's first gathered calls: their shift now
+        if block.shift is None and sum(calls) > 0:  # the block's first gathered calls: their shift now
             self._recentre_block(sum(calls))
         for i, rows in enumerate(calls):
             block.rows += rows
-            self._end(Step({}, True, coordinated=coordinated), None)
+            self._end(Step(NOTHING_READ, True, coordinated=coordinated), None)
             if block.fold_pending and i < len(calls) - 1:
                 self._warn_once("traced_calls", (
                     f"called {len(calls)} times in one compiled forward, and a block ended after call {i + 1}: the "
@@ -591,9 +601,10 @@ class _GradStep(_Layer):
         d = self._buffers["absorbed_offset"]
         factor: Any = bn.momentum
         if factor is None:  # cumulative average: f = 1 / num_batches_tracked after the BatchNorm's increment
-            if bn.num_batches_tracked is None:
+            tracked = bn._buffers.get("num_batches_tracked")
+            if tracked is None:
                 return
-            factor = (bn.num_batches_tracked.to(device=d.device, dtype=d.dtype) + 1).reciprocal()
+            factor = (tracked.to(device=d.device, dtype=d.dtype) + 1).reciprocal()
         if isinstance(factor, float) and self.groups == 1 and (plain or not onnx_exporting()):
             # c = 0 for an absorbed layer (it lives in d): d <- (1 - f) d + f (c - W mu) is one product-accumulate
             rows, taps_last = _weight_rows(weight.detach() if weight.dtype == d.dtype else weight.detach().to(d.dtype))
