@@ -15,6 +15,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 hot_path = pytest.importorskip("hot_path")
+from torch_versions import VERSION  # noqa: E402
 
 #: variant -> most extra non-view ATen ops per whitening layer and training step (ResNet-20, block_size 10), folds
 #: included, counting the statistics' two-op path (the one CUDA takes). Measured: 6.8, 7.3, 7.3 with each layer's own
@@ -39,6 +40,11 @@ FOLD_VIEW_PINS = {"grad": 1.1, "recursive": 1.8, "direct": 1.1}
 #: 12.0, 14.0, 7.0 with each layer's own step (6.3, 6.3, 9.3, 5.0 with the coordinator's shared nodes, whose views
 #: were one per model).
 NONFOLD_VIEW_PINS = {"grad": 12.0, "recursive": 12.0, "direct": 14.0, "grad:every5": 7.0}
+if VERSION < "2.13":
+    # Torch's own: an older torch's autograd Function dispatches one more ``detach`` per call than 2.13's (a
+    # Function that saves a tensor and returns a view: 2 against 1 on torch 2.4.1). Measured on 2.4.1, the floor:
+    # 14.0, 14.0, 15.0, 8.0 (torch between 2.4.1 and 2.13 was not measured: the floor's counts stand for it).
+    NONFOLD_VIEW_PINS = {"grad": 14.0, "recursive": 14.0, "direct": 15.0, "grad:every5": 8.0}
 
 
 @pytest.fixture(scope="module")
