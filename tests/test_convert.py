@@ -618,7 +618,7 @@ def test_plain_state_dict_round_trip_after_training(method, absorb):
     buf = io.BytesIO()
     torch.save(sd, buf)
     buf.seek(0)
-    wl.load_plain_state_dict(other, torch.load(buf))
+    wl.load_plain_state_dict(other, torch.load(buf, weights_only=True))
     torch.testing.assert_close(other(x), want)
 
 

@@ -346,7 +346,7 @@ def test_grouped_checkpoint_mid_block_resumes_bit_for_bit_and_copies_behave(cls)
     torch.save(layer.state_dict(), buf)
     resumed = cls(6, groups=3, block_size=3) if cls is wl.DirectWhiten else cls(6, 6, 3, padding=1, groups=3, block_size=3)
     buf.seek(0)
-    resumed.load_state_dict(torch.load(buf))
+    resumed.load_state_dict(torch.load(buf, weights_only=True))
     copies = [copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))]
     for x in xs[4:]:
         for mod in [layer, resumed] + copies:

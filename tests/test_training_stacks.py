@@ -545,6 +545,8 @@ def test_onnx_export(tmp_path, monkeypatch, dynamo):
 
 
 @TRACED_SHAPE_CHECKS
+# torch before 2.6 says that a training-mode export keeps the package's snapshot operator whole (as it should)
+@pytest.mark.filterwarnings("ignore:At pre-dispatch tracing, we will assume:UserWarning")
 @pytest.mark.parametrize("method", METHODS)
 def test_torch_export_and_jit_trace(method):
     model = resnet(method, block_size=1)
