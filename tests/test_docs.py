@@ -205,8 +205,8 @@ def test_the_code_check_catches_a_name_that_does_not_exist():
 
 
 def test_user_pages_stay_short():
-    """The README is a front page (<= 155 lines: its opening says what the package is for, what it costs and what it
-    has shown) and the benchmark results hold current tables only (<= 520: 500 until the table of an exit with a
+    """The README is a front page (<= 157 lines: its opening says what the package is for, what it costs and what it
+    has shown; 155 until the cost table's caveat that its GPU rows predate each layer's own step) and the benchmark results hold current tables only (<= 520: 500 until the table of an exit with a
     fold in flight, ``benchmarks/fold_exit.py``, a measurement of its own)."""
-    assert len((ROOT / "README.md").read_text().splitlines()) <= 155
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 157
     assert len((ROOT / "benchmarks" / "RESULTS.md").read_text().splitlines()) <= 520

@@ -70,7 +70,8 @@ COST_ROWS = {
     "CPU, CIFAR ResNet-20, 1 thread, CPU time":
         ("## CPU training step and memory against peers", r"--threads 1 --clock cpu`, commit {commit}, ", "AMD EPYC"),
     "CPU, CIFAR ResNet-20, 2 threads, wall clock":
-        ("## Ops per step and host synchronisations", r"\| commit \| {commit} for the step times", "Intel Xeon"),
+        ("## CPU training step and memory against peers", r"--rounds 40 --skip-accuracy`, {commit} alternated",
+         "AMD EPYC"),
     "GPU, ResNet-50, 224 px, bf16": ("## GPU checks and step table", r"\| commit \| {commit} ", "H100"),
     "GPU, CIFAR ResNet-110, fp32": ("## GPU checks and step table", r"\| commit \| {commit} ", "H100"),
 }
