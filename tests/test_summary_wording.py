@@ -8,6 +8,7 @@ import pathlib
 import re
 
 import pytest
+from test_experiment_time import _table
 
 import whitenlayers.experiment as ex
 from whitenlayers.experiment import report
@@ -16,28 +17,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 METHODS = ["baseline", "grad", "recursive"]
 
 
-def _row(method, seed, epoch, acc, t, cpu=None):
-    return dict(method=method, seed=seed, epoch=epoch, lr=0.1, train_loss=1.0, train_acc=acc, test_loss=1.0,
-                test_acc=acc, kappa_mean=0.5, kappa_sem=0.0, rho_mean=0.5, rho_sem=0.0, epoch_time=t, eval_time=0.1,
-                cpu_time=t if cpu is None else cpu, load1=1.0, wall_clock=0.0)
-
-
 def _rows():
-    """Three seeds. Baseline: finals 90, 85, 88 at 1 s an epoch. grad reaches each seed's baseline final at epochs 2,
-    1, 2 (4, 2, 4 s: seconds too spread for an interval, their paired ratios 4/3, 1, 4/3 not), its CPU seconds half
-    the wall seconds on seed 0 (CPU ratios 2/3, 1, 4/3: too spread). recursive runs seed 1 alone and never gets
-    there."""
-    rows = []
-    for e, (b, g) in enumerate([(50, 70), (80, 91), (90, 95)], 1):
-        rows += [_row("baseline", 0, e, b, 1.0), _row("grad", 0, e, g, 2.0, cpu=1.0)]
-    for e, (b, g, r) in enumerate([(60, 86, 10), (86, 88, 20), (85, 89, 30)], 1):
-        rows += [_row("baseline", 1, e, b, 1.0), _row("grad", 1, e, g, 2.0), _row("recursive", 1, e, r, 1.0)]
-    for e, (b, g) in enumerate([(60, 70), (80, 89), (88, 90)], 1):
-        rows += [_row("baseline", 2, e, b, 1.0), _row("grad", 2, e, g, 2.0)]
-    for r in rows:  # the runner writes the cumulative training time
-        r["train_time"] = sum(q["epoch_time"] for q in rows if q["method"] == r["method"] and q["seed"] == r["seed"]
-                              and q["epoch"] <= r["epoch"])
-    return rows
+    """Three seeds (``test_experiment_time._table``). Baseline: finals 90, 85, 88 at 1 s an epoch. grad reaches each
+    seed's baseline final at epochs 2, 1, 2 (4, 2, 4 s: seconds too spread for an interval, their paired ratios 4/3,
+    1, 4/3 not), its CPU seconds half the wall seconds on seed 0 (CPU ratios 2/3, 1, 4/3: too spread). recursive runs
+    seed 1 alone and never gets there."""
+    return _table()
 
 
 def _tables_and_notes(rows, target_acc=None, levels=(88.0,)):

@@ -114,22 +114,6 @@ class _GradWhitenLayer(_GradWhitenMixin):
         """
         return self._to_plain(self._PLAIN)
 
-    @classmethod
-    def from_linear(cls, linear: nn.Module, **kwargs: Any) -> Any:
-        """A whitening linear layer computing the same function, sharing ``linear``'s Parameter objects.
-
-        Args:
-            linear: the ``nn.Linear`` to convert (sizes, device, dtype, ``requires_grad`` and training flag
-                carry over).
-            **kwargs: the whitening keyword arguments of the constructor (``config``, ``process_group``,
-                ``block_size``, ...), with the same defaults.
-        """
-        return cls._from_plain(linear, nn.Linear, "from_linear", **kwargs)
-
-    def to_linear(self) -> nn.Linear:
-        """A plain ``nn.Linear`` with identical outputs (``mu`` folded into the bias); new Parameters."""
-        return self._to_plain(nn.Linear)
-
 
 # The layers by plain class: each the plain layer (second base) and its config, the constructor _GradWhitenLayer's.
 _GradWhitenConvNd = _GradWhitenLayer
