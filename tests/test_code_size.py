@@ -20,7 +20,7 @@ PACKAGE = Path(wl.__file__).parent
 #: +70) and hyper-parameter messages (+15) took the package from 5,479 to 5,687 lines. Issue 80's direct export
 #: (a bias-free unpadded direct layer's offset into its BatchNorm, found by the conversion's dataflow rule; the mean
 #: that such a layer's exported bias gives back on loading; the strict export's refusal naming the others) took it
-#: from 5,698 to 5,733. Issue 79 (one implementation of a step) took it to 5,319: the coordinator's step went
+#: from 5,698 to 5,733. Issue 79 (one implementation of a step) took it to 5,314: the coordinator's step went
 #: (handed batches, the shared weight-gradient node, the arenas, the step cache and its undo, the in-place buffer
 #: writers), as did the signature rewriting and generated config properties, and one form of each computation stayed
 #: (the recursive step, the grouped EVD, the fused direct weight); the compat module, the einops layouts and each
