@@ -183,6 +183,7 @@ def test_ablation_switches_off_what_it_names():
         assert not full[0] and not full[1]  # the full step adds its batch and updates the offsets
         assert stepped(frozenset({"statistics"}))[0]
         assert stepped(frozenset({"offset"}))[1] and not stepped(frozenset({"offset"}))[0]
+        # the C++ apply and Function.apply run the same Function's forward and backward: the same kernels, one process
         assert all(torch.equal(full[2][n], g) for n, g in stepped(frozenset({"apply"}))[2].items())
         untransformed = stepped(frozenset({"transform"}))[2]
         assert any(not torch.equal(full[2][n], untransformed[n]) for n in full[2])

@@ -65,10 +65,10 @@ class FoldCoordinator:
 
     When the root is compiled, the pre-hook runs inside the graph and marks the forward (:attr:`traced_open`): the
     layers' compiled forwards list their calls in ``traced_calls`` instead of counting them (the counts stay out
-    of the graph), and the hook, outside the graph, counts them and folds. A
-    compiled sub-module has no such mark: its layers count through a graph break each. A compiled forward whose
-    backward holds the layers' buffers themselves (compiled activation checkpointing recomputes the graph's copies of
-    them there) folds after that backward.
+    of the graph), and the hook, outside the graph, counts them and folds. A compiled sub-module has no such mark:
+    its layers count through a graph break each. A compiled forward whose backward holds the layers' buffers
+    themselves (compiled activation checkpointing recomputes the graph's copies of them there) folds after that
+    backward.
 
     ``fold_async=True``: the fold of a block runs in a worker thread (on CUDA, on a stream of its own) while the
     next block trains, and is written at the end of that next block: the transform built from block ``i`` is in
@@ -425,10 +425,9 @@ def _compute_jobs(jobs: Sequence[_FoldJob], device: torch.device,
                   stream: Any) -> Tuple[Optional[List[PendingFold]], Any]:
     """The worker thread's part of an asynchronous fold: for each job (layers of one stack, split by
     :func:`~whitenlayers.fold._fold_chunks`), the summaries of their copied sums (or the summaries made on the
-    training thread) and
-    ``fold._compute_folds`` from copies of their buffers; no gradient, no autocast (both are per thread), on
-    ``stream`` (CUDA) with an event recorded after it. Reads nothing the training thread writes while it runs
-    (``num_blocks`` is written when a fold is, after waiting for this one)."""
+    training thread) and ``fold._compute_folds`` from copies of their buffers; no gradient, no autocast (both are
+    per thread), on ``stream`` (CUDA) with an event recorded after it. Reads nothing the training thread writes
+    while it runs (``num_blocks`` is written when a fold is, after waiting for this one)."""
     folds: List[PendingFold] = []
     with torch.no_grad(), no_autocast(device), contextlib.ExitStack() as ctx:
         if stream is not None:

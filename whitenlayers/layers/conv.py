@@ -254,7 +254,7 @@ class GradWhitenLinear(_GradWhitenLayer, nn.Linear):  # type: ignore[misc]
 
 
     @classmethod
-    def from_linear(cls, linear: nn.Module, **kwargs: Any) -> "GradWhitenLinear":
+    def from_linear(cls, linear: nn.Linear, **kwargs: Any) -> "GradWhitenLinear":
         """A whitening linear layer computing the same function, sharing ``linear``'s Parameter objects.
 
         Args:
