@@ -286,8 +286,8 @@ def test_accumulate_moments_low_precision(b, m, hw, layout, dtype, shifted, seed
     real_rows, real_product = F.batch._moment_products, F.batch._product_add
     with pytest.MonkeyPatch.context() as mp, F.fused_moments(True):
         # what reaches the products: the rows' two (x^T x and x^T 1), or else one (M + 1) product
-        mp.setattr(F.batch, "_moment_products", lambda s2, s1, rows: (seen.append(rows.dtype),
-                                                                        real_rows(s2, s1, rows)))
+        mp.setattr(F.batch, "_moment_products", lambda s2, s1, rows, traced: (seen.append(rows.dtype),
+                                                                                real_rows(s2, s1, rows, traced)))
         mp.setattr(F.batch, "_product_add", lambda out, left, right: (seen.append(left.dtype),
                                                                         real_product(out, left, right)))
         F.accumulate_moments(acc, x, shift)

@@ -43,9 +43,33 @@ __all__ = ["no_autocast", "compiling", "exporting", "graph_break", "transforms_a
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def no_autocast(device: torch.device):
-    """Statistics and transforms are computed in their own dtype, never in autocast's lower precision."""
-    return torch.autocast(device_type=device.type, enabled=False)
+def no_autocast(device: torch.device) -> Any:
+    """Statistics and transforms are computed in their own dtype, never in autocast's lower precision: a context in
+    which autocast is off for ``device``'s type. Inside a compiled graph ``torch.autocast(enabled=False)``, which
+    dynamo traces; elsewhere :class:`_AutocastOff`, the same for the operations inside at a fraction of the host
+    time (it runs in a layer's step)."""
+    if torch.compiler.is_compiling():
+        return torch.autocast(device_type=device.type, enabled=False)
+    return _AutocastOff(device.type)
+
+
+class _AutocastOff:
+    """Autocast switched off for one device type inside the block and restored after it
+    (``torch.set_autocast_enabled``): the operations inside run in their inputs' dtypes, as inside
+    ``torch.autocast(enabled=False)``, without that context's bookkeeping (its dtype, cache and nesting level, and the
+    torch function modes it tells)."""
+
+    def __init__(self, device_type: str) -> None:
+        self.device_type = device_type
+        self.was_enabled = torch.is_autocast_enabled(device_type)
+
+    def __enter__(self) -> None:
+        if self.was_enabled:
+            torch.set_autocast_enabled(self.device_type, False)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.was_enabled:
+            torch.set_autocast_enabled(self.device_type, True)
 
 
 #: Whether dynamo is tracing the code that calls this (``torch.compile``, ``torch.export``): torch's own function.

@@ -132,9 +132,10 @@ _ONES: "collections.OrderedDict[tuple, Tensor]" = collections.OrderedDict()
 _ONES_KEPT = 16
 
 
-def _ones(shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A tensor of ones, made once per shape (in the graph when compiled: no state to guard on)."""
-    if torch.compiler.is_compiling():
+def _ones(shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device, traced: bool) -> Tensor:
+    """A tensor of ones, made once per shape (in the graph when dynamo traces the caller, ``traced``: no state to
+    guard on)."""
+    if traced:
         return torch.ones(shape, dtype=dtype, device=device)
     key = (shape, dtype, device)
     ones = _ONES.get(key)
@@ -338,7 +339,7 @@ def _as_moments_accumulator(acc: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def accumulate_moments(acc: Tensor, x: Tensor, shift: Optional[Tensor],
-                       blocks: Optional[Tuple[Tensor, Tensor]] = None) -> None:
+                       blocks: Optional[Tuple[Tensor, Tensor]] = None, traced: Optional[bool] = None) -> None:
     """Add a batch's sums about ``shift`` to an augmented accumulator ``acc`` ``(M + 1, M + 1)``.
 
     ``acc[:M, :M] += sum (x - k)(x - k)^T`` and ``acc[:M, M] += sum (x - k)``; nothing reads ``acc[M, :]`` (the
@@ -362,7 +363,12 @@ def accumulate_moments(acc: Tensor, x: Tensor, shift: Optional[Tensor],
     bf16 numbers are exact in float32 and accumulate in float32, so this is the float32 product of the same
     numbers, on tensor cores, without a float32 copy of the batch. A shifted batch reaches the accumulators' dtype
     in the subtraction itself (``x - shift`` is not a bf16 number; one pass over the batch, no copy first).
+
+    ``blocks``: ``acc[:M, :M]`` and ``acc[:M, M:]``, sliced once by the caller; ``traced``: whether dynamo traces the
+    caller (``None``: asked here).
     """
+    if traced is None:
+        traced = torch.compiler.is_compiling()
     low = x.dtype in LOW_PRECISION
     fused = x.device.type != "cpu" or _fused_on_cpu  # (fused_moments_on, inline: one call per layer and step)
     if shift is not None and low and shift.dtype == acc.dtype:
@@ -383,7 +389,7 @@ def accumulate_moments(acc: Tensor, x: Tensor, shift: Optional[Tensor],
         # (the ones row and the count corner are left as they are).
         if rows is not None:
             s1, s2 = rows.sum(0), rows.t() @ rows
-        elif torch.compiler.is_compiling() and xs.is_contiguous():
+        elif traced and xs.is_contiguous():
             # Traced: the rows (M, B P) made in the subtraction's pass, one product (inductor generates a batched
             # product summed over the batch as a reduction per width)
             rows = xs.transpose(0, 1).reshape(m, -1)
@@ -395,23 +401,23 @@ def accumulate_moments(acc: Tensor, x: Tensor, shift: Optional[Tensor],
         acc[:m, m].add_(s1)
         return
     if rows is not None:  # (P, M): two products into the accumulator's blocks, no copy of the batch
-        _moment_products(*((acc[:m, :m], acc[:m, m:]) if blocks is None else blocks), rows)
+        _moment_products(*((acc[:m, :m], acc[:m, m:]) if blocks is None else blocks), rows, traced)
         return
     b = xs.flatten(2).transpose(0, 1)  # (M, B, P), a view
-    a = torch.cat([b, _ones(_ones_shape(xs, rows), xs.dtype, xs.device)], 0).flatten(1)  # (M + 1, B * P): one copy
+    a = torch.cat([b, _ones(_ones_shape(xs, rows), xs.dtype, xs.device, traced)], 0).flatten(1)  # (M+1, B P): a copy
     _product_add(acc, a, a.t())
 
 
-def _moment_products(s2: Tensor, s1: Tensor, rows: Tensor) -> None:
+def _moment_products(s2: Tensor, s1: Tensor, rows: Tensor, traced: bool) -> None:
     """``s2 += rows^T rows`` and ``s1 += rows^T 1`` (``rows`` ``(P, M)``; ``s1`` a column), two products into the
     accumulator's blocks (:func:`_product_add`): bf16 / fp16 rows as they are where the device multiplies them into
     float32 (CUDA), else converted once (the CPU's emulation of CUDA's path, whose products of converted bf16
-    numbers are the same exact float32 products)."""
-    if rows.dtype != s2.dtype and not torch.compiler.is_compiling() and not _probe_out_dtype(rows.device):
+    numbers are the same exact float32 products). ``traced``: dynamo traces the caller."""
+    if rows.dtype != s2.dtype and not traced and not _probe_out_dtype(rows.device):
         rows = rows.to(s2.dtype)
     rows_t = rows.t()
     _product_add(s2, rows_t, rows)
-    _product_add(s1, rows_t, _ones((rows.shape[0], 1), rows.dtype, rows.device))
+    _product_add(s1, rows_t, _ones((rows.shape[0], 1), rows.dtype, rows.device, traced))
 
 
 

@@ -93,12 +93,12 @@ class Block:
             self.s1.add_(s1)
             self.s2.add_(s2)
         elif not traced:
-            F_w.accumulate_moments(acc, x, shift, self.parts)
+            F_w.accumulate_moments(acc, x, shift, self.parts, traced=False)
         elif (shift is not None and acc.dtype == torch.float32 and x.dtype in LOW_PRECISION
               and F_w.fused_moments_on(x.device) and low_precision_products_known(x.device)):
             F_w.accumulate_moments_split(acc, x, shift)  # (low_precision_products_known: tried before the trace)
         else:
-            F_w.accumulate_moments(acc, x, shift)
+            F_w.accumulate_moments(acc, x, shift, traced=True)
 
     def sums(self) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
         """``(count, shift, s1, s2)``: the block's shifted sums (float64)."""

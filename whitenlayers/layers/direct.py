@@ -5,7 +5,7 @@ its input where that is the same. Part of :mod:`whitenlayers.layers`."""
 from __future__ import annotations
 
 import inspect
-from typing import Any, Dict, Optional, Tuple, cast
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -179,7 +179,8 @@ class DirectWhitenWrapper(nn.Module):
         """Whether the forward multiplies the layer's weight by ``T`` (:meth:`forward`): a plain conv or linear layer,
         a dense ``T``, and no hook on either module that would see its call (a global module hook sees the
         wrapper's call only)."""
-        whiten, layer = self.whiten, self.layer
+        modules: Dict[str, Any] = self._modules
+        whiten, layer = modules["whiten"], modules["layer"]
         return type(layer) in _FUSED_LAYERS and whiten.groups == 1 and not (
             whiten._forward_hooks or whiten._forward_pre_hooks or whiten._backward_hooks
             or whiten._backward_pre_hooks or layer._forward_hooks or layer._forward_pre_hooks
@@ -199,7 +200,8 @@ class DirectWhitenWrapper(nn.Module):
         Args:
             x: the wrapped layer's input (features on dim 1 for a conv, on the last dim for an ``nn.Linear``).
         """
-        whiten, layer = self.whiten, cast(Any, self.layer)
+        modules: Dict[str, Any] = self._modules  # (read without Module.__getattr__: this runs in every step)
+        whiten, layer = modules["whiten"], modules["layer"]
         if not self._fusable():
             if isinstance(layer, nn.Linear) and x.dim() != 2:
                 # A linear layer acts on the last dim: whiten the (N, C) rows of x (statistics over all leading dims).
