@@ -36,6 +36,13 @@ process's CPU time, gloo's threads included)::
 
     python benchmarks/host_overhead.py --imports --clock cpu
 
+``--against REV`` compares this checkout's step with commit ``REV``'s in one process, which a machine whose speed
+drifts over minutes needs for a difference of a few microseconds: ``REV``'s package, exported by ``git archive``
+into a temporary folder, is imported under another name; each method's model of either version and the plain one
+are stepped interleaved, in an order rotated at each step (``--blocks`` x 100 steps each)::
+
+    python benchmarks/host_overhead.py --clock cpu --against cf9377c
+
 ``--ablate METHOD`` attributes that method's default step to its parts, switched off one at a time in the same
 converted model (the statistics not gathered; the absorbed offset's update; the weight-gradient transform, its
 autograd node not made; the C++ apply of the autograd Functions, ``Function.apply`` instead), stepped interleaved
@@ -127,6 +134,7 @@ def main(argv=None) -> Dict[str, object]:
     p.add_argument("--folds", action="store_true", help="time whole-model folds instead of steps")
     p.add_argument("--imports", action="store_true", help="time `import whitenlayers` against `import torch`")
     p.add_argument("--rounds", type=int, default=5, help="--imports: fresh interpreters per import, alternated")
+    p.add_argument("--against", metavar="REV", help="compare with commit REV's step in this process")
     p.add_argument("--ddp", action="store_true", help="under torchrun: DDP steps (default, deferred, without the "
                                                          "buffer sync at every forward)")
     args = p.parse_args(argv)
@@ -138,6 +146,8 @@ def main(argv=None) -> Dict[str, object]:
         return fold_host_time(args)
     if args.imports:
         return import_time(args)
+    if args.against:
+        return against(args)
     setup(1 if args.threads == 2 else args.threads, args.seed, args.clock)
     steps_per_round = 50  # one block of the longest block size; 5 blocks of the default 10
     rounds = 1 if args.tiny else args.blocks
@@ -240,6 +250,44 @@ def import_time(args) -> Dict[str, object]:
             f"{len(times['torch'])} fresh interpreters each, alternated; no torch._dynamo after the package's "
             f"import; load {loadavg()}")
     return _report(head, table, rows, 0, args.json)
+
+
+def against(args) -> Dict[str, object]:
+    """``--against REV``: this checkout's step against commit ``REV``'s, in one process (the module docstring)."""
+    import importlib
+    import io
+    import pathlib
+    import tarfile
+    import tempfile
+
+    setup(1 if args.threads == 2 else args.threads, args.seed, args.clock)
+    root = pathlib.Path(__file__).resolve().parents[1]
+    archive = subprocess.run(["git", "archive", args.against, "whitenlayers"], cwd=root, check=True,
+                             capture_output=True).stdout
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="whitenlayers-against-"))
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(folder, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+    (folder / "whitenlayers").rename(folder / "whitenlayers_against")
+    sys.path.insert(0, str(folder))
+    other = importlib.import_module("whitenlayers_against")
+    base, x, y = _inputs(args.seed)
+    models = {"plain": copy.deepcopy(base)}
+    for method in ("grad", "recursive", "direct"):
+        models[f"{method}, {args.against}"] = other.convert_model(copy.deepcopy(base), method)
+        models[f"{method}, this checkout"] = wl.convert_model(copy.deepcopy(base), method)
+    layers = len(wl.whitening_layers(models["grad, this checkout"]))
+    steppers = {name: _stepper(model, x, y) for name, model in models.items()}
+    with other.functional.fused_moments(True):
+        times = _interleaved(steppers, list(models), 5 if args.tiny else 100 * args.blocks, 2 if args.tiny else 50,
+                             rotate=True)
+    plain = statistics.median(times["plain"])
+    rows = [[name, statistics.median(t) / plain, 1e6 * (statistics.median(t) - plain) / layers]
+            for name, t in times.items()]
+    table = md_table(["variant", "median step / plain", "extra us per layer (median)"], rows, nd=3)
+    head = (f"Command: `{command_line()}`; {machine_description().get('cpu', '')}; torch {torch.__version__}; "
+            f"{layers} whitening layers, {len(times['plain'])} steps each, interleaved in rotated order; load "
+            f"{loadavg()}")
+    return _report(head, table, rows, layers, args.json)
 
 
 def _interleaved(steppers: Dict[str, Callable[[], None]], names: List[str], steps: int, warmup: int,
