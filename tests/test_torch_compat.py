@@ -4,6 +4,7 @@ Importing the package imports no part of dynamo."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import subprocess
 import sys
 import warnings
@@ -148,3 +149,39 @@ def test_a_torch_without_the_backward_query_is_refused_at_import():
             "try:\n    import whitenlayers\nexcept ImportError as e:\n    assert '_current_graph_task_id' in str(e)\n"
             "else:\n    raise SystemExit('imported')\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("outer", [False, True])
+def test_no_autocast_switches_autocast_off_and_back(outer):
+    """Eager, ``no_autocast`` switches autocast off by ``torch.set_autocast_enabled`` (not ``torch.autocast``): inside,
+    a product runs in its inputs' dtype as under ``torch.autocast(enabled=False)``; after it, or after an exception
+    inside it, autocast is as it was (on, with its dtype, inside a user's region; off outside one)."""
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    context = torch.autocast("cpu", dtype=torch.bfloat16) if outer else contextlib.nullcontext()
+    with context:
+        assert torch.mm(a, b).dtype == (torch.bfloat16 if outer else torch.float32)
+        with compat.no_autocast(a.device):
+            assert not torch.is_autocast_enabled("cpu")
+            inside = torch.mm(a, b)
+        with torch.autocast("cpu", enabled=False):
+            assert torch.equal(inside, torch.mm(a, b))  # what torch.autocast(enabled=False) gives
+        with pytest.raises(ValueError, match="inside"), compat.no_autocast(a.device):
+            raise ValueError("inside")
+        assert torch.is_autocast_enabled("cpu") == outer
+        assert torch.mm(a, b).dtype == (torch.bfloat16 if outer else torch.float32)
+
+
+def test_no_autocast_is_torch_autocast_inside_a_compiled_graph():
+    """Inside a graph dynamo traces, ``no_autocast`` is ``torch.autocast(enabled=False)``, which dynamo knows: one
+    graph, and the product in float32 inside bf16 autocast."""
+    pytest.importorskip("torch._dynamo")
+    import torch._dynamo.testing
+
+    def f(a, b):
+        with compat.no_autocast(a.device):
+            return torch.mm(a, b)
+
+    counter = torch._dynamo.testing.CompileCounter()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = torch.compile(f, backend=counter, fullgraph=True)(torch.randn(4, 4), torch.randn(4, 4))
+    assert out.dtype == torch.float32 and counter.frame_count == 1

@@ -61,9 +61,9 @@ class _AutocastOff:
 
     def __init__(self, device_type: str) -> None:
         self.device_type = device_type
-        self.was_enabled = torch.is_autocast_enabled(device_type)
 
     def __enter__(self) -> None:
+        self.was_enabled = torch.is_autocast_enabled(self.device_type)
         if self.was_enabled:
             torch.set_autocast_enabled(self.device_type, False)
 
