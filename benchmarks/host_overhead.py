@@ -264,30 +264,31 @@ def against(args) -> Dict[str, object]:
     root = pathlib.Path(__file__).resolve().parents[1]
     archive = subprocess.run(["git", "archive", args.against, "whitenlayers"], cwd=root, check=True,
                              capture_output=True).stdout
-    folder = pathlib.Path(tempfile.mkdtemp(prefix="whitenlayers-against-"))
-    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        tar.extractall(folder, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
-    (folder / "whitenlayers").rename(folder / "whitenlayers_against")
-    sys.path.insert(0, str(folder))
-    other = importlib.import_module("whitenlayers_against")
-    base, x, y = _inputs(args.seed)
-    models = {"plain": copy.deepcopy(base)}
-    for method in ("grad", "recursive", "direct"):
-        models[f"{method}, {args.against}"] = other.convert_model(copy.deepcopy(base), method)
-        models[f"{method}, this checkout"] = wl.convert_model(copy.deepcopy(base), method)
-    layers = len(wl.whitening_layers(models["grad, this checkout"]))
-    steppers = {name: _stepper(model, x, y) for name, model in models.items()}
-    with other.functional.fused_moments(True):
-        times = _interleaved(steppers, list(models), 5 if args.tiny else 100 * args.blocks, 2 if args.tiny else 50,
-                             rotate=True)
-    plain = statistics.median(times["plain"])
-    rows = [[name, statistics.median(t) / plain, 1e6 * (statistics.median(t) - plain) / layers]
-            for name, t in times.items()]
-    table = md_table(["variant", "median step / plain", "extra us per layer (median)"], rows, nd=3)
-    head = (f"Command: `{command_line()}`; {machine_description().get('cpu', '')}; torch {torch.__version__}; "
-            f"{layers} whitening layers, {len(times['plain'])} steps each, interleaved in rotated order; load "
-            f"{loadavg()}")
-    return _report(head, table, rows, layers, args.json)
+    with tempfile.TemporaryDirectory(prefix="whitenlayers-against-") as tmp:  # (removed after the run)
+        folder = pathlib.Path(tmp)
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+            tar.extractall(folder, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+        (folder / "whitenlayers").rename(folder / "whitenlayers_against")
+        sys.path.insert(0, str(folder))
+        other = importlib.import_module("whitenlayers_against")
+        base, x, y = _inputs(args.seed)
+        models = {"plain": copy.deepcopy(base)}
+        for method in ("grad", "recursive", "direct"):
+            models[f"{method}, {args.against}"] = other.convert_model(copy.deepcopy(base), method)
+            models[f"{method}, this checkout"] = wl.convert_model(copy.deepcopy(base), method)
+        layers = len(wl.whitening_layers(models["grad, this checkout"]))
+        steppers = {name: _stepper(model, x, y) for name, model in models.items()}
+        with other.functional.fused_moments(True):
+            steps = 5 if args.tiny else 100 * args.blocks
+            times = _interleaved(steppers, list(models), steps, 2 if args.tiny else 50, rotate=True)
+        plain = statistics.median(times["plain"])
+        rows = [[name, statistics.median(t) / plain, 1e6 * (statistics.median(t) - plain) / layers]
+                for name, t in times.items()]
+        table = md_table(["variant", "median step / plain", "extra us per layer (median)"], rows, nd=3)
+        head = (f"Command: `{command_line()}`; {machine_description().get('cpu', '')}; torch {torch.__version__}; "
+                f"{layers} whitening layers, {len(times['plain'])} steps each, interleaved in rotated order; load "
+                f"{loadavg()}")
+        return _report(head, table, rows, layers, args.json)
 
 
 def _interleaved(steppers: Dict[str, Callable[[], None]], names: List[str], steps: int, warmup: int,
